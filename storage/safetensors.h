@@ -1,0 +1,92 @@
+// safetensors.h — reading and writing model weights in the safetensors format (Hugging Face's).
+//
+// Layout: u64 little-endian N; N bytes of UTF-8 JSON {name: {"dtype", "shape", "data_offsets": [begin, end]},
+// optional "__metadata__": {string: string}}; then the data section, which offsets are relative to. As the
+// reference implementation requires, the tensors tile the data section exactly: sorted by offset, each begins
+// where the previous ended and the last ends at the end of the file. The writer pads the header with spaces to
+// a multiple of 8 bytes so that every tensor starts 8-byte aligned in the file.
+// Strata reads and writes F32, BF16 and F16 (common/dtype.h); other dtypes are refused by name.
+// Not here: mapping names to a model's flat buffers (engine/), checkpoints' directory layout (engine/).
+// Threading: a SafetensorsFile is immutable once opened (a read-only mapping); any number of threads may read.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/status.h"
+
+namespace strata {
+
+// One tensor to write; `data` holds numel(shape) * dtype_size(dtype) bytes (may be null when that is zero).
+struct SafetensorsTensor {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+};
+
+// Writes `tensors` (data laid out in the order given) and `metadata` to `path` via "<path>.tmp", fsync and
+// rename. InvalidArgument for an empty, duplicate or reserved ("__metadata__") name or a negative dimension;
+// IOError naming the file otherwise.
+Status write_safetensors(const std::string& path, std::span<const SafetensorsTensor> tensors,
+                         const std::map<std::string, std::string>& metadata = {});
+
+// One tensor of an open file. `data` points into the file's read-only mapping and lives as long as the file.
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  size_t begin = 0, end = 0;  // data_offsets: bytes from the start of the data section
+  const std::byte* data = nullptr;
+
+  size_t nbytes() const { return end - begin; }
+  size_t numel() const { return nbytes() / dtype_size(dtype); }
+};
+
+// "F32", "BF16", "F16": the names safetensors uses for Strata's dtypes.
+const char* safetensors_dtype_name(DType t);
+
+class SafetensorsFile {
+ public:
+  // Maps and validates `path`. NotFound if it is missing; Corruption naming the file (and the tensor) for a
+  // header length past the end of the file, bad JSON, a malformed entry, offsets out of range, overlapping or
+  // leaving gaps, or a shape whose size disagrees with its offsets; Unimplemented for a dtype other than
+  // F32/BF16/F16.
+  static Result<SafetensorsFile> open(const std::string& path);
+
+  SafetensorsFile(SafetensorsFile&& o) noexcept;
+  SafetensorsFile& operator=(SafetensorsFile&& o) noexcept;
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+  ~SafetensorsFile();
+
+  // nullptr if there is no tensor of that name.
+  const SafetensorsEntry* find(std::string_view name) const;
+  // The tensor's bytes, after checking it exists with exactly this dtype and shape; NotFound or
+  // InvalidArgument naming the file, the tensor, and what was wanted and found.
+  Result<std::span<const std::byte>> expect(std::string_view name, DType dtype, std::span<const int64_t> shape) const;
+
+  const std::vector<SafetensorsEntry>& tensors() const { return entries_; }  // in data-offset order
+  std::vector<std::string> names() const;                                  // in data-offset order
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  SafetensorsFile() = default;
+  void unmap();
+
+  std::string path_;
+  void* map_ = nullptr;  // the whole file, PROT_READ
+  size_t map_bytes_ = 0;
+  std::vector<SafetensorsEntry> entries_;
+  std::map<std::string, size_t, std::less<>> by_name_;  // name -> index in entries_
+  std::map<std::string, std::string> metadata_;
+};
+
+}  // namespace strata

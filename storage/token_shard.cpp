@@ -1,0 +1,150 @@
+#include "storage/token_shard.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <filesystem>
+
+namespace strata {
+namespace {
+
+// Closes a file descriptor on scope exit (errors on close of a read-only fd carry no information).
+struct FdCloser {
+  int fd;
+  ~FdCloser() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Reads exactly `n` bytes at `offset`, retrying short reads and EINTR.
+Status pread_all(int fd, void* buf, size_t n, off_t offset, const std::string& path) {
+  auto* p = static_cast<char*>(buf);
+  size_t done = 0;
+  while (done < n) {
+    ssize_t r = ::pread(fd, p + done, n - done, offset + static_cast<off_t>(done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return Status::io_error("{}: read of {} bytes at offset {} failed: {}", path, n, offset, std::strerror(errno));
+    if (r == 0)
+      return Status::corruption("{}: file ended at offset {} while reading {} bytes at offset {}", path,
+                                offset + static_cast<off_t>(done), n, offset);
+    done += static_cast<size_t>(r);
+  }
+  return Status::ok();
+}
+
+Status write_all(int fd, const std::byte* p, size_t n, const std::string& path, size_t already) {
+  size_t done = 0;
+  while (done < n) {
+    ssize_t r = ::write(fd, p + done, n - done);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0)
+      return Status::io_error("{}: write failed at offset {}: {}", path, already + done, std::strerror(errno));
+    done += static_cast<size_t>(r);
+  }
+  return Status::ok();
+}
+
+// fsync of the containing directory makes the rename durable, not just the file's bytes.
+Status fsync_parent_dir(const std::string& path) {
+  std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  if (dir.empty()) dir = ".";
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return Status::io_error("{}: cannot open directory to fsync: {}", dir.string(), std::strerror(errno));
+  FdCloser closer{fd};
+  if (::fsync(fd) != 0) return Status::io_error("{}: fsync of directory failed: {}", dir.string(), std::strerror(errno));
+  return Status::ok();
+}
+
+}  // namespace
+
+Status write_file_atomic(const std::string& path, std::span<const std::span<const std::byte>> parts) {
+  const std::string tmp = path + ".tmp";
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::io_error("{}: cannot create: {}", tmp, std::strerror(errno));
+  auto fail = [&](Status st) {
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
+    return st;
+  };
+  size_t written = 0;
+  for (std::span<const std::byte> part : parts) {
+    Status st = write_all(fd, part.data(), part.size(), tmp, written);
+    if (!st.is_ok()) return fail(st);
+    written += part.size();
+  }
+  if (::fsync(fd) != 0) return fail(Status::io_error("{}: fsync failed: {}", tmp, std::strerror(errno)));
+  // close() can report a deferred write error (NFS, quota): it must be checked before the rename.
+  const int rc = ::close(fd);
+  fd = -1;
+  if (rc != 0) return fail(Status::io_error("{}: close failed: {}", tmp, std::strerror(errno)));
+  if (::rename(tmp.c_str(), path.c_str()) != 0)
+    return fail(Status::io_error("cannot rename {} to {}: {}", tmp, path, std::strerror(errno)));
+  return fsync_parent_dir(path);
+}
+
+Status write_token_shard(const std::string& path, const uint16_t* tokens, size_t n) {
+  if (n > static_cast<size_t>(INT32_MAX))
+    return Status::invalid_argument("{}: {} tokens do not fit a shard's int32 count (at most {})", path, n, INT32_MAX);
+  int32_t header[kTokenShardHeaderInts] = {};
+  header[0] = kTokenShardMagic;
+  header[1] = kTokenShardVersion;
+  header[2] = static_cast<int32_t>(n);
+  const std::span<const std::byte> parts[] = {
+      std::as_bytes(std::span<const int32_t>(header)),
+      std::as_bytes(std::span<const uint16_t>(tokens, n)),
+  };
+  return write_file_atomic(path, parts);
+}
+
+Result<TokenShard> TokenShard::open(const std::string& path, int vocab_size) {
+  if (vocab_size <= 0) return Status::invalid_argument("{}: vocab_size must be positive, got {}", path, vocab_size);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return Status::not_found("{}: no such token shard", path);
+    return Status::io_error("{}: cannot open token shard: {}", path, std::strerror(errno));
+  }
+  FdCloser closer{fd};
+  struct stat st{};
+  if (::fstat(fd, &st) != 0) return Status::io_error("{}: fstat failed: {}", path, std::strerror(errno));
+  const auto file_size = static_cast<uint64_t>(st.st_size);
+  if (file_size < kTokenShardHeaderBytes)
+    return Status::corruption("{}: file is {} bytes, shorter than the {}-byte token shard header", path, file_size,
+                              kTokenShardHeaderBytes);
+
+  int32_t header[kTokenShardHeaderInts];
+  STRATA_RETURN_IF_ERROR(pread_all(fd, header, sizeof(header), 0, path));
+  if (header[0] != kTokenShardMagic)
+    return Status::corruption("{}: bad magic {} at offset 0 (want {}): not an llm.c token shard", path, header[0],
+                              kTokenShardMagic);
+  if (header[1] != kTokenShardVersion)
+    return Status::corruption("{}: unsupported version {} at offset 4 (want {})", path, header[1], kTokenShardVersion);
+  if (header[2] < 0) return Status::corruption("{}: negative token count {} at offset 8", path, header[2]);
+  const auto count = static_cast<uint64_t>(header[2]);
+  const uint64_t want_size = kTokenShardHeaderBytes + 2 * count;
+  if (file_size != want_size)
+    return Status::corruption("{}: header says {} tokens, so the file should be {} bytes (1024 + 2*{}), but it is {} bytes",
+                              path, count, want_size, count, file_size);
+
+  TokenShard shard;
+  shard.path_ = path;
+  shard.tokens_.resize(count);
+  STRATA_RETURN_IF_ERROR(pread_all(fd, shard.tokens_.data(), 2 * count, kTokenShardHeaderBytes, path));
+  if (vocab_size < 65536) {
+    const auto limit = static_cast<uint16_t>(vocab_size);
+    // A branch-free max (vectorised) first; the index of the first bad token is only searched for on failure.
+    uint16_t max_token = 0;
+    for (uint16_t t : shard.tokens_) max_token = t > max_token ? t : max_token;
+    for (size_t i = 0; max_token >= limit && i < count; ++i) {
+      if (shard.tokens_[i] >= limit)
+        return Status::corruption("{}: token {} (file offset {}) is {}, not below the vocabulary size {}", path, i,
+                                  kTokenShardHeaderBytes + 2 * i, shard.tokens_[i], vocab_size);
+    }
+  }
+  return shard;
+}
+
+}  // namespace strata

@@ -1,0 +1,62 @@
+// token_shard.h — llm.c's token shard files (.bin), and the crash-safe whole-file write they share.
+//
+// Layout (little-endian; what llm.c's dev/data scripts write and its data loader reads):
+//   int32  header[256]   [0] = 20240520 (magic), [1] = 1 (version), [2] = n (token count), the rest zero
+//   uint16 tokens[n]
+// The file is exactly 1024 + 2n bytes. open() checks that, and that every token is below the vocabulary size,
+// so a loader can index an embedding table without a bounds check. Writes go to "<path>.tmp", are fsynced and
+// renamed over <path>: a crash leaves the old file or the new one, never half a shard.
+// Not here: batching and shuffling (the engine's data loader), tokenizing (engine/tokenizer.h).
+// Threading: a TokenShard is immutable once opened; any number of threads may read it.
+#pragma once
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace strata {
+
+static_assert(std::endian::native == std::endian::little, "token shards and safetensors are little-endian");
+
+constexpr int32_t kTokenShardMagic = 20240520;
+constexpr int32_t kTokenShardVersion = 1;
+constexpr size_t kTokenShardHeaderInts = 256;
+constexpr size_t kTokenShardHeaderBytes = kTokenShardHeaderInts * sizeof(int32_t);
+
+class TokenShard {
+ public:
+  // Reads and validates the shard at `path`. NotFound if it is missing; Corruption naming the file and the
+  // offending value (and its offset or token index) for a bad magic, version, size or out-of-vocabulary token;
+  // InvalidArgument if vocab_size is not positive.
+  static Result<TokenShard> open(const std::string& path, int vocab_size);
+
+  TokenShard(TokenShard&&) noexcept = default;
+  TokenShard& operator=(TokenShard&&) noexcept = default;
+  TokenShard(const TokenShard&) = delete;  // shards are up to hundreds of MB: copies must be explicit
+  TokenShard& operator=(const TokenShard&) = delete;
+
+  size_t size() const { return tokens_.size(); }
+  const uint16_t* data() const { return tokens_.data(); }
+  std::span<const uint16_t> tokens() const { return tokens_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  TokenShard() = default;
+  std::string path_;
+  std::vector<uint16_t> tokens_;
+};
+
+// Writes n tokens as a shard at `path` (via "<path>.tmp", fsync, rename). n must fit the int32 count field.
+Status write_token_shard(const std::string& path, const uint16_t* tokens, size_t n);
+
+// Writes the concatenation of `parts` to `path` crash-safely: "<path>.tmp" is written, fsynced and renamed
+// over `path`, then the directory is fsynced so the rename itself survives a crash. On failure the temporary
+// file is removed and the error names it. Shared by the token-shard and safetensors writers.
+Status write_file_atomic(const std::string& path, std::span<const std::span<const std::byte>> parts);
+
+}  // namespace strata

@@ -1,0 +1,208 @@
+// safetensors: round trips of every dtype with metadata, and a Corruption naming file and tensor for every
+// malformed header or data layout.
+#include "storage/safetensors.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/rng.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+
+void expect_error(const Status& st, StatusCode code, std::initializer_list<std::string> parts) {
+  EXPECT_EQ(st.code(), code) << st.to_string();
+  for (const auto& p : parts) EXPECT_NE(st.message().find(p), std::string::npos) << "'" << p << "' not in: " << st.message();
+}
+
+class SafetensorsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string templ = (fs::temp_directory_path() / "strata_safetensors_XXXXXX").string();
+    ASSERT_NE(::mkdtemp(templ.data()), nullptr) << std::strerror(errno);
+    dir_ = templ;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const char* name) const { return (dir_ / name).string(); }
+
+  // A file with the given header text (length-prefixed) and `data_bytes` bytes of data.
+  std::string write_raw(const char* name, const std::string& header, size_t data_bytes) {
+    const std::string p = path(name);
+    std::ofstream out(p, std::ios::binary);
+    const uint64_t len = header.size();
+    out.write(reinterpret_cast<const char*>(&len), 8);
+    out << header;
+    out << std::string(data_bytes, '\x5a');
+    return p;
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(SafetensorsTest, RoundTripsAllDtypesAndMetadata) {
+  Rng rng(42);
+  std::vector<float> w(3 * 7);
+  for (auto& x : w) x = static_cast<float>(rng.uniform(-2, 2));
+  std::vector<uint16_t> b(5), h(2 * 3 * 5);
+  for (auto& x : b) x = f32_to_bf16(static_cast<float>(rng.normal()));
+  for (auto& x : h) x = f32_to_f16(static_cast<float>(rng.normal()));
+  const float scalar = 0.125f;
+  const std::vector<SafetensorsTensor> tensors = {
+      {"h.0.attn.c_attn.weight", DType::kF32, {3, 7}, w.data()},
+      {"bias", DType::kBF16, {5}, b.data()},  // 10 bytes: the next tensor starts unaligned, which is allowed
+      {"cube", DType::kF16, {2, 3, 5}, h.data()},
+      {"empty", DType::kF32, {0, 4}, nullptr},
+      {"scalar", DType::kF32, {}, &scalar},
+  };
+  const std::string p = path("model.safetensors");
+  ASSERT_TRUE(write_safetensors(p, tensors, {{"format", "pt"}, {"step", "100"}}).is_ok());
+  EXPECT_FALSE(fs::exists(p + ".tmp"));
+
+  auto f = SafetensorsFile::open(p);
+  ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+  EXPECT_EQ(f->metadata().at("format"), "pt");
+  EXPECT_EQ(f->metadata().at("step"), "100");
+  const std::vector<std::string> want_names = {"h.0.attn.c_attn.weight", "bias", "cube", "empty", "scalar"};
+  EXPECT_EQ(f->names(), want_names);
+  for (const auto& t : tensors) {
+    const SafetensorsEntry* e = f->find(t.name);
+    ASSERT_NE(e, nullptr) << t.name;
+    EXPECT_EQ(e->dtype, t.dtype) << t.name;
+    EXPECT_EQ(e->shape, t.shape) << t.name;
+    if (e->nbytes() > 0) {
+      EXPECT_EQ(std::memcmp(e->data, t.data, e->nbytes()), 0) << t.name;
+    }
+  }
+  EXPECT_EQ(f->find("cube")->numel(), 30u);
+  // The data section starts 8-byte aligned.
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(f->find("h.0.attn.c_attn.weight")->data) % 8, 0u);
+
+  const int64_t shape[] = {3, 7};
+  auto bytes = f->expect("h.0.attn.c_attn.weight", DType::kF32, shape);
+  ASSERT_TRUE(bytes.is_ok()) << bytes.status().to_string();
+  EXPECT_EQ(bytes->size(), w.size() * 4);
+  expect_error(f->expect("h.0.attn.c_attn.weight", DType::kBF16, shape).status(), StatusCode::kInvalidArgument,
+               {"model.safetensors", "h.0.attn.c_attn.weight", "F32 [3, 7]", "want BF16 [3, 7]"});
+  expect_error(f->expect("missing", DType::kF32, shape).status(), StatusCode::kNotFound, {"'missing'"});
+
+  // A moved-from file keeps the mapping alive in the new owner.
+  SafetensorsFile moved = std::move(*f);
+  EXPECT_EQ(std::memcmp(moved.find("cube")->data, h.data(), h.size() * 2), 0);
+}
+
+TEST_F(SafetensorsTest, EmptyFileOfTensors) {
+  ASSERT_TRUE(write_safetensors(path("none.safetensors"), {}).is_ok());
+  auto f = SafetensorsFile::open(path("none.safetensors"));
+  ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+  EXPECT_TRUE(f->tensors().empty());
+}
+
+TEST_F(SafetensorsTest, WriterRejectsBadInput) {
+  const float x[2] = {1, 2};
+  const std::vector<SafetensorsTensor> dup = {{"a", DType::kF32, {2}, x}, {"a", DType::kF32, {1}, x}};
+  expect_error(write_safetensors(path("d.safetensors"), dup), StatusCode::kInvalidArgument, {"'a'", "twice"});
+  const std::vector<SafetensorsTensor> reserved = {{"__metadata__", DType::kF32, {2}, x}};
+  expect_error(write_safetensors(path("r.safetensors"), reserved), StatusCode::kInvalidArgument, {"reserved"});
+  const std::vector<SafetensorsTensor> neg = {{"n", DType::kF32, {-1, 2}, x}};
+  expect_error(write_safetensors(path("n.safetensors"), neg), StatusCode::kInvalidArgument, {"'n'", "[-1, 2]"});
+  EXPECT_FALSE(fs::exists(path("d.safetensors")));
+}
+
+TEST_F(SafetensorsTest, MissingFile) {
+  expect_error(SafetensorsFile::open(path("nope.safetensors")).status(), StatusCode::kNotFound, {"nope.safetensors"});
+}
+
+TEST_F(SafetensorsTest, ShorterThanLengthField) {
+  const std::string p = path("tiny.safetensors");
+  std::ofstream(p) << "abc";
+  expect_error(SafetensorsFile::open(p).status(), StatusCode::kCorruption, {"tiny.safetensors", "3 bytes"});
+}
+
+TEST_F(SafetensorsTest, TruncatedFile) {
+  const std::vector<float> w(64, 1.5f);
+  const std::vector<SafetensorsTensor> tensors = {{"w", DType::kF32, {8, 8}, w.data()}};
+  const std::string p = path("trunc.safetensors");
+  ASSERT_TRUE(write_safetensors(p, tensors).is_ok());
+  fs::resize_file(p, fs::file_size(p) - 10);
+  expect_error(SafetensorsFile::open(p).status(), StatusCode::kCorruption,
+               {"trunc.safetensors", "'w'", "[0, 256]", "run past the data section (246 bytes"});
+}
+
+TEST_F(SafetensorsTest, HeaderLengthPastEndOfFile) {
+  const std::string p = write_raw("hlen.safetensors", "{}", 0);
+  std::fstream f(p, std::ios::in | std::ios::out | std::ios::binary);
+  const uint64_t len = 1000;
+  f.write(reinterpret_cast<const char*>(&len), 8);
+  f.close();
+  expect_error(SafetensorsFile::open(p).status(), StatusCode::kCorruption,
+               {"hlen.safetensors", "header length 1000", "10 bytes"});
+}
+
+TEST_F(SafetensorsTest, HeaderNotJson) {
+  expect_error(SafetensorsFile::open(write_raw("json.safetensors", "{\"w\": {\"dtype\": ", 0)).status(),
+               StatusCode::kCorruption, {"json.safetensors", "not valid JSON"});
+  expect_error(SafetensorsFile::open(write_raw("arr.safetensors", "[1, 2]", 0)).status(), StatusCode::kCorruption,
+               {"arr.safetensors", "not an object"});
+}
+
+TEST_F(SafetensorsTest, OverlappingOffsets) {
+  const std::string h = R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+                        R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})";
+  expect_error(SafetensorsFile::open(write_raw("overlap.safetensors", h, 16)).status(), StatusCode::kCorruption,
+               {"overlap.safetensors", "'a' [0, 16]", "'b' [8, 16]", "overlap"});
+}
+
+TEST_F(SafetensorsTest, OutOfRangeOffsets) {
+  const std::string h = R"({"a":{"dtype":"F16","shape":[4],"data_offsets":[100,108]}})";
+  expect_error(SafetensorsFile::open(write_raw("range.safetensors", h, 16)).status(), StatusCode::kCorruption,
+               {"range.safetensors", "'a'", "[100, 108]", "16 bytes"});
+}
+
+TEST_F(SafetensorsTest, GapAndTrailingBytes) {
+  const std::string gap = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})";
+  expect_error(SafetensorsFile::open(write_raw("gap.safetensors", gap, 8)).status(), StatusCode::kCorruption,
+               {"gap.safetensors", "4 unclaimed bytes", "'a'"});
+  const std::string tail = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})";
+  expect_error(SafetensorsFile::open(write_raw("tail.safetensors", tail, 12)).status(), StatusCode::kCorruption,
+               {"tail.safetensors", "8 trailing bytes"});
+}
+
+TEST_F(SafetensorsTest, ShapeDisagreesWithDtypeSize) {
+  // 6 elements of BF16 are 12 bytes, not the 24 of F32.
+  const std::string h = R"({"a":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,24]}})";
+  expect_error(SafetensorsFile::open(write_raw("size.safetensors", h, 24)).status(), StatusCode::kCorruption,
+               {"size.safetensors", "'a'", "[2, 3] of BF16 needs 12 bytes", "span 24"});
+}
+
+TEST_F(SafetensorsTest, MalformedEntries) {
+  const std::string no_dtype = R"({"a":{"shape":[1],"data_offsets":[0,4]}})";
+  expect_error(SafetensorsFile::open(write_raw("m1.safetensors", no_dtype, 4)).status(), StatusCode::kCorruption,
+               {"m1.safetensors", "'a'", "dtype"});
+  const std::string neg = R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})";
+  expect_error(SafetensorsFile::open(write_raw("m2.safetensors", neg, 4)).status(), StatusCode::kCorruption,
+               {"m2.safetensors", "'a'", "dimension"});
+  const std::string backwards = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}})";
+  expect_error(SafetensorsFile::open(write_raw("m3.safetensors", backwards, 4)).status(), StatusCode::kCorruption,
+               {"m3.safetensors", "backwards"});
+  const std::string meta = R"({"__metadata__":{"k":3}})";
+  expect_error(SafetensorsFile::open(write_raw("m4.safetensors", meta, 0)).status(), StatusCode::kCorruption,
+               {"m4.safetensors", "'k'"});
+}
+
+TEST_F(SafetensorsTest, UnsupportedDtypeIsNamed) {
+  const std::string h = R"({"a":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}})";
+  expect_error(SafetensorsFile::open(write_raw("f64.safetensors", h, 8)).status(), StatusCode::kUnimplemented,
+               {"f64.safetensors", "'a'", "F64"});
+}
+
+}  // namespace
+}  // namespace strata
