@@ -1,0 +1,62 @@
+#include <cstring>
+
+#include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/fast.h"
+#include "kernels/cpu/reference.h"
+#include "kernels/cpu/reference_matmul.h"
+
+namespace strata::kernels {
+
+const KernelSet& cpu_reference_kernels() {
+  namespace r = cpu::ref;
+  static const KernelSet k{
+      "cpu-reference",
+      &r::encoder_forward<float>,
+      &r::encoder_backward<float>,
+      &r::layernorm_forward<float>,
+      &r::layernorm_backward<float>,
+      &r::matmul_forward<float>,
+      &r::matmul_backward<float>,
+      &r::attention_forward<float>,
+      &r::attention_backward<float>,
+      &r::gelu_forward<float>,
+      &r::gelu_backward<float>,
+      &r::residual_forward<float>,
+      &r::residual_backward<float>,
+      &r::softmax_crossentropy_forward<float>,
+      &r::softmax_crossentropy_backward<float>,
+      &r::adamw_update<float>,
+  };
+  return k;
+}
+
+const KernelSet& cpu_fast_kernels() {
+  namespace f = cpu::fast;
+  static const KernelSet k{
+      "cpu-fast",
+      &f::encoder_forward,
+      &f::encoder_backward,
+      &f::layernorm_forward,
+      &f::layernorm_backward,
+      &f::matmul_forward,
+      &f::matmul_backward,
+      &f::attention_forward,
+      &f::attention_backward,
+      &f::gelu_forward,
+      &f::gelu_backward,
+      &f::residual_forward,
+      &f::residual_backward,
+      &f::softmax_crossentropy_forward,
+      &f::softmax_crossentropy_backward,
+      &f::adamw_update,
+  };
+  return k;
+}
+
+const KernelSet* find_kernel_set(const char* name) {
+  if (!std::strcmp(name, "reference") || !std::strcmp(name, "cpu-reference")) return &cpu_reference_kernels();
+  if (!std::strcmp(name, "fast") || !std::strcmp(name, "cpu-fast")) return &cpu_fast_kernels();
+  return nullptr;
+}
+
+}  // namespace strata::kernels

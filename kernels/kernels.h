@@ -1,0 +1,86 @@
+// kernels.h — the one interface every compute backend implements: forward and backward of each GPT op.
+//
+// A KernelSet is a table of functions, one slot per op (ggml-style), filled by a backend: the plain CPU
+// reference (kernels/cpu/reference.h), the fast CPU version (kernels/cpu/fast.h), and later CUDA. The model calls
+// only through this table, so dispatch happens in one place and the golden tests run on every backend.
+//
+// Conventions (llm.c's): all tensors are fp32, row-major and contiguous; shapes are in the comments; N = B*T
+// rows. Gradients carry a `d` prefix. Backward functions ACCUMULATE (+=) into every gradient they write — the
+// caller zeroes them — except softmax_crossentropy_backward, which overwrites (and may run in place on the
+// logits). Functions run on the calling thread and may use the TBB arena for parallelism; they must not be
+// called concurrently on overlapping outputs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace strata::kernels {
+
+// Arithmetic of matmul inputs: fp32, or inputs rounded to bf16 with fp32 accumulation (AVX-512 BF16).
+enum class MatmulPrecision : uint8_t { kF32 = 0, kBF16 = 1 };
+
+struct AdamWParams {
+  float lr = 3e-4f;
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;  // decoupled, applied as p -= lr * wd * p
+  int step = 1;               // 1-based, for bias correction
+  float grad_scale = 1.0f;    // multiplies each gradient first (loss-scale unscale × clip coefficient)
+};
+
+struct KernelSet {
+  const char* name;  // "cpu-reference", "cpu-fast"
+
+  // out (B,T,C) = wte[inp] + wpe[t]; inp (B,T) token ids; wte (V,C); wpe (maxT,C).
+  void (*encoder_forward)(float* out, const int32_t* inp, const float* wte, const float* wpe, int B, int T, int C);
+  // dwte (V,C) += scatter of dout by token id; dwpe (maxT,C) += sum over batch of dout.
+  void (*encoder_backward)(float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B, int T, int C);
+
+  // out (N,C) = (inp - mean) * rstd * weight + bias; saves mean (N) and rstd (N). eps = 1e-5.
+  void (*layernorm_forward)(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                            const float* bias, int N, int C);
+  // dinp (N,C), dweight (C), dbias (C) +=.
+  void (*layernorm_backward)(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                             const float* weight, const float* mean, const float* rstd, int N, int C);
+
+  // out (N,OC) = inp (N,C) @ weight(OC,C)^T + bias (OC); bias may be null.
+  void (*matmul_forward)(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
+                         int OC, MatmulPrecision precision);
+  // dinp (N,C) += dout @ weight; dweight (OC,C) += dout^T @ inp; dbias (OC) += column sums of dout (if non-null).
+  void (*matmul_backward)(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                          const float* weight, int N, int C, int OC, MatmulPrecision precision);
+
+  // Causal multi-head self-attention. qkv (B,T,3C) holds q,k,v side by side, each split into NH heads of C/NH.
+  // out (B,T,C); att (B,NH,T,T) saves the softmax probabilities (row t only defined up to column t; the rest
+  // is written as 0). Scale 1/sqrt(C/NH).
+  void (*attention_forward)(float* out, float* att, const float* qkv, int B, int T, int C, int NH);
+  // dqkv (B,T,3C) +=.
+  void (*attention_backward)(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T,
+                             int C, int NH);
+
+  // GELU, tanh approximation (GPT-2's). out (N) = gelu(inp).
+  void (*gelu_forward)(float* out, const float* inp, size_t N);
+  // dinp (N) += gelu'(inp) * dout.
+  void (*gelu_backward)(float* dinp, const float* inp, const float* dout, size_t N);
+
+  // out (N) = inp1 + inp2.
+  void (*residual_forward)(float* out, const float* inp1, const float* inp2, size_t N);
+  // dinp1 += dout; dinp2 += dout.
+  void (*residual_backward)(float* dinp1, float* dinp2, const float* dout, size_t N);
+
+  // Fused softmax + cross-entropy over rows of logits (N,V). losses (N) = logsumexp(row) - row[target];
+  // lse (N) saved for backward. A target < 0 is ignored: its loss is 0.
+  void (*softmax_crossentropy_forward)(float* losses, float* lse, const float* logits, const int32_t* targets,
+                                       int N, int V);
+  // dlogits (N,V) = (softmax(row) - onehot(target)) * dlosses[row]; OVERWRITES dlogits, which may alias logits.
+  // Rows with target < 0 get 0.
+  void (*softmax_crossentropy_backward)(float* dlogits, const float* logits, const float* lse,
+                                        const int32_t* targets, const float* dlosses, int N, int V);
+
+  // AdamW over n elements: g = grads*grad_scale; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g²;
+  // params -= lr * (m̂ / (sqrt(v̂) + eps) + wd * params), with m̂, v̂ bias-corrected.
+  void (*adamw_update)(float* params, float* m, float* v, const float* grads, size_t n, const AdamWParams& hp);
+};
+
+}  // namespace strata::kernels

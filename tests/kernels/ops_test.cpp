@@ -1,0 +1,663 @@
+// ops_test.cpp — every CPU op but matmul, forward and backward (kernels/cpu/reference.h, kernels/cpu/fast_*.cpp):
+// ref<float> against ref<double> on seeded random odd shapes; ref<double> gradients against central finite
+// differences; fast against ref<double> on every SIMD clone this machine runs, small and large shapes; fast
+// bitwise reproducible across thread counts; AdamW fast against the reference in ulps; "+=" semantics of every
+// backward (and overwrite for cross-entropy) through both KernelSet tables.
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <tbb/task_arena.h>
+
+#include "common/rng.h"
+#include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/fast_simd.h"
+#include "kernels/cpu/reference.h"
+#include "tests/test_util.h"
+
+namespace strata::kernels {
+namespace {
+
+using ::strata::testing::all_close;
+namespace ref = cpu::ref;
+namespace simd = cpu::simd;
+
+enum class Backend { kRef, kFast };  // at float: cpu_reference_kernels() / cpu_fast_kernels(); at double: ref
+const char* backend_name(Backend b) { return b == Backend::kRef ? "reference" : "fast"; }
+const KernelSet& kernels(Backend b) { return b == Backend::kRef ? cpu_reference_kernels() : cpu_fast_kernels(); }
+
+// Runs `op` at float through backend k's KernelSet, at double through the reference template.
+#define STRATA_RUN_OP(k, op, ...)           \
+  do {                                      \
+    if constexpr (std::is_same_v<F, float>) \
+      kernels(k).op(__VA_ARGS__);           \
+    else                                    \
+      ref::op(__VA_ARGS__);                 \
+  } while (0)
+
+// Uniform values rounded to float first, so that the float and double instances of a case hold the same inputs.
+template <typename F>
+std::vector<F> rand_vec(size_t n, Rng& rng, double lo = -1.0, double hi = 1.0) {
+  std::vector<F> v(n);
+  for (auto& x : v) x = static_cast<F>(static_cast<float>(rng.uniform(lo, hi)));
+  return v;
+}
+
+template <typename F>
+struct Array {
+  const char* name;
+  std::vector<F>* v;
+  bool is_grad;
+};
+template <typename F>
+struct FdInput {
+  const char* grad_name;
+  std::vector<F>* x;
+  std::vector<F>* grad;
+};
+// Scalar loss of the finite-difference checks: sum(out * w) over every output with a weight w.
+template <typename F>
+double weighted_sum(const std::vector<F>& out, const std::vector<F>& w) {
+  double s = 0;
+  for (size_t i = 0; i < out.size(); ++i) s += static_cast<double>(out[i]) * w[i];
+  return s;
+}
+
+// ---- the cases: inputs, forward outputs and gradients of one op, at F = float or double ------------------------
+// Each: params() names the shape and seed; forward/backward run a backend (backward accumulates into the
+// zero-initialised gradients); loss() is the finite-difference scalar whose gradient backward computes.
+
+template <typename F>
+struct EncoderCase {
+  int B, T, C, V;
+  uint64_t seed;
+  std::vector<int32_t> inp;
+  std::vector<F> wte, wpe, dout, out, dwte, dwpe;
+  EncoderCase(int B_, int T_, int C_, int V_, uint64_t seed_) : B(B_), T(T_), C(C_), V(V_), seed(seed_) {
+    Rng rng(seed);
+    for (int i = 0; i < B * T; ++i) inp.push_back(static_cast<int32_t>(rng.below(V)));  // V < B*T: repeats
+    wte = rand_vec<F>(size_t(V) * C, rng);
+    wpe = rand_vec<F>(size_t(T) * C, rng);
+    dout = rand_vec<F>(size_t(B) * T * C, rng);
+    out.assign(dout.size(), 0);
+    dwte.assign(wte.size(), 0);
+    dwpe.assign(wpe.size(), 0);
+  }
+  std::string params() const { return fmt::format("encoder B={} T={} C={} V={} seed={}", B, T, C, V, seed); }
+  void forward(Backend k) {
+    STRATA_RUN_OP(k, encoder_forward, out.data(), inp.data(), wte.data(), wpe.data(), B, T, C);
+  }
+  void backward(Backend k) {
+    STRATA_RUN_OP(k, encoder_backward, dwte.data(), dwpe.data(), dout.data(), inp.data(), B, T, C);
+  }
+  double loss() const { return weighted_sum(out, dout); }
+  std::vector<Array<F>> arrays() { return {{"out", &out, false}, {"dwte", &dwte, true}, {"dwpe", &dwpe, true}}; }
+  std::vector<FdInput<F>> fd_inputs() { return {{"dwte", &wte, &dwte}, {"dwpe", &wpe, &dwpe}}; }
+  static constexpr bool kOverwrites = false;
+};
+
+template <typename F>
+struct LayernormCase {
+  int N, C;
+  uint64_t seed;
+  std::vector<F> inp, weight, bias, dout, out, mean, rstd, dinp, dweight, dbias;
+  LayernormCase(int N_, int C_, uint64_t seed_) : N(N_), C(C_), seed(seed_) {
+    Rng rng(seed);
+    inp = rand_vec<F>(size_t(N) * C, rng, -2.0, 3.0);  // rows off zero: the variance pass must not cancel
+    weight = rand_vec<F>(C, rng, 0.5, 1.5);
+    bias = rand_vec<F>(C, rng);
+    dout = rand_vec<F>(size_t(N) * C, rng);
+    out.assign(inp.size(), 0);
+    mean.assign(N, 0);
+    rstd.assign(N, 0);
+    dinp.assign(inp.size(), 0);
+    dweight.assign(C, 0);
+    dbias.assign(C, 0);
+  }
+  std::string params() const { return fmt::format("layernorm N={} C={} seed={}", N, C, seed); }
+  void forward(Backend k) {
+    STRATA_RUN_OP(k, layernorm_forward, out.data(), mean.data(), rstd.data(), inp.data(), weight.data(), bias.data(), N,
+                  C);
+  }
+  void backward(Backend k) {
+    STRATA_RUN_OP(k, layernorm_backward, dinp.data(), dweight.data(), dbias.data(), dout.data(), inp.data(),
+                  weight.data(), mean.data(), rstd.data(), N, C);
+  }
+  double loss() const { return weighted_sum(out, dout); }
+  std::vector<Array<F>> arrays() {
+    return {{"out", &out, false},  {"mean", &mean, false},      {"rstd", &rstd, false},
+            {"dinp", &dinp, true}, {"dweight", &dweight, true}, {"dbias", &dbias, true}};
+  }
+  std::vector<FdInput<F>> fd_inputs() {
+    return {{"dinp", &inp, &dinp}, {"dweight", &weight, &dweight}, {"dbias", &bias, &dbias}};
+  }
+  static constexpr bool kOverwrites = false;
+};
+
+template <typename F>
+struct AttentionCase {
+  int B, T, C, NH;
+  uint64_t seed;
+  std::vector<F> qkv, dout, out, att, dqkv;
+  AttentionCase(int B_, int T_, int C_, int NH_, uint64_t seed_) : B(B_), T(T_), C(C_), NH(NH_), seed(seed_) {
+    Rng rng(seed);
+    qkv = rand_vec<F>(size_t(B) * T * 3 * C, rng, -2.0, 2.0);  // wide enough that softmax rows are not flat
+    dout = rand_vec<F>(size_t(B) * T * C, rng);
+    out.assign(dout.size(), 0);
+    att.assign(size_t(B) * NH * T * T, 0);
+    dqkv.assign(qkv.size(), 0);
+  }
+  std::string params() const { return fmt::format("attention B={} T={} C={} NH={} seed={}", B, T, C, NH, seed); }
+  void forward(Backend k) { STRATA_RUN_OP(k, attention_forward, out.data(), att.data(), qkv.data(), B, T, C, NH); }
+  void backward(Backend k) {
+    STRATA_RUN_OP(k, attention_backward, dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH);
+  }
+  double loss() const { return weighted_sum(out, dout); }
+  std::vector<Array<F>> arrays() { return {{"out", &out, false}, {"att", &att, false}, {"dqkv", &dqkv, true}}; }
+  std::vector<FdInput<F>> fd_inputs() { return {{"dqkv", &qkv, &dqkv}}; }
+  static constexpr bool kOverwrites = false;
+};
+
+template <typename F>
+struct GeluCase {
+  size_t N;
+  uint64_t seed;
+  std::vector<F> inp, dout, out, dinp;
+  GeluCase(size_t N_, uint64_t seed_) : N(N_), seed(seed_) {
+    Rng rng(seed);
+    inp = rand_vec<F>(N, rng, -6.0, 4.0);  // both tails: gelu -> 0 and gelu -> x
+    dout = rand_vec<F>(N, rng);
+    out.assign(N, 0);
+    dinp.assign(N, 0);
+  }
+  std::string params() const { return fmt::format("gelu N={} seed={}", N, seed); }
+  void forward(Backend k) { STRATA_RUN_OP(k, gelu_forward, out.data(), inp.data(), N); }
+  void backward(Backend k) { STRATA_RUN_OP(k, gelu_backward, dinp.data(), inp.data(), dout.data(), N); }
+  double loss() const { return weighted_sum(out, dout); }
+  std::vector<Array<F>> arrays() { return {{"out", &out, false}, {"dinp", &dinp, true}}; }
+  std::vector<FdInput<F>> fd_inputs() { return {{"dinp", &inp, &dinp}}; }
+  static constexpr bool kOverwrites = false;
+};
+
+template <typename F>
+struct ResidualCase {
+  size_t N;
+  uint64_t seed;
+  std::vector<F> inp1, inp2, dout, out, dinp1, dinp2;
+  ResidualCase(size_t N_, uint64_t seed_) : N(N_), seed(seed_) {
+    Rng rng(seed);
+    inp1 = rand_vec<F>(N, rng);
+    inp2 = rand_vec<F>(N, rng);
+    dout = rand_vec<F>(N, rng);
+    out.assign(N, 0);
+    dinp1.assign(N, 0);
+    dinp2.assign(N, 0);
+  }
+  std::string params() const { return fmt::format("residual N={} seed={}", N, seed); }
+  void forward(Backend k) { STRATA_RUN_OP(k, residual_forward, out.data(), inp1.data(), inp2.data(), N); }
+  void backward(Backend k) { STRATA_RUN_OP(k, residual_backward, dinp1.data(), dinp2.data(), dout.data(), N); }
+  double loss() const { return weighted_sum(out, dout); }
+  std::vector<Array<F>> arrays() { return {{"out", &out, false}, {"dinp1", &dinp1, true}, {"dinp2", &dinp2, true}}; }
+  std::vector<FdInput<F>> fd_inputs() { return {{"dinp1", &inp1, &dinp1}, {"dinp2", &inp2, &dinp2}}; }
+  static constexpr bool kOverwrites = false;
+};
+
+template <typename F>
+struct CrossEntropyCase {
+  int N, V;
+  uint64_t seed;
+  std::vector<int32_t> targets;
+  std::vector<F> logits, dlosses, losses, lse, dlogits;
+  CrossEntropyCase(int N_, int V_, uint64_t seed_) : N(N_), V(V_), seed(seed_) {
+    Rng rng(seed);
+    for (int n = 0; n < N; ++n)
+      targets.push_back(n % 3 == 1 ? -1 : static_cast<int32_t>(rng.below(V)));  // some ignored
+    logits = rand_vec<F>(size_t(N) * V, rng, -4.0, 4.0);
+    dlosses = rand_vec<F>(N, rng, 0.5, 1.5);
+    losses.assign(N, 0);
+    lse.assign(N, 0);
+    dlogits.assign(logits.size(), 0);
+  }
+  std::string params() const { return fmt::format("softmax_crossentropy N={} V={} seed={}", N, V, seed); }
+  void forward(Backend k) {
+    STRATA_RUN_OP(k, softmax_crossentropy_forward, losses.data(), lse.data(), logits.data(), targets.data(), N, V);
+  }
+  void backward(Backend k) {
+    STRATA_RUN_OP(k, softmax_crossentropy_backward, dlogits.data(), logits.data(), lse.data(), targets.data(),
+                  dlosses.data(), N, V);
+  }
+  double loss() const { return weighted_sum(losses, dlosses); }
+  std::vector<Array<F>> arrays() {
+    return {{"losses", &losses, false}, {"lse", &lse, false}, {"dlogits", &dlogits, true}};
+  }
+  std::vector<FdInput<F>> fd_inputs() { return {{"dlogits", &logits, &dlogits}}; }
+  static constexpr bool kOverwrites = true;
+};
+
+// ---- the checks, generic over a case ------------------------------------------------------------------------
+
+struct Tol {
+  double atol, rtol;
+};
+using Tols = std::map<std::string, Tol>;  // by array name; every array of a case must have one
+
+// Runs forward then backward of Case<float> on `backend` and of Case<double> on the reference, and compares
+// every output and gradient.
+template <template <typename> class Case, typename... Shape>
+void expect_close_to_double(Backend backend, const Tols& tols, Shape... shape) {
+  Case<double> want(shape...);
+  want.forward(Backend::kRef);
+  want.backward(Backend::kRef);
+  Case<float> got(shape...);
+  got.forward(backend);
+  got.backward(backend);
+  auto g = got.arrays();
+  auto w = want.arrays();
+  for (size_t i = 0; i < g.size(); ++i) {
+    const auto tol = tols.find(g[i].name);
+    ASSERT_NE(tol, tols.end()) << "no tolerance stated for " << g[i].name;
+    EXPECT_TRUE(all_close(*g[i].v, *w[i].v, tol->second.atol, tol->second.rtol, g[i].name))
+        << got.params() << ", " << backend_name(backend) << " vs float64 reference";
+  }
+}
+
+// Every SIMD clone the machine can run, in turn; the best one again afterwards.
+template <typename Fn>
+void for_each_isa(Fn&& fn) {
+  for (simd::Isa isa : {simd::Isa::kAvx512, simd::Isa::kAvx2, simd::Isa::kBaseline}) {
+    if (simd::set_isa(isa) != isa) {
+      std::printf("  [ skipped ] the %s clone: this CPU lacks it\n", simd::isa_name(isa));
+      continue;
+    }
+    SCOPED_TRACE(fmt::format("SIMD clone {}", simd::isa_name(isa)));
+    fn();
+  }
+  simd::set_isa(simd::detect_isa());
+}
+
+// Central differences in float64 of the case's loss against its float64 reference gradients. The step is
+// relative, h = 1e-5 max(1, |x|): truncation error ~h² |f'''| ~ 1e-10 and rounding ~1e-16 |loss| / h ~ 1e-10 for
+// these O(1)-O(10) losses; the largest difference seen is 1.0e-9. We allow 1e-8 + 1e-7 |g|, while a wrong
+// formula term is off by 1e-3 or more.
+constexpr double kFdStep = 1e-5;
+constexpr Tol kFdTol{1e-8, 1e-7};
+
+template <template <typename> class Case, typename... Shape>
+void expect_gradients_match_finite_differences(Shape... shape) {
+  Case<double> c(shape...);
+  c.forward(Backend::kRef);
+  c.backward(Backend::kRef);
+  for (auto& in : c.fd_inputs()) {
+    std::vector<double> fd(in.x->size());
+    for (size_t i = 0; i < fd.size(); ++i) {
+      const double x0 = (*in.x)[i];
+      const double h = kFdStep * std::max(1.0, std::fabs(x0));
+      (*in.x)[i] = x0 + h;
+      c.forward(Backend::kRef);
+      const double up = c.loss();
+      (*in.x)[i] = x0 - h;
+      c.forward(Backend::kRef);
+      const double down = c.loss();
+      (*in.x)[i] = x0;
+      fd[i] = (up - down) / (2 * h);
+    }
+    EXPECT_TRUE(all_close(*in.grad, fd, kFdTol.atol, kFdTol.rtol, in.grad_name))
+        << c.params() << ", float64 reference vs central differences, h = " << kFdStep << " max(1,|x|)";
+  }
+}
+
+template <typename F>
+::testing::AssertionResult bitwise_equal(const std::vector<F>& a, const std::vector<F>& b, const std::string& what) {
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::memcmp(&a[i], &b[i], sizeof(F)) != 0)
+      return ::testing::AssertionFailure() << what << " differs first at [" << i << "]: " << a[i] << " vs " << b[i];
+  return ::testing::AssertionSuccess();
+}
+
+// Fast forward + backward on one thread, then on every core, then on every core again: bitwise equal.
+template <template <typename> class Case, typename... Shape>
+void expect_fast_deterministic(Shape... shape) {
+  Case<float> one(shape...), all(shape...), again(shape...);
+  tbb::task_arena single(1);
+  single.execute([&] {
+    one.forward(Backend::kFast);
+    one.backward(Backend::kFast);
+  });
+  for (Case<float>* c : {&all, &again}) {
+    c->forward(Backend::kFast);
+    c->backward(Backend::kFast);
+  }
+  auto a = one.arrays(), b = all.arrays(), c = again.arrays();
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(*a[i].v, *b[i].v, a[i].name)) << one.params() << ", 1 thread vs all threads";
+    EXPECT_TRUE(bitwise_equal(*b[i].v, *c[i].v, b[i].name)) << one.params() << ", run 1 vs run 2";
+  }
+}
+
+// Backward on gradients prefilled with random values must give prefill + the gradient from zero, up to the
+// rounding of one more addition per accumulation step (allowed 4e-6 on results of a few units, seen 1.4e-6;
+// "=" instead of "+=" misses by the prefill, ~0.5). Cross-entropy overwrites: a NaN prefill must leave no trace.
+template <template <typename> class Case, typename... Shape>
+void expect_backward_accumulates(Backend backend, Shape... shape) {
+  Case<float> fresh(shape...), pre(shape...);
+  fresh.forward(backend);
+  fresh.backward(backend);
+  pre.forward(backend);
+  Rng rng(4242);
+  std::vector<std::vector<float>> prefill;
+  for (auto& a : pre.arrays()) {
+    if (!a.is_grad) continue;
+    if (Case<float>::kOverwrites)
+      std::fill(a.v->begin(), a.v->end(), NAN);
+    else
+      *a.v = rand_vec<float>(a.v->size(), rng);
+    prefill.push_back(*a.v);
+  }
+  pre.backward(backend);
+  auto f = fresh.arrays(), p = pre.arrays();
+  for (size_t i = 0, k = 0; i < p.size(); ++i) {
+    if (!p[i].is_grad) continue;
+    const std::string what = fmt::format("{} via the {} KernelSet", p[i].name, backend_name(backend));
+    if (Case<float>::kOverwrites) {
+      EXPECT_TRUE(bitwise_equal(*p[i].v, *f[i].v, what)) << pre.params() << ", NaN-prefilled vs zeroed";
+    } else {
+      std::vector<double> want(p[i].v->size());
+      for (size_t j = 0; j < want.size(); ++j) want[j] = double(prefill[k][j]) + (*f[i].v)[j];
+      EXPECT_TRUE(all_close(*p[i].v, want, 4e-6, 4e-6, what)) << pre.params() << ", prefilled vs prefill + fresh";
+    }
+    ++k;
+  }
+}
+
+// ---- shapes and tolerances -------------------------------------------------------------------------------------
+// Small shapes are odd-sized and small enough for finite differences; large ones span several SIMD vectors,
+// TBB blocks and key blocks, with T, C and hs off every multiple of 16 except hs = 64. NH divides C.
+// Tolerances: float32 has eps = 1.2e-7. Each is set against what the op's float arithmetic allows and checked to
+// be 2-10x above the largest error seen on these inputs, over ref<float> and all three SIMD clones (quoted as
+// "seen"; all_close prints it when a check fails). A wrong index, term or sign is off by 1e-3 or more.
+constexpr uint64_t kSeed = 20240601;
+constexpr int kLargeT = 67;
+
+// Encoder: out is one rounded addition (at most half an ulp: rtol eps). dwte/dwpe sum ~7 (large) rows of
+// U(-1,1) per token / position, each addition rounding by half an ulp of a partial sum of a few units; seen
+// 9.5e-7.
+const Tols kEncoderTols{{"out", {0, 1.2e-7}}, {"dwte", {4e-6, 1e-6}}, {"dwpe", {4e-6, 1e-6}}};
+// Layernorm: mean and rstd are C-term sums (C <= 768) then a division or square root; out (|out| <~ 4) and dinp
+// a few roundings past them (seen 5.5e-7, 2.5e-7). dweight and dbias sum N <= 134 rows of O(1) terms, in chunks
+// in fast (seen 4.1e-6).
+const Tols kLayernormTols{{"out", {2e-6, 2e-6}},  {"mean", {1e-6, 1e-6}},    {"rstd", {0, 1e-6}},
+                          {"dinp", {1e-6, 1e-6}}, {"dweight", {2e-5, 2e-6}}, {"dbias", {2e-5, 2e-6}}};
+// Attention: hs-term dot products (hs <= 64), softmax over <= 130 keys (fast: simd::exp, < 1.3 ulp), then sums
+// over keys and, for dk/dv, over the queries that see a key. Seen: out 9.2e-7, att 3.9e-7, dqkv 9.6e-7.
+const Tols kAttentionTols{{"out", {2e-6, 2e-6}}, {"att", {1e-6, 2e-6}}, {"dqkv", {4e-6, 4e-6}}};
+// GELU on [-6, 4]: ref<float>'s tanhf and its 1 + tanh cancellation for negative x give absolute errors of a few
+// ulp(1); fast's sigmoid form is within ~3 ulp relative. Seen: out 3.5e-7, dinp 4.5e-7.
+const Tols kGeluTols{{"out", {1e-6, 1e-6}}, {"dinp", {1e-6, 2e-6}}};
+// Residual: one rounded addition per element, or an exact one.
+const Tols kResidualTols{{"out", {0, 1.2e-7}}, {"dinp1", {0, 1.2e-7}}, {"dinp2", {0, 1.2e-7}}};
+// Cross-entropy: lse sums V exponentials (V = 50257: ~3100 terms per SIMD lane in fast), so it is off by ~1e-7
+// relative of the sum, i.e. absolute on lse ~ 11 (seen 7.5e-7, ~1 ulp); losses inherit it (seen 9.9e-7).
+// dlogits = e^(x - lse) dloss turns that absolute lse error into a relative one.
+const Tols kCrossEntropyTols{{"losses", {1e-5, 1e-6}}, {"lse", {1e-5, 1e-6}}, {"dlogits", {1e-10, 4e-6}}};
+
+// ---- the tests -------------------------------------------------------------------------------------------------
+
+TEST(Encoder, RefFloatMatchesDouble) {
+  expect_close_to_double<EncoderCase>(Backend::kRef, kEncoderTols, 3, 7, 20, 11, kSeed);
+}
+TEST(Encoder, RefGradientsMatchFiniteDifferences) {
+  expect_gradients_match_finite_differences<EncoderCase>(3, 7, 20, 11, kSeed);
+}
+TEST(Encoder, FastMatchesDouble) {
+  for_each_isa([] {
+    expect_close_to_double<EncoderCase>(Backend::kFast, kEncoderTols, 3, 7, 20, 11, kSeed);
+    expect_close_to_double<EncoderCase>(Backend::kFast, kEncoderTols, 4, kLargeT, 96, 37, kSeed);
+  });
+}
+// Fast groups rows by token but adds them in the reference's order: the same bits.
+TEST(Encoder, FastBackwardIsBitwiseTheReference) {
+  EncoderCase<float> r(4, kLargeT, 96, 37, kSeed), f(4, kLargeT, 96, 37, kSeed);
+  r.backward(Backend::kRef);
+  f.backward(Backend::kFast);
+  EXPECT_TRUE(bitwise_equal(f.dwte, r.dwte, "dwte")) << f.params();
+  EXPECT_TRUE(bitwise_equal(f.dwpe, r.dwpe, "dwpe")) << f.params();
+}
+TEST(Encoder, FastIsDeterministic) { expect_fast_deterministic<EncoderCase>(4, kLargeT, 96, 37, kSeed); }
+TEST(Encoder, BackwardAccumulates) {
+  for (Backend b : {Backend::kRef, Backend::kFast}) expect_backward_accumulates<EncoderCase>(b, 3, 7, 20, 11, kSeed);
+}
+
+TEST(Layernorm, RefFloatMatchesDouble) {
+  expect_close_to_double<LayernormCase>(Backend::kRef, kLayernormTols, 21, 20, kSeed);
+}
+TEST(Layernorm, RefGradientsMatchFiniteDifferences) {
+  expect_gradients_match_finite_differences<LayernormCase>(21, 20, kSeed);
+}
+TEST(Layernorm, FastMatchesDouble) {
+  for_each_isa([] {
+    expect_close_to_double<LayernormCase>(Backend::kFast, kLayernormTols, 5, 3, kSeed);  // rows shorter than a vector
+    expect_close_to_double<LayernormCase>(Backend::kFast, kLayernormTols, 21, 20, kSeed);
+    expect_close_to_double<LayernormCase>(Backend::kFast, kLayernormTols, 33, 100, kSeed);
+    expect_close_to_double<LayernormCase>(Backend::kFast, kLayernormTols, 2 * kLargeT, 768, kSeed);
+  });
+}
+TEST(Layernorm, FastIsDeterministic) { expect_fast_deterministic<LayernormCase>(2 * kLargeT, 768, kSeed); }
+TEST(Layernorm, BackwardAccumulates) {
+  for (Backend b : {Backend::kRef, Backend::kFast}) expect_backward_accumulates<LayernormCase>(b, 21, 20, kSeed);
+}
+
+TEST(Attention, RefFloatMatchesDouble) {
+  expect_close_to_double<AttentionCase>(Backend::kRef, kAttentionTols, 3, 7, 20, 4, kSeed);
+}
+TEST(Attention, RefGradientsMatchFiniteDifferences) {
+  expect_gradients_match_finite_differences<AttentionCase>(3, 7, 20, 4, kSeed);
+}
+TEST(Attention, FastMatchesDouble) {
+  for_each_isa([] {
+    expect_close_to_double<AttentionCase>(Backend::kFast, kAttentionTols, 2, 1, 4, 4, kSeed);  // T = 1, hs = 1
+    expect_close_to_double<AttentionCase>(Backend::kFast, kAttentionTols, 3, 7, 20, 4, kSeed);
+    expect_close_to_double<AttentionCase>(Backend::kFast, kAttentionTols, 2, kLargeT, 96, 4, kSeed);
+    expect_close_to_double<AttentionCase>(Backend::kFast, kAttentionTols, 1, 130, 128, 2, kSeed);
+  });
+}
+TEST(Attention, FastIsDeterministic) { expect_fast_deterministic<AttentionCase>(2, kLargeT, 96, 4, kSeed); }
+TEST(Attention, BackwardAccumulates) {
+  for (Backend b : {Backend::kRef, Backend::kFast}) expect_backward_accumulates<AttentionCase>(b, 3, 7, 20, 4, kSeed);
+}
+// Entries above the diagonal are written 0 whatever att held; each row is a distribution.
+TEST(Attention, ProbabilitiesAreCausalRows) {
+  for (Backend b : {Backend::kRef, Backend::kFast}) {
+    AttentionCase<float> c(2, 19, 12, 3, kSeed);
+    std::fill(c.att.begin(), c.att.end(), NAN);
+    c.forward(b);
+    for (size_t row = 0; row < c.att.size() / c.T; ++row) {
+      const int t = static_cast<int>(row % c.T);
+      double sum = 0;
+      for (int t2 = 0; t2 < c.T; ++t2) {
+        const float a = c.att[row * c.T + t2];
+        if (t2 > t) {
+          ASSERT_EQ(a, 0.0f) << c.params() << " " << backend_name(b) << " row " << row << " col " << t2;
+        }
+        sum += a;
+      }
+      ASSERT_NEAR(sum, 1.0, 1e-6) << c.params() << " " << backend_name(b) << " row " << row;
+    }
+  }
+}
+
+TEST(Gelu, RefFloatMatchesDouble) { expect_close_to_double<GeluCase>(Backend::kRef, kGeluTols, size_t{1001}, kSeed); }
+TEST(Gelu, RefGradientsMatchFiniteDifferences) {
+  expect_gradients_match_finite_differences<GeluCase>(size_t{53}, kSeed);
+}
+TEST(Gelu, FastMatchesDouble) {
+  for_each_isa([] {
+    expect_close_to_double<GeluCase>(Backend::kFast, kGeluTols, size_t{5}, kSeed);
+    expect_close_to_double<GeluCase>(Backend::kFast, kGeluTols, size_t{53}, kSeed);
+    expect_close_to_double<GeluCase>(Backend::kFast, kGeluTols, size_t{100003}, kSeed);
+  });
+}
+TEST(Gelu, FastIsDeterministic) { expect_fast_deterministic<GeluCase>(size_t{100003}, kSeed); }
+TEST(Gelu, BackwardAccumulates) {
+  for (Backend b : {Backend::kRef, Backend::kFast}) expect_backward_accumulates<GeluCase>(b, size_t{53}, kSeed);
+}
+
+TEST(Residual, RefFloatMatchesDouble) {
+  expect_close_to_double<ResidualCase>(Backend::kRef, kResidualTols, size_t{53}, kSeed);
+}
+TEST(Residual, RefGradientsMatchFiniteDifferences) {
+  expect_gradients_match_finite_differences<ResidualCase>(size_t{53}, kSeed);
+}
+TEST(Residual, FastMatchesDouble) {
+  expect_close_to_double<ResidualCase>(Backend::kFast, kResidualTols, size_t{53}, kSeed);
+  expect_close_to_double<ResidualCase>(Backend::kFast, kResidualTols, size_t{100003}, kSeed);
+}
+TEST(Residual, FastIsDeterministic) { expect_fast_deterministic<ResidualCase>(size_t{100003}, kSeed); }
+TEST(Residual, BackwardAccumulates) {
+  for (Backend b : {Backend::kRef, Backend::kFast}) expect_backward_accumulates<ResidualCase>(b, size_t{53}, kSeed);
+}
+
+TEST(CrossEntropy, RefFloatMatchesDouble) {
+  expect_close_to_double<CrossEntropyCase>(Backend::kRef, kCrossEntropyTols, 5, 53, kSeed);
+}
+TEST(CrossEntropy, RefGradientsMatchFiniteDifferences) {
+  expect_gradients_match_finite_differences<CrossEntropyCase>(5, 53, kSeed);
+}
+TEST(CrossEntropy, FastMatchesDouble) {
+  for_each_isa([] {
+    expect_close_to_double<CrossEntropyCase>(Backend::kFast, kCrossEntropyTols, 3, 7, kSeed);
+    expect_close_to_double<CrossEntropyCase>(Backend::kFast, kCrossEntropyTols, 5, 53, kSeed);
+    expect_close_to_double<CrossEntropyCase>(Backend::kFast, kCrossEntropyTols, 4, 50257, kSeed);
+  });
+}
+TEST(CrossEntropy, FastIsDeterministic) { expect_fast_deterministic<CrossEntropyCase>(4, 50257, kSeed); }
+TEST(CrossEntropy, BackwardOverwrites) {
+  for (Backend b : {Backend::kRef, Backend::kFast}) expect_backward_accumulates<CrossEntropyCase>(b, 5, 53, kSeed);
+}
+// In place (dlogits == logits) gives the same bits as out of place; ignored rows (target < 0) give exactly 0.
+TEST(CrossEntropy, BackwardInPlaceAndIgnoredRows) {
+  for (Backend b : {Backend::kRef, Backend::kFast}) {
+    CrossEntropyCase<float> c(4, 50257, kSeed);
+    c.forward(b);
+    c.backward(b);
+    std::vector<float> inplace = c.logits;
+    kernels(b).softmax_crossentropy_backward(inplace.data(), inplace.data(), c.lse.data(), c.targets.data(),
+                                             c.dlosses.data(), c.N, c.V);
+    EXPECT_TRUE(bitwise_equal(inplace, c.dlogits, "in-place dlogits")) << c.params() << " " << backend_name(b);
+    for (int n = 0; n < c.N; ++n) {
+      if (c.targets[n] >= 0) continue;
+      EXPECT_EQ(c.losses[n], 0.0f) << c.params() << " " << backend_name(b) << " row " << n;
+      const auto row = c.dlogits.begin() + size_t(n) * c.V;
+      EXPECT_TRUE(std::all_of(row, row + c.V, [](float x) { return x == 0.0f; }))
+          << c.params() << " " << backend_name(b) << " row " << n;
+    }
+  }
+}
+
+// ---- AdamW -------------------------------------------------------------------------------------------------------
+
+template <typename F>
+struct AdamWState {
+  std::vector<F> params, m, v;
+  std::vector<std::vector<F>> grads;  // one per step
+};
+// n parameters in [-1, 1], zero moments, and `steps` gradient vectors in [-1, 1].
+template <typename F>
+AdamWState<F> make_adamw_state(size_t n, int steps) {
+  Rng rng(kSeed);
+  AdamWState<F> s{rand_vec<F>(n, rng), std::vector<F>(n, 0), std::vector<F>(n, 0), {}};
+  for (int i = 0; i < steps; ++i) s.grads.push_back(rand_vec<F>(n, rng));
+  return s;
+}
+AdamWParams adamw_hp(int step) {
+  AdamWParams hp;
+  hp.lr = 1e-2f;
+  hp.weight_decay = 0.1f;
+  hp.grad_scale = 0.37f;
+  hp.step = step;
+  return hp;
+}
+constexpr int kAdamWSteps = 5;
+std::string adamw_params(size_t n) {
+  const AdamWParams hp = adamw_hp(1);
+  return fmt::format("adamw n={} steps={} lr={} b1={} b2={} eps={} wd={} grad_scale={} seed={}", n, kAdamWSteps, hp.lr,
+                     hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.grad_scale, kSeed);
+}
+template <typename F, typename Step>
+void run_adamw(AdamWState<F>& s, Step step) {
+  for (int i = 0; i < kAdamWSteps; ++i)
+    step(s.params.data(), s.m.data(), s.v.data(), s.grads[i].data(), s.params.size(), adamw_hp(i + 1));
+}
+
+// Distance in representable floats (ulps) between a and b.
+int64_t ulp_distance(float a, float b) {
+  auto ordered = [](float x) {
+    int32_t i;
+    std::memcpy(&i, &x, sizeof i);
+    return i < 0 ? int64_t{INT32_MIN} - i : int64_t{i};
+  };
+  return std::llabs(ordered(a) - ordered(b));
+}
+::testing::AssertionResult within_ulps(const std::vector<float>& got, const std::vector<float>& want, int64_t max_ulps,
+                                       const std::string& what) {
+  int64_t worst = 0;
+  size_t at = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const int64_t d = ulp_distance(got[i], want[i]);
+    if (d > worst) worst = d, at = i;
+  }
+  if (worst <= max_ulps) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": " << worst << " ulps apart at [" << at << "]: got " << got[at]
+                                       << " want " << want[at] << " (allowed " << max_ulps << ")";
+}
+
+// Five steps in float32 against float64 on the same inputs: each step rounds a handful of times, and the
+// moments' errors stay relative; params move by ~lr per step around O(1) values.
+TEST(AdamW, RefFloatMatchesDouble) {
+  const size_t n = 1001;
+  AdamWState<float> f = make_adamw_state<float>(n, kAdamWSteps);
+  AdamWState<double> d = make_adamw_state<double>(n, kAdamWSteps);
+  run_adamw(f, kernels(Backend::kRef).adamw_update);
+  run_adamw(d, ref::adamw_update<double>);
+  EXPECT_TRUE(all_close(f.params, d.params, 1e-6, 1e-6, "params")) << adamw_params(n);
+  EXPECT_TRUE(all_close(f.m, d.m, 1e-8, 1e-6, "m")) << adamw_params(n);
+  EXPECT_TRUE(all_close(f.v, d.v, 1e-9, 1e-6, "v")) << adamw_params(n);
+}
+
+// Fast performs the reference's correctly rounded operations in its order, without FMA, so today it matches bit
+// for bit. The allowance of 2 ulps is for a compiler that contracts the reference's multiply-adds; it still
+// catches a reordered formula, which near the cancellation of b1*m and (1-b1)*g moves m by 1e4 ulps or more.
+constexpr int64_t kAdamWMaxUlps = 2;
+TEST(AdamW, FastWithinFewUlpsOfReference) {
+  const size_t n = 100003;  // several TBB blocks and a SIMD tail
+  AdamWState<float> want = make_adamw_state<float>(n, kAdamWSteps);
+  run_adamw(want, kernels(Backend::kRef).adamw_update);
+  for_each_isa([&] {
+    AdamWState<float> got = make_adamw_state<float>(n, kAdamWSteps);
+    run_adamw(got, kernels(Backend::kFast).adamw_update);
+    EXPECT_TRUE(within_ulps(got.params, want.params, kAdamWMaxUlps, "params")) << adamw_params(n);
+    EXPECT_TRUE(within_ulps(got.m, want.m, kAdamWMaxUlps, "m")) << adamw_params(n);
+    EXPECT_TRUE(within_ulps(got.v, want.v, kAdamWMaxUlps, "v")) << adamw_params(n);
+  });
+}
+
+TEST(AdamW, FastIsDeterministic) {
+  const size_t n = 100003;
+  AdamWState<float> one = make_adamw_state<float>(n, kAdamWSteps), all = make_adamw_state<float>(n, kAdamWSteps);
+  tbb::task_arena single(1);
+  single.execute([&] { run_adamw(one, kernels(Backend::kFast).adamw_update); });
+  run_adamw(all, kernels(Backend::kFast).adamw_update);
+  EXPECT_TRUE(bitwise_equal(one.params, all.params, "params")) << adamw_params(n) << ", 1 thread vs all threads";
+  EXPECT_TRUE(bitwise_equal(one.m, all.m, "m")) << adamw_params(n);
+  EXPECT_TRUE(bitwise_equal(one.v, all.v, "v")) << adamw_params(n);
+}
+
+}  // namespace
+}  // namespace strata::kernels
