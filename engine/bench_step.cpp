@@ -1,0 +1,112 @@
+#include "engine/bench_step.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <optional>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <tbb/global_control.h>
+#include <tbb/info.h>
+
+#include "common/rng.h"
+#include "common/timer.h"
+#include "engine/gpt2.h"
+#include "engine/optimizer.h"
+#include "kernels/cpu/cpu_kernels.h"
+
+namespace strata::engine {
+
+void add_bench_step_command(CLI::App& bench, BenchStepOptions& o) {
+  CLI::App* cmd = bench.add_subcommand("step", "Time training steps (forward, backward, AdamW) on random tokens");
+  cmd->add_option("--layers", o.n_layer, "Transformer blocks")->capture_default_str();
+  cmd->add_option("--heads", o.n_head, "Attention heads")->capture_default_str();
+  cmd->add_option("--width", o.n_embd, "Model width (n_embd)")->capture_default_str();
+  cmd->add_option("--vocab", o.vocab_size, "Vocabulary size")->capture_default_str();
+  cmd->add_option("--context", o.seq_len, "Sequence length T (also the model's block_size)")->capture_default_str();
+  cmd->add_option("--batch", o.batch_size, "Sequences per step B")->capture_default_str();
+  cmd->add_option("--steps", o.steps, "Timed steps")->capture_default_str();
+  cmd->add_option("--warmup", o.warmup, "Untimed steps first")->capture_default_str();
+  cmd->add_option("--precision", o.precision, "Matmul inputs: fp32 or bf16")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+  cmd->add_option("--kernels", o.kernels, "fast or reference")
+      ->check(CLI::IsMember({"fast", "reference"}))
+      ->capture_default_str();
+  cmd->add_option("--threads", o.threads, "Worker threads (0: all)")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "Seed for weights and tokens")->capture_default_str();
+  cmd->add_flag("--json", o.json, "Print one JSON object instead of text");
+}
+
+int run_bench_step(const BenchStepOptions& o) {
+  std::optional<tbb::global_control> threads;
+  if (o.threads > 0) threads.emplace(tbb::global_control::max_allowed_parallelism, o.threads);
+  GPT2Config mc{o.n_layer, o.n_head, o.n_embd, o.vocab_size, std::max(o.block_size, o.seq_len)};
+  if (o.steps <= 0 || o.batch_size <= 0 || o.seq_len <= 0) {
+    std::fprintf(stderr, "strata bench step: --steps, --batch and --context must be positive\n");
+    return 2;
+  }
+  const kernels::KernelSet* k = kernels::find_kernel_set(o.kernels.c_str());
+  const auto precision = o.precision == "bf16" ? kernels::MatmulPrecision::kBF16 : kernels::MatmulPrecision::kF32;
+  auto model = GPT2::create(mc, *k, precision);
+  if (!model.is_ok()) {
+    std::fprintf(stderr, "strata bench step: %s\n", model.status().to_string().c_str());
+    return 2;
+  }
+  GPT2& m = *model.value();
+  m.init_gpt2(o.seed);
+  auto opt = AdamW::create(m.units(), AdamWConfig{});
+  if (!opt.is_ok()) {
+    std::fprintf(stderr, "strata bench step: %s\n", opt.status().to_string().c_str());
+    return 1;
+  }
+  const int B = o.batch_size, T = o.seq_len;
+  std::vector<int32_t> x(static_cast<size_t>(B) * T), y(x.size());
+  Rng rng(o.seed);
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = static_cast<int32_t>(rng.below(mc.vocab_size));
+    y[i] = static_cast<int32_t>(rng.below(mc.vocab_size));
+  }
+  std::vector<double> times;
+  float loss = 0;
+  for (int s = 0; s < o.warmup + o.steps; ++s) {
+    Timer t;
+    m.zero_grads();
+    auto l = m.forward(x.data(), y.data(), B, T);
+    if (!l.is_ok()) {
+      std::fprintf(stderr, "strata bench step: %s\n", l.status().to_string().c_str());
+      return 2;
+    }
+    loss = l.value();
+    m.backward();
+    opt->step(m.units(), 1e-4f, *k);
+    if (s >= o.warmup) times.push_back(t.seconds());
+    if (!o.json) std::fprintf(stderr, "  step %d/%d: %.1f ms%s\n", s + 1, o.warmup + o.steps, t.millis(),
+                              s < o.warmup ? " (warmup)" : "");
+  }
+  std::sort(times.begin(), times.end());
+  const double median = times[times.size() / 2];
+  const double tokens = static_cast<double>(B) * T;
+  const double gflop = m.flops_per_step(B, T) / 1e9;
+  const int nthreads = o.threads > 0 ? o.threads : tbb::info::default_concurrency();
+  if (o.json) {
+    nlohmann::json j = {{"bench", "step"},         {"n_layer", o.n_layer},     {"n_head", o.n_head},
+                        {"n_embd", o.n_embd},      {"vocab_size", o.vocab_size}, {"batch", B},
+                        {"context", T},            {"precision", o.precision}, {"kernels", k->name},
+                        {"threads", nthreads},     {"params", m.num_params()}, {"steps", o.steps},
+                        {"step_ms", median * 1e3}, {"tokens_per_s", tokens / median},
+                        {"gflop_per_step", gflop}, {"gflop_per_s", gflop / median}, {"loss", loss}};
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::printf("GPT-2 L=%d H=%d C=%d V=%d, B=%d T=%d, %s matmuls, %s kernels, %d threads, %.2fM params\n",
+                o.n_layer, o.n_head, o.n_embd, o.vocab_size, B, T, o.precision.c_str(), k->name, nthreads,
+                m.num_params() / 1e6);
+    std::printf("median of %d steps: %.1f ms/step, %.0f tokens/s, %.1f GFLOP/s (%.1f GFLOP/step)\n", o.steps,
+                median * 1e3, tokens / median, gflop / median, gflop);
+  }
+  return 0;
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,46 @@
+// checkpoint.h — saving and restoring training state: one directory per step, never half-written.
+//
+// <checkpoint_dir>/step_000100/ holds model.safetensors (fp32 parameters under their canonical names),
+// optimizer.safetensors (AdamW moments "m.<name>", "v.<name>"), and state.json (step, optimizer step count, data
+// loader positions, the effective config). It is written as "step_000100.tmp" and renamed when complete, then
+// <checkpoint_dir>/latest is replaced atomically with the new directory's name; a crash at any point leaves
+// the previous checkpoint intact and `latest` pointing at a complete one. Runs on the training thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "engine/dataloader.h"
+#include "engine/gpt2.h"
+#include "engine/optimizer.h"
+
+namespace strata::engine {
+
+struct TrainState {
+  int step = 0;  // optimizer steps completed
+  DataLoader::Position train_pos;
+  nlohmann::json config;  // the effective config of the run that wrote it
+};
+
+// Creates `dir` if needed and proves it is writable by writing and removing a probe file; the error names the
+// directory and the OS's reason. Called before training so a bad folder fails in the first second.
+Status check_writable_dir(const std::string& dir, const std::string& what);
+
+// Writes model weights alone (for fine-tuning or export) to a safetensors file, atomically.
+Status save_model(const GPT2& model, const std::string& path);
+// Loads weights into a model of the same config; errors name the file and the tensor that disagrees.
+Status load_model(GPT2& model, const std::string& path);
+
+// Saves a checkpoint for `state.step` under `checkpoint_dir`; keeps the newest `keep` (0 = all). Returns the
+// directory written.
+Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT2& model, const AdamW& opt,
+                                    const TrainState& state, int keep);
+
+// Resolves `path` (a step directory, or a checkpoint_dir containing `latest`) and restores model, optimizer
+// and state. The model config in the checkpoint must equal the model's; the error names the field.
+Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, AdamW& opt);
+
+}  // namespace strata::engine

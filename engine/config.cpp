@@ -1,0 +1,138 @@
+#include "engine/config.h"
+
+#include "common/json_config.h"
+
+namespace strata::engine {
+
+Status apply_overrides(nlohmann::json* j, const std::vector<std::string>& overrides) {
+  for (const std::string& o : overrides) {
+    const size_t eq = o.find('=');
+    if (eq == std::string::npos || eq == 0)
+      return Status::invalid_argument("override '{}' must look like section.key=value", o);
+    const std::string key = o.substr(0, eq);
+    const std::string text = o.substr(eq + 1);
+    nlohmann::json value;
+    try {
+      value = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::parse_error&) {
+      value = text;  // a bare string such as runs/demo
+    }
+    nlohmann::json* node = j;
+    size_t start = 0;
+    while (true) {
+      const size_t dot = key.find('.', start);
+      const std::string part = key.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+      if (part.empty()) return Status::invalid_argument("override '{}': empty key component", o);
+      if (!node->is_object()) return Status::invalid_argument("override '{}': {} is not a section", o, part);
+      if (dot == std::string::npos) {
+        (*node)[part] = value;
+        break;
+      }
+      node = &(*node)[part];
+      if (node->is_null()) *node = nlohmann::json::object();
+      start = dot + 1;
+    }
+  }
+  return Status::ok();
+}
+
+Result<RunConfig> parse_run_config(const nlohmann::json& j, const std::string& source) {
+  RunConfig c;
+  c.source = source;
+  c.json = j;
+  JsonSection root(&j, source, "");
+
+  JsonSection m = root.section("model");
+  STRATA_RETURN_IF_ERROR(m.get_int("n_layer", &c.model.n_layer));
+  STRATA_RETURN_IF_ERROR(m.get_int("n_head", &c.model.n_head));
+  STRATA_RETURN_IF_ERROR(m.get_int("n_embd", &c.model.n_embd));
+  STRATA_RETURN_IF_ERROR(m.get_int("vocab_size", &c.model.vocab_size));
+  STRATA_RETURN_IF_ERROR(m.get_int("block_size", &c.model.block_size));
+  STRATA_RETURN_IF_ERROR(m.finish());
+  STRATA_RETURN_IF_ERROR(c.model.validate().with_context(source));
+
+  JsonSection d = root.section("data");
+  STRATA_RETURN_IF_ERROR(d.get_string("train", &c.data.train));
+  STRATA_RETURN_IF_ERROR(d.get_string("val", &c.data.val));
+  STRATA_RETURN_IF_ERROR(d.finish());
+
+  TrainingConfig& t = c.training;
+  JsonSection tr = root.section("training");
+  STRATA_RETURN_IF_ERROR(tr.get_int("batch_size", &t.batch_size));
+  STRATA_RETURN_IF_ERROR(tr.get_int("seq_len", &t.seq_len));
+  STRATA_RETURN_IF_ERROR(tr.get_int("grad_accum_steps", &t.grad_accum_steps));
+  STRATA_RETURN_IF_ERROR(tr.get_int("max_steps", &t.max_steps));
+  STRATA_RETURN_IF_ERROR(tr.get_double("lr", &t.lr));
+  STRATA_RETURN_IF_ERROR(tr.get_double("min_lr", &t.min_lr));
+  STRATA_RETURN_IF_ERROR(tr.get_int("warmup_steps", &t.warmup_steps));
+  STRATA_RETURN_IF_ERROR(tr.get_double("weight_decay", &t.weight_decay));
+  STRATA_RETURN_IF_ERROR(tr.get_double("beta1", &t.beta1));
+  STRATA_RETURN_IF_ERROR(tr.get_double("beta2", &t.beta2));
+  STRATA_RETURN_IF_ERROR(tr.get_double("eps", &t.eps));
+  STRATA_RETURN_IF_ERROR(tr.get_double("grad_clip", &t.grad_clip));
+  STRATA_RETURN_IF_ERROR(tr.get_int("seed", &t.seed));
+  STRATA_RETURN_IF_ERROR(tr.get_int("val_every", &t.val_every));
+  STRATA_RETURN_IF_ERROR(tr.get_int("val_batches", &t.val_batches));
+  STRATA_RETURN_IF_ERROR(tr.get_int("checkpoint_every", &t.checkpoint_every));
+  STRATA_RETURN_IF_ERROR(tr.get_string("checkpoint_dir", &t.checkpoint_dir));
+  STRATA_RETURN_IF_ERROR(tr.get_int("keep_checkpoints", &t.keep_checkpoints));
+  STRATA_RETURN_IF_ERROR(tr.get_int("log_every", &t.log_every));
+  STRATA_RETURN_IF_ERROR(tr.get_string("init_from", &t.init_from));
+  STRATA_RETURN_IF_ERROR(tr.finish());
+
+  auto bad = [&](const char* key, const std::string& why) {
+    return Status::invalid_argument("{}: training.{} {}", source, key, why);
+  };
+  if (t.batch_size <= 0) return bad("batch_size", fmt::format("must be positive, got {}", t.batch_size));
+  if (t.seq_len <= 0) return bad("seq_len", fmt::format("must be positive, got {}", t.seq_len));
+  if (t.seq_len > c.model.block_size) {
+    return bad("seq_len", fmt::format("({}) is longer than the model's context, model.block_size ({})", t.seq_len,
+                                      c.model.block_size));
+  }
+  if (t.grad_accum_steps <= 0) return bad("grad_accum_steps", "must be positive");
+  if (t.max_steps < 0) return bad("max_steps", "must be >= 0");
+  if (!(t.lr >= 0)) return bad("lr", "must be >= 0");
+  if (!(t.min_lr >= 0 && t.min_lr <= t.lr)) return bad("min_lr", fmt::format("must be in [0, lr = {}]", t.lr));
+  if (t.warmup_steps < 0) return bad("warmup_steps", "must be >= 0");
+  if (!(t.beta1 >= 0 && t.beta1 < 1)) return bad("beta1", "must be in [0, 1)");
+  if (!(t.beta2 >= 0 && t.beta2 < 1)) return bad("beta2", "must be in [0, 1)");
+  if (!(t.eps > 0)) return bad("eps", "must be > 0");
+  if (!(t.grad_clip >= 0)) return bad("grad_clip", "must be >= 0 (0 disables clipping)");
+  if (t.val_every < 0 || t.val_batches < 0) return bad("val_every", "and val_batches must be >= 0");
+  if (t.checkpoint_every < 0) return bad("checkpoint_every", "must be >= 0");
+  if (t.keep_checkpoints < 0) return bad("keep_checkpoints", "must be >= 0");
+  if (t.log_every <= 0) return bad("log_every", "must be positive");
+  if (t.checkpoint_dir.empty()) return bad("checkpoint_dir", "must not be empty");
+
+  JsonSection co = root.section("compute");
+  STRATA_RETURN_IF_ERROR(co.get_string("kernels", &c.compute.kernels));
+  std::string precision = "fp32";
+  STRATA_RETURN_IF_ERROR(co.get_string("matmul_precision", &precision));
+  STRATA_RETURN_IF_ERROR(co.get_int("threads", &c.compute.threads));
+  STRATA_RETURN_IF_ERROR(co.finish());
+  if (c.compute.kernels != "fast" && c.compute.kernels != "reference") {
+    return Status::invalid_argument("{}: compute.kernels must be \"fast\" or \"reference\", got \"{}\"", source,
+                                    c.compute.kernels);
+  }
+  if (precision == "fp32" || precision == "f32") {
+    c.compute.matmul_precision = kernels::MatmulPrecision::kF32;
+  } else if (precision == "bf16") {
+    c.compute.matmul_precision = kernels::MatmulPrecision::kBF16;
+  } else {
+    return Status::invalid_argument("{}: compute.matmul_precision must be \"fp32\" or \"bf16\", got \"{}\"", source,
+                                    precision);
+  }
+  if (c.compute.threads < 0) return Status::invalid_argument("{}: compute.threads must be >= 0", source);
+
+  STRATA_RETURN_IF_ERROR(root.finish());
+  return c;
+}
+
+Result<RunConfig> load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
+  STRATA_ASSIGN_OR_RETURN(nlohmann::json j, read_json_file(path));
+  if (!j.is_object()) return Status::invalid_argument("{}: the config must be a JSON object", path);
+  STRATA_RETURN_IF_ERROR(apply_overrides(&j, overrides).with_context(path));
+  return parse_run_config(j, path);
+}
+
+}  // namespace strata::engine

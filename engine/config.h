@@ -1,0 +1,71 @@
+// config.h — the run configuration: one JSON file, read strictly.
+//
+// Sections: "model" (GPT2Config), "data", "training", "compute". Unknown keys are errors that list the valid
+// ones; a value of the wrong type is an error naming "file: section.key". Command-line overrides are applied to
+// the JSON before it is read (`--set training.lr=3e-4`), so they get exactly the same checks.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "engine/gpt2.h"
+#include "kernels/kernels.h"
+
+namespace strata::engine {
+
+struct DataConfig {
+  std::string train;  // token shard(s): a file, a directory, or a glob (data/sotu/sotu_train_*.bin)
+  std::string val;    // optional, same forms
+};
+
+struct TrainingConfig {
+  int batch_size = 4;        // B, sequences per micro-batch
+  int seq_len = 256;         // T, tokens per sequence (<= model.block_size)
+  int grad_accum_steps = 1;  // micro-batches per optimizer step
+  int max_steps = 1000;
+  double lr = 6e-4;
+  double min_lr = 6e-5;   // the cosine decays to this
+  int warmup_steps = 50;  // linear warmup from lr/warmup_steps
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;  // global-norm clip; 0 disables
+  int64_t seed = 1337;
+  int val_every = 100;   // steps; 0 disables
+  int val_batches = 20;
+  int checkpoint_every = 0;  // steps; 0: only at the end
+  std::string checkpoint_dir = "runs/latest";
+  int keep_checkpoints = 2;  // newest N kept; 0 keeps all
+  int log_every = 1;
+  std::string init_from;  // a model.safetensors to start from (fine-tuning); empty: GPT-2 init from seed
+};
+
+struct ComputeConfig {
+  std::string kernels = "fast";  // fast | reference
+  kernels::MatmulPrecision matmul_precision = kernels::MatmulPrecision::kF32;  // "fp32" | "bf16"
+  int threads = 0;  // 0: all cores the process may use
+};
+
+struct RunConfig {
+  GPT2Config model;
+  DataConfig data;
+  TrainingConfig training;
+  ComputeConfig compute;
+  std::string source;  // where it was read from
+  nlohmann::json json;  // the effective JSON (after overrides), saved with checkpoints
+};
+
+// Applies "section.key=value" overrides to a JSON object. The value is parsed as JSON when it can be
+// (numbers, true/false, quoted strings), else taken as a string.
+Status apply_overrides(nlohmann::json* j, const std::vector<std::string>& overrides);
+
+// Reads a RunConfig from JSON. `source` names the file for messages.
+Result<RunConfig> parse_run_config(const nlohmann::json& j, const std::string& source);
+Result<RunConfig> load_run_config(const std::string& path, const std::vector<std::string>& overrides);
+
+}  // namespace strata::engine

@@ -1,0 +1,312 @@
+#include "engine/gpt2.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "common/check.h"
+#include "common/rng.h"
+
+namespace strata::engine {
+
+using kernels::MatmulPrecision;
+
+Status GPT2Config::validate() const {
+  auto positive = [](const char* name, int v) -> Status {
+    if (v <= 0) return Status::invalid_argument("model.{} must be a positive integer, got {}", name, v);
+    return Status::ok();
+  };
+  STRATA_RETURN_IF_ERROR(positive("n_layer", n_layer));
+  STRATA_RETURN_IF_ERROR(positive("n_head", n_head));
+  STRATA_RETURN_IF_ERROR(positive("n_embd", n_embd));
+  STRATA_RETURN_IF_ERROR(positive("vocab_size", vocab_size));
+  STRATA_RETURN_IF_ERROR(positive("block_size", block_size));
+  if (n_embd % n_head != 0)
+    return Status::invalid_argument("model.n_embd ({}) must be divisible by model.n_head ({})", n_embd, n_head);
+  if (vocab_size > 65536)
+    return Status::invalid_argument("model.vocab_size ({}) must be <= 65536: token shards store uint16 ids",
+                                    vocab_size);
+  return Status::ok();
+}
+
+Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, const kernels::KernelSet& kernels,
+                                           MatmulPrecision precision) {
+  STRATA_RETURN_IF_ERROR(config.validate());
+  std::unique_ptr<GPT2> m(new GPT2(config, kernels, precision));
+  const int64_t C = config.n_embd, V = config.vocab_size, maxT = config.block_size;
+
+  auto add_unit = [&](std::string name, FlatLayout layout) -> Status {
+    Unit u;
+    u.name = std::move(name);
+    u.layout = std::move(layout);
+    const size_t bytes = u.layout.numel() * sizeof(float);
+    STRATA_ASSIGN_OR_RETURN(u.params, AlignedBuffer::allocate(bytes, "gpt2.params"));
+    STRATA_ASSIGN_OR_RETURN(u.grads, AlignedBuffer::allocate(bytes, "gpt2.grads"));
+    m->units_.push_back(std::move(u));
+    return Status::ok();
+  };
+
+  FlatLayout emb;
+  emb.add("wte", {V, C});
+  emb.add("wpe", {maxT, C});
+  STRATA_RETURN_IF_ERROR(add_unit("wte", std::move(emb)));
+  for (int l = 0; l < config.n_layer; ++l) {
+    const std::string h = "h." + std::to_string(l) + ".";
+    FlatLayout b;
+    b.add(h + "ln_1.weight", {C});
+    b.add(h + "ln_1.bias", {C});
+    b.add(h + "attn.c_attn.weight", {3 * C, C});
+    b.add(h + "attn.c_attn.bias", {3 * C});
+    b.add(h + "attn.c_proj.weight", {C, C});
+    b.add(h + "attn.c_proj.bias", {C});
+    b.add(h + "ln_2.weight", {C});
+    b.add(h + "ln_2.bias", {C});
+    b.add(h + "mlp.c_fc.weight", {4 * C, C});
+    b.add(h + "mlp.c_fc.bias", {4 * C});
+    b.add(h + "mlp.c_proj.weight", {C, 4 * C});
+    b.add(h + "mlp.c_proj.bias", {C});
+    STRATA_RETURN_IF_ERROR(add_unit("h." + std::to_string(l), std::move(b)));
+  }
+  FlatLayout lnf;
+  lnf.add("ln_f.weight", {C});
+  lnf.add("ln_f.bias", {C});
+  STRATA_RETURN_IF_ERROR(add_unit("ln_f", std::move(lnf)));
+  return m;
+}
+
+size_t GPT2::num_params() const {
+  size_t n = 0;
+  for (const Unit& u : units_) n += u.numel();
+  return n;
+}
+
+void GPT2::init_gpt2(uint64_t seed) {
+  Rng rng(seed);
+  const double residual_std = 0.02 / std::sqrt(2.0 * config_.n_layer);
+  for (Unit& u : units_) {
+    for (const TensorSpec& s : u.layout.specs()) {
+      float* p = u.p() + s.offset;
+      const size_t n = s.numel();
+      const bool is_norm_weight = s.name.find("ln_") != std::string::npos && s.name.ends_with(".weight");
+      if (s.shape.size() >= 2) {
+        const bool residual_proj = s.name.ends_with("c_proj.weight");
+        const double std = residual_proj ? residual_std : 0.02;
+        for (size_t i = 0; i < n; ++i) p[i] = static_cast<float>(std * rng.normal());
+      } else {
+        const float v = is_norm_weight ? 1.0f : 0.0f;
+        for (size_t i = 0; i < n; ++i) p[i] = v;
+      }
+    }
+  }
+}
+
+GPT2::BlockParams GPT2::block_params(int l, bool grads) const {
+  const Unit& u = units_[1 + l];
+  float* base = grads ? u.g() : u.p();
+  const auto& s = u.layout.specs();  // in the canonical order of create()
+  return BlockParams{base + s[0].offset, base + s[1].offset, base + s[2].offset,  base + s[3].offset,
+                     base + s[4].offset, base + s[5].offset, base + s[6].offset,  base + s[7].offset,
+                     base + s[8].offset, base + s[9].offset, base + s[10].offset, base + s[11].offset};
+}
+
+Status GPT2::ensure_activations(int B, int T) {
+  if (B == last_B_ && T == last_T_) return Status::ok();
+  const size_t L = config_.n_layer, C = config_.n_embd, NH = config_.n_head, V = config_.vocab_size;
+  const size_t BT = static_cast<size_t>(B) * T;
+  // Sizes in floats, in the order of the Activations struct, then the per-block gradient scratch.
+  const size_t sizes[] = {
+      BT * C,                                  // encoded
+      L * BT * C, L * BT, L * BT,              // ln1, ln1_mean, ln1_rstd
+      L * BT * 3 * C,                          // qkv
+      L * BT * C,                              // atty
+      L * B * NH * static_cast<size_t>(T) * T, // att
+      L * BT * C, L * BT * C,                  // attproj, residual2
+      L * BT * C, L * BT, L * BT,              // ln2, ln2_mean, ln2_rstd
+      L * BT * 4 * C, L * BT * 4 * C,          // fch, fch_gelu
+      L * BT * C, L * BT * C,                  // fcproj, residual3
+      BT * C, BT, BT,                          // lnf, lnf_mean, lnf_rstd
+      BT * V, BT, BT, BT,                      // logits, losses, lse, dlosses
+      BT, BT,                                  // inputs, targets (int32, same size as float)
+      BT * C, BT * C, BT * C, BT * 3 * C, BT * 4 * C, BT * 4 * C,  // dres, dln, datty, dqkv, dfch, dfch_gelu
+  };
+  size_t total = 0;
+  for (size_t s : sizes) total += (s + 15) / 16 * 16;  // keep every array 64-byte aligned
+  if (total * sizeof(float) > act_buffer_.size()) {
+    act_buffer_.reset();
+    STRATA_ASSIGN_OR_RETURN(act_buffer_, AlignedBuffer::allocate(total * sizeof(float), "gpt2.activations"));
+  }
+  float* p = act_buffer_.as<float>();
+  float** slots[] = {&acts_.encoded, &acts_.ln1, &acts_.ln1_mean, &acts_.ln1_rstd, &acts_.qkv, &acts_.atty,
+                     &acts_.att, &acts_.attproj, &acts_.residual2, &acts_.ln2, &acts_.ln2_mean, &acts_.ln2_rstd,
+                     &acts_.fch, &acts_.fch_gelu, &acts_.fcproj, &acts_.residual3, &acts_.lnf, &acts_.lnf_mean,
+                     &acts_.lnf_rstd, &acts_.logits, &acts_.losses, &acts_.lse, &acts_.dlosses,
+                     reinterpret_cast<float**>(&acts_.inputs), reinterpret_cast<float**>(&acts_.targets),
+                     &grads_.dres, &grads_.dln, &grads_.datty, &grads_.dqkv, &grads_.dfch, &grads_.dfch_gelu};
+  static_assert(sizeof(slots) / sizeof(slots[0]) == sizeof(sizes) / sizeof(sizes[0]));
+  for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); ++i) {
+    *slots[i] = p;
+    p += (sizes[i] + 15) / 16 * 16;
+  }
+  last_B_ = B;
+  last_T_ = T;
+  return Status::ok();
+}
+
+void GPT2::block_forward(int l, const float* residual, int B, int T) {
+  const int C = config_.n_embd, NH = config_.n_head;
+  const int N = B * T;
+  const size_t BTC = static_cast<size_t>(N) * C;
+  const BlockParams w = block_params(l, false);
+  float* ln1 = acts_.ln1 + l * BTC;
+  float* ln1_mean = acts_.ln1_mean + static_cast<size_t>(l) * N;
+  float* ln1_rstd = acts_.ln1_rstd + static_cast<size_t>(l) * N;
+  float* qkv = acts_.qkv + l * BTC * 3;
+  float* atty = acts_.atty + l * BTC;
+  float* att = acts_.att + static_cast<size_t>(l) * B * NH * T * T;
+  float* attproj = acts_.attproj + l * BTC;
+  float* residual2 = acts_.residual2 + l * BTC;
+  float* ln2 = acts_.ln2 + l * BTC;
+  float* ln2_mean = acts_.ln2_mean + static_cast<size_t>(l) * N;
+  float* ln2_rstd = acts_.ln2_rstd + static_cast<size_t>(l) * N;
+  float* fch = acts_.fch + l * BTC * 4;
+  float* fch_gelu = acts_.fch_gelu + l * BTC * 4;
+  float* fcproj = acts_.fcproj + l * BTC;
+  float* residual3 = acts_.residual3 + l * BTC;
+
+  k_->layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, w.ln1w, w.ln1b, N, C);
+  k_->matmul_forward(qkv, ln1, w.qkvw, w.qkvb, N, C, 3 * C, precision_);
+  k_->attention_forward(atty, att, qkv, B, T, C, NH);
+  k_->matmul_forward(attproj, atty, w.attprojw, w.attprojb, N, C, C, precision_);
+  k_->residual_forward(residual2, residual, attproj, BTC);
+  k_->layernorm_forward(ln2, ln2_mean, ln2_rstd, residual2, w.ln2w, w.ln2b, N, C);
+  k_->matmul_forward(fch, ln2, w.fcw, w.fcb, N, C, 4 * C, precision_);
+  k_->gelu_forward(fch_gelu, fch, BTC * 4);
+  k_->matmul_forward(fcproj, fch_gelu, w.fcprojw, w.fcprojb, N, 4 * C, C, precision_);
+  k_->residual_forward(residual3, residual2, fcproj, BTC);
+}
+
+Result<float> GPT2::forward(const int32_t* inputs, const int32_t* targets, int B, int T) {
+  if (B <= 0 || T <= 0) return Status::invalid_argument("forward: batch {}x{} is empty", B, T);
+  if (T > config_.block_size) {
+    return Status::invalid_argument("sequence length {} is longer than the model's context (model.block_size = {})",
+                                    T, config_.block_size);
+  }
+  STRATA_RETURN_IF_ERROR(ensure_activations(B, T));
+  const int C = config_.n_embd, V = config_.vocab_size, L = config_.n_layer;
+  const int N = B * T;
+  const size_t BTC = static_cast<size_t>(N) * C;
+  for (int i = 0; i < N; ++i) STRATA_ASSERT(inputs[i] >= 0 && inputs[i] < V);
+  std::memcpy(acts_.inputs, inputs, sizeof(int32_t) * N);
+
+  const Unit& emb = units_[0];
+  const float* wte = emb.p();
+  const float* wpe = emb.p() + emb.layout.specs()[1].offset;
+  k_->encoder_forward(acts_.encoded, inputs, wte, wpe, B, T, C);
+  const float* residual = acts_.encoded;
+  for (int l = 0; l < L; ++l) {
+    block_forward(l, residual, B, T);
+    residual = acts_.residual3 + l * BTC;
+  }
+  const Unit& lnf = units_.back();
+  k_->layernorm_forward(acts_.lnf, acts_.lnf_mean, acts_.lnf_rstd, residual, lnf.p(), lnf.p() + C, N, C);
+  k_->matmul_forward(acts_.logits, acts_.lnf, wte, nullptr, N, C, V, precision_);
+
+  have_targets_ = targets != nullptr;
+  if (!have_targets_) return 0.0f;
+  std::memcpy(acts_.targets, targets, sizeof(int32_t) * N);
+  num_counted_targets_ = 0;
+  for (int i = 0; i < N; ++i) {
+    STRATA_ASSERT(targets[i] < V);
+    if (targets[i] >= 0) ++num_counted_targets_;
+  }
+  k_->softmax_crossentropy_forward(acts_.losses, acts_.lse, acts_.logits, targets, N, V);
+  // Summed in double and in a fixed order so the loss does not depend on the kernels' threading.
+  double sum = 0.0;
+  for (int i = 0; i < N; ++i) sum += acts_.losses[i];
+  return num_counted_targets_ ? static_cast<float>(sum / num_counted_targets_) : 0.0f;
+}
+
+void GPT2::block_backward(int l, const float* residual, float* dres, int B, int T) {
+  const int C = config_.n_embd, NH = config_.n_head;
+  const int N = B * T;
+  const size_t BTC = static_cast<size_t>(N) * C;
+  const BlockParams w = block_params(l, false);
+  const BlockParams dw = block_params(l, true);
+  const float* ln1 = acts_.ln1 + l * BTC;
+  const float* ln1_mean = acts_.ln1_mean + static_cast<size_t>(l) * N;
+  const float* ln1_rstd = acts_.ln1_rstd + static_cast<size_t>(l) * N;
+  const float* qkv = acts_.qkv + l * BTC * 3;
+  const float* atty = acts_.atty + l * BTC;
+  const float* att = acts_.att + static_cast<size_t>(l) * B * NH * T * T;
+  const float* residual2 = acts_.residual2 + l * BTC;
+  const float* ln2 = acts_.ln2 + l * BTC;
+  const float* ln2_mean = acts_.ln2_mean + static_cast<size_t>(l) * N;
+  const float* ln2_rstd = acts_.ln2_rstd + static_cast<size_t>(l) * N;
+  const float* fch = acts_.fch + l * BTC * 4;
+  const float* fch_gelu = acts_.fch_gelu + l * BTC * 4;
+
+  // The residual adds pass dres through unchanged, so dres is used directly as the gradient of fcproj and of
+  // attproj, and the layernorm backwards accumulate into it: no residual_backward copies are needed.
+  std::memset(grads_.dfch_gelu, 0, sizeof(float) * BTC * 4);
+  std::memset(grads_.dfch, 0, sizeof(float) * BTC * 4);
+  std::memset(grads_.dln, 0, sizeof(float) * BTC);
+  k_->matmul_backward(grads_.dfch_gelu, dw.fcprojw, dw.fcprojb, dres, fch_gelu, w.fcprojw, N, 4 * C, C, precision_);
+  k_->gelu_backward(grads_.dfch, fch, grads_.dfch_gelu, BTC * 4);
+  k_->matmul_backward(grads_.dln, dw.fcw, dw.fcb, grads_.dfch, ln2, w.fcw, N, C, 4 * C, precision_);
+  k_->layernorm_backward(dres, dw.ln2w, dw.ln2b, grads_.dln, residual2, w.ln2w, ln2_mean, ln2_rstd, N, C);
+
+  std::memset(grads_.datty, 0, sizeof(float) * BTC);
+  std::memset(grads_.dqkv, 0, sizeof(float) * BTC * 3);
+  std::memset(grads_.dln, 0, sizeof(float) * BTC);
+  k_->matmul_backward(grads_.datty, dw.attprojw, dw.attprojb, dres, atty, w.attprojw, N, C, C, precision_);
+  k_->attention_backward(grads_.dqkv, grads_.datty, qkv, att, B, T, C, NH);
+  k_->matmul_backward(grads_.dln, dw.qkvw, dw.qkvb, grads_.dqkv, ln1, w.qkvw, N, C, 3 * C, precision_);
+  k_->layernorm_backward(dres, dw.ln1w, dw.ln1b, grads_.dln, residual, w.ln1w, ln1_mean, ln1_rstd, N, C);
+}
+
+void GPT2::backward(float loss_scale) {
+  STRATA_ASSERT_MSG(have_targets_, "backward() needs a forward() with targets");
+  have_targets_ = false;  // the logits are overwritten below; a second backward would be wrong
+  const int B = last_B_, T = last_T_;
+  const int C = config_.n_embd, V = config_.vocab_size, L = config_.n_layer;
+  const int N = B * T;
+  const size_t BTC = static_cast<size_t>(N) * C;
+
+  const float dloss = num_counted_targets_ ? loss_scale / static_cast<float>(num_counted_targets_) : 0.0f;
+  for (int i = 0; i < N; ++i) acts_.dlosses[i] = dloss;
+  // In place: the logits become dlogits.
+  float* dlogits = acts_.logits;
+  k_->softmax_crossentropy_backward(dlogits, acts_.logits, acts_.lse, acts_.targets, acts_.dlosses, N, V);
+
+  Unit& emb = units_[0];
+  Unit& lnf = units_.back();
+  const float* wte = emb.p();
+  float* dwte = emb.g();
+  float* dwpe = emb.g() + emb.layout.specs()[1].offset;
+  std::memset(grads_.dln, 0, sizeof(float) * BTC);
+  std::memset(grads_.dres, 0, sizeof(float) * BTC);
+  k_->matmul_backward(grads_.dln, dwte, nullptr, dlogits, acts_.lnf, wte, N, C, V, precision_);
+  const float* last_residual = acts_.residual3 + (L - 1) * BTC;
+  k_->layernorm_backward(grads_.dres, lnf.g(), lnf.g() + C, grads_.dln, last_residual, lnf.p(), acts_.lnf_mean,
+                         acts_.lnf_rstd, N, C);
+  for (int l = L - 1; l >= 0; --l) {
+    const float* residual = l == 0 ? acts_.encoded : acts_.residual3 + (l - 1) * BTC;
+    block_backward(l, residual, grads_.dres, B, T);
+  }
+  k_->encoder_backward(dwte, dwpe, grads_.dres, acts_.inputs, B, T, C);
+}
+
+void GPT2::zero_grads() {
+  for (Unit& u : units_) std::memset(u.g(), 0, u.numel() * sizeof(float));
+}
+
+double GPT2::flops_per_step(int B, int T) const {
+  const double C = config_.n_embd, V = config_.vocab_size, L = config_.n_layer;
+  const double tokens = static_cast<double>(B) * T;
+  // Per token, forward: matmuls 2*(3C² + C² + 4C² + 4C²) per layer plus the head 2CV; causal attention
+  // averages (T+1)/2 keys per query for QKᵀ and for AV: 2 * 2 * C * (T+1)/2 per layer.
+  const double matmul = L * 2.0 * 12.0 * C * C + 2.0 * C * V;
+  const double attention = L * 2.0 * C * (T + 1.0);
+  return 3.0 * tokens * (matmul + attention);  // backward is twice the forward
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,139 @@
+// gpt2.h — the GPT-2 model as units over flat buffers, with forward and backward through a KernelSet.
+//
+// Units (DESIGN.md "data model"): "wte" (the token embedding wte (V,C) and position embedding wpe (maxT,C)),
+// "h.0" … "h.{L-1}" (one per transformer block), and "ln_f" (the final layernorm). The LM head is tied to wte,
+// so the embedding unit is used twice per step. Each unit's parameters live in one flat fp32 buffer in a
+// canonical order (the order of scripts/make_gpt2_fixture.py); its gradients live in a second buffer of the
+// same layout. Named tensors are TensorSpecs into those buffers.
+//
+// Threading: a GPT2 is used by one thread at a time; kernels parallelise inside each op. Activations are sized
+// for (B, T) at the first forward and re-allocated only when B*T grows.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/aligned.h"
+#include "common/status.h"
+#include "common/tensor.h"
+#include "kernels/kernels.h"
+
+namespace strata::engine {
+
+struct GPT2Config {
+  int n_layer = 6;
+  int n_head = 6;
+  int n_embd = 384;
+  int vocab_size = 50257;
+  int block_size = 256;  // longest context the position embedding covers
+
+  Status validate() const;  // names the offending field
+};
+
+// One unit: its name, layout, parameters and gradients (both laid out by `layout`).
+struct Unit {
+  std::string name;
+  FlatLayout layout;
+  AlignedBuffer params;  // fp32 (layout.numel())
+  AlignedBuffer grads;   // fp32 (layout.numel())
+
+  float* p() const { return params.as<float>(); }
+  float* g() const { return grads.as<float>(); }
+  size_t numel() const { return layout.numel(); }
+};
+
+class GPT2 {
+ public:
+  // Builds the units (zeroed). Call init_gpt2() or load weights afterwards.
+  static Result<std::unique_ptr<GPT2>> create(const GPT2Config& config, const kernels::KernelSet& kernels,
+                                              kernels::MatmulPrecision precision);
+
+  // GPT-2 initialisation, seeded: weights N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)), biases 0,
+  // layernorm weights 1.
+  void init_gpt2(uint64_t seed);
+
+  // Forward over inputs (B,T) token ids. With targets (B,T) (entries < 0 ignored) it computes the mean loss
+  // over the counted targets and returns it; without, it returns 0 and only logits are valid. T <= block_size.
+  // Token ids must be < vocab_size (the data loader checks this; here it is an assertion).
+  Result<float> forward(const int32_t* inputs, const int32_t* targets, int B, int T);
+
+  // Backward of the last forward (which must have had targets). Adds this batch's gradients, scaled by
+  // `loss_scale` (1/grad_accum_steps for gradient accumulation), into every unit's grads. Overwrites the logits.
+  void backward(float loss_scale = 1.0f);
+
+  void zero_grads();
+
+  const GPT2Config& config() const { return config_; }
+  std::vector<Unit>& units() { return units_; }
+  const std::vector<Unit>& units() const { return units_; }
+  size_t num_params() const;
+  const float* logits() const { return acts_.logits; }  // (B,T,V) after forward
+  const kernels::KernelSet& kernels() const { return *k_; }
+  // FLOPs of one forward+backward over B*T tokens (matmuls and attention; the rest is memory-bound).
+  double flops_per_step(int B, int T) const;
+
+ private:
+  GPT2(const GPT2Config& config, const kernels::KernelSet& kernels, kernels::MatmulPrecision precision)
+      : config_(config), k_(&kernels), precision_(precision) {}
+  Status ensure_activations(int B, int T);
+  void block_forward(int l, const float* residual, int B, int T);
+  void block_backward(int l, const float* residual, float* dres, int B, int T);
+
+  // Parameter views of block l (into units_[1 + l]).
+  struct BlockParams {
+    float *ln1w, *ln1b, *qkvw, *qkvb, *attprojw, *attprojb, *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
+  };
+  BlockParams block_params(int l, bool grads) const;
+
+  GPT2Config config_;
+  const kernels::KernelSet* k_;
+  kernels::MatmulPrecision precision_;
+  std::vector<Unit> units_;  // wte, h.0 .. h.{L-1}, ln_f
+
+  // Activations of the last forward, llm.c-style, per layer l where marked (L, ...).
+  struct Activations {
+    float* encoded;    // (B,T,C)
+    float* ln1;        // (L,B,T,C)
+    float* ln1_mean;   // (L,B,T)
+    float* ln1_rstd;   // (L,B,T)
+    float* qkv;        // (L,B,T,3C)
+    float* atty;       // (L,B,T,C)
+    float* att;        // (L,B,NH,T,T)
+    float* attproj;    // (L,B,T,C)
+    float* residual2;  // (L,B,T,C)
+    float* ln2;        // (L,B,T,C)
+    float* ln2_mean;   // (L,B,T)
+    float* ln2_rstd;   // (L,B,T)
+    float* fch;        // (L,B,T,4C)
+    float* fch_gelu;   // (L,B,T,4C)
+    float* fcproj;     // (L,B,T,C)
+    float* residual3;  // (L,B,T,C)
+    float* lnf;        // (B,T,C)
+    float* lnf_mean;   // (B,T)
+    float* lnf_rstd;   // (B,T)
+    float* logits;     // (B,T,V)
+    float* losses;     // (B,T)
+    float* lse;        // (B,T)
+    float* dlosses;    // (B,T)
+    int32_t* inputs;   // (B,T) copy of the last batch
+    int32_t* targets;  // (B,T)
+  } acts_{};
+  // Gradients of one block's intermediate activations, reused by every layer in backward.
+  struct BlockGrads {
+    float* dres;       // (B,T,C) the residual stream's gradient
+    float* dln;        // (B,T,C) dln1 / dln2 / dlnf
+    float* datty;      // (B,T,C)
+    float* dqkv;       // (B,T,3C)
+    float* dfch;       // (B,T,4C)
+    float* dfch_gelu;  // (B,T,4C)
+  } grads_{};
+  AlignedBuffer act_buffer_;
+  size_t act_capacity_bt_ = 0;  // B*T the buffer was sized for
+  int last_B_ = 0, last_T_ = 0;
+  bool have_targets_ = false;
+  int num_counted_targets_ = 0;
+};
+
+}  // namespace strata::engine

@@ -1,0 +1,110 @@
+// main.cpp — `strata`, the one command: train, tokenize, bench.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "engine/bench_step.h"
+#include "engine/config.h"
+#include "engine/tokenize_cmd.h"
+#include "engine/trainer.h"
+
+namespace {
+
+struct TrainArgs {
+  std::string config;
+  std::vector<std::string> sets;
+  std::string metrics;
+  std::string resume;
+  bool resume_flag = false;
+  bool quiet = false;
+  // Shortcuts for the most-changed fields; each becomes a --set.
+  std::optional<int> max_steps, batch_size, seq_len, grad_accum, threads;
+  std::optional<double> lr;
+  std::optional<std::string> checkpoint_dir, kernels, precision, init_from;
+};
+
+int run_train(TrainArgs& a) {
+  using strata::engine::TrainOptions;
+  std::vector<std::string> sets = a.sets;
+  if (a.max_steps) sets.push_back("training.max_steps=" + std::to_string(*a.max_steps));
+  if (a.batch_size) sets.push_back("training.batch_size=" + std::to_string(*a.batch_size));
+  if (a.seq_len) sets.push_back("training.seq_len=" + std::to_string(*a.seq_len));
+  if (a.grad_accum) sets.push_back("training.grad_accum_steps=" + std::to_string(*a.grad_accum));
+  if (a.threads) sets.push_back("compute.threads=" + std::to_string(*a.threads));
+  if (a.lr) sets.push_back("training.lr=" + fmt::format("{}", *a.lr));
+  // Strings are JSON-quoted so that a path like "1e3" stays a string.
+  auto quoted = [](const std::string& s) { return nlohmann::json(s).dump(); };
+  if (a.checkpoint_dir) sets.push_back("training.checkpoint_dir=" + quoted(*a.checkpoint_dir));
+  if (a.kernels) sets.push_back("compute.kernels=" + quoted(*a.kernels));
+  if (a.precision) sets.push_back("compute.matmul_precision=" + quoted(*a.precision));
+  if (a.init_from) sets.push_back("training.init_from=" + quoted(*a.init_from));
+
+  auto cfg = strata::engine::load_run_config(a.config, sets);
+  if (!cfg.is_ok()) {
+    std::fprintf(stderr, "strata train: %s\n", cfg.status().to_string().c_str());
+    return 2;
+  }
+  TrainOptions opts;
+  opts.metrics_path = a.metrics;
+  opts.progress = !a.quiet;
+  if (a.resume_flag) opts.resume = a.resume.empty() ? cfg->training.checkpoint_dir : a.resume;
+  auto summary = strata::engine::run_training(cfg.value(), opts);
+  if (!summary.is_ok()) {
+    std::fprintf(stderr, "strata train: %s\n", summary.status().to_string().c_str());
+    return summary.status().code() == strata::StatusCode::kInvalidArgument ||
+                   summary.status().code() == strata::StatusCode::kNotFound ||
+                   summary.status().code() == strata::StatusCode::kCorruption
+               ? 2
+               : 1;
+  }
+  const auto& s = summary.value();
+  std::printf("done: %d steps, final loss %.4f", s.steps, s.last_loss);
+  if (s.val_loss >= 0) std::printf(", validation loss %.4f", s.val_loss);
+  std::printf(", %.0f tokens/s\ncheckpoint: %s\n", s.tokens_per_s, s.checkpoint.c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"strata — trains transformer language models larger than the memory they run on"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "strata 0.1.0");
+
+  TrainArgs ta;
+  CLI::App* train = app.add_subcommand("train", "Train a GPT-2 model from a JSON config");
+  train->add_option("--config,-c", ta.config, "Run configuration (JSON)")->required()->check(CLI::ExistingFile);
+  train->add_option("--set", ta.sets, "Override a config field: section.key=value (repeatable)");
+  train->add_option("--metrics", ta.metrics, "Write one JSON object per step to this file");
+  train->add_option("--resume", ta.resume,
+                    "Continue from a checkpoint (a step folder or a checkpoint_dir; empty: training.checkpoint_dir)")
+      ->expected(0, 1)
+      ->each([&](const std::string&) { ta.resume_flag = true; });
+  train->add_flag("--quiet,-q", ta.quiet, "No per-step progress line");
+  train->add_option("--max-steps", ta.max_steps, "= --set training.max_steps=N");
+  train->add_option("--batch-size", ta.batch_size, "= --set training.batch_size=N");
+  train->add_option("--seq-len", ta.seq_len, "= --set training.seq_len=N");
+  train->add_option("--grad-accum", ta.grad_accum, "= --set training.grad_accum_steps=N");
+  train->add_option("--lr", ta.lr, "= --set training.lr=X");
+  train->add_option("--checkpoint-dir", ta.checkpoint_dir, "= --set training.checkpoint_dir=DIR");
+  train->add_option("--init-from", ta.init_from, "= --set training.init_from=FILE.safetensors");
+  train->add_option("--kernels", ta.kernels, "= --set compute.kernels=fast|reference");
+  train->add_option("--precision", ta.precision, "= --set compute.matmul_precision=fp32|bf16");
+  train->add_option("--threads", ta.threads, "= --set compute.threads=N");
+
+  strata::engine::TokenizeOptions tok;
+  strata::engine::add_tokenize_command(app, tok);
+
+  CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
+  bench->require_subcommand(1);
+  strata::engine::BenchStepOptions bs;
+  strata::engine::add_bench_step_command(*bench, bs);
+
+  CLI11_PARSE(app, argc, argv);
+  if (train->parsed()) return run_train(ta);
+  if (app.got_subcommand("tokenize")) return strata::engine::run_tokenize(tok);
+  if (bench->got_subcommand("step")) return strata::engine::run_bench_step(bs);
+  return 0;
+}

@@ -1,0 +1,51 @@
+// optimizer.h — AdamW over a model's units, with global-norm clipping and the learning-rate schedule.
+//
+// Moments m and v are fp32 flat buffers per unit, in the unit's layout. Weight decay applies to tensors whose
+// TensorSpec says so (2-D weights), as in GPT-2 training and the PyTorch fixture. One thread drives it; the
+// kernels parallelise inside.
+#pragma once
+
+#include <vector>
+
+#include "common/aligned.h"
+#include "common/status.h"
+#include "engine/gpt2.h"
+#include "kernels/kernels.h"
+
+namespace strata::engine {
+
+struct AdamWConfig {
+  float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.1f;
+  float grad_clip = 1.0f;  // 0: no clipping
+};
+
+// Warmup + cosine: linear from lr/warmup to lr over `warmup` steps, then cosine down to min_lr at max_steps.
+// `step` is 0-based.
+double lr_at(int step, double lr, double min_lr, int warmup, int max_steps);
+
+class AdamW {
+ public:
+  static Result<AdamW> create(const std::vector<Unit>& units, const AdamWConfig& config);
+
+  // Global L2 norm of all gradients (summed in double, in unit order, so it is independent of threading).
+  static double grad_norm(const std::vector<Unit>& units);
+
+  // One update of every unit with learning rate lr. Clips by global norm first (PyTorch's clip_grad_norm_:
+  // scale = clip / (norm + 1e-6) when that is < 1). Returns the pre-clip norm. A non-finite norm skips the
+  // update (nothing changes, step count included) and is reported through *skipped.
+  double step(std::vector<Unit>& units, float lr, const kernels::KernelSet& k, bool* skipped = nullptr);
+
+  int steps_taken() const { return t_; }
+  void set_steps_taken(int t) { t_ = t; }
+  // Moments of unit i (layout of the unit).
+  float* m(size_t i) const { return m_[i].as<float>(); }
+  float* v(size_t i) const { return v_[i].as<float>(); }
+  const AdamWConfig& config() const { return config_; }
+
+ private:
+  AdamWConfig config_;
+  std::vector<AlignedBuffer> m_, v_;
+  int t_ = 0;
+};
+
+}  // namespace strata::engine

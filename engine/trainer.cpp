@@ -1,0 +1,211 @@
+#include "engine/trainer.h"
+
+#include <csignal>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include <fmt/format.h>
+#include <tbb/global_control.h>
+#include <tbb/info.h>
+
+#include "common/log.h"
+#include "common/timer.h"
+#include "engine/checkpoint.h"
+#include "engine/dataloader.h"
+#include "engine/gpt2.h"
+#include "engine/optimizer.h"
+#include "kernels/cpu/cpu_kernels.h"
+
+namespace strata::engine {
+namespace {
+
+volatile std::sig_atomic_t g_stop_signal = 0;
+extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+
+std::string hms(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "--:--";
+  const long s = std::lround(seconds);
+  return s >= 3600 ? fmt::format("{}:{:02d}:{:02d}", s / 3600, (s / 60) % 60, s % 60)
+                   : fmt::format("{:02d}:{:02d}", s / 60, s % 60);
+}
+
+}  // namespace
+
+Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& options) {
+  const TrainingConfig& tc = config.training;
+  const int B = tc.batch_size, T = tc.seq_len;
+  std::optional<tbb::global_control> threads;
+  if (config.compute.threads > 0)
+    threads.emplace(tbb::global_control::max_allowed_parallelism, config.compute.threads);
+
+  // Everything that can fail on input is checked before the first step.
+  STRATA_RETURN_IF_ERROR(check_writable_dir(tc.checkpoint_dir, "training.checkpoint_dir"));
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> metrics(nullptr, &std::fclose);
+  if (!options.metrics_path.empty()) {
+    metrics.reset(std::fopen(options.metrics_path.c_str(), options.resume.empty() ? "w" : "a"));
+    if (!metrics) return Status::io_error("cannot open metrics file {}: {}", options.metrics_path, std::strerror(errno));
+  }
+  STRATA_ASSIGN_OR_RETURN(DataLoader train,
+                          DataLoader::open(config.data.train, B, T, config.model.vocab_size, "data.train"));
+  std::optional<DataLoader> val;
+  if (!config.data.val.empty()) {
+    STRATA_ASSIGN_OR_RETURN(DataLoader v, DataLoader::open(config.data.val, B, T, config.model.vocab_size, "data.val"));
+    val.emplace(std::move(v));
+  }
+
+  const kernels::KernelSet* k = kernels::find_kernel_set(config.compute.kernels.c_str());
+  STRATA_ASSERT(k != nullptr);  // parse_run_config validated the name
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> model,
+                          GPT2::create(config.model, *k, config.compute.matmul_precision));
+  AdamWConfig ac;
+  ac.beta1 = static_cast<float>(tc.beta1);
+  ac.beta2 = static_cast<float>(tc.beta2);
+  ac.eps = static_cast<float>(tc.eps);
+  ac.weight_decay = static_cast<float>(tc.weight_decay);
+  ac.grad_clip = static_cast<float>(tc.grad_clip);
+  STRATA_ASSIGN_OR_RETURN(AdamW opt, AdamW::create(model->units(), ac));
+
+  TrainState state;
+  state.config = config.json;
+  if (!options.resume.empty()) {
+    auto loaded = load_checkpoint(options.resume, *model, opt);
+    if (!loaded.is_ok()) return loaded.status().with_context("--resume " + options.resume);
+    state.step = loaded->step;
+    state.train_pos = loaded->train_pos;
+    STRATA_RETURN_IF_ERROR(train.seek(state.train_pos));
+    STRATA_LOG_INFO("resumed from {} at step {}", options.resume, state.step);
+  } else if (!tc.init_from.empty()) {
+    STRATA_RETURN_IF_ERROR(load_model(*model, tc.init_from).with_context("training.init_from"));
+    STRATA_LOG_INFO("initialised weights from {}", tc.init_from);
+  } else {
+    model->init_gpt2(static_cast<uint64_t>(tc.seed));
+  }
+
+  const int64_t tokens_per_step = static_cast<int64_t>(B) * T * tc.grad_accum_steps;
+  STRATA_LOG_INFO("model: GPT-2 {} layers, {} heads, width {}, vocab {}, context {}: {:.2f}M parameters",
+                  config.model.n_layer, config.model.n_head, config.model.n_embd, config.model.vocab_size,
+                  config.model.block_size, model->num_params() / 1e6);
+  STRATA_LOG_INFO("data: {} train tokens in {} shard(s){}; {} tokens per step ({} x {} x {} accum)",
+                  train.total_tokens(), train.paths().size(),
+                  val ? fmt::format(", {} val tokens", val->total_tokens()) : std::string(), tokens_per_step, B, T,
+                  tc.grad_accum_steps);
+  STRATA_LOG_INFO("compute: {} kernels, {} matmuls, {} threads; checkpoints to {}", k->name,
+                  config.compute.matmul_precision == kernels::MatmulPrecision::kBF16 ? "bf16" : "fp32",
+                  config.compute.threads > 0 ? config.compute.threads : tbb::info::default_concurrency(),
+                  tc.checkpoint_dir);
+
+  g_stop_signal = 0;
+  auto old_int = std::signal(SIGINT, on_stop_signal);
+  auto old_term = std::signal(SIGTERM, on_stop_signal);
+  struct RestoreSignals {
+    decltype(old_int) i, t;
+    ~RestoreSignals() {
+      std::signal(SIGINT, i);
+      std::signal(SIGTERM, t);
+    }
+  } restore{old_int, old_term};
+
+  std::vector<int32_t> x(static_cast<size_t>(B) * T), y(static_cast<size_t>(B) * T);
+  TrainSummary summary;
+  auto validate = [&]() -> Status {
+    if (!val || tc.val_batches == 0) return Status::ok();
+    STRATA_RETURN_IF_ERROR(val->reset());
+    const int n = static_cast<int>(std::min<uint64_t>(tc.val_batches, val->batches_per_epoch()));
+    double sum = 0.0;
+    for (int i = 0; i < n; ++i) {
+      STRATA_RETURN_IF_ERROR(val->next_batch(x.data(), y.data()));
+      STRATA_ASSIGN_OR_RETURN(float loss, model->forward(x.data(), y.data(), B, T));
+      sum += loss;
+    }
+    summary.val_loss = static_cast<float>(sum / n);
+    return Status::ok();
+  };
+  auto checkpoint = [&]() -> Status {
+    state.train_pos = train.position();
+    STRATA_ASSIGN_OR_RETURN(summary.checkpoint,
+                            save_checkpoint(tc.checkpoint_dir, *model, opt, state, tc.keep_checkpoints));
+    return Status::ok();
+  };
+
+  Timer run_timer;
+  const int first_step = state.step;
+  int skipped_in_a_row = 0;
+  for (; state.step < tc.max_steps; ++state.step) {
+    if (g_stop_signal) {
+      STRATA_LOG_WARN("signal {} received: saving a checkpoint at step {} and stopping", int(g_stop_signal), state.step);
+      STRATA_RETURN_IF_ERROR(checkpoint());
+      STRATA_LOG_INFO("checkpoint: {}", summary.checkpoint);
+      return Status(StatusCode::kInternal, fmt::format("interrupted by signal {}; resume with --resume {}",
+                                                       int(g_stop_signal), tc.checkpoint_dir));
+    }
+    Timer step_timer;
+    model->zero_grads();
+    double loss_sum = 0.0;
+    for (int micro = 0; micro < tc.grad_accum_steps; ++micro) {
+      STRATA_RETURN_IF_ERROR(train.next_batch(x.data(), y.data()));
+      STRATA_ASSIGN_OR_RETURN(float loss, model->forward(x.data(), y.data(), B, T));
+      loss_sum += loss;
+      model->backward(1.0f / static_cast<float>(tc.grad_accum_steps));
+    }
+    const float loss = static_cast<float>(loss_sum / tc.grad_accum_steps);
+    const double lr = lr_at(state.step, tc.lr, tc.min_lr, tc.warmup_steps, tc.max_steps);
+    bool skipped = false;
+    const double norm = opt.step(model->units(), static_cast<float>(lr), *k, &skipped);
+    if (skipped) {
+      STRATA_LOG_WARN("step {}: gradient norm is {}; update skipped", state.step + 1, norm);
+      if (++skipped_in_a_row >= 10) {
+        STRATA_RETURN_IF_ERROR(checkpoint());
+        return Status::internal("10 steps in a row had non-finite gradients (last loss {}); stopped, checkpoint {}",
+                                loss, summary.checkpoint);
+      }
+    } else {
+      skipped_in_a_row = 0;
+    }
+    const double step_s = step_timer.seconds();
+    const double tok_s = tokens_per_step / step_s;
+    summary.last_loss = loss;
+    ++summary.steps;
+    const int done = state.step + 1;
+
+    bool ran_val = false;
+    if (tc.val_every > 0 && (done % tc.val_every == 0 || done == tc.max_steps)) {
+      STRATA_RETURN_IF_ERROR(validate());
+      ran_val = val.has_value() && tc.val_batches > 0;
+    }
+    if (options.progress && (done % tc.log_every == 0 || done == tc.max_steps || done == first_step + 1)) {
+      const double elapsed = run_timer.seconds();
+      const double eta = elapsed / (done - first_step) * (tc.max_steps - done);
+      std::string line = fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:>7.0f} tok/s | "
+                                     "{:>6.0f} ms | elapsed {} | eta {}",
+                                     done, tc.max_steps, loss, lr, norm, tok_s, step_s * 1e3, hms(elapsed), hms(eta));
+      if (ran_val) line += fmt::format(" | val {:.4f}", summary.val_loss);
+      std::puts(line.c_str());
+      std::fflush(stdout);
+    }
+    if (metrics) {
+      nlohmann::json m = {{"step", done},           {"loss", loss},           {"lr", lr},
+                          {"grad_norm", norm},       {"tokens_per_s", tok_s},  {"step_ms", step_s * 1e3}};
+      if (ran_val) m["val_loss"] = summary.val_loss;
+      if (skipped) m["skipped"] = true;
+      std::fprintf(metrics.get(), "%s\n", m.dump().c_str());
+      std::fflush(metrics.get());
+    }
+    if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0 && done != tc.max_steps) {
+      state.step = done;
+      STRATA_RETURN_IF_ERROR(checkpoint());
+      state.step = done - 1;
+    }
+  }
+  if (summary.steps > 0 || options.resume.empty()) {
+    STRATA_RETURN_IF_ERROR(checkpoint());
+  }
+  const double total_s = run_timer.seconds();
+  summary.tokens_per_s = total_s > 0 ? summary.steps * tokens_per_step / total_s : 0.0;
+  return summary;
+}
+
+}  // namespace strata::engine
