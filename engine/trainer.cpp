@@ -197,6 +197,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0 && done != tc.max_steps) {
       state.step = done;
       STRATA_RETURN_IF_ERROR(checkpoint());
+      if (options.progress) STRATA_LOG_INFO("checkpoint: {}", summary.checkpoint);
       state.step = done - 1;
     }
   }

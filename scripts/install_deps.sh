@@ -20,14 +20,11 @@ done
 
 missing=()
 for p in "${pkgs[@]}"; do
+  # npm may come from a non-Debian Node.js install; accept that.
+  [[ "$p" == npm ]] && command -v npm >/dev/null 2>&1 && continue
   status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
   [[ "$status" == "install ok installed" ]] || missing+=("$p")
 done
-# npm may come from a non-Debian Node.js install; accept that.
-if [[ " ${missing[*]-} " == *" npm "* ]] && command -v npm >/dev/null 2>&1; then
-  missing=("${missing[@]/npm}")
-fi
-missing=(${missing[@]+"${missing[@]}"})
 [[ ${#missing[@]} -eq 0 ]] && exit 0
 
 echo "install_deps.sh: installing ${missing[*]}"
