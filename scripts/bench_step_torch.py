@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""The PyTorch side of `strata bench step`: times training steps (forward, backward, AdamW) of the same GPT-2 on
+random tokens, on the CPU, and prints one JSON line with tokens_per_s, step_ms and gflop_per_s (FLOPs counted as
+Strata counts them, engine/gpt2.cpp flops_per_step)."""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt2_torch import GPT  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=6)
+    ap.add_argument("--width", type=int, default=384)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(1)
+    model = GPT(a.layers, a.heads, a.width, a.vocab, a.context)
+    model.init_gpt2(a.layers)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+    x = torch.randint(0, a.vocab, (a.batch, a.context))
+    y = torch.randint(0, a.vocab, (a.batch, a.context))
+    times = []
+    for s in range(a.warmup + a.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        if a.precision == "bf16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(x, y)
+        else:
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        dt = time.perf_counter() - t0
+        if s >= a.warmup:
+            times.append(dt)
+        print(f"  torch step {s + 1}/{a.warmup + a.steps}: {dt * 1e3:.1f} ms", file=sys.stderr)
+    med = statistics.median(times)
+    C, V, L, T = a.width, a.vocab, a.layers, a.context
+    tokens = a.batch * T
+    flops = 3.0 * tokens * (L * 2.0 * 12.0 * C * C + 2.0 * C * V + L * 2.0 * C * (T + 1.0))
+    print(json.dumps({"bench": "step", "impl": f"pytorch {torch.__version__}", "threads": a.threads,
+                      "precision": a.precision, "step_ms": med * 1e3, "tokens_per_s": tokens / med,
+                      "gflop_per_s": flops / 1e9 / med, "loss": float(loss.item())}))
+
+
+if __name__ == "__main__":
+    main()
