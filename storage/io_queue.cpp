@@ -1,0 +1,239 @@
+#include "storage/io_queue.h"
+
+#include <cerrno>
+#include <cstring>
+
+#include "common/check.h"
+
+namespace strata {
+
+std::string errno_text(int err) {
+  const char* name = strerrorname_np(err);
+  return fmt::format("{} ({})", std::strerror(err), name ? name : fmt::format("errno {}", err));
+}
+
+// ---- IoBatch ---------------------------------------------------------------------------------------------------
+
+IoBatch::~IoBatch() { (void)wait(); }
+
+void IoBatch::add(size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_ += n;
+}
+
+void IoBatch::finish(const Status& status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!status.is_ok() && errors_++ == 0) first_error_ = status;
+  STRATA_ASSERT(pending_ > 0);
+  // Notify under the lock: the waiter may destroy the batch the moment it sees pending_ == 0.
+  if (--pending_ == 0) cv_.notify_all();
+}
+
+Status IoBatch::wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return pending_ == 0; });
+  Status result = errors_ <= 1 ? first_error_
+                               : Status(first_error_.code(), fmt::format("{} (and {} more failed requests)",
+                                                                         first_error_.message(), errors_ - 1));
+  errors_ = 0;
+  first_error_ = Status::ok();
+  return result;
+}
+
+bool IoBatch::done() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return pending_ == 0;
+}
+
+// ---- IoQueue ---------------------------------------------------------------------------------------------------
+
+struct IoQueue::Request {
+  IoQueue* queue;
+  IoRequest req;
+  IoBatch* batch;
+  std::atomic<size_t> remaining;
+  std::mutex mu;  // guards error
+  Status error;
+  std::vector<Piece> pieces;
+};
+
+struct IoQueue::Piece : RawIo {
+  Request* parent = nullptr;
+  uint64_t start = 0;   // the piece's first byte in the file
+  char* base = nullptr;  // and in memory
+  uint32_t full = 0;     // its whole length
+  uint32_t moved = 0;
+  int retries = 0;
+};
+
+IoQueue::IoQueue(IoEngine& engine, const IoQueueOptions& options)
+    : engine_(engine), options_(options), lanes_(engine.lanes()), depth_(engine.queue_depth()) {
+  STRATA_ASSERT(lanes_ > 0 && depth_ > 0);
+  STRATA_ASSERT_MSG(options_.block_size > 0 && options_.block_size % 4096 == 0 && options_.block_size <= (1u << 30),
+                    "block_size must be a positive multiple of 4096, at most 1 GiB");
+  in_flight_.assign(lanes_, 0);
+}
+
+IoQueue::~IoQueue() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return total_in_flight_ == 0; });
+}
+
+IoQueueStats IoQueue::stats() const {
+  return IoQueueStats{requests_.load(), pieces_.load(), resumed_short_.load(), retried_.load(), failed_.load()};
+}
+
+int IoQueue::acquire_lane(bool wait) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    for (uint32_t i = 0; i < lanes_; ++i) {
+      const uint32_t lane = (next_lane_ + i) % lanes_;
+      if (in_flight_[lane] < depth_) {
+        ++in_flight_[lane];
+        ++total_in_flight_;
+        next_lane_ = (lane + 1) % lanes_;
+        return static_cast<int>(lane);
+      }
+    }
+    if (!wait) return -1;
+    cv_.wait(lock);
+  }
+}
+
+void IoQueue::release_lane(uint32_t lane) {
+  std::lock_guard<std::mutex> lock(mu_);
+  --in_flight_[lane];
+  --total_in_flight_;
+  cv_.notify_all();
+}
+
+Status IoQueue::check_request(const IoRequest& r) const {
+  if (r.buf == nullptr && r.len > 0) return Status::invalid_argument("{} of {} bytes: null buffer", io_op_name(r.op), r.len);
+  if (!engine_.direct(r.file)) return Status::ok();
+  const size_t a = engine_.alignment(r.file);
+  const auto addr = reinterpret_cast<uintptr_t>(r.buf);
+  if (r.offset % a != 0 || r.len % a != 0 || addr % a != 0) {
+    return Status::invalid_argument(
+        "{} of {}: O_DIRECT needs offset, length and buffer address aligned to {} bytes, got offset {}, length {}, "
+        "buffer {:#x} (the swap store pads for you; raw IoQueue callers must align)",
+        io_op_name(r.op), engine_.path(r.file), a, r.offset, r.len, addr);
+  }
+  return Status::ok();
+}
+
+void IoQueue::submit(IoRequest request, IoBatch* batch) {
+  STRATA_ASSERT(batch != nullptr);
+  requests_.fetch_add(1, std::memory_order_relaxed);
+  batch->add(1);
+  if (Status st = check_request(request); !st.is_ok()) {
+    failed_.fetch_add(1, std::memory_order_relaxed);
+    batch->finish(st);
+    return;
+  }
+  if (request.len == 0) {
+    batch->finish(request.on_complete ? request.on_complete() : Status::ok());
+    return;
+  }
+  const size_t bs = options_.block_size;
+  const size_t n = (request.len + bs - 1) / bs;
+  auto* r = new Request{this, std::move(request), batch, {n}, {}, {}, std::vector<Piece>(n)};
+  char* base = static_cast<char*>(r->req.buf);
+  for (size_t i = 0; i < n; ++i) {
+    Piece& p = r->pieces[i];
+    p.parent = r;
+    p.op = r->req.op;
+    p.file = r->req.file;
+    p.start = r->req.offset + i * bs;
+    p.base = base + i * bs;
+    p.full = static_cast<uint32_t>(std::min(bs, r->req.len - i * bs));
+    p.offset = p.start;
+    p.buf = p.base;
+    p.len = p.full;
+    p.done = &IoQueue::on_piece_done;
+  }
+  pieces_.fetch_add(n, std::memory_order_relaxed);
+  // Hand pieces over as lanes free up, in runs: one engine submit (one io_uring_submit) per run. `r` may be
+  // freed by completions as soon as its last piece is handed over, so nothing of it is touched after that.
+  // Only the first piece of a run may wait for a free slot; the rest take what is free at once. A submitter
+  // never sits on slots it has not handed over, so concurrent submitters cannot starve each other.
+  std::vector<RawIo*> run;
+  run.reserve(std::min<size_t>(n, depth_));
+  size_t i = 0;
+  while (i < n) {
+    run.clear();
+    int lane = acquire_lane(/*wait=*/true);
+    do {
+      RawIo* io = &r->pieces[i++];
+      io->lane = static_cast<uint32_t>(lane);
+      run.push_back(io);
+    } while (i < n && run.size() < depth_ && (lane = acquire_lane(/*wait=*/false)) >= 0);
+    engine_.submit(run.data(), run.size());
+  }
+}
+
+void IoQueue::on_piece_done(RawIo* io, int64_t res) {
+  auto* p = static_cast<Piece*>(io);
+  IoQueue* q = p->parent->queue;
+  if (res > 0) {
+    STRATA_ASSERT_MSG(res <= p->len, "engine reported more bytes than asked");
+    p->moved += static_cast<uint32_t>(res);
+    if (p->moved < p->full) {  // short transfer: resume the rest, keeping the lane slot
+      q->resumed_short_.fetch_add(1, std::memory_order_relaxed);
+      p->offset = p->start + p->moved;
+      p->buf = p->base + p->moved;
+      p->len = p->full - p->moved;
+      q->engine_.submit(&io, 1);
+      return;
+    }
+    q->finish_piece(p, Status::ok());
+    return;
+  }
+  const std::string& path = q->engine_.path(p->file);
+  if (res == 0) {
+    q->finish_piece(p, Status::io_error("{} of {} bytes at offset {} of {}: {} after {} bytes", io_op_name(p->op),
+                                        p->full, p->start, path,
+                                        p->op == IoOp::kRead ? "unexpected end of file" : "the device took no bytes",
+                                        p->moved));
+    return;
+  }
+  const int err = static_cast<int>(-res);
+  if ((err == EINTR || err == EAGAIN) && p->retries < q->options_.max_retries) {
+    ++p->retries;
+    q->retried_.fetch_add(1, std::memory_order_relaxed);
+    q->engine_.submit(&io, 1);
+    return;
+  }
+  q->finish_piece(p, Status::io_error("{} of {} bytes at offset {} of {}: {}", io_op_name(p->op), p->len, p->offset,
+                                      path, errno_text(err)));
+}
+
+void IoQueue::finish_piece(Piece* p, Status status) {
+  Request* r = p->parent;
+  release_lane(p->lane);
+  if (!status.is_ok()) {
+    std::lock_guard<std::mutex> lock(r->mu);
+    if (r->error.is_ok()) r->error = std::move(status);
+  }
+  if (r->remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  // The last piece: every other piece's writes to r happened before their decrement (acq_rel above).
+  Status result = std::move(r->error);
+  if (result.is_ok() && r->req.on_complete) result = r->req.on_complete();
+  if (!result.is_ok()) failed_.fetch_add(1, std::memory_order_relaxed);
+  IoBatch* batch = r->batch;
+  delete r;
+  batch->finish(result);
+}
+
+Status IoQueue::read(int file, uint64_t offset, void* buf, size_t len) {
+  IoBatch batch;
+  submit(IoRequest{IoOp::kRead, file, offset, buf, len, nullptr}, &batch);
+  return batch.wait();
+}
+
+Status IoQueue::write(int file, uint64_t offset, const void* buf, size_t len) {
+  IoBatch batch;
+  submit(IoRequest{IoOp::kWrite, file, offset, const_cast<void*>(buf), len, nullptr}, &batch);
+  return batch.wait();
+}
+
+}  // namespace strata

@@ -1,0 +1,112 @@
+// io_queue.h — what callers use to read and write through an IoEngine: requests of any size, split into
+// block_size pieces spread over the engine's lanes, completed together in an IoBatch.
+//
+// The correctness logic lives here, once, for every engine: a short transfer is resumed from where it stopped
+// (never taken as success), EINTR/EAGAIN are retried, end of file and 0-byte writes are errors, and every
+// -errno becomes a Status naming the operation, length, offset and file. Requests that O_DIRECT cannot take
+// (offset, length or buffer not aligned) fail at once with InvalidArgument, before reaching the kernel.
+//
+// Threading: submit, read and write are thread-safe. submit blocks only while every lane already has
+// queue_depth pieces in flight. A request's on_complete runs on an engine thread. The queue must outlive its
+// in-flight requests; the destructor waits for them.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <vector>
+
+#include "common/status.h"
+#include "storage/io_engine.h"
+
+namespace strata {
+
+// Requests a caller waits for together. Reusable after wait() returns.
+class IoBatch {
+ public:
+  IoBatch() = default;
+  IoBatch(const IoBatch&) = delete;
+  IoBatch& operator=(const IoBatch&) = delete;
+  ~IoBatch();  // waits, so a batch never dies with requests pointing at it
+
+  // Blocks until every request submitted with this batch has completed; returns the first error (with a count
+  // of the others), or ok.
+  Status wait();
+  bool done() const;
+
+ private:
+  friend class IoQueue;
+  void add(size_t n);
+  void finish(const Status& status);
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  size_t pending_ = 0;
+  size_t errors_ = 0;
+  Status first_error_;
+};
+
+struct IoRequest {
+  IoOp op = IoOp::kRead;
+  int file = -1;
+  uint64_t offset = 0;
+  void* buf = nullptr;
+  size_t len = 0;
+  // Runs once on an engine thread after every byte moved (never on failure); its Status becomes the request's.
+  // The swap store verifies checksums here, so verification runs in parallel with the I/O still in flight.
+  std::function<Status()> on_complete;
+};
+
+struct IoQueueOptions {
+  size_t block_size = size_t{1} << 20;  // largest piece handed to the engine; a multiple of 4096
+  int max_retries = 16;                 // EINTR/EAGAIN resubmissions of one piece before giving up
+};
+
+struct IoQueueStats {
+  uint64_t requests = 0, pieces = 0, resumed_short = 0, retried = 0, failed = 0;
+};
+
+class IoQueue {
+ public:
+  IoQueue(IoEngine& engine, const IoQueueOptions& options = {});
+  IoQueue(const IoQueue&) = delete;
+  IoQueue& operator=(const IoQueue&) = delete;
+  ~IoQueue();
+
+  // Queues `request`; its outcome arrives in `batch`.
+  void submit(IoRequest request, IoBatch* batch);
+  // Synchronous conveniences.
+  Status read(int file, uint64_t offset, void* buf, size_t len);
+  Status write(int file, uint64_t offset, const void* buf, size_t len);
+
+  IoEngine& engine() const { return engine_; }
+  size_t block_size() const { return options_.block_size; }
+  IoQueueStats stats() const;
+
+ private:
+  struct Request;
+  struct Piece;
+  static void on_piece_done(RawIo* io, int64_t res);
+  int acquire_lane(bool wait);  // a lane with a free slot, or -1 when none and !wait
+  void release_lane(uint32_t lane);
+  Status check_request(const IoRequest& r) const;
+  void finish_piece(Piece* p, Status status);
+
+  IoEngine& engine_;
+  IoQueueOptions options_;
+  uint32_t lanes_, depth_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<uint32_t> in_flight_;  // per lane
+  uint64_t total_in_flight_ = 0;
+  uint32_t next_lane_ = 0;
+  std::atomic<uint64_t> requests_{0}, pieces_{0}, resumed_short_{0}, retried_{0}, failed_{0};
+};
+
+// "No space left on device (ENOSPC)".
+std::string errno_text(int err);
+
+}  // namespace strata

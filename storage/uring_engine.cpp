@@ -1,0 +1,207 @@
+#include "storage/uring_engine.h"
+
+#include <algorithm>
+#include <cerrno>
+
+#include "common/check.h"
+#include "common/log.h"
+#include "storage/io_queue.h"
+
+namespace strata {
+
+namespace {
+constexpr uint64_t kWakeup = 0;  // user_data of the NOP that tells a completion thread to stop
+}
+
+Result<std::unique_ptr<UringEngine>> UringEngine::create(const EngineOptions& options) {
+  if (options.lanes == 0 || options.queue_depth == 0 || options.queue_depth > 4096)
+    return Status::invalid_argument("io_uring: lanes must be > 0 and queue_depth in [1, 4096], got {} and {}",
+                                    options.lanes, options.queue_depth);
+  std::unique_ptr<UringEngine> e(new UringEngine(options));
+  for (uint32_t i = 0; i < options.lanes; ++i) {
+    auto ring = std::make_unique<Ring>();
+    io_uring_params p{};
+    // Room for every transfer in flight plus the stop NOP, so the completion queue can never overflow.
+    p.flags = IORING_SETUP_CQSIZE;
+    p.cq_entries = 2 * options.queue_depth + 2;
+    if (options.sqpoll) {
+      p.flags |= IORING_SETUP_SQPOLL;
+      p.sq_thread_idle = options.sqpoll_idle_ms;
+    }
+    const int rc = io_uring_queue_init_params(options.queue_depth + 1, &ring->ring, &p);
+    if (rc < 0) {
+      e->rings_.clear();  // the ones made so far have no threads yet
+      return Status::io_error("io_uring_queue_init (depth {}{}): {}", options.queue_depth,
+                              options.sqpoll ? ", SQPOLL" : "", errno_text(-rc));
+    }
+    e->rings_.push_back(std::move(ring));
+  }
+  // A sparse fixed-file table in every ring; open/close keep it in step (on_slot_change_ runs under the table lock).
+  e->fixed_files_ = true;
+  for (auto& r : e->rings_) {
+    if (io_uring_register_files_sparse(&r->ring, kMaxFiles) < 0) e->fixed_files_ = false;
+  }
+  if (e->fixed_files_) {
+    UringEngine* self = e.get();
+    e->on_slot_change_ = [self](int slot, int fd) {
+      for (auto& r : self->rings_) {
+        const int rc = io_uring_register_files_update(&r->ring, static_cast<unsigned>(slot), &fd, 1);
+        STRATA_ASSERT_MSG(rc == 1, "io_uring_register_files_update failed on a registered table");
+      }
+    };
+  } else {
+    for (auto& r : e->rings_) (void)io_uring_unregister_files(&r->ring);
+  }
+  for (auto& r : e->rings_) {
+    Ring* ring = r.get();
+    UringEngine* self = e.get();
+    ring->reaper = std::thread([self, ring] { self->reap(*ring); });
+  }
+  return e;
+}
+
+UringEngine::~UringEngine() {
+  shutdown();
+  for (auto& r : rings_) io_uring_queue_exit(&r->ring);
+}
+
+int UringEngine::find_buffer(const void* buf, size_t len) const {
+  if (buffers_.empty()) return -1;
+  const auto b = reinterpret_cast<uintptr_t>(buf);
+  auto it = std::upper_bound(buffers_.begin(), buffers_.end(), b,
+                             [](uintptr_t v, const Region& r) { return v < r.begin; });
+  if (it == buffers_.begin()) return -1;
+  --it;
+  return b + len <= it->end ? it->index : -1;
+}
+
+void UringEngine::submit(RawIo* const* ios, size_t n) {
+  // Runs of transfers for the same ring go in with one io_uring_submit.
+  size_t i = 0;
+  while (i < n) {
+    const uint32_t lane = ios[i]->lane % rings_.size();
+    size_t j = i + 1;
+    while (j < n && ios[j]->lane % rings_.size() == lane) ++j;
+    submit_to(*rings_[lane], ios + i, j - i);
+    i = j;
+  }
+}
+
+void UringEngine::submit_to(Ring& ring, RawIo* const* ios, size_t n) {
+  std::unique_lock<std::mutex> lock(ring.sq_mu);
+  // Checked under the ring lock, which shutdown also takes before its stop NOP: a transfer either goes in
+  // before the NOP (and the completion thread waits for it) or is cancelled here.
+  if (stopping_.load(std::memory_order_acquire)) {
+    lock.unlock();
+    for (size_t i = 0; i < n; ++i) ios[i]->done(ios[i], -ECANCELED);
+    return;
+  }
+  ring.in_flight.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed);
+  for (size_t i = 0; i < n; ++i) {
+    RawIo* io = ios[i];
+    io_uring_sqe* sqe;
+    while ((sqe = io_uring_get_sqe(&ring.ring)) == nullptr) {
+      // Full only while the kernel has not consumed what we queued (SQPOLL asleep or busy): push it along.
+      const int rc = io_uring_submit(&ring.ring);
+      if (rc < 0 && rc != -EAGAIN && rc != -EBUSY && rc != -EINTR) URING_CHECK(rc);
+      if (options_.sqpoll) (void)io_uring_sqring_wait(&ring.ring);
+    }
+    const int file = fixed_files_ ? io->file : fd(io->file);
+    const int buf_index = find_buffer(io->buf, io->len);
+    if (io->op == IoOp::kRead) {
+      if (buf_index >= 0)
+        io_uring_prep_read_fixed(sqe, file, io->buf, io->len, io->offset, buf_index);
+      else
+        io_uring_prep_read(sqe, file, io->buf, io->len, io->offset);
+    } else {
+      if (buf_index >= 0)
+        io_uring_prep_write_fixed(sqe, file, io->buf, io->len, io->offset, buf_index);
+      else
+        io_uring_prep_write(sqe, file, io->buf, io->len, io->offset);
+    }
+    if (fixed_files_) sqe->flags |= IOSQE_FIXED_FILE;
+    io_uring_sqe_set_data64(sqe, reinterpret_cast<uint64_t>(io));
+  }
+  for (;;) {
+    const int rc = io_uring_submit(&ring.ring);
+    if (rc >= 0) break;
+    // EAGAIN/EBUSY: the kernel is short of resources for a moment; our CQ cannot overflow (see create).
+    if (rc != -EAGAIN && rc != -EBUSY && rc != -EINTR) URING_CHECK(rc);
+    std::this_thread::yield();
+  }
+}
+
+void UringEngine::reap(Ring& ring) {
+  struct Done {
+    RawIo* io;
+    int64_t res;
+  };
+  std::vector<Done> done;
+  done.reserve(2 * options_.queue_depth + 2);
+  bool stop = false;
+  for (;;) {
+    if (stop && ring.in_flight.load(std::memory_order_acquire) == 0) return;
+    io_uring_cqe* cqe;
+    const int rc = io_uring_wait_cqe(&ring.ring, &cqe);
+    if (rc == -EINTR || rc == -EAGAIN) continue;
+    URING_CHECK(rc);
+    // Take every ready completion, free their CQ slots, then run the callbacks (which may submit again).
+    unsigned head, count = 0;
+    done.clear();
+    io_uring_for_each_cqe(&ring.ring, head, cqe) {
+      ++count;
+      const uint64_t data = io_uring_cqe_get_data64(cqe);
+      if (data == kWakeup)
+        stop = true;
+      else
+        done.push_back({reinterpret_cast<RawIo*>(data), cqe->res});
+    }
+    io_uring_cq_advance(&ring.ring, count);
+    ring.in_flight.fetch_sub(static_cast<int64_t>(done.size()), std::memory_order_acq_rel);
+    for (const Done& d : done) d.io->done(d.io, d.res);
+  }
+}
+
+Status UringEngine::register_buffers(std::span<const iovec> regions) {
+  unregister_buffers();
+  if (regions.empty()) return Status::ok();
+  for (auto& r : rings_) {
+    const int rc = io_uring_register_buffers(&r->ring, regions.data(), static_cast<unsigned>(regions.size()));
+    if (rc < 0) {
+      for (auto& u : rings_) (void)io_uring_unregister_buffers(&u->ring);
+      return Status::io_error("io_uring_register_buffers ({} regions): {}", regions.size(), errno_text(-rc));
+    }
+  }
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const auto b = reinterpret_cast<uintptr_t>(regions[i].iov_base);
+    buffers_.push_back({b, b + regions[i].iov_len, static_cast<int>(i)});
+  }
+  std::sort(buffers_.begin(), buffers_.end(), [](const Region& a, const Region& b) { return a.begin < b.begin; });
+  return Status::ok();
+}
+
+void UringEngine::unregister_buffers() {
+  if (buffers_.empty()) return;
+  for (auto& r : rings_) (void)io_uring_unregister_buffers(&r->ring);
+  buffers_.clear();
+}
+
+void UringEngine::shutdown() {
+  std::lock_guard<std::mutex> guard(shutdown_mu_);
+  if (shut_down_) return;
+  shut_down_ = true;
+  for (auto& r : rings_) {
+    {
+      std::lock_guard<std::mutex> lock(r->sq_mu);
+      stopping_.store(true, std::memory_order_release);
+      io_uring_sqe* sqe;
+      while ((sqe = io_uring_get_sqe(&r->ring)) == nullptr) (void)io_uring_submit(&r->ring);
+      io_uring_prep_nop(sqe);
+      io_uring_sqe_set_data64(sqe, kWakeup);
+      while (io_uring_submit(&r->ring) < 0) std::this_thread::yield();
+    }
+    r->reaper.join();
+  }
+}
+
+}  // namespace strata

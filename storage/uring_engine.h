@@ -1,0 +1,66 @@
+// uring_engine.h — the io_uring engine (liburing): one ring per lane, each with its own completion thread.
+//
+// Submission is batched: IoQueue hands over runs of pieces and each run costs one io_uring_submit (none with
+// SQPOLL while the kernel thread is awake). Files are registered in a sparse fixed-file table and buffers
+// handed to register_buffers become fixed buffers, so the kernel neither looks up the fd nor pins pages per
+// transfer. Every CQE's result goes to RawIo::done as is; IoQueue judges it.
+//
+// Threading: submit may be called from any thread (a per-ring mutex guards the submission queue); each ring's
+// completion queue is read only by its own thread, which runs the done callbacks.
+#pragma once
+
+#include <liburing.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "storage/file_table.h"
+
+namespace strata {
+
+class UringEngine final : public FileTable {
+ public:
+  // Fails (with the kernel's reason) where io_uring is missing or refused; make_io_engine then falls back.
+  static Result<std::unique_ptr<UringEngine>> create(const EngineOptions& options);
+  ~UringEngine() override;
+
+  std::string name() const override { return options_.sqpoll ? "io_uring+sqpoll" : "io_uring"; }
+  uint32_t lanes() const override { return static_cast<uint32_t>(rings_.size()); }
+  uint32_t queue_depth() const override { return options_.queue_depth; }
+  void submit(RawIo* const* ios, size_t n) override;
+  Status register_buffers(std::span<const iovec> regions) override;
+  void unregister_buffers() override;
+  void shutdown() override;
+
+  bool fixed_files() const { return fixed_files_; }
+  size_t fixed_buffers() const { return buffers_.size(); }
+
+ private:
+  struct Ring {
+    io_uring ring;
+    std::mutex sq_mu;
+    std::atomic<int64_t> in_flight{0};
+    std::thread reaper;
+  };
+  struct Region {
+    uintptr_t begin, end;
+    int index;
+  };
+  explicit UringEngine(const EngineOptions& options) : options_(options) {}
+  void reap(Ring& ring);
+  void submit_to(Ring& ring, RawIo* const* ios, size_t n);
+  int find_buffer(const void* buf, size_t len) const;
+
+  EngineOptions options_;
+  std::vector<std::unique_ptr<Ring>> rings_;
+  bool fixed_files_ = false;
+  std::vector<Region> buffers_;  // sorted by begin; changed only while nothing is in flight
+  std::atomic<bool> stopping_{false};
+  std::mutex shutdown_mu_;
+  bool shut_down_ = false;
+};
+
+}  // namespace strata
