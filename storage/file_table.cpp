@@ -134,10 +134,14 @@ Result<std::vector<std::string>> FileTable::list(const std::string& dir) const {
   }
   std::vector<std::string> names;
   while (dirent* e = ::readdir(d)) {
-    if (e->d_type == DT_REG || e->d_type == DT_UNKNOWN) {
-      const std::string name = e->d_name;
-      if (name != "." && name != "..") names.push_back(name);
+    const std::string name = e->d_name;
+    if (name == "." || name == "..") continue;
+    bool regular = e->d_type == DT_REG;
+    if (e->d_type == DT_UNKNOWN) {  // some file systems do not fill d_type: ask
+      struct stat st;
+      regular = ::fstatat(::dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode);
     }
+    if (regular) names.push_back(name);
   }
   ::closedir(d);
   return names;

@@ -31,7 +31,8 @@ Result<std::unique_ptr<IoEngine>> make_io_engine(const EngineOptions& options) {
   if (options.kind != EngineKind::kPosix) {
     auto uring = UringEngine::create(options);
     if (uring.is_ok()) return std::unique_ptr<IoEngine>(std::move(uring).value());
-    if (options.kind == EngineKind::kUring) return uring.status();
+    if (options.kind == EngineKind::kUring || uring.status().code() == StatusCode::kInvalidArgument)
+      return uring.status();
     STRATA_LOG_WARN("io_uring is unavailable here ({}); using the POSIX pread/pwrite engine with {} threads",
                     uring.status().message(), options.lanes);
   }

@@ -1,5 +1,6 @@
 #include "storage/io_queue.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -108,8 +109,10 @@ void IoQueue::release_lane(uint32_t lane) {
 }
 
 Status IoQueue::check_request(const IoRequest& r) const {
-  if (r.buf == nullptr && r.len > 0) return Status::invalid_argument("{} of {} bytes: null buffer", io_op_name(r.op), r.len);
-  if (!engine_.direct(r.file)) return Status::ok();
+  if (r.buf == nullptr && r.len > 0)
+    return Status::invalid_argument("{} of {} bytes at offset {} of {}: null buffer", io_op_name(r.op), r.len,
+                                    r.offset, engine_.path(r.file));
+  if (r.len == 0 || !engine_.direct(r.file)) return Status::ok();
   const size_t a = engine_.alignment(r.file);
   const auto addr = reinterpret_cast<uintptr_t>(r.buf);
   if (r.offset % a != 0 || r.len % a != 0 || addr % a != 0) {
@@ -167,6 +170,7 @@ void IoQueue::submit(IoRequest request, IoBatch* batch) {
       io->lane = static_cast<uint32_t>(lane);
       run.push_back(io);
     } while (i < n && run.size() < depth_ && (lane = acquire_lane(/*wait=*/false)) >= 0);
+    std::stable_sort(run.begin(), run.end(), [](RawIo* a, RawIo* b) { return a->lane < b->lane; });
     engine_.submit(run.data(), run.size());
   }
 }
@@ -209,18 +213,22 @@ void IoQueue::on_piece_done(RawIo* io, int64_t res) {
 
 void IoQueue::finish_piece(Piece* p, Status status) {
   Request* r = p->parent;
-  release_lane(p->lane);
+  const uint32_t lane = p->lane;
   if (!status.is_ok()) {
     std::lock_guard<std::mutex> lock(r->mu);
     if (r->error.is_ok()) r->error = std::move(status);
   }
-  if (r->remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  if (r->remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) {
+    release_lane(lane);
+    return;
+  }
   // The last piece: every other piece's writes to r happened before their decrement (acq_rel above).
   Status result = std::move(r->error);
   if (result.is_ok() && r->req.on_complete) result = r->req.on_complete();
   if (!result.is_ok()) failed_.fetch_add(1, std::memory_order_relaxed);
   IoBatch* batch = r->batch;
   delete r;
+  release_lane(lane);  // the last touch of the queue: ~IoQueue waits for it
   batch->finish(result);
 }
 

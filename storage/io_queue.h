@@ -7,7 +7,8 @@
 // (offset, length or buffer not aligned) fail at once with InvalidArgument, before reaching the kernel.
 //
 // Threading: submit, read and write are thread-safe. submit blocks only while every lane already has
-// queue_depth pieces in flight. A request's on_complete runs on an engine thread. The queue must outlive its
+// queue_depth pieces in flight. A request's on_complete runs on an engine thread (on the submitting thread for a
+// zero-length request, which moves no bytes). The queue must outlive its
 // in-flight requests; the destructor waits for them.
 #pragma once
 

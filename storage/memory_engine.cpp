@@ -34,9 +34,12 @@ Result<int> MemoryEngine::open(const std::string& path, const OpenOptions& optio
 Status MemoryEngine::close(int file) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = open_.find(file);
-  STRATA_ASSERT(it != open_.end());
+  // Unknown only after crash() dropped the handle under its owner, whose clean-up then closes it: EBADF.
+  if (it == open_.end()) return Status::io_error("closing file handle {}: Bad file descriptor (EBADF)", file);
   if (it->second.holds_lock) it->second.data->locked = false;
+  const std::shared_ptr<Data> data = std::move(it->second.data);
   open_.erase(it);
+  if (data.use_count() == 1) used_ -= data->bytes.size();  // removed, and this was its last handle
   return Status::ok();
 }
 
@@ -101,7 +104,7 @@ Status MemoryEngine::remove(const std::string& path) {
   auto it = files_.find(path);
   if (it == files_.end()) return Status::io_error("removing {}: No such file or directory (ENOENT)", path);
   // Like unlink: open handles keep the bytes; the space is returned when the last one goes.
-  used_ -= it->second->bytes.size();
+  if (it->second.use_count() == 1) used_ -= it->second->bytes.size();  // else its last close returns it
   files_.erase(it);
   return Status::ok();
 }

@@ -7,6 +7,25 @@
 #include "common/log.h"
 #include "storage/io_queue.h"
 
+// The kernel hands a RawIo from the submitting thread to the completion thread; ThreadSanitizer cannot see that
+// edge, so under TSan we draw it by hand.
+#if defined(__SANITIZE_THREAD__)
+#define STRATA_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define STRATA_TSAN 1
+#endif
+#endif
+#ifdef STRATA_TSAN
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+#define TSAN_ACQUIRE(p) __tsan_acquire(p)
+#define TSAN_RELEASE(p) __tsan_release(p)
+#else
+#define TSAN_ACQUIRE(p) ((void)0)
+#define TSAN_RELEASE(p) ((void)0)
+#endif
+
 namespace strata {
 
 namespace {
@@ -30,7 +49,8 @@ Result<std::unique_ptr<UringEngine>> UringEngine::create(const EngineOptions& op
     }
     const int rc = io_uring_queue_init_params(options.queue_depth + 1, &ring->ring, &p);
     if (rc < 0) {
-      e->rings_.clear();  // the ones made so far have no threads yet
+      for (auto& made : e->rings_) io_uring_queue_exit(&made->ring);  // no threads yet
+      e->rings_.clear();
       return Status::io_error("io_uring_queue_init (depth {}{}): {}", options.queue_depth,
                               options.sqpoll ? ", SQPOLL" : "", errno_text(-rc));
     }
@@ -120,6 +140,7 @@ void UringEngine::submit_to(Ring& ring, RawIo* const* ios, size_t n) {
         io_uring_prep_write(sqe, file, io->buf, io->len, io->offset);
     }
     if (fixed_files_) sqe->flags |= IOSQE_FIXED_FILE;
+    TSAN_RELEASE(io);
     io_uring_sqe_set_data64(sqe, reinterpret_cast<uint64_t>(io));
   }
   for (;;) {
@@ -158,7 +179,10 @@ void UringEngine::reap(Ring& ring) {
     }
     io_uring_cq_advance(&ring.ring, count);
     ring.in_flight.fetch_sub(static_cast<int64_t>(done.size()), std::memory_order_acq_rel);
-    for (const Done& d : done) d.io->done(d.io, d.res);
+    for (const Done& d : done) {
+      TSAN_ACQUIRE(d.io);
+      d.io->done(d.io, d.res);
+    }
   }
 }
 
