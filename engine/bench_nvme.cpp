@@ -20,26 +20,27 @@
 namespace strata::engine {
 
 uint64_t parse_bytes(const std::string& text) {
-  if (text.empty()) return 0;
   size_t pos = 0;
   uint64_t v = 0;
-  try {
-    v = std::stoull(text, &pos);
-  } catch (...) {
-    return 0;
+  while (pos < text.size() && text[pos] >= '0' && text[pos] <= '9') {
+    if (v > (UINT64_MAX - 9) / 10) return 0;
+    v = v * 10 + static_cast<uint64_t>(text[pos++] - '0');
   }
+  if (pos == 0) return 0;
   std::string unit = text.substr(pos);
   if (!unit.empty() && (unit.back() == 'B' || unit.back() == 'b')) unit.pop_back();
-  if (!unit.empty() && (unit.back() == 'i')) unit.pop_back();
+  if (!unit.empty() && unit.back() == 'i') unit.pop_back();
   if (unit.empty()) return v;
   if (unit.size() != 1) return 0;
+  int shift = 0;
   switch (unit[0]) {
-    case 'k': case 'K': return v << 10;
-    case 'm': case 'M': return v << 20;
-    case 'g': case 'G': return v << 30;
-    case 't': case 'T': return v << 40;
+    case 'k': case 'K': shift = 10; break;
+    case 'm': case 'M': shift = 20; break;
+    case 'g': case 'G': shift = 30; break;
+    case 't': case 'T': shift = 40; break;
+    default: return 0;
   }
-  return 0;
+  return v > (UINT64_MAX >> shift) ? 0 : v << shift;
 }
 
 namespace {
