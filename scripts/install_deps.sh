@@ -8,7 +8,7 @@
 set -euo pipefail
 
 pkgs=(build-essential cmake pkg-config git
-      libdnnl-dev libtbb-dev liburing-dev libgtest-dev libgmock-dev
+      libdnnl-dev ocl-icd-opencl-dev libtbb-dev liburing-dev libgtest-dev libgmock-dev
       libopenmpi-dev openmpi-bin nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev
       libxxhash-dev libpcre2-dev)
 for arg in "$@"; do
