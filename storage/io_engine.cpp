@@ -1,5 +1,7 @@
 #include "storage/io_engine.h"
 
+#include <atomic>
+
 #include "common/log.h"
 #include "storage/posix_engine.h"
 #include "storage/uring_engine.h"
@@ -33,8 +35,10 @@ Result<std::unique_ptr<IoEngine>> make_io_engine(const EngineOptions& options) {
     if (uring.is_ok()) return std::unique_ptr<IoEngine>(std::move(uring).value());
     if (options.kind == EngineKind::kUring || uring.status().code() == StatusCode::kInvalidArgument)
       return uring.status();
-    STRATA_LOG_WARN("io_uring is unavailable here ({}); using the POSIX pread/pwrite engine with {} threads",
-                    uring.status().message(), options.lanes);
+    static std::atomic<bool> warned{false};  // once per process, however many engines are made
+    if (!warned.exchange(true))
+      STRATA_LOG_WARN("io_uring is unavailable here ({}); using the POSIX pread/pwrite engine with {} threads",
+                      uring.status().message(), options.lanes);
   }
   return std::unique_ptr<IoEngine>(std::make_unique<PosixEngine>(options.lanes, options.queue_depth));
 }
