@@ -1,0 +1,66 @@
+// crossentropy.cu — fused softmax + cross-entropy over rows of logits, one block per row. Forward saves the log
+// of the row's softmax denominator (lse); backward recomputes each probability from it and overwrites, element
+// by element (read, then write, by the same thread), so dlogits may alias logits.
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_context.h"
+#include "kernels/cuda/ops.h"
+#include "kernels/cuda/reduce.cuh"
+
+namespace strata::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 512;
+
+__global__ void crossentropy_forward_kernel(float* losses, float* lse, const float* logits, const int32_t* targets,
+                                            int V) {
+  __shared__ float shared[32];
+  const int n = blockIdx.x;
+  const float* row = logits + static_cast<size_t>(n) * V;
+  float mx = -INFINITY;
+  for (int v = threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, row[v]);
+  mx = block_reduce<true>(mx, shared);
+  float s = 0.0f;
+  for (int v = threadIdx.x; v < V; v += blockDim.x) s += expf(row[v] - mx);
+  s = block_reduce<false>(s, shared);
+  if (threadIdx.x == 0) {
+    const float l = mx + logf(s);
+    lse[n] = l;
+    const int t = targets[n];
+    losses[n] = t < 0 ? 0.0f : l - row[t];
+  }
+}
+
+__global__ void crossentropy_backward_kernel(float* dlogits, const float* logits, const float* lse,
+                                             const int32_t* targets, const float* dlosses, int V) {
+  const int n = blockIdx.x;
+  const size_t base = static_cast<size_t>(n) * V;
+  const int t = targets[n];
+  if (t < 0) {
+    for (int v = threadIdx.x; v < V; v += blockDim.x) dlogits[base + v] = 0.0f;
+    return;
+  }
+  const float l = lse[n], d = dlosses[n];
+  for (int v = threadIdx.x; v < V; v += blockDim.x) {
+    const float p = expf(logits[base + v] - l);
+    dlogits[base + v] = (p - (v == t ? 1.0f : 0.0f)) * d;
+  }
+}
+
+}  // namespace
+
+void softmax_crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int N,
+                                  int V) {
+  if (N <= 0) return;
+  crossentropy_forward_kernel<<<N, kThreads, 0, cuda_context().compute>>>(losses, lse, logits, targets, V);
+  CUDA_CHECK_LAUNCH();
+}
+
+void softmax_crossentropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
+                                   const float* dlosses, int N, int V) {
+  if (N <= 0) return;
+  crossentropy_backward_kernel<<<N, kThreads, 0, cuda_context().compute>>>(dlogits, logits, lse, targets, dlosses,
+                                                                           V);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace strata::kernels::cuda

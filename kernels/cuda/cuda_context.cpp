@@ -1,0 +1,99 @@
+#include "kernels/cuda/cuda_context.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+
+#include <fmt/format.h>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_kernels.h"
+
+namespace strata::kernels {
+
+namespace {
+
+struct Availability {
+  Status status;
+  std::string description;
+};
+
+const Availability& availability() {
+  static const Availability a = [] {
+    Availability r;
+    int count = 0;
+    const cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+      r.status = Status(StatusCode::kNotFound,
+                        fmt::format("no usable CUDA device: cudaGetDeviceCount says {} ({})", cudaGetErrorName(err),
+                                    cudaGetErrorString(err)));
+      (void)cudaGetLastError();  // clear the sticky-free error so later probes start clean
+      return r;
+    }
+    if (count == 0) {
+      r.status = Status(StatusCode::kNotFound, "no CUDA device: the driver reports 0 devices");
+      return r;
+    }
+    cudaDeviceProp p{};
+    if (const cudaError_t e = cudaGetDeviceProperties(&p, 0); e != cudaSuccess) {
+      r.status = Status(StatusCode::kNotFound,
+                        fmt::format("CUDA device 0 cannot be queried: {}", cudaGetErrorString(e)));
+      return r;
+    }
+    r.description = fmt::format("{}, sm_{}{}, {} SMs, {:.1f} GiB", p.name, p.major, p.minor, p.multiProcessorCount,
+                                static_cast<double>(p.totalGlobalMem) / (1u << 30));
+    return r;
+  }();
+  return a;
+}
+
+}  // namespace
+
+Status cuda_available() { return availability().status; }
+std::string cuda_device_description() { return availability().description; }
+
+void cuda_synchronize() { CUDA_CHECK(cudaStreamSynchronize(cuda::cuda_context().compute)); }
+
+namespace cuda {
+
+CudaContext& cuda_context() {
+  static CudaContext* ctx = [] {
+    const Status ok = cuda_available();
+    STRATA_ASSERT_MSG(ok.is_ok(), "cuda_context() needs a CUDA device; ask cuda_available() first");
+    auto* c = new CudaContext;  // lives for the process: streams and handles must outlive static destructors
+    CUDA_CHECK(cudaSetDevice(c->device));
+    CUDA_CHECK(cudaGetDeviceProperties(&c->props, c->device));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&c->compute, cudaStreamNonBlocking));
+    CUBLAS_CHECK(cublasCreate(&c->blas));
+    CUBLAS_CHECK(cublasSetStream(c->blas, c->compute));
+    // Full fp32 arithmetic for fp32 GEMMs (no TF32): the tests hold the backend to fp32 tolerances.
+    CUBLAS_CHECK(cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH));
+    CUBLAS_CHECK(cublasLtCreate(&c->lt));
+    CUDA_CHECK(cudaMalloc(&c->lt_workspace, CudaContext::kLtWorkspaceBytes));
+    // Keep freed scratch in the pool instead of returning it to the driver at every synchronization.
+    cudaMemPool_t pool;
+    CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, c->device));
+    uint64_t threshold = UINT64_MAX;
+    CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+    return c;
+  }();
+  return *ctx;
+}
+
+DeviceScratch::DeviceScratch(size_t bytes) {
+  if (bytes == 0) return;
+  CUDA_CHECK(cudaMallocAsync(&ptr_, bytes, cuda_context().compute));
+}
+
+DeviceScratch::~DeviceScratch() {
+  if (ptr_ != nullptr) CUDA_CHECK(cudaFreeAsync(ptr_, cuda_context().compute));
+}
+
+unsigned grid_for(size_t n, unsigned threads) {
+  const size_t wanted = (n + threads - 1) / threads;
+  const size_t cap = static_cast<size_t>(cuda_context().props.multiProcessorCount) * 32;
+  return static_cast<unsigned>(std::max<size_t>(1, std::min(wanted, cap)));
+}
+
+}  // namespace cuda
+}  // namespace strata::kernels

@@ -1,0 +1,29 @@
+#include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/ops.h"
+
+namespace strata::kernels {
+
+const KernelSet& cuda_kernels() {
+  namespace c = cuda;
+  static const KernelSet k{
+      "cuda",
+      &c::encoder_forward,
+      &c::encoder_backward,
+      &c::layernorm_forward,
+      &c::layernorm_backward,
+      &c::matmul_forward,
+      &c::matmul_backward,
+      &c::attention_forward,
+      &c::attention_backward,
+      &c::gelu_forward,
+      &c::gelu_backward,
+      &c::residual_forward,
+      &c::residual_backward,
+      &c::softmax_crossentropy_forward,
+      &c::softmax_crossentropy_backward,
+      &c::adamw_update,
+  };
+  return k;
+}
+
+}  // namespace strata::kernels

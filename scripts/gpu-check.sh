@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one command: build (or take a prebuilt bundle), run the CUDA tests, print a
+# short table. Run on a machine with an NVIDIA GPU, the CUDA toolkit and Strata's build dependencies:
+#   scripts/gpu-check.sh                      build into build-gpu/ and check
+#   scripts/gpu-check.sh --bundle DIR         (on a build machine, no GPU needed) copy the CUDA test binaries and
+#                                             the shared libraries they need beyond libc/CUDA into DIR
+#   scripts/gpu-check.sh --from-bundle DIR    check with a bundle made by --bundle (for GPU machines that lack
+#                                             the build dependencies)
+# Options: --out DIR (logs and JUnit XML; default gpu-check-out/), --sanitize (also run the tests under
+# compute-sanitizer memcheck).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+mode=build bundle="" out=gpu-check-out sanitize=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --bundle) mode=bundle bundle="$2"; shift 2 ;;
+    --from-bundle) mode=from-bundle bundle="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    --sanitize) sanitize=1; shift ;;
+    *) echo "gpu-check.sh: unknown option '$1' (valid: --bundle DIR, --from-bundle DIR, --out DIR, --sanitize)" >&2
+       exit 2 ;;
+  esac
+done
+
+tests=(kernels_cuda_test)
+
+if [[ $mode == bundle || $mode == build ]]; then
+  build=build-gpu
+  [[ $mode == bundle ]] && build=build
+  make build BUILD=$build >/dev/null
+  for t in "${tests[@]}"; do [[ -x $build/tests/kernels/$t ]] || { echo "gpu-check.sh: $build has no $t: was CUDA found at configure time?" >&2; exit 1; }; done
+fi
+
+if [[ $mode == bundle ]]; then
+  rm -rf "$bundle" && mkdir -p "$bundle/lib"
+  for t in "${tests[@]}"; do
+    cp build/tests/kernels/$t "$bundle/"
+    # Shared libraries beyond glibc, the compiler runtime and CUDA's own (which the GPU machine has).
+    ldd build/tests/kernels/$t | awk '/=> \//{print $3}' |
+      grep -v -E '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/libcu|/libnv' |
+      xargs -r -I{} cp -L {} "$bundle/lib/"
+  done
+  echo "gpu-check.sh: bundle in $bundle ($(du -sh "$bundle" | cut -f1)): ${tests[*]}"
+  exit 0
+fi
+
+bin_dir=build-gpu/tests/kernels
+if [[ $mode == from-bundle ]]; then
+  bin_dir="$bundle"
+  # CUDA's libraries: the toolkit's, else the ones a PyTorch install carries.
+  extra="$bundle/lib"
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do [[ -d $d ]] && extra="$extra:$d"; done
+  if py_cublas=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(os.path.dirname(nvidia.cublas.__file__), "lib"))' 2>/dev/null); then
+    extra="$extra:$py_cublas"
+  fi
+  export LD_LIBRARY_PATH="$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt" || true
+
+status=0
+declare -a rows
+for t in "${tests[@]}"; do
+  if "$bin_dir/$t" --gtest_output=xml:"$out/$t.xml" >"$out/$t.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
+  passed=$(grep -c '^\[       OK \]' "$out/$t.log" || true)
+  failed=$(grep -c '^\[  FAILED  \] [A-Za-z]' "$out/$t.log" || true)
+  skipped=$(grep -c '^\[  SKIPPED \] [A-Za-z]' "$out/$t.log" || true)
+  rows+=("$(printf '%-28s %-7s %6s %6s %7s' "$t" "$r" "$passed" "$failed" "$skipped")")
+  [[ $r == ok ]] || grep -E -B2 -A12 '^\[ RUN|Failure' "$out/$t.log" | head -80
+  if [[ $sanitize == 1 ]] && command -v compute-sanitizer >/dev/null; then
+    if compute-sanitizer --tool memcheck --error-exitcode 9 "$bin_dir/$t" >"$out/$t.memcheck.log" 2>&1; then
+      rows+=("$(printf '%-28s %-7s' "$t memcheck" ok)")
+    else
+      rows+=("$(printf '%-28s %-7s' "$t memcheck" FAILED)"); status=1
+      tail -40 "$out/$t.memcheck.log"
+    fi
+  fi
+done
+
+echo
+printf '%-28s %-7s %6s %6s %7s\n' test result passed failed skipped
+printf '%s\n' "${rows[@]}"
+exit $status

@@ -1,0 +1,351 @@
+// cuda_ops_test.cpp — every op of the CUDA KernelSet (kernels/cuda) against the float64 instantiation of the CPU
+// reference (kernels/cpu/reference.h) on seeded random odd-sized inputs, forward and backward: gradients start
+// from random values so "+=" is checked, forward outputs are poisoned with NaN so an unwritten element fails.
+// Also: AdamW bitwise equal to the CPU reference at float, bf16 matmuls against the reference on bf16-rounded
+// inputs, and bitwise reproducibility of the reductions. Skips, saying why, where no CUDA device is usable.
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "common/dtype.h"
+#include "common/rng.h"
+#include "kernels/cpu/reference.h"
+#include "kernels/cpu/reference_matmul.h"
+#include "kernels/cuda/cuda_kernels.h"
+#include "tests/test_util.h"
+
+namespace strata::kernels {
+namespace {
+
+using ::strata::testing::all_close;
+namespace ref = cpu::ref;
+
+// --- tolerances (against float64; see tests/kernels/matmul_test.cpp for the accumulation argument) ------------
+// A K-term fp32 sum is within 3*K*eps of the exact one for these U(-1,1)-scale inputs; elementwise fp32 ops are
+// within a few ulps (kRtol), and the GPU's tanhf/expf add at most a couple more.
+double accum_atol(int K) { return 3.0 * K * static_cast<double>(FLT_EPSILON); }
+constexpr double kRtol = 16 * static_cast<double>(FLT_EPSILON);
+constexpr double kElemAtol = 1e-6;
+
+#define CHECK_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+std::vector<float> rand_vec(size_t n, Rng& rng, double lo = -1.0, double hi = 1.0) {
+  std::vector<float> v(n);
+  for (auto& x : v) x = static_cast<float>(rng.uniform(lo, hi));
+  return v;
+}
+std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+// A device copy of a host vector; download() waits for the compute stream first.
+template <typename T>
+class Dev {
+ public:
+  explicit Dev(const std::vector<T>& host) : n_(host.size()) {
+    EXPECT_EQ(cudaMalloc(&ptr_, bytes()), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(ptr_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  // n elements filled with NaN bytes (0xFF…): an element the op forgets to write stays NaN.
+  static Dev poisoned(size_t n) { return Dev(n); }
+  Dev(const Dev&) = delete;
+  Dev(Dev&& o) noexcept : ptr_(o.ptr_), n_(o.n_) { o.ptr_ = nullptr; }
+  ~Dev() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  T* get() const { return ptr_; }
+  std::vector<T> download() const {
+    cuda_synchronize();
+    std::vector<T> host(n_);
+    EXPECT_EQ(cudaMemcpy(host.data(), ptr_, n_ * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return host;
+  }
+
+ private:
+  explicit Dev(size_t n) : n_(n) {
+    EXPECT_EQ(cudaMalloc(&ptr_, bytes()), cudaSuccess);
+    EXPECT_EQ(cudaMemset(ptr_, 0xFF, bytes()), cudaSuccess);
+  }
+  size_t bytes() const { return n_ * sizeof(T) + 4; }  // the allocation: never 0 bytes; copies move n_ elements
+  T* ptr_ = nullptr;
+  size_t n_;
+};
+
+class CudaOpsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const Status s = cuda_available();
+    if (!s.is_ok()) GTEST_SKIP() << "CUDA backend not testable here: " << s.message();
+    RecordProperty("device", cuda_device_description());
+  }
+  const KernelSet& k = cuda_kernels();
+};
+
+TEST_F(CudaOpsTest, Encoder) {
+  for (auto [B, T, C, V, seed] : {std::tuple{3, 37, 45, 53, 1u}, std::tuple{4, 64, 768, 997, 2u}}) {
+    SCOPED_TRACE(fmt::format("encoder B={} T={} C={} V={} seed={}", B, T, C, V, seed));
+    Rng rng(seed);
+    std::vector<int32_t> inp(size_t(B) * T);
+    for (auto& t : inp) t = static_cast<int32_t>(rng.below(V));  // V < B*T on the first: repeated tokens
+    auto wte = rand_vec(size_t(V) * C, rng), wpe = rand_vec(size_t(T) * C, rng);
+    auto dout = rand_vec(size_t(B) * T * C, rng);
+    auto dwte0 = rand_vec(wte.size(), rng), dwpe0 = rand_vec(wpe.size(), rng);
+
+    std::vector<double> out(dout.size()), dwte = to_double(dwte0), dwpe = to_double(dwpe0);
+    const auto wte_d = to_double(wte), wpe_d = to_double(wpe), dout_d = to_double(dout);
+    ref::encoder_forward(out.data(), inp.data(), wte_d.data(), wpe_d.data(), B, T, C);
+    ref::encoder_backward(dwte.data(), dwpe.data(), dout_d.data(), inp.data(), B, T, C);
+
+    Dev<int32_t> g_inp(inp);
+    Dev<float> g_wte(wte), g_wpe(wpe), g_dout(dout), g_dwte(dwte0), g_dwpe(dwpe0);
+    auto g_out = Dev<float>::poisoned(dout.size());
+    k.encoder_forward(g_out.get(), g_inp.get(), g_wte.get(), g_wpe.get(), B, T, C);
+    k.encoder_backward(g_dwte.get(), g_dwpe.get(), g_dout.get(), g_inp.get(), B, T, C);
+    EXPECT_TRUE(all_close(g_out.download(), out, kElemAtol, kRtol, "out"));
+    EXPECT_TRUE(all_close(g_dwte.download(), dwte, accum_atol(B * T), kRtol, "dwte"));
+    EXPECT_TRUE(all_close(g_dwpe.download(), dwpe, accum_atol(B), kRtol, "dwpe"));
+  }
+}
+
+TEST_F(CudaOpsTest, Layernorm) {
+  for (auto [N, C, seed] : {std::tuple{37, 45, 3u}, std::tuple{1031, 768, 4u}, std::tuple{5, 1600, 5u}}) {
+    SCOPED_TRACE(fmt::format("layernorm N={} C={} seed={}", N, C, seed));
+    Rng rng(seed);
+    auto inp = rand_vec(size_t(N) * C, rng, -2.0, 3.0), weight = rand_vec(C, rng, 0.5, 1.5), bias = rand_vec(C, rng);
+    auto dout = rand_vec(inp.size(), rng);
+    auto dinp0 = rand_vec(inp.size(), rng), dweight0 = rand_vec(C, rng), dbias0 = rand_vec(C, rng);
+
+    const auto inp_d = to_double(inp), w_d = to_double(weight), b_d = to_double(bias), dout_d = to_double(dout);
+    std::vector<double> out(inp.size()), mean(N), rstd(N);
+    std::vector<double> dinp = to_double(dinp0), dweight = to_double(dweight0), dbias = to_double(dbias0);
+    ref::layernorm_forward(out.data(), mean.data(), rstd.data(), inp_d.data(), w_d.data(), b_d.data(), N, C);
+    ref::layernorm_backward(dinp.data(), dweight.data(), dbias.data(), dout_d.data(), inp_d.data(), w_d.data(),
+                            mean.data(), rstd.data(), N, C);
+
+    Dev<float> g_inp(inp), g_w(weight), g_b(bias), g_dout(dout), g_dinp(dinp0), g_dw(dweight0), g_db(dbias0);
+    auto g_out = Dev<float>::poisoned(inp.size());
+    auto g_mean = Dev<float>::poisoned(N), g_rstd = Dev<float>::poisoned(N);
+    k.layernorm_forward(g_out.get(), g_mean.get(), g_rstd.get(), g_inp.get(), g_w.get(), g_b.get(), N, C);
+    k.layernorm_backward(g_dinp.get(), g_dw.get(), g_db.get(), g_dout.get(), g_inp.get(), g_w.get(), g_mean.get(),
+                         g_rstd.get(), N, C);
+    // Normalized values are O(1) with an O(C)-term mean and variance behind them.
+    EXPECT_TRUE(all_close(g_out.download(), out, accum_atol(C), kRtol, "out"));
+    EXPECT_TRUE(all_close(g_mean.download(), mean, accum_atol(C), kRtol, "mean"));
+    EXPECT_TRUE(all_close(g_rstd.download(), rstd, accum_atol(C), kRtol, "rstd"));
+    EXPECT_TRUE(all_close(g_dinp.download(), dinp, accum_atol(C), kRtol, "dinp"));
+    EXPECT_TRUE(all_close(g_dw.download(), dweight, 4 * accum_atol(N), kRtol, "dweight"));
+    EXPECT_TRUE(all_close(g_db.download(), dbias, accum_atol(N), kRtol, "dbias"));
+  }
+}
+
+// Matmul at both precisions; bf16 is compared with the reference run on bf16-rounded operands, so the only
+// difference left is fp32 accumulation order.
+void check_matmul(const KernelSet& k, int N, int C, int OC, MatmulPrecision precision, uint64_t seed, bool with_bias) {
+  SCOPED_TRACE(fmt::format("matmul N={} C={} OC={} precision={} bias={} seed={}", N, C, OC,
+                           precision == MatmulPrecision::kF32 ? "f32" : "bf16", with_bias, seed));
+  Rng rng(seed);
+  auto inp = rand_vec(size_t(N) * C, rng), weight = rand_vec(size_t(OC) * C, rng), bias = rand_vec(OC, rng);
+  auto dout = rand_vec(size_t(N) * OC, rng);
+  auto dinp0 = rand_vec(inp.size(), rng), dweight0 = rand_vec(weight.size(), rng), dbias0 = rand_vec(OC, rng);
+  auto rounded = [&](const std::vector<float>& v) {
+    std::vector<double> d(v.size());
+    for (size_t i = 0; i < v.size(); ++i)
+      d[i] = precision == MatmulPrecision::kF32 ? v[i] : bf16_to_f32(f32_to_bf16(v[i]));
+    return d;
+  };
+  const auto inp_d = rounded(inp), w_d = rounded(weight), dout_d = rounded(dout), bias_d = to_double(bias);
+  std::vector<double> out(size_t(N) * OC), dinp = to_double(dinp0), dweight = to_double(dweight0);
+  std::vector<double> dbias = to_double(dbias0);
+  ref::matmul_forward(out.data(), inp_d.data(), w_d.data(), with_bias ? bias_d.data() : nullptr, N, C, OC,
+                      MatmulPrecision::kF32);
+  ref::matmul_backward(dinp.data(), dweight.data(), with_bias ? dbias.data() : nullptr, dout_d.data(), inp_d.data(),
+                       w_d.data(), N, C, OC, MatmulPrecision::kF32);
+  // dbias sums the unrounded dout in every precision.
+  if (with_bias) {
+    dbias = to_double(dbias0);
+    for (int n = 0; n < N; ++n)
+      for (int o = 0; o < OC; ++o) dbias[o] += dout[size_t(n) * OC + o];
+  }
+
+  Dev<float> g_inp(inp), g_w(weight), g_b(bias), g_dout(dout), g_dinp(dinp0), g_dw(dweight0), g_db(dbias0);
+  auto g_out = Dev<float>::poisoned(out.size());
+  k.matmul_forward(g_out.get(), g_inp.get(), g_w.get(), with_bias ? g_b.get() : nullptr, N, C, OC, precision);
+  k.matmul_backward(g_dinp.get(), g_dw.get(), with_bias ? g_db.get() : nullptr, g_dout.get(), g_inp.get(), g_w.get(),
+                    N, C, OC, precision);
+  EXPECT_TRUE(all_close(g_out.download(), out, accum_atol(C), kRtol, "out"));
+  EXPECT_TRUE(all_close(g_dinp.download(), dinp, accum_atol(OC), kRtol, "dinp"));
+  EXPECT_TRUE(all_close(g_dw.download(), dweight, accum_atol(N), kRtol, "dweight"));
+  if (with_bias) {
+    EXPECT_TRUE(all_close(g_db.download(), dbias, accum_atol(N), kRtol, "dbias"));
+  } else {
+    EXPECT_EQ(g_db.download(), dbias0) << "dbias must be untouched when null is passed";
+  }
+}
+
+TEST_F(CudaOpsTest, MatmulF32) {
+  check_matmul(k, 37, 45, 61, MatmulPrecision::kF32, 6, true);
+  check_matmul(k, 256, 384, 1152, MatmulPrecision::kF32, 7, true);
+  check_matmul(k, 61, 64, 1001, MatmulPrecision::kF32, 8, false);  // the tied LM head: no bias
+}
+
+TEST_F(CudaOpsTest, MatmulBF16) {
+  check_matmul(k, 37, 48, 64, MatmulPrecision::kBF16, 9, true);
+  check_matmul(k, 256, 384, 1536, MatmulPrecision::kBF16, 10, true);
+  check_matmul(k, 33, 45, 61, MatmulPrecision::kBF16, 11, false);  // odd leading dimensions
+}
+
+TEST_F(CudaOpsTest, Attention) {
+  for (auto [B, T, C, NH, seed] : {std::tuple{2, 37, 48, 4, 12u}, std::tuple{3, 128, 192, 3, 13u},
+                                   std::tuple{1, 257, 768, 12, 14u}}) {
+    SCOPED_TRACE(fmt::format("attention B={} T={} C={} NH={} seed={}", B, T, C, NH, seed));
+    Rng rng(seed);
+    auto qkv = rand_vec(size_t(B) * T * 3 * C, rng, -2.0, 2.0), dout = rand_vec(size_t(B) * T * C, rng);
+    auto dqkv0 = rand_vec(qkv.size(), rng);
+    const auto qkv_d = to_double(qkv), dout_d = to_double(dout);
+    std::vector<double> out(dout.size()), att(size_t(B) * NH * T * T), dqkv = to_double(dqkv0);
+    ref::attention_forward(out.data(), att.data(), qkv_d.data(), B, T, C, NH);
+    ref::attention_backward(dqkv.data(), dout_d.data(), qkv_d.data(), att.data(), B, T, C, NH);
+
+    Dev<float> g_qkv(qkv), g_dout(dout), g_dqkv(dqkv0);
+    auto g_out = Dev<float>::poisoned(out.size()), g_att = Dev<float>::poisoned(att.size());
+    k.attention_forward(g_out.get(), g_att.get(), g_qkv.get(), B, T, C, NH);
+    k.attention_backward(g_dqkv.get(), g_dout.get(), g_qkv.get(), g_att.get(), B, T, C, NH);
+    const int hs = C / NH;
+    EXPECT_TRUE(all_close(g_att.download(), att, accum_atol(hs + T), kRtol, "att"));
+    EXPECT_TRUE(all_close(g_out.download(), out, accum_atol(hs + T), kRtol, "out"));
+    EXPECT_TRUE(all_close(g_dqkv.download(), dqkv, 2 * accum_atol(hs + T), kRtol, "dqkv"));
+  }
+}
+
+TEST_F(CudaOpsTest, GeluAndResidual) {
+  for (auto [N, seed] : {std::pair{size_t{1}, 15u}, std::pair{size_t{4097}, 16u}, std::pair{size_t{3} << 20, 17u}}) {
+    SCOPED_TRACE(fmt::format("gelu/residual N={} seed={}", N, seed));
+    Rng rng(seed);
+    auto x = rand_vec(N, rng, -6.0, 4.0), y = rand_vec(N, rng), dout = rand_vec(N, rng);
+    auto d1 = rand_vec(N, rng), d2 = rand_vec(N, rng);
+    const auto x_d = to_double(x), y_d = to_double(y), dout_d = to_double(dout);
+    std::vector<double> gelu(N), dgelu = to_double(d1), sum(N), dr1 = to_double(d1), dr2 = to_double(d2);
+    ref::gelu_forward(gelu.data(), x_d.data(), N);
+    ref::gelu_backward(dgelu.data(), x_d.data(), dout_d.data(), N);
+    ref::residual_forward(sum.data(), x_d.data(), y_d.data(), N);
+    ref::residual_backward(dr1.data(), dr2.data(), dout_d.data(), N);
+
+    Dev<float> g_x(x), g_y(y), g_dout(dout), g_dgelu(d1), g_dr1(d1), g_dr2(d2);
+    auto g_gelu = Dev<float>::poisoned(N), g_sum = Dev<float>::poisoned(N);
+    k.gelu_forward(g_gelu.get(), g_x.get(), N);
+    k.gelu_backward(g_dgelu.get(), g_x.get(), g_dout.get(), N);
+    k.residual_forward(g_sum.get(), g_x.get(), g_y.get(), N);
+    k.residual_backward(g_dr1.get(), g_dr2.get(), g_dout.get(), N);
+    EXPECT_TRUE(all_close(g_gelu.download(), gelu, kElemAtol, kRtol, "gelu out"));
+    EXPECT_TRUE(all_close(g_dgelu.download(), dgelu, kElemAtol, kRtol, "gelu dinp"));
+    EXPECT_TRUE(all_close(g_sum.download(), sum, kElemAtol, kRtol, "residual out"));
+    EXPECT_TRUE(all_close(g_dr1.download(), dr1, kElemAtol, kRtol, "residual dinp1"));
+    EXPECT_TRUE(all_close(g_dr2.download(), dr2, kElemAtol, kRtol, "residual dinp2"));
+  }
+}
+
+TEST_F(CudaOpsTest, SoftmaxCrossEntropy) {
+  for (auto [N, V, seed] : {std::tuple{37, 61, 18u}, std::tuple{67, 50257, 19u}}) {
+    SCOPED_TRACE(fmt::format("crossentropy N={} V={} seed={}", N, V, seed));
+    Rng rng(seed);
+    auto logits = rand_vec(size_t(N) * V, rng, -4.0, 4.0), dlosses = rand_vec(N, rng, 0.1, 1.0);
+    std::vector<int32_t> targets(N);
+    for (int n = 0; n < N; ++n) targets[n] = n % 7 == 3 ? -1 : static_cast<int32_t>(rng.below(V));  // some ignored
+    const auto logits_d = to_double(logits), dlosses_d = to_double(dlosses);
+    std::vector<double> losses(N), lse(N), dlogits(logits.size());
+    ref::softmax_crossentropy_forward(losses.data(), lse.data(), logits_d.data(), targets.data(), N, V);
+    ref::softmax_crossentropy_backward(dlogits.data(), logits_d.data(), lse.data(), targets.data(), dlosses_d.data(),
+                                       N, V);
+
+    Dev<float> g_logits(logits), g_dlosses(dlosses);
+    Dev<int32_t> g_targets(targets);
+    auto g_losses = Dev<float>::poisoned(N), g_lse = Dev<float>::poisoned(N);
+    k.softmax_crossentropy_forward(g_losses.get(), g_lse.get(), g_logits.get(), g_targets.get(), N, V);
+    // In place, as the model runs it: dlogits overwrite the logits.
+    k.softmax_crossentropy_backward(g_logits.get(), g_logits.get(), g_lse.get(), g_targets.get(), g_dlosses.get(), N,
+                                    V);
+    // lse is log of a V-term sum: relative error of the sum ~ (terms per thread + tree depth) * eps.
+    EXPECT_TRUE(all_close(g_lse.download(), lse, 1e-5, 1e-5, "lse"));
+    EXPECT_TRUE(all_close(g_losses.download(), losses, 1e-5, 1e-5, "losses"));
+    EXPECT_TRUE(all_close(g_logits.download(), dlogits, 1e-7, 1e-5, "dlogits"));
+  }
+}
+
+TEST_F(CudaOpsTest, AdamWIsBitwiseTheCpuReference) {
+  const size_t n = 1000003;
+  Rng rng(20);
+  auto p = rand_vec(n, rng), m = rand_vec(n, rng, -0.1, 0.1), v = rand_vec(n, rng, 0.0, 0.01);
+  auto g = rand_vec(n, rng);
+  AdamWParams hp{.lr = 6e-4f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f, .step = 1,
+                 .grad_scale = 0.37f};
+  Dev<float> gp(p), gm(m), gv(v), gg(g);
+  for (int step = 1; step <= 3; ++step) {
+    hp.step = step;
+    ref::adamw_update(p.data(), m.data(), v.data(), g.data(), n, hp);
+    k.adamw_update(gp.get(), gm.get(), gv.get(), gg.get(), n, hp);
+  }
+  EXPECT_TRUE(all_close(gp.download(), p, 0.0, 0.0, "params"));
+  EXPECT_TRUE(all_close(gm.download(), m, 0.0, 0.0, "m"));
+  EXPECT_TRUE(all_close(gv.download(), v, 0.0, 0.0, "v"));
+}
+
+TEST_F(CudaOpsTest, ConversionsRoundToNearestEven) {
+  Rng rng(21);
+  auto x = rand_vec(100003, rng, -1e4, 1e4);
+  x[0] = NAN;
+  x[1] = INFINITY;
+  x[2] = -0.0f;
+  x[3] = std::bit_cast<float>(0x3F808000u);  // exactly halfway between two bf16 values: ties to even
+  x[4] = 1e-40f;                             // subnormal
+  Dev<float> g_x(x);
+  Dev<uint16_t> g_h(std::vector<uint16_t>(x.size(), 0));
+  auto g_back = Dev<float>::poisoned(x.size());
+  cuda::f32_to_bf16(g_h.get(), g_x.get(), x.size());
+  cuda::bf16_to_f32(g_back.get(), g_h.get(), x.size());
+  const auto h = g_h.download();
+  const auto back = g_back.download();
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isnan(x[i])) {
+      EXPECT_TRUE(std::isnan(back[i])) << "NaN must stay NaN";
+      continue;
+    }
+    ASSERT_EQ(h[i], f32_to_bf16(x[i])) << "at [" << i << "] x=" << x[i];
+    ASSERT_EQ(std::bit_cast<uint32_t>(back[i]), std::bit_cast<uint32_t>(bf16_to_f32(h[i]))) << "at [" << i << "]";
+  }
+}
+
+// The reductions (encoder and layernorm backward, bias gradients) run in an order fixed by the shapes alone.
+TEST_F(CudaOpsTest, BackwardIsBitwiseReproducible) {
+  const int B = 4, T = 96, C = 384, V = 50, N = B * T;
+  Rng rng(22);
+  std::vector<int32_t> inp(N);
+  for (auto& t : inp) t = static_cast<int32_t>(rng.below(V));
+  auto dout = rand_vec(size_t(N) * C, rng), x = rand_vec(size_t(N) * C, rng), w = rand_vec(C, rng);
+  auto mean = rand_vec(N, rng), rstd = rand_vec(N, rng, 0.5, 2.0);
+  Dev<int32_t> g_inp(inp);
+  Dev<float> g_dout(dout), g_x(x), g_w(w), g_mean(mean), g_rstd(rstd);
+  auto run = [&] {
+    Dev<float> dwte(std::vector<float>(size_t(V) * C, 0.0f)), dwpe(std::vector<float>(size_t(T) * C, 0.0f));
+    Dev<float> dinp(std::vector<float>(x.size(), 0.0f)), dw(std::vector<float>(C, 0.0f)), db(std::vector<float>(C, 0.0f));
+    k.encoder_backward(dwte.get(), dwpe.get(), g_dout.get(), g_inp.get(), B, T, C);
+    k.layernorm_backward(dinp.get(), dw.get(), db.get(), g_dout.get(), g_x.get(), g_w.get(), g_mean.get(),
+                         g_rstd.get(), N, C);
+    return std::vector<std::vector<float>>{dwte.download(), dwpe.download(), dinp.download(), dw.download(),
+                                           db.download()};
+  };
+  const auto first = run();
+  for (int i = 0; i < 3; ++i) {
+    const auto again = run();
+    for (size_t a = 0; a < first.size(); ++a)
+      ASSERT_EQ(0, std::memcmp(first[a].data(), again[a].data(), first[a].size() * sizeof(float)))
+          << "output " << a << " differs on run " << i + 2;
+  }
+}
+
+}  // namespace
+}  // namespace strata::kernels
