@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "engine/bench_kernels.h"
 #include "engine/bench_nvme.h"
 #include "engine/bench_step.h"
 #include "engine/config.h"
@@ -104,11 +105,14 @@ int main(int argc, char** argv) {
   strata::engine::add_bench_step_command(*bench, bs);
   strata::engine::BenchNvmeOptions bn;
   strata::engine::add_bench_nvme_command(*bench, bn);
+  strata::engine::BenchKernelsOptions bk;
+  strata::engine::add_bench_kernels_command(*bench, bk);
 
   CLI11_PARSE(app, argc, argv);
   if (train->parsed()) return run_train(ta);
   if (app.got_subcommand("tokenize")) return strata::engine::run_tokenize(tok);
   if (bench->got_subcommand("step")) return strata::engine::run_bench_step(bs);
   if (bench->got_subcommand("nvme")) return strata::engine::run_bench_nvme(bn);
+  if (bench->got_subcommand("kernels")) return strata::engine::run_bench_kernels(bk);
   return 0;
 }

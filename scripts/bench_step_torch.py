@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The PyTorch side of `strata bench step`: times training steps (forward, backward, AdamW) of the same GPT-2 on
-random tokens, on the CPU, and prints one JSON line with tokens_per_s, step_ms and gflop_per_s (FLOPs counted as
+random tokens, on the CPU or (--device cuda) a GPU, and prints one JSON line with tokens_per_s, step_ms and gflop_per_s (FLOPs counted as
 Strata counts them, engine/gpt2.cpp flops_per_step)."""
 import argparse
 import json
@@ -12,7 +12,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt2_torch import GPT  # noqa: E402
+from gpt2_torch import GPT, Block  # noqa: E402
 
 
 def main():
@@ -27,29 +27,39 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (PyTorch >= 2.0)")
+    ap.add_argument("--sdpa", action="store_true", help="fused causal attention (PyTorch >= 2.0)")
     a = ap.parse_args()
+    dev = torch.device(a.device)
+    Block.use_sdpa = a.sdpa
     torch.set_num_threads(a.threads)
     torch.manual_seed(1)
     model = GPT(a.layers, a.heads, a.width, a.vocab, a.context)
     model.init_gpt2(a.layers)
+    model.to(dev)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
-    x = torch.randint(0, a.vocab, (a.batch, a.context))
-    y = torch.randint(0, a.vocab, (a.batch, a.context))
+                            lr=1e-4, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if a.device == "cuda" else {}))
+    step_model = torch.compile(model) if a.compile else model
+    x = torch.randint(0, a.vocab, (a.batch, a.context), device=dev)
+    y = torch.randint(0, a.vocab, (a.batch, a.context), device=dev)
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     times = []
     for s in range(a.warmup + a.steps):
+        sync()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         if a.precision == "bf16":
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                _, loss = model(x, y)
+            with torch.autocast(a.device, dtype=torch.bfloat16):
+                _, loss = step_model(x, y)
         else:
-            _, loss = model(x, y)
+            _, loss = step_model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sync()
         dt = time.perf_counter() - t0
         if s >= a.warmup:
             times.append(dt)
@@ -58,7 +68,9 @@ def main():
     C, V, L, T = a.width, a.vocab, a.layers, a.context
     tokens = a.batch * T
     flops = 3.0 * tokens * (L * 2.0 * 12.0 * C * C + 2.0 * C * V + L * 2.0 * C * (T + 1.0))
-    print(json.dumps({"bench": "step", "impl": f"pytorch {torch.__version__}", "threads": a.threads,
+    impl = f"pytorch {torch.__version__}" + (" compile" if a.compile else "") + (" sdpa" if a.sdpa else "")
+    print(json.dumps({"bench": "step", "impl": impl, "device": a.device, "batch": a.batch, "context": T,
+                      "threads": a.threads,
                       "precision": a.precision, "step_ms": med * 1e3, "tokens_per_s": tokens / med,
                       "gflop_per_s": flops / 1e9 / med, "loss": float(loss.item())}))
 

@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one command: build (or take a prebuilt bundle), run the CUDA tests, print a
-# short table. Run on a machine with an NVIDIA GPU, the CUDA toolkit and Strata's build dependencies:
+# Everything that needs a GPU, in one command: build (or take a prebuilt bundle), run the CUDA tests, the GPU
+# benchmarks (`strata bench kernels`, and the PyTorch GPT-2 step it is judged against where PyTorch with CUDA is
+# installed), and print a short table. Run on a machine with an NVIDIA GPU, the CUDA toolkit and Strata's build dependencies:
 #   scripts/gpu-check.sh                      build into build-gpu/ and check
-#   scripts/gpu-check.sh --bundle DIR         (on a build machine, no GPU needed) copy the CUDA test binaries and
-#                                             the shared libraries they need beyond libc/CUDA into DIR
+#   scripts/gpu-check.sh --bundle DIR         (on a build machine, no GPU needed) copy the CUDA test binaries,
+#                                             build/strata and the shared libraries they need beyond libc/CUDA
+#                                             into DIR
 #   scripts/gpu-check.sh --from-bundle DIR    check with a bundle made by --bundle (for GPU machines that lack
 #                                             the build dependencies)
 # Options: --out DIR (logs and JUnit XML; default gpu-check-out/), --sanitize (also run the tests under
-# compute-sanitizer memcheck).
+# compute-sanitizer memcheck), --no-bench (tests only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-mode=build bundle="" out=gpu-check-out sanitize=0
+mode=build bundle="" out=gpu-check-out sanitize=0 bench=1
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --bundle) mode=bundle bundle="$2"; shift 2 ;;
     --from-bundle) mode=from-bundle bundle="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --sanitize) sanitize=1; shift ;;
-    *) echo "gpu-check.sh: unknown option '$1' (valid: --bundle DIR, --from-bundle DIR, --out DIR, --sanitize)" >&2
+    --no-bench) bench=0; shift ;;
+    *) echo "gpu-check.sh: unknown option '$1' (valid: --bundle DIR, --from-bundle DIR, --out DIR, --sanitize, --no-bench)" >&2
        exit 2 ;;
   esac
 done
@@ -34,10 +37,10 @@ fi
 
 if [[ $mode == bundle ]]; then
   rm -rf "$bundle" && mkdir -p "$bundle/lib"
-  for t in "${tests[@]}"; do
-    cp build/tests/kernels/$t "$bundle/"
+  for bin in "${tests[@]/#/build/tests/kernels/}" build/strata; do
+    cp "$bin" "$bundle/"
     # Shared libraries beyond glibc, the compiler runtime and CUDA's own (which the GPU machine has).
-    ldd build/tests/kernels/$t | awk '/=> \//{print $3}' |
+    ldd "$bin" | awk '/=> \//{print $3}' |
       grep -v -E '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/libcu|/libnv' |
       xargs -r -I{} cp -L {} "$bundle/lib/"
   done
@@ -45,9 +48,9 @@ if [[ $mode == bundle ]]; then
   exit 0
 fi
 
-bin_dir=build-gpu/tests/kernels
+bin_dir=build-gpu/tests/kernels strata=build-gpu/strata
 if [[ $mode == from-bundle ]]; then
-  bin_dir="$bundle"
+  bin_dir="$bundle" strata="$bundle/strata"
   # CUDA's libraries: the toolkit's, else the ones a PyTorch install carries.
   extra="$bundle/lib"
   for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do [[ -d $d ]] && extra="$extra:$d"; done
@@ -78,6 +81,20 @@ for t in "${tests[@]}"; do
     fi
   fi
 done
+
+if [[ $bench == 1 ]]; then
+  echo; echo "== strata bench kernels (GPT-2 124M shapes, bf16 matmuls)"
+  "$strata" bench kernels | tee "$out/bench_kernels.txt" || status=1
+  "$strata" bench kernels --json >"$out/bench_kernels.jsonl" 2>&1 || status=1
+  if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo; echo "== PyTorch GPT-2 124M training step (torch.compile, fused attention, bf16 autocast, fused AdamW)"
+    PYTHONUNBUFFERED=1 python3 scripts/bench_step_torch.py --device cuda --compile --sdpa --precision bf16 \
+      --layers 12 --heads 12 --width 768 --context 1024 --batch 8 --steps 10 --warmup 3 \
+      2>"$out/torch.log" | tee "$out/torch.jsonl" || { status=1; tail -20 "$out/torch.log"; }
+  else
+    echo "(PyTorch with CUDA not installed here: the PyTorch peer is not run)"
+  fi
+fi
 
 echo
 printf '%-28s %-7s %6s %6s %7s\n' test result passed failed skipped

@@ -1,0 +1,308 @@
+#include "engine/bench_kernels.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#ifdef STRATA_HAVE_CUDA
+#include <cuda_bf16.h>
+
+#include "common/rng.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_context.h"
+#include "kernels/cuda/cuda_kernels.h"
+#endif
+
+namespace strata::engine {
+
+void add_bench_kernels_command(CLI::App& bench, BenchKernelsOptions& o) {
+  CLI::App* cmd = bench.add_subcommand("kernels", "Time each CUDA op at a GPT-2 shape against its roofline bound");
+  cmd->add_option("--layers", o.n_layer, "Transformer blocks (counts per step)")->capture_default_str();
+  cmd->add_option("--heads", o.n_head, "Attention heads")->capture_default_str();
+  cmd->add_option("--width", o.n_embd, "Model width (n_embd)")->capture_default_str();
+  cmd->add_option("--vocab", o.vocab_size, "Vocabulary size")->capture_default_str();
+  cmd->add_option("--context", o.seq_len, "Sequence length T")->capture_default_str();
+  cmd->add_option("--batch", o.batch_size, "Sequences per step B")->capture_default_str();
+  cmd->add_option("--precision", o.precision, "Matmul inputs: fp32 or bf16")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+  cmd->add_option("--reps", o.reps, "Timed calls per op (the median is reported)")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "Seed for the random inputs")->capture_default_str();
+  cmd->add_flag("--json", o.json, "One JSON object per op and one for the step, instead of the table");
+}
+
+#ifndef STRATA_HAVE_CUDA
+
+int run_bench_kernels(const BenchKernelsOptions&) {
+  std::fprintf(stderr, "strata bench kernels: this strata was built without the CUDA backend (STRATA_CUDA=OFF or no "
+                       "toolkit at configure time)\n");
+  return 2;
+}
+
+#else
+
+namespace {
+
+using kernels::MatmulPrecision;
+namespace kc = kernels::cuda;
+
+// A device allocation of n floats (or ints) filled with U(lo, hi) from the seed.
+struct DevBuf {
+  void* p = nullptr;
+  DevBuf(size_t n, Rng& rng, float lo, float hi) {
+    std::vector<float> h(n);
+    for (auto& x : h) x = static_cast<float>(rng.uniform(lo, hi));
+    CUDA_CHECK(cudaMalloc(&p, n * sizeof(float)));
+    CUDA_CHECK(cudaMemcpy(p, h.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  DevBuf(const std::vector<int32_t>& h) {
+    CUDA_CHECK(cudaMalloc(&p, h.size() * sizeof(int32_t)));
+    CUDA_CHECK(cudaMemcpy(p, h.data(), h.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  }
+  DevBuf(const DevBuf&) = delete;
+  ~DevBuf() { cudaFree(p); }
+  float* f() const { return static_cast<float*>(p); }
+  int32_t* i() const { return static_cast<int32_t*>(p); }
+};
+
+// Median milliseconds of `reps` calls, each between two events on the compute stream, after two warm-up calls.
+double time_ms(const std::function<void()>& fn, int reps) {
+  const cudaStream_t s = kc::cuda_context().compute;
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  fn();
+  fn();
+  std::vector<double> ms;
+  for (int r = 0; r < reps; ++r) {
+    CUDA_CHECK(cudaEventRecord(a, s));
+    fn();
+    CUDA_CHECK(cudaEventRecord(b, s));
+    CUDA_CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  CUDA_CHECK(cudaEventDestroy(a));
+  CUDA_CHECK(cudaEventDestroy(b));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// The two ceilings, measured: device-to-device copy bandwidth (bytes read + written) and the dense GEMM rate at
+// the benchmark's precision (8192³ through cuBLAS: bf16 inputs with fp32 accumulation, or fp32).
+struct Ceilings {
+  double gb_per_s, tflops;
+};
+Ceilings measure_ceilings(bool bf16, int reps) {
+  const kc::CudaContext& ctx = kc::cuda_context();
+  const size_t bytes = size_t{1} << 30;
+  void *src, *dst;
+  CUDA_CHECK(cudaMalloc(&src, bytes));
+  CUDA_CHECK(cudaMalloc(&dst, bytes));
+  CUDA_CHECK(cudaMemsetAsync(src, 1, bytes, ctx.compute));
+  const double copy_ms = time_ms([&] { CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ctx.compute)); }, reps);
+  CUDA_CHECK(cudaFree(src));
+  CUDA_CHECK(cudaFree(dst));
+
+  const int n = 8192;
+  const size_t elems = size_t{n} * n, in_bytes = elems * (bf16 ? 2 : 4);
+  Rng rng(7);
+  void *a, *b, *c;
+  CUDA_CHECK(cudaMalloc(&a, in_bytes));
+  CUDA_CHECK(cudaMalloc(&b, in_bytes));
+  CUDA_CHECK(cudaMalloc(&c, elems * 4));
+  {
+    DevBuf r(elems, rng, -1.0f, 1.0f);  // random data, not zeros: zeros run faster than real data
+    if (bf16) {
+      kc::f32_to_bf16(static_cast<uint16_t*>(a), r.f(), elems);
+      kc::f32_to_bf16(static_cast<uint16_t*>(b), r.f(), elems);
+    } else {
+      CUDA_CHECK(cudaMemcpyAsync(a, r.f(), in_bytes, cudaMemcpyDeviceToDevice, ctx.compute));
+      CUDA_CHECK(cudaMemcpyAsync(b, r.f(), in_bytes, cudaMemcpyDeviceToDevice, ctx.compute));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(ctx.compute));
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  const cudaDataType_t t = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  const double gemm_ms = time_ms(
+      [&] {
+        CUBLAS_CHECK(cublasGemmEx(ctx.blas, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a, t, n, b, t, n, &beta, c,
+                                  CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      },
+      std::max(5, reps / 2));
+  CUDA_CHECK(cudaFree(a));
+  CUDA_CHECK(cudaFree(b));
+  CUDA_CHECK(cudaFree(c));
+  return {2.0 * bytes / (copy_ms * 1e-3) / 1e9, 2.0 * n * double(n) * n / (gemm_ms * 1e-3) / 1e12};
+}
+
+struct OpRow {
+  std::string name;
+  int per_step;  // calls in one training step
+  double bytes, flops;
+  std::function<void()> run;
+  double ms = 0;
+};
+
+}  // namespace
+
+int run_bench_kernels(const BenchKernelsOptions& o) {
+  if (const Status s = kernels::cuda_available(); !s.is_ok()) {
+    std::fprintf(stderr, "strata bench kernels: %s\n", s.to_string().c_str());
+    return 1;
+  }
+  if (o.n_layer <= 0 || o.n_head <= 0 || o.n_embd <= 0 || o.n_embd % o.n_head != 0 || o.vocab_size <= 0 ||
+      o.batch_size <= 0 || o.seq_len <= 0 || o.reps <= 0) {
+    std::fprintf(stderr, "strata bench kernels: --layers, --heads, --width, --vocab, --batch, --context and --reps "
+                         "must be positive, and --heads must divide --width\n");
+    return 2;
+  }
+  const kernels::KernelSet& k = kernels::cuda_kernels();
+  const bool bf16 = o.precision == "bf16";
+  const MatmulPrecision prec = bf16 ? MatmulPrecision::kBF16 : MatmulPrecision::kF32;
+  const int B = o.batch_size, T = o.seq_len, C = o.n_embd, NH = o.n_head, V = o.vocab_size, L = o.n_layer;
+  const int N = B * T;
+  const double NC = double(N) * C, att = double(B) * NH * T * T, f = 4.0;  // f: bytes per fp32 element
+  const double params = double(V) * C + double(T) * C + L * (12.0 * C * C + 13.0 * C) + 2.0 * C;
+
+  const Ceilings ceil = measure_ceilings(bf16, o.reps);
+  if (!o.json) {
+    std::printf("strata bench kernels on %s\n", kernels::cuda_device_description().c_str());
+    std::printf("GPT-2 %d layers, width %d, %d heads, vocab %d, B=%d T=%d, matmuls %s; %.1fM parameters\n", L, C, NH,
+                V, B, T, o.precision.c_str(), params / 1e6);
+    std::printf("ceilings (measured): copy %.0f GB/s (read + write), %s GEMM %.0f TFLOP/s\n\n", ceil.gb_per_s,
+                o.precision.c_str(), ceil.tflops);
+  }
+
+  Rng rng(o.seed);
+  std::vector<int32_t> tokens(N), targets(N);
+  for (int i = 0; i < N; ++i) {
+    tokens[i] = static_cast<int32_t>(rng.below(V));
+    targets[i] = static_cast<int32_t>(rng.below(V));
+  }
+  DevBuf d_tokens(tokens), d_targets(targets);
+  DevBuf wte(size_t(V) * C, rng, -0.02f, 0.02f), wpe(size_t(T) * C, rng, -0.02f, 0.02f);
+  DevBuf x(NC, rng, -1, 1), y(NC, rng, -1, 1), dx(NC, rng, -1, 1), mean(N, rng, -0.1f, 0.1f), rstd(N, rng, 0.9f, 1.1f);
+  DevBuf lnw(C, rng, 0.9f, 1.1f), lnb(C, rng, -0.1f, 0.1f), dlnw(C, rng, -1, 1), dlnb(C, rng, -1, 1);
+  DevBuf w4(size_t(4) * C * C, rng, -0.02f, 0.02f), dw4(size_t(4) * C * C, rng, -1, 1), b4(4 * C, rng, -0.1f, 0.1f);
+  DevBuf db4(4 * C, rng, -1, 1), h4(4 * NC, rng, -1, 1), dh4(4 * NC, rng, -1, 1);
+  DevBuf qkv(3 * NC, rng, -1, 1), dqkv(3 * NC, rng, -1, 1), attn(att, rng, 0, 1.0f / T);
+  DevBuf logits(size_t(N) * V, rng, -4, 4), lse(N, rng, 10, 11), losses(N, rng, 0, 1), dlosses(N, rng, 0, 1e-4f);
+  DevBuf dwte(size_t(V) * C, rng, -1, 1), dwpe(size_t(T) * C, rng, -1, 1);
+  // The optimizer runs over every parameter: one flat buffer each for p, m, v, g.
+  const size_t np = static_cast<size_t>(params);
+  DevBuf p(np, rng, -0.02f, 0.02f), m(np, rng, -1e-3f, 1e-3f), v(np, rng, 0, 1e-6f), g(np, rng, -1e-3f, 1e-3f);
+  {
+    // Real probabilities in att for the backward (as forward would leave them).
+    k.attention_forward(y.f(), attn.f(), qkv.f(), B, T, C, NH);
+    kernels::cuda_synchronize();
+  }
+
+  // Bytes: the fewest an op must move (each input read once, each output written once, "+=" read and written).
+  auto mm_fwd = [&](int OC, int IC) { return f * (double(N) * IC + double(OC) * IC + double(N) * OC + OC); };
+  auto mm_bwd = [&](int OC, int IC) {
+    return f * (double(N) * OC + 3.0 * N * IC + 3.0 * double(OC) * IC + 2.0 * OC);
+  };
+  kernels::AdamWParams hp;
+  std::vector<OpRow> ops = {
+      {"encoder fwd", 1, f * 3 * NC, 0, [&] { k.encoder_forward(x.f(), d_tokens.i(), wte.f(), wpe.f(), B, T, C); }},
+      {"layernorm fwd", 2 * L + 1, f * (2 * NC + 2.0 * N),
+       0, [&] { k.layernorm_forward(y.f(), mean.f(), rstd.f(), x.f(), lnw.f(), lnb.f(), N, C); }},
+      {"matmul fwd qkv", L, mm_fwd(3 * C, C), 2 * NC * 3 * C,
+       [&] { k.matmul_forward(qkv.f(), x.f(), w4.f(), b4.f(), N, C, 3 * C, prec); }},
+      {"attention fwd", L, f * (4 * NC + att), 2 * att * (C / NH),
+       [&] { k.attention_forward(y.f(), attn.f(), qkv.f(), B, T, C, NH); }},
+      {"matmul fwd attproj", L, mm_fwd(C, C), 2 * NC * C,
+       [&] { k.matmul_forward(y.f(), x.f(), w4.f(), b4.f(), N, C, C, prec); }},
+      {"residual fwd", 2 * L, f * 3 * NC, 0, [&] { k.residual_forward(y.f(), x.f(), dx.f(), size_t(NC)); }},
+      {"matmul fwd fc", L, mm_fwd(4 * C, C), 2 * NC * 4 * C,
+       [&] { k.matmul_forward(h4.f(), x.f(), w4.f(), b4.f(), N, C, 4 * C, prec); }},
+      {"gelu fwd", L, f * 8 * NC, 0, [&] { k.gelu_forward(dh4.f(), h4.f(), size_t(4 * NC)); }},
+      {"matmul fwd fcproj", L, mm_fwd(C, 4 * C), 2 * NC * 4 * C,
+       [&] { k.matmul_forward(y.f(), h4.f(), w4.f(), b4.f(), N, 4 * C, C, prec); }},
+      {"matmul fwd head", 1, mm_fwd(V, C) - f * V, 2 * NC * V,
+       [&] { k.matmul_forward(logits.f(), x.f(), wte.f(), nullptr, N, C, V, prec); }},
+      {"crossentropy fwd", 1, f * double(N) * V, 0,
+       [&] { k.softmax_crossentropy_forward(losses.f(), lse.f(), logits.f(), d_targets.i(), N, V); }},
+      {"crossentropy bwd", 1, 2 * f * double(N) * V, 0,
+       [&] { k.softmax_crossentropy_backward(logits.f(), logits.f(), lse.f(), d_targets.i(), dlosses.f(), N, V); }},
+      {"matmul bwd head", 1, mm_bwd(V, C) - 2 * f * V, 4 * NC * V,
+       [&] { k.matmul_backward(dx.f(), dwte.f(), nullptr, logits.f(), x.f(), wte.f(), N, C, V, prec); }},
+      {"layernorm bwd", 2 * L + 1, f * 5 * NC, 0,
+       [&] { k.layernorm_backward(dx.f(), dlnw.f(), dlnb.f(), y.f(), x.f(), lnw.f(), mean.f(), rstd.f(), N, C); }},
+      {"matmul bwd fcproj", L, mm_bwd(C, 4 * C), 4 * NC * 4 * C,
+       [&] { k.matmul_backward(dh4.f(), dw4.f(), db4.f(), y.f(), h4.f(), w4.f(), N, 4 * C, C, prec); }},
+      {"gelu bwd", L, f * 16 * NC, 0, [&] { k.gelu_backward(dh4.f(), h4.f(), dh4.f(), size_t(4 * NC)); }},
+      {"matmul bwd fc", L, mm_bwd(4 * C, C), 4 * NC * 4 * C,
+       [&] { k.matmul_backward(dx.f(), dw4.f(), db4.f(), h4.f(), y.f(), w4.f(), N, C, 4 * C, prec); }},
+      {"matmul bwd attproj", L, mm_bwd(C, C), 4 * NC * C,
+       [&] { k.matmul_backward(dx.f(), dw4.f(), db4.f(), y.f(), x.f(), w4.f(), N, C, C, prec); }},
+      {"attention bwd", L, f * (10 * NC + att), 4 * att * (C / NH),
+       [&] { k.attention_backward(dqkv.f(), y.f(), qkv.f(), attn.f(), B, T, C, NH); }},
+      {"matmul bwd qkv", L, mm_bwd(3 * C, C), 4 * NC * 3 * C,
+       [&] { k.matmul_backward(dx.f(), dw4.f(), db4.f(), qkv.f(), x.f(), w4.f(), N, C, 3 * C, prec); }},
+      {"encoder bwd", 1, f * 5 * NC, 0,
+       [&] { k.encoder_backward(dwte.f(), dwpe.f(), dx.f(), d_tokens.i(), B, T, C); }},
+      {"adamw", 1, 28.0 * np, 0, [&] { k.adamw_update(p.f(), m.f(), v.f(), g.f(), np, hp); }},
+  };
+
+  double step_ms = 0, step_flops = 0;
+  if (!o.json)
+    std::printf("%-20s %5s %9s %8s %8s %9s %7s\n", "op", "x/step", "ms", "GB/s", "TFLOP/s", "bound ms", "of bound");
+  for (OpRow& op : ops) {
+    op.ms = time_ms(op.run, o.reps);
+    const double bound = std::max(op.bytes / (ceil.gb_per_s * 1e9), op.flops / (ceil.tflops * 1e12)) * 1e3;
+    const double gbs = op.bytes / (op.ms * 1e-3) / 1e9, tfs = op.flops / (op.ms * 1e-3) / 1e12;
+    step_ms += op.per_step * op.ms;
+    step_flops += op.per_step * op.flops;
+    if (o.json) {
+      std::printf("%s\n", nlohmann::json{{"bench", "kernels"},
+                                         {"op", op.name},
+                                         {"per_step", op.per_step},
+                                         {"ms", op.ms},
+                                         {"bytes", op.bytes},
+                                         {"flops", op.flops},
+                                         {"gb_per_s", gbs},
+                                         {"tflop_per_s", tfs},
+                                         {"bound_ms", bound},
+                                         {"of_bound", bound / op.ms}}
+                              .dump()
+                              .c_str());
+    } else {
+      std::printf("%-20s %5d %9.3f %8.0f %8.1f %9.3f %6.0f%%\n", op.name.c_str(), op.per_step, op.ms, gbs, tfs, bound,
+                  100.0 * bound / op.ms);
+    }
+  }
+  const double tokens_per_s = N / (step_ms * 1e-3);
+  const double mfu = step_flops / (step_ms * 1e-3) / (ceil.tflops * 1e12);
+  if (o.json) {
+    std::printf("%s\n", nlohmann::json{{"bench", "kernels"},
+                                       {"op", "step (sum of ops)"},
+                                       {"device", kernels::cuda_device_description()},
+                                       {"precision", o.precision},
+                                       {"step_ms", step_ms},
+                                       {"tokens_per_s", tokens_per_s},
+                                       {"step_flops", step_flops},
+                                       {"copy_gb_per_s", ceil.gb_per_s},
+                                       {"gemm_tflop_per_s", ceil.tflops},
+                                       {"mfu", mfu}}
+                            .dump()
+                            .c_str());
+  } else {
+    std::printf("\none step as the sum of its ops (not a measured step): %.1f ms, %.0f tokens/s, %.1f TFLOP/s of "
+                "model FLOPs = %.0f%% of the measured GEMM rate\n",
+                step_ms, tokens_per_s, step_flops / (step_ms * 1e-3) / 1e12, 100.0 * mfu);
+  }
+  return 0;
+}
+
+#endif  // STRATA_HAVE_CUDA
+
+}  // namespace strata::engine
