@@ -35,6 +35,9 @@ void add_bench_step_command(CLI::App& bench, BenchStepOptions& o) {
   cmd->add_option("--kernels", o.kernels, "fast or reference")
       ->check(CLI::IsMember({"fast", "reference"}))
       ->capture_default_str();
+  cmd->add_option("--device", o.device, "cpu, cuda, or auto (cuda where a GPU is usable)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
   cmd->add_option("--threads", o.threads, "Worker threads (0: all)")->capture_default_str();
   cmd->add_option("--seed", o.seed, "Seed for weights and tokens")->capture_default_str();
   cmd->add_flag("--json", o.json, "Print one JSON object instead of text");
@@ -50,14 +53,19 @@ int run_bench_step(const BenchStepOptions& o) {
   }
   const kernels::KernelSet* k = kernels::find_kernel_set(o.kernels.c_str());
   const auto precision = o.precision == "bf16" ? kernels::MatmulPrecision::kBF16 : kernels::MatmulPrecision::kF32;
-  auto model = GPT2::create(mc, *k, precision);
+  auto device = kernels::make_device(o.device, *k);
+  if (!device.is_ok()) {
+    std::fprintf(stderr, "strata bench step: %s\n", device.status().to_string().c_str());
+    return 2;
+  }
+  auto model = GPT2::create(mc, *device.value(), precision);
   if (!model.is_ok()) {
     std::fprintf(stderr, "strata bench step: %s\n", model.status().to_string().c_str());
     return 2;
   }
   GPT2& m = *model.value();
   m.init_gpt2(o.seed);
-  auto opt = AdamW::create(m.units(), AdamWConfig{});
+  auto opt = AdamW::create(m.units(), AdamWConfig{}, m.device());
   if (!opt.is_ok()) {
     std::fprintf(stderr, "strata bench step: %s\n", opt.status().to_string().c_str());
     return 1;
@@ -81,7 +89,8 @@ int run_bench_step(const BenchStepOptions& o) {
     }
     loss = l.value();
     m.backward();
-    opt->step(m.units(), 1e-4f, *k);
+    opt->step(m.units(), 1e-4f);
+    m.device().synchronize();  // the GPU's optimizer kernels are still running when step() returns
     if (s >= o.warmup) times.push_back(t.seconds());
     if (!o.json) std::fprintf(stderr, "  step %d/%d: %.1f ms%s\n", s + 1, o.warmup + o.steps, t.millis(),
                               s < o.warmup ? " (warmup)" : "");
@@ -94,14 +103,15 @@ int run_bench_step(const BenchStepOptions& o) {
   if (o.json) {
     nlohmann::json j = {{"bench", "step"},         {"n_layer", o.n_layer},     {"n_head", o.n_head},
                         {"n_embd", o.n_embd},      {"vocab_size", o.vocab_size}, {"batch", B},
-                        {"context", T},            {"precision", o.precision}, {"kernels", k->name},
+                        {"context", T},            {"precision", o.precision}, {"kernels", m.kernels().name},
                         {"threads", nthreads},     {"params", m.num_params()}, {"steps", o.steps},
                         {"step_ms", median * 1e3}, {"tokens_per_s", tokens / median},
-                        {"gflop_per_step", gflop}, {"gflop_per_s", gflop / median}, {"loss", loss}};
+                        {"gflop_per_step", gflop}, {"gflop_per_s", gflop / median}, {"loss", loss},
+                        {"device", m.device().description()}};
     std::printf("%s\n", j.dump().c_str());
   } else {
-    std::printf("GPT-2 L=%d H=%d C=%d V=%d, B=%d T=%d, %s matmuls, %s kernels, %d threads, %.2fM params\n",
-                o.n_layer, o.n_head, o.n_embd, o.vocab_size, B, T, o.precision.c_str(), k->name, nthreads,
+    std::printf("GPT-2 L=%d H=%d C=%d V=%d, B=%d T=%d, %s matmuls, %s, %d threads, %.2fM params\n", o.n_layer,
+                o.n_head, o.n_embd, o.vocab_size, B, T, o.precision.c_str(), m.device().description().c_str(), nthreads,
                 m.num_params() / 1e6);
     std::printf("median of %d steps: %.1f ms/step, %.0f tokens/s, %.1f GFLOP/s (%.1f GFLOP/step)\n", o.steps,
                 median * 1e3, tokens / median, gflop / median, gflop);

@@ -16,6 +16,7 @@ struct BenchStepOptions {
   int steps = 5, warmup = 1;
   std::string precision = "fp32";  // fp32 | bf16
   std::string kernels = "fast";
+  std::string device = "cpu";  // cpu | cuda | auto
   int threads = 0;
   uint64_t seed = 1;
   bool json = false;

@@ -105,6 +105,7 @@ Result<RunConfig> parse_run_config(const nlohmann::json& j, const std::string& s
   if (t.checkpoint_dir.empty()) return bad("checkpoint_dir", "must not be empty");
 
   JsonSection co = root.section("compute");
+  STRATA_RETURN_IF_ERROR(co.get_string("device", &c.compute.device));
   STRATA_RETURN_IF_ERROR(co.get_string("kernels", &c.compute.kernels));
   std::string precision = "fp32";
   STRATA_RETURN_IF_ERROR(co.get_string("matmul_precision", &precision));
@@ -113,6 +114,14 @@ Result<RunConfig> parse_run_config(const nlohmann::json& j, const std::string& s
   if (c.compute.kernels != "fast" && c.compute.kernels != "reference") {
     return Status::invalid_argument("{}: compute.kernels must be \"fast\" or \"reference\", got \"{}\"", source,
                                     c.compute.kernels);
+  }
+  if (c.compute.device != "auto" && c.compute.device != "cpu" && c.compute.device != "cuda") {
+    return Status::invalid_argument("{}: compute.device must be \"auto\", \"cpu\" or \"cuda\", got \"{}\"", source,
+                                    c.compute.device);
+  }
+  if (c.compute.device == "cuda" && c.compute.kernels == "reference") {
+    return Status::invalid_argument("{}: compute.kernels = \"reference\" is the plain CPU reference; it cannot run "
+                                    "with compute.device = \"cuda\"", source);
   }
   if (precision == "fp32" || precision == "f32") {
     c.compute.matmul_precision = kernels::MatmulPrecision::kF32;

@@ -46,7 +46,8 @@ struct TrainingConfig {
 };
 
 struct ComputeConfig {
-  std::string kernels = "fast";  // fast | reference
+  std::string device = "auto";   // auto (cuda where a GPU is usable, else cpu) | cpu | cuda
+  std::string kernels = "fast";  // fast | reference: the CPU kernel sets (reference runs on the cpu device only)
   kernels::MatmulPrecision matmul_precision = kernels::MatmulPrecision::kF32;  // "fp32" | "bf16"
   int threads = 0;  // 0: all cores the process may use
 };

@@ -28,10 +28,18 @@ Status GPT2Config::validate() const {
   return Status::ok();
 }
 
-Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, const kernels::KernelSet& kernels,
+Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, const kernels::KernelSet& cpu_kernels,
+                                           MatmulPrecision precision) {
+  std::unique_ptr<kernels::Device> device = kernels::make_cpu_device(cpu_kernels);
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> m, create(config, *device, precision));
+  m->owned_device_ = std::move(device);
+  return m;
+}
+
+Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, kernels::Device& device,
                                            MatmulPrecision precision) {
   STRATA_RETURN_IF_ERROR(config.validate());
-  std::unique_ptr<GPT2> m(new GPT2(config, kernels, precision));
+  std::unique_ptr<GPT2> m(new GPT2(config, device, precision));
   const int64_t C = config.n_embd, V = config.vocab_size, maxT = config.block_size;
 
   auto add_unit = [&](std::string name, FlatLayout layout) -> Status {
@@ -39,8 +47,8 @@ Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, const kerne
     u.name = std::move(name);
     u.layout = std::move(layout);
     const size_t bytes = u.layout.numel() * sizeof(float);
-    STRATA_ASSIGN_OR_RETURN(u.params, AlignedBuffer::allocate(bytes, "gpt2.params"));
-    STRATA_ASSIGN_OR_RETURN(u.grads, AlignedBuffer::allocate(bytes, "gpt2.grads"));
+    STRATA_ASSIGN_OR_RETURN(u.params, device.allocate(bytes, "gpt2.params " + u.name));
+    STRATA_ASSIGN_OR_RETURN(u.grads, device.allocate(bytes, "gpt2.grads " + u.name));
     m->units_.push_back(std::move(u));
     return Status::ok();
   };
@@ -82,9 +90,15 @@ size_t GPT2::num_params() const {
 void GPT2::init_gpt2(uint64_t seed) {
   Rng rng(seed);
   const double residual_std = 0.02 / std::sqrt(2.0 * config_.n_layer);
+  std::vector<float> staging;  // the host copy of a unit, where the device's memory is not the host's
   for (Unit& u : units_) {
+    float* base = u.p();
+    if (!device_->host_accessible()) {
+      staging.assign(u.numel(), 0.0f);
+      base = staging.data();
+    }
     for (const TensorSpec& s : u.layout.specs()) {
-      float* p = u.p() + s.offset;
+      float* p = base + s.offset;
       const size_t n = s.numel();
       const bool is_norm_weight = s.name.find("ln_") != std::string::npos && s.name.ends_with(".weight");
       if (s.shape.size() >= 2) {
@@ -96,6 +110,7 @@ void GPT2::init_gpt2(uint64_t seed) {
         for (size_t i = 0; i < n; ++i) p[i] = v;
       }
     }
+    if (base != u.p()) device_->copy_to_device(u.p(), base, u.numel() * sizeof(float));
   }
 }
 
@@ -132,7 +147,7 @@ Status GPT2::ensure_activations(int B, int T) {
   for (size_t s : sizes) total += (s + 15) / 16 * 16;  // keep every array 64-byte aligned
   if (total * sizeof(float) > act_buffer_.size()) {
     act_buffer_.reset();
-    STRATA_ASSIGN_OR_RETURN(act_buffer_, AlignedBuffer::allocate(total * sizeof(float), "gpt2.activations"));
+    STRATA_ASSIGN_OR_RETURN(act_buffer_, device_->allocate(total * sizeof(float), "gpt2.activations"));
   }
   float* p = act_buffer_.as<float>();
   float** slots[] = {&acts_.encoded, &acts_.ln1, &acts_.ln1_mean, &acts_.ln1_rstd, &acts_.qkv, &acts_.atty,
@@ -195,12 +210,12 @@ Result<float> GPT2::forward(const int32_t* inputs, const int32_t* targets, int B
   const int N = B * T;
   const size_t BTC = static_cast<size_t>(N) * C;
   for (int i = 0; i < N; ++i) STRATA_ASSERT(inputs[i] >= 0 && inputs[i] < V);
-  std::memcpy(acts_.inputs, inputs, sizeof(int32_t) * N);
+  device_->copy_to_device(acts_.inputs, inputs, sizeof(int32_t) * N);
 
   const Unit& emb = units_[0];
   const float* wte = emb.p();
   const float* wpe = emb.p() + emb.layout.specs()[1].offset;
-  k_->encoder_forward(acts_.encoded, inputs, wte, wpe, B, T, C);
+  k_->encoder_forward(acts_.encoded, acts_.inputs, wte, wpe, B, T, C);
   const float* residual = acts_.encoded;
   for (int l = 0; l < L; ++l) {
     block_forward(l, residual, B, T);
@@ -212,16 +227,18 @@ Result<float> GPT2::forward(const int32_t* inputs, const int32_t* targets, int B
 
   have_targets_ = targets != nullptr;
   if (!have_targets_) return 0.0f;
-  std::memcpy(acts_.targets, targets, sizeof(int32_t) * N);
   num_counted_targets_ = 0;
   for (int i = 0; i < N; ++i) {
     STRATA_ASSERT(targets[i] < V);
     if (targets[i] >= 0) ++num_counted_targets_;
   }
-  k_->softmax_crossentropy_forward(acts_.losses, acts_.lse, acts_.logits, targets, N, V);
+  device_->copy_to_device(acts_.targets, targets, sizeof(int32_t) * N);
+  k_->softmax_crossentropy_forward(acts_.losses, acts_.lse, acts_.logits, acts_.targets, N, V);
   // Summed in double and in a fixed order so the loss does not depend on the kernels' threading.
+  host_scratch_.resize(N);
+  device_->copy_to_host(host_scratch_.data(), acts_.losses, sizeof(float) * N);
   double sum = 0.0;
-  for (int i = 0; i < N; ++i) sum += acts_.losses[i];
+  for (int i = 0; i < N; ++i) sum += host_scratch_[i];
   return num_counted_targets_ ? static_cast<float>(sum / num_counted_targets_) : 0.0f;
 }
 
@@ -246,17 +263,17 @@ void GPT2::block_backward(int l, const float* residual, float* dres, int B, int 
 
   // The residual adds pass dres through unchanged, so dres is used directly as the gradient of fcproj and of
   // attproj, and the layernorm backwards accumulate into it: no residual_backward copies are needed.
-  std::memset(grads_.dfch_gelu, 0, sizeof(float) * BTC * 4);
-  std::memset(grads_.dfch, 0, sizeof(float) * BTC * 4);
-  std::memset(grads_.dln, 0, sizeof(float) * BTC);
+  device_->zero(grads_.dfch_gelu, sizeof(float) * BTC * 4);
+  device_->zero(grads_.dfch, sizeof(float) * BTC * 4);
+  device_->zero(grads_.dln, sizeof(float) * BTC);
   k_->matmul_backward(grads_.dfch_gelu, dw.fcprojw, dw.fcprojb, dres, fch_gelu, w.fcprojw, N, 4 * C, C, precision_);
   k_->gelu_backward(grads_.dfch, fch, grads_.dfch_gelu, BTC * 4);
   k_->matmul_backward(grads_.dln, dw.fcw, dw.fcb, grads_.dfch, ln2, w.fcw, N, C, 4 * C, precision_);
   k_->layernorm_backward(dres, dw.ln2w, dw.ln2b, grads_.dln, residual2, w.ln2w, ln2_mean, ln2_rstd, N, C);
 
-  std::memset(grads_.datty, 0, sizeof(float) * BTC);
-  std::memset(grads_.dqkv, 0, sizeof(float) * BTC * 3);
-  std::memset(grads_.dln, 0, sizeof(float) * BTC);
+  device_->zero(grads_.datty, sizeof(float) * BTC);
+  device_->zero(grads_.dqkv, sizeof(float) * BTC * 3);
+  device_->zero(grads_.dln, sizeof(float) * BTC);
   k_->matmul_backward(grads_.datty, dw.attprojw, dw.attprojb, dres, atty, w.attprojw, N, C, C, precision_);
   k_->attention_backward(grads_.dqkv, grads_.datty, qkv, att, B, T, C, NH);
   k_->matmul_backward(grads_.dln, dw.qkvw, dw.qkvb, grads_.dqkv, ln1, w.qkvw, N, C, 3 * C, precision_);
@@ -272,7 +289,8 @@ void GPT2::backward(float loss_scale) {
   const size_t BTC = static_cast<size_t>(N) * C;
 
   const float dloss = num_counted_targets_ ? loss_scale / static_cast<float>(num_counted_targets_) : 0.0f;
-  for (int i = 0; i < N; ++i) acts_.dlosses[i] = dloss;
+  host_scratch_.assign(N, dloss);
+  device_->copy_to_device(acts_.dlosses, host_scratch_.data(), sizeof(float) * N);
   // In place: the logits become dlogits.
   float* dlogits = acts_.logits;
   k_->softmax_crossentropy_backward(dlogits, acts_.logits, acts_.lse, acts_.targets, acts_.dlosses, N, V);
@@ -282,8 +300,8 @@ void GPT2::backward(float loss_scale) {
   const float* wte = emb.p();
   float* dwte = emb.g();
   float* dwpe = emb.g() + emb.layout.specs()[1].offset;
-  std::memset(grads_.dln, 0, sizeof(float) * BTC);
-  std::memset(grads_.dres, 0, sizeof(float) * BTC);
+  device_->zero(grads_.dln, sizeof(float) * BTC);
+  device_->zero(grads_.dres, sizeof(float) * BTC);
   k_->matmul_backward(grads_.dln, dwte, nullptr, dlogits, acts_.lnf, wte, N, C, V, precision_);
   const float* last_residual = acts_.residual3 + (L - 1) * BTC;
   k_->layernorm_backward(grads_.dres, lnf.g(), lnf.g() + C, grads_.dln, last_residual, lnf.p(), acts_.lnf_mean,
@@ -296,7 +314,7 @@ void GPT2::backward(float loss_scale) {
 }
 
 void GPT2::zero_grads() {
-  for (Unit& u : units_) std::memset(u.g(), 0, u.numel() * sizeof(float));
+  for (Unit& u : units_) device_->zero(u.g(), u.numel() * sizeof(float));
 }
 
 double GPT2::flops_per_step(int B, int T) const {

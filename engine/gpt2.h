@@ -6,6 +6,10 @@
 // canonical order (the order of scripts/make_gpt2_fixture.py); its gradients live in a second buffer of the
 // same layout. Named tensors are TensorSpecs into those buffers.
 //
+// Parameters, gradients and activations live in the memory of the model's Device (kernels/device.h): host
+// memory on "cpu", GPU memory on "cuda", where the host must not dereference them (p(), g() and logits() are
+// device pointers; use Device::copy_to_host). Token ids come in as host arrays and are copied over.
+//
 // Threading: a GPT2 is used by one thread at a time; kernels parallelise inside each op. Activations are sized
 // for (B, T) at the first forward and re-allocated only when B*T grows.
 #pragma once
@@ -18,6 +22,7 @@
 #include "common/aligned.h"
 #include "common/status.h"
 #include "common/tensor.h"
+#include "kernels/device.h"
 #include "kernels/kernels.h"
 
 namespace strata::engine {
@@ -36,8 +41,8 @@ struct GPT2Config {
 struct Unit {
   std::string name;
   FlatLayout layout;
-  AlignedBuffer params;  // fp32 (layout.numel())
-  AlignedBuffer grads;   // fp32 (layout.numel())
+  kernels::DeviceBuffer params;  // fp32 (layout.numel()), device memory
+  kernels::DeviceBuffer grads;   // fp32 (layout.numel()), device memory
 
   float* p() const { return params.as<float>(); }
   float* g() const { return grads.as<float>(); }
@@ -46,8 +51,12 @@ struct Unit {
 
 class GPT2 {
  public:
-  // Builds the units (zeroed). Call init_gpt2() or load weights afterwards.
-  static Result<std::unique_ptr<GPT2>> create(const GPT2Config& config, const kernels::KernelSet& kernels,
+  // Builds the units (zeroed) in `device`'s memory; the device must outlive the model. Call init_gpt2() or
+  // load weights afterwards.
+  static Result<std::unique_ptr<GPT2>> create(const GPT2Config& config, kernels::Device& device,
+                                              kernels::MatmulPrecision precision);
+  // The same on a "cpu" device with the given CPU KernelSet, owned by the model.
+  static Result<std::unique_ptr<GPT2>> create(const GPT2Config& config, const kernels::KernelSet& cpu_kernels,
                                               kernels::MatmulPrecision precision);
 
   // GPT-2 initialisation, seeded: weights N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)), biases 0,
@@ -69,14 +78,15 @@ class GPT2 {
   std::vector<Unit>& units() { return units_; }
   const std::vector<Unit>& units() const { return units_; }
   size_t num_params() const;
-  const float* logits() const { return acts_.logits; }  // (B,T,V) after forward
+  const float* logits() const { return acts_.logits; }  // (B,T,V) after forward; device memory
   const kernels::KernelSet& kernels() const { return *k_; }
+  kernels::Device& device() const { return *device_; }
   // FLOPs of one forward+backward over B*T tokens (matmuls and attention; the rest is memory-bound).
   double flops_per_step(int B, int T) const;
 
  private:
-  GPT2(const GPT2Config& config, const kernels::KernelSet& kernels, kernels::MatmulPrecision precision)
-      : config_(config), k_(&kernels), precision_(precision) {}
+  GPT2(const GPT2Config& config, kernels::Device& device, kernels::MatmulPrecision precision)
+      : config_(config), device_(&device), k_(&device.kernels()), precision_(precision) {}
   Status ensure_activations(int B, int T);
   void block_forward(int l, const float* residual, int B, int T);
   void block_backward(int l, const float* residual, float* dres, int B, int T);
@@ -88,6 +98,8 @@ class GPT2 {
   BlockParams block_params(int l, bool grads) const;
 
   GPT2Config config_;
+  std::unique_ptr<kernels::Device> owned_device_;  // set by the KernelSet overload of create()
+  kernels::Device* device_;
   const kernels::KernelSet* k_;
   kernels::MatmulPrecision precision_;
   std::vector<Unit> units_;  // wte, h.0 .. h.{L-1}, ln_f
@@ -129,7 +141,8 @@ class GPT2 {
     float* dfch;       // (B,T,4C)
     float* dfch_gelu;  // (B,T,4C)
   } grads_{};
-  AlignedBuffer act_buffer_;
+  kernels::DeviceBuffer act_buffer_;
+  std::vector<float> host_scratch_;  // losses read back, dlosses written, on their way across
   size_t act_capacity_bt_ = 0;  // B*T the buffer was sized for
   int last_B_ = 0, last_T_ = 0;
   bool have_targets_ = false;

@@ -11,36 +11,28 @@ double lr_at(int step, double lr, double min_lr, int warmup, int max_steps) {
   return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * progress));
 }
 
-Result<AdamW> AdamW::create(const std::vector<Unit>& units, const AdamWConfig& config) {
+Result<AdamW> AdamW::create(const std::vector<Unit>& units, const AdamWConfig& config, kernels::Device& device) {
   AdamW opt;
   opt.config_ = config;
+  opt.device_ = &device;
   for (const Unit& u : units) {
-    STRATA_ASSIGN_OR_RETURN(AlignedBuffer m, AlignedBuffer::allocate(u.numel() * sizeof(float), "adamw.m"));
-    STRATA_ASSIGN_OR_RETURN(AlignedBuffer v, AlignedBuffer::allocate(u.numel() * sizeof(float), "adamw.v"));
+    STRATA_ASSIGN_OR_RETURN(kernels::DeviceBuffer m, device.allocate(u.numel() * sizeof(float), "adamw.m " + u.name));
+    STRATA_ASSIGN_OR_RETURN(kernels::DeviceBuffer v, device.allocate(u.numel() * sizeof(float), "adamw.v " + u.name));
     opt.m_.push_back(std::move(m));
     opt.v_.push_back(std::move(v));
   }
   return opt;
 }
 
-double AdamW::grad_norm(const std::vector<Unit>& units) {
+double AdamW::grad_norm(const std::vector<Unit>& units, kernels::Device& device) {
   double sum = 0.0;
-  for (const Unit& u : units) {
-    const float* g = u.g();
-    const size_t n = u.numel();
-    // Blocks of 4096 summed in float64 keep the sum accurate without a slow scalar double loop.
-    for (size_t i = 0; i < n; i += 4096) {
-      const size_t end = std::min(n, i + 4096);
-      double s = 0.0;
-      for (size_t j = i; j < end; ++j) s += static_cast<double>(g[j]) * g[j];
-      sum += s;
-    }
-  }
+  for (const Unit& u : units) sum = device.add_sum_squares(sum, u.g(), u.numel());
   return std::sqrt(sum);
 }
 
-double AdamW::step(std::vector<Unit>& units, float lr, const kernels::KernelSet& k, bool* skipped) {
-  const double norm = grad_norm(units);
+double AdamW::step(std::vector<Unit>& units, float lr, bool* skipped) {
+  const kernels::KernelSet& k = device_->kernels();
+  const double norm = grad_norm(units, *device_);
   if (!std::isfinite(norm)) {
     if (skipped) *skipped = true;
     return norm;

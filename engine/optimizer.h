@@ -1,15 +1,15 @@
 // optimizer.h — AdamW over a model's units, with global-norm clipping and the learning-rate schedule.
 //
-// Moments m and v are fp32 flat buffers per unit, in the unit's layout. Weight decay applies to tensors whose
+// Moments m and v are fp32 flat buffers per unit, in the unit's layout, in the memory of the model's Device. Weight decay applies to tensors whose
 // TensorSpec says so (2-D weights), as in GPT-2 training and the PyTorch fixture. One thread drives it; the
 // kernels parallelise inside.
 #pragma once
 
 #include <vector>
 
-#include "common/aligned.h"
 #include "common/status.h"
 #include "engine/gpt2.h"
+#include "kernels/device.h"
 #include "kernels/kernels.h"
 
 namespace strata::engine {
@@ -25,26 +25,28 @@ double lr_at(int step, double lr, double min_lr, int warmup, int max_steps);
 
 class AdamW {
  public:
-  static Result<AdamW> create(const std::vector<Unit>& units, const AdamWConfig& config);
+  // Moments for `units`, zeroed, on `device` (the units' device, which must outlive the optimizer).
+  static Result<AdamW> create(const std::vector<Unit>& units, const AdamWConfig& config, kernels::Device& device);
 
   // Global L2 norm of all gradients (summed in double, in unit order, so it is independent of threading).
-  static double grad_norm(const std::vector<Unit>& units);
+  static double grad_norm(const std::vector<Unit>& units, kernels::Device& device);
 
   // One update of every unit with learning rate lr. Clips by global norm first (PyTorch's clip_grad_norm_:
   // scale = clip / (norm + 1e-6) when that is < 1). Returns the pre-clip norm. A non-finite norm skips the
   // update (nothing changes, step count included) and is reported through *skipped.
-  double step(std::vector<Unit>& units, float lr, const kernels::KernelSet& k, bool* skipped = nullptr);
+  double step(std::vector<Unit>& units, float lr, bool* skipped = nullptr);
 
   int steps_taken() const { return t_; }
   void set_steps_taken(int t) { t_ = t; }
-  // Moments of unit i (layout of the unit).
+  // Moments of unit i (layout of the unit); device memory.
   float* m(size_t i) const { return m_[i].as<float>(); }
   float* v(size_t i) const { return v_[i].as<float>(); }
   const AdamWConfig& config() const { return config_; }
 
  private:
   AdamWConfig config_;
-  std::vector<AlignedBuffer> m_, v_;
+  kernels::Device* device_ = nullptr;
+  std::vector<kernels::DeviceBuffer> m_, v_;
   int t_ = 0;
 };
 

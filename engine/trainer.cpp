@@ -59,15 +59,18 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
 
   const kernels::KernelSet* k = kernels::find_kernel_set(config.compute.kernels.c_str());
   STRATA_ASSERT(k != nullptr);  // parse_run_config validated the name
+  // "auto" picks the GPU where there is one, unless the CPU reference kernels were asked for.
+  const std::string device_name = config.compute.kernels == "reference" ? "cpu" : config.compute.device;
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Device> device, kernels::make_device(device_name, *k));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> model,
-                          GPT2::create(config.model, *k, config.compute.matmul_precision));
+                          GPT2::create(config.model, *device, config.compute.matmul_precision));
   AdamWConfig ac;
   ac.beta1 = static_cast<float>(tc.beta1);
   ac.beta2 = static_cast<float>(tc.beta2);
   ac.eps = static_cast<float>(tc.eps);
   ac.weight_decay = static_cast<float>(tc.weight_decay);
   ac.grad_clip = static_cast<float>(tc.grad_clip);
-  STRATA_ASSIGN_OR_RETURN(AdamW opt, AdamW::create(model->units(), ac));
+  STRATA_ASSIGN_OR_RETURN(AdamW opt, AdamW::create(model->units(), ac, *device));
 
   TrainState state;
   state.config = config.json;
@@ -93,7 +96,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
                   train.total_tokens(), train.paths().size(),
                   val ? fmt::format(", {} val tokens", val->total_tokens()) : std::string(), tokens_per_step, B, T,
                   tc.grad_accum_steps);
-  STRATA_LOG_INFO("compute: {} kernels, {} matmuls, {} threads; checkpoints to {}", k->name,
+  STRATA_LOG_INFO("compute: {}, {} matmuls, {} threads; checkpoints to {}", device->description(),
                   config.compute.matmul_precision == kernels::MatmulPrecision::kBF16 ? "bf16" : "fp32",
                   config.compute.threads > 0 ? config.compute.threads : tbb::info::default_concurrency(),
                   tc.checkpoint_dir);
@@ -154,7 +157,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     const float loss = static_cast<float>(loss_sum / tc.grad_accum_steps);
     const double lr = lr_at(state.step, tc.lr, tc.min_lr, tc.warmup_steps, tc.max_steps);
     bool skipped = false;
-    const double norm = opt.step(model->units(), static_cast<float>(lr), *k, &skipped);
+    const double norm = opt.step(model->units(), static_cast<float>(lr), &skipped);
     if (skipped) {
       STRATA_LOG_WARN("step {}: gradient norm is {}; update skipped", state.step + 1, norm);
       if (++skipped_in_a_row >= 10) {

@@ -122,7 +122,7 @@ TEST_P(GoldenTest, TenAdamWStepsMatchPyTorch) {
   ac.eps = fx_.eps;
   ac.weight_decay = fx_.wd;
   ac.grad_clip = fx_.clip;
-  auto opt = AdamW::create(model_->units(), ac);
+  auto opt = AdamW::create(model_->units(), ac, model_->device());
   ASSERT_TRUE(opt.is_ok());
   std::vector<float> losses;
   for (int s = 0; s < fx_.n_steps; ++s) {
@@ -130,7 +130,7 @@ TEST_P(GoldenTest, TenAdamWStepsMatchPyTorch) {
     auto loss = model_->forward(fx_.x.data(), fx_.y.data(), fx_.B, fx_.T);
     ASSERT_TRUE(loss.is_ok());
     model_->backward();
-    opt->step(model_->units(), fx_.lr, model_->kernels());
+    opt->step(model_->units(), fx_.lr);
     losses.push_back(loss.value());
   }
   EXPECT_TRUE(testing::all_close(losses, fx_.losses, 1e-4, 0, "losses of 10 AdamW steps"));

@@ -1,0 +1,98 @@
+// device.h — a compute backend as the engine drives it: its KernelSet, and the memory those kernels read and
+// write (allocate, zero, copy to and from the host, synchronize).
+//
+// Two implementations: "cpu" (kernels/cpu/cpu_device.cpp: ordinary host memory, synchronous copies, the fast or
+// reference KernelSet) and "cuda" (kernels/cuda/cuda_device.cpp: device memory, every op on the compute stream).
+// The model, optimizer and checkpoints are written once against this interface. Threading: one host thread
+// drives a Device at a time (the KernelSet contract). The tiers, budgets and copy streams of offload/ build on
+// it; this is the compute side only.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "common/status.h"
+#include "kernels/kernels.h"
+
+namespace strata::kernels {
+
+// Memory of one Device: move-only, frees itself, says what it is for.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(void* data, size_t bytes, std::string purpose, std::function<void()> release)
+      : data_(data), bytes_(bytes), purpose_(std::move(purpose)), release_(std::move(release)) {}
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept { swap(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      swap(o);
+    }
+    return *this;
+  }
+  ~DeviceBuffer() { reset(); }
+
+  void reset() {
+    if (release_) release_();
+    release_ = nullptr;
+    data_ = nullptr;
+    bytes_ = 0;
+  }
+  void* data() const { return data_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  size_t size() const { return bytes_; }
+  const std::string& purpose() const { return purpose_; }
+
+ private:
+  void swap(DeviceBuffer& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(bytes_, o.bytes_);
+    std::swap(purpose_, o.purpose_);
+    std::swap(release_, o.release_);
+  }
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  std::string purpose_;
+  std::function<void()> release_;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  virtual const char* name() const = 0;           // "cpu", "cuda"
+  virtual std::string description() const = 0;    // for logs: the kernels, or the GPU's name and memory
+  virtual const KernelSet& kernels() const = 0;   // every pointer passed to it is this device's memory
+  virtual bool host_accessible() const = 0;       // the host may read and write this device's memory directly
+
+  // `bytes` of this device's memory, zero-filled, for `purpose`; OutOfMemory names the purpose and size.
+  virtual Result<DeviceBuffer> allocate(size_t bytes, std::string purpose) = 0;
+  // In order with the kernels: dst[0..bytes) = 0.
+  virtual void zero(void* dst, size_t bytes) = 0;
+  // Host -> device, in order with the kernels; `src` may be reused when the call returns.
+  virtual void copy_to_device(void* dst, const void* src, size_t bytes) = 0;
+  // Device -> host after all work enqueued so far; `dst` holds the bytes when the call returns.
+  virtual void copy_to_host(void* dst, const void* src, size_t bytes) = 0;
+  // Waits for everything enqueued so far.
+  virtual void synchronize() = 0;
+  // acc + the sum of x[i]² over n floats, accumulated in double in an order fixed by n alone (deterministic),
+  // so a norm over many buffers is a chain of calls. Waits.
+  virtual double add_sum_squares(double acc, const float* x, size_t n) = 0;
+};
+
+// "cpu" with the given CPU KernelSet (cpu_fast_kernels() or cpu_reference_kernels()), "cuda", or "auto" (cuda
+// when this build has the CUDA backend and a GPU is usable, else cpu). Unknown names, and "cuda" where it cannot
+// run, are InvalidArgument / NotFound naming why. kernels/device.cpp.
+Result<std::unique_ptr<Device>> make_device(std::string_view name, const KernelSet& cpu_kernels);
+std::unique_ptr<Device> make_cpu_device(const KernelSet& cpu_kernels);
+
+}  // namespace strata::kernels
