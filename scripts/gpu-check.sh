@@ -26,18 +26,18 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-tests=(kernels_cuda_test)
+tests=(kernels/kernels_cuda_test engine/engine_gpu_train_test)  # under build*/tests/
 
 if [[ $mode == bundle || $mode == build ]]; then
   build=build-gpu
   [[ $mode == bundle ]] && build=build
   make build BUILD=$build >/dev/null
-  for t in "${tests[@]}"; do [[ -x $build/tests/kernels/$t ]] || { echo "gpu-check.sh: $build has no $t: was CUDA found at configure time?" >&2; exit 1; }; done
+  for t in "${tests[@]}"; do [[ -x $build/tests/$t ]] || { echo "gpu-check.sh: $build has no tests/$t: was CUDA found at configure time?" >&2; exit 1; }; done
 fi
 
 if [[ $mode == bundle ]]; then
   rm -rf "$bundle" && mkdir -p "$bundle/lib"
-  for bin in "${tests[@]/#/build/tests/kernels/}" build/strata; do
+  for bin in "${tests[@]/#/build/tests/}" build/strata; do
     cp "$bin" "$bundle/"
     # Shared libraries beyond glibc, the compiler runtime and CUDA's own (which the GPU machine has).
     ldd "$bin" | awk '/=> \//{print $3}' |
@@ -48,7 +48,7 @@ if [[ $mode == bundle ]]; then
   exit 0
 fi
 
-bin_dir=build-gpu/tests/kernels strata=build-gpu/strata
+bin_dir=build-gpu/tests strata=build-gpu/strata
 if [[ $mode == from-bundle ]]; then
   bin_dir="$bundle" strata="$bundle/strata"
   # CUDA's libraries: the toolkit's, else the ones a PyTorch install carries.
@@ -65,15 +65,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 
 status=0
 declare -a rows
-for t in "${tests[@]}"; do
-  if "$bin_dir/$t" --gtest_output=xml:"$out/$t.xml" >"$out/$t.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
+for path in "${tests[@]}"; do
+  t=$(basename "$path")
+  [[ $mode == from-bundle ]] && path=$t
+  if "$bin_dir/$path" --gtest_output=xml:"$out/$t.xml" >"$out/$t.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
   passed=$(grep -c '^\[       OK \]' "$out/$t.log" || true)
   failed=$(grep -c '^\[  FAILED  \] [A-Za-z]' "$out/$t.log" || true)
   skipped=$(grep -c '^\[  SKIPPED \] [A-Za-z]' "$out/$t.log" || true)
   rows+=("$(printf '%-28s %-7s %6s %6s %7s' "$t" "$r" "$passed" "$failed" "$skipped")")
   [[ $r == ok ]] || grep -E -B2 -A12 '^\[ RUN|Failure' "$out/$t.log" | head -80
   if [[ $sanitize == 1 ]] && command -v compute-sanitizer >/dev/null; then
-    if compute-sanitizer --tool memcheck --error-exitcode 9 "$bin_dir/$t" >"$out/$t.memcheck.log" 2>&1; then
+    if compute-sanitizer --tool memcheck --error-exitcode 9 "$bin_dir/$path" >"$out/$t.memcheck.log" 2>&1; then
       rows+=("$(printf '%-28s %-7s' "$t memcheck" ok)")
     else
       rows+=("$(printf '%-28s %-7s' "$t memcheck" FAILED)"); status=1
@@ -83,6 +85,10 @@ for t in "${tests[@]}"; do
 done
 
 if [[ $bench == 1 ]]; then
+  echo; echo "== strata bench step --device cuda (GPT-2 124M, B=8, T=1024, bf16 matmuls)"
+  "$strata" bench step --device cuda --precision bf16 --layers 12 --heads 12 --width 768 --vocab 50257 \
+    --context 1024 --batch 8 --steps 10 --warmup 2 --json 2>"$out/bench_step.log" | tee "$out/bench_step.jsonl" ||
+    { status=1; tail -20 "$out/bench_step.log"; }
   echo; echo "== strata bench kernels (GPT-2 124M shapes, bf16 matmuls)"
   "$strata" bench kernels | tee "$out/bench_kernels.txt" || status=1
   "$strata" bench kernels --json >"$out/bench_kernels.jsonl" 2>&1 || status=1
