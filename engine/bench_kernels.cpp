@@ -201,7 +201,7 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   DevBuf p(np, rng, -0.02f, 0.02f), m(np, rng, -1e-3f, 1e-3f), v(np, rng, 0, 1e-6f), g(np, rng, -1e-3f, 1e-3f);
   {
     // Real probabilities in att for the backward (as forward would leave them).
-    k.attention_forward(y.f(), attn.f(), qkv.f(), B, T, C, NH);
+    k.attention_forward(y.f(), attn.f(), qkv.f(), B, T, C, NH, prec);
     kernels::cuda_synchronize();
   }
 
@@ -218,7 +218,7 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
       {"matmul fwd qkv", L, mm_fwd(3 * C, C), 2 * NC * 3 * C,
        [&] { k.matmul_forward(qkv.f(), x.f(), w4.f(), b4.f(), N, C, 3 * C, prec); }},
       {"attention fwd", L, f * (4 * NC + att), 2 * att * (C / NH),
-       [&] { k.attention_forward(y.f(), attn.f(), qkv.f(), B, T, C, NH); }},
+       [&] { k.attention_forward(y.f(), attn.f(), qkv.f(), B, T, C, NH, prec); }},
       {"matmul fwd attproj", L, mm_fwd(C, C), 2 * NC * C,
        [&] { k.matmul_forward(y.f(), x.f(), w4.f(), b4.f(), N, C, C, prec); }},
       {"residual fwd", 2 * L, f * 3 * NC, 0, [&] { k.residual_forward(y.f(), x.f(), dx.f(), size_t(NC)); }},
@@ -245,7 +245,7 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
       {"matmul bwd attproj", L, mm_bwd(C, C), 4 * NC * C,
        [&] { k.matmul_backward(dx.f(), dw4.f(), db4.f(), y.f(), x.f(), w4.f(), N, C, C, prec); }},
       {"attention bwd", L, f * (10 * NC + att), 4 * att * (C / NH),
-       [&] { k.attention_backward(dqkv.f(), y.f(), qkv.f(), attn.f(), B, T, C, NH); }},
+       [&] { k.attention_backward(dqkv.f(), y.f(), qkv.f(), attn.f(), B, T, C, NH, prec); }},
       {"matmul bwd qkv", L, mm_bwd(3 * C, C), 4 * NC * 3 * C,
        [&] { k.matmul_backward(dx.f(), dw4.f(), db4.f(), qkv.f(), x.f(), w4.f(), N, C, 3 * C, prec); }},
       {"encoder bwd", 1, f * 5 * NC, 0,

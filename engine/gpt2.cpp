@@ -189,7 +189,7 @@ void GPT2::block_forward(int l, const float* residual, int B, int T) {
 
   k_->layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, w.ln1w, w.ln1b, N, C);
   k_->matmul_forward(qkv, ln1, w.qkvw, w.qkvb, N, C, 3 * C, precision_);
-  k_->attention_forward(atty, att, qkv, B, T, C, NH);
+  k_->attention_forward(atty, att, qkv, B, T, C, NH, precision_);
   k_->matmul_forward(attproj, atty, w.attprojw, w.attprojb, N, C, C, precision_);
   k_->residual_forward(residual2, residual, attproj, BTC);
   k_->layernorm_forward(ln2, ln2_mean, ln2_rstd, residual2, w.ln2w, w.ln2b, N, C);
@@ -275,7 +275,7 @@ void GPT2::block_backward(int l, const float* residual, float* dres, int B, int 
   device_->zero(grads_.dqkv, sizeof(float) * BTC * 3);
   device_->zero(grads_.dln, sizeof(float) * BTC);
   k_->matmul_backward(grads_.datty, dw.attprojw, dw.attprojb, dres, atty, w.attprojw, N, C, C, precision_);
-  k_->attention_backward(grads_.dqkv, grads_.datty, qkv, att, B, T, C, NH);
+  k_->attention_backward(grads_.dqkv, grads_.datty, qkv, att, B, T, C, NH, precision_);
   k_->matmul_backward(grads_.dln, dw.qkvw, dw.qkvb, grads_.dqkv, ln1, w.qkvw, N, C, 3 * C, precision_);
   k_->layernorm_backward(dres, dw.ln1w, dw.ln1b, grads_.dln, residual, w.ln1w, ln1_mean, ln1_rstd, N, C);
 }

@@ -53,11 +53,14 @@ struct KernelSet {
 
   // Causal multi-head self-attention. qkv (B,T,3C) holds q,k,v side by side, each split into NH heads of C/NH.
   // out (B,T,C); att (B,NH,T,T) saves the softmax probabilities (row t only defined up to column t; the rest
-  // is written as 0). Scale 1/sqrt(C/NH).
-  void (*attention_forward)(float* out, float* att, const float* qkv, int B, int T, int C, int NH);
+  // is written as 0). Scale 1/sqrt(C/NH). `precision` is the arithmetic of its two products (QKᵀ, att·V, and
+  // their gradients): kBF16 lets a backend round their inputs to bf16 (CUDA does, for the tensor cores; the CPU
+  // backends compute in fp32 either way). The softmax and att are fp32 always.
+  void (*attention_forward)(float* out, float* att, const float* qkv, int B, int T, int C, int NH,
+                            MatmulPrecision precision);
   // dqkv (B,T,3C) +=.
   void (*attention_backward)(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T,
-                             int C, int NH);
+                             int C, int NH, MatmulPrecision precision);
 
   // GELU, tanh approximation (GPT-2's). out (N) = gelu(inp).
   void (*gelu_forward)(float* out, const float* inp, size_t N);

@@ -253,7 +253,7 @@ struct BackwardHead {
 
 }  // namespace
 
-void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
+void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH, MatmulPrecision) {
   tbb::parallel_for(tbb::blocked_range<int>(0, B * NH, 1), [&](const tbb::blocked_range<int>& r) {
     for (int bh = r.begin(); bh < r.end(); ++bh) {
       const int b = bh / NH;
@@ -268,7 +268,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T, int C,
-                        int NH) {
+                        int NH, MatmulPrecision) {
   tbb::parallel_for(tbb::blocked_range<int>(0, B * NH, 1), [&](const tbb::blocked_range<int>& r) {
     for (int bh = r.begin(); bh < r.end(); ++bh) {
       const int b = bh / NH;

@@ -105,7 +105,8 @@ void layernorm_backward(F* dinp, F* dweight, F* dbias, const F* dout, const F* i
 
 // qkv (B,T,3C): row (b,t) holds q, then k, then v, each NH heads of hs = C/NH. att (B,NH,T,T).
 template <typename F>
-void attention_forward(F* out, F* att, const F* qkv, int B, int T, int C, int NH) {
+void attention_forward(F* out, F* att, const F* qkv, int B, int T, int C, int NH,
+                       MatmulPrecision = MatmulPrecision::kF32) {  // fp32 arithmetic whatever the precision
   const size_t C3 = 3 * static_cast<size_t>(C);
   const int hs = C / NH;
   const F scale = F(1) / std::sqrt(F(hs));
@@ -145,7 +146,8 @@ void attention_forward(F* out, F* att, const F* qkv, int B, int T, int C, int NH
 }
 
 template <typename F>
-void attention_backward(F* dqkv, const F* dout, const F* qkv, const F* att, int B, int T, int C, int NH) {
+void attention_backward(F* dqkv, const F* dout, const F* qkv, const F* att, int B, int T, int C, int NH,
+                        MatmulPrecision = MatmulPrecision::kF32) {
   const size_t C3 = 3 * static_cast<size_t>(C);
   const int hs = C / NH;
   const F scale = F(1) / std::sqrt(F(hs));

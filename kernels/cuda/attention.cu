@@ -26,15 +26,19 @@ __device__ __forceinline__ size_t row_offset(size_t i, int T, int NH, int hs, in
   return (b * T + t) * width + static_cast<size_t>(h) * hs + d;
 }
 
-// qkv (B,T,3C) -> q, k, v each (B,NH,T,hs).
-__global__ void permute_qkv_kernel(float* q, float* k, float* v, const float* qkv, int B, int T, int NH, int hs) {
+__device__ __forceinline__ void store(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+
+// qkv (B,T,3C) -> q, k, v each (B,NH,T,hs), as E (float or bf16).
+template <typename E>
+__global__ void permute_qkv_kernel(E* q, E* k, E* v, const float* qkv, int B, int T, int NH, int hs) {
   const size_t total = static_cast<size_t>(B) * NH * T * hs;
   const int C = NH * hs;
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
     const size_t src = row_offset(i, T, NH, hs, 3 * C);
-    q[i] = qkv[src];
-    k[i] = qkv[src + C];
-    v[i] = qkv[src + 2 * C];
+    store(q + i, qkv[src]);
+    store(k + i, qkv[src + C]);
+    store(v + i, qkv[src + 2 * C]);
   }
 }
 
@@ -51,23 +55,27 @@ __global__ void unpermute_dqkv_kernel(float* dqkv, const float* dq, const float*
   }
 }
 
-// y (B,NH,T,hs) -> out (B,T,C) (overwrite), or dout (B,T,C) -> dy (B,NH,T,hs) when kToHeads.
-template <bool kToHeads>
-__global__ void permute_heads_kernel(float* dst, const float* src, int B, int T, int NH, int hs) {
+// y (B,NH,T,hs) -> out (B,T,C) (overwrite).
+__global__ void unpermute_out_kernel(float* out, const float* y, int B, int T, int NH, int hs) {
   const size_t total = static_cast<size_t>(B) * NH * T * hs;
   const int C = NH * hs;
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
-    const size_t flat = row_offset(i, T, NH, hs, C);
-    if (kToHeads)
-      dst[i] = src[flat];
-    else
-      dst[flat] = src[i];
+    out[row_offset(i, T, NH, hs, C)] = y[i];
   }
 }
 
+// dout (B,T,C) -> dy (B,NH,T,hs), as E.
+template <typename E>
+__global__ void permute_dout_kernel(E* dy, const float* dout, int B, int T, int NH, int hs) {
+  const size_t total = static_cast<size_t>(B) * NH * T * hs;
+  const int C = NH * hs;
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x)
+    store(dy + i, dout[row_offset(i, T, NH, hs, C)]);
+}
+
 // In place on att (B*NH rows of T,T), one warp per row t: softmax over columns 0..t of the (already scaled)
-// scores, zeros after.
-__global__ void causal_softmax_kernel(float* att, int rows, int T) {
+// scores, zeros after; also into att_bf16 when it is not null.
+__global__ void causal_softmax_kernel(float* att, __nv_bfloat16* att_bf16, int rows, int T) {
   const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= rows) return;
@@ -79,11 +87,19 @@ __global__ void causal_softmax_kernel(float* att, int rows, int T) {
   float s = 0.0f;
   for (int j = lane; j <= t; j += 32) s += expf(row[j] - mx);
   const float inv = 1.0f / warp_sum(s);
-  for (int j = lane; j < T; j += 32) row[j] = j <= t ? expf(row[j] - mx) * inv : 0.0f;
+  __nv_bfloat16* row_bf16 = att_bf16 ? att_bf16 + static_cast<size_t>(r) * T : nullptr;
+  for (int j = lane; j < T; j += 32) {
+    const float p = j <= t ? expf(row[j] - mx) * inv : 0.0f;
+    row[j] = p;
+    if (row_bf16) row_bf16[j] = __float2bfloat16_rn(p);
+  }
 }
 
 // In place on datt: datt[t2] <- att[t2] * (datt[t2] - sum_{t3<=t} att[t3] datt[t3]) for t2 <= t, 0 after.
-__global__ void causal_softmax_backward_kernel(float* datt, const float* att, int rows, int T) {
+// With bf16 copies asked for, writes the result to dscores_bf16 (datt is then left as it was) and att to
+// att_bf16, for the bf16 GEMMs that follow.
+__global__ void causal_softmax_backward_kernel(float* datt, const float* att, __nv_bfloat16* dscores_bf16,
+                                               __nv_bfloat16* att_bf16, int rows, int T) {
   const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= rows) return;
@@ -93,79 +109,117 @@ __global__ void causal_softmax_backward_kernel(float* datt, const float* att, in
   float dot = 0.0f;
   for (int j = lane; j <= t; j += 32) dot += arow[j] * drow[j];
   dot = warp_sum(dot);
-  for (int j = lane; j < T; j += 32) drow[j] = j <= t ? arow[j] * (drow[j] - dot) : 0.0f;
+  if (dscores_bf16 == nullptr) {
+    for (int j = lane; j < T; j += 32) drow[j] = j <= t ? arow[j] * (drow[j] - dot) : 0.0f;
+    return;
+  }
+  const size_t base = static_cast<size_t>(r) * T;
+  for (int j = lane; j < T; j += 32) {
+    const float a = arow[j];
+    dscores_bf16[base + j] = __float2bfloat16_rn(j <= t ? a * (drow[j] - dot) : 0.0f);
+    att_bf16[base + j] = __float2bfloat16_rn(a);
+  }
 }
 
-// Batched column-major GEMM over B*NH heads with fp32 arithmetic.
-void batched_gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, int k, float alpha, const float* a,
-                  int lda, long long stride_a, const float* b, int ldb, long long stride_b, float* c, int ldc,
-                  long long stride_c, int batch) {
+// Batched column-major GEMM over B*NH heads: inputs of type `ab` (fp32 or bf16), fp32 accumulation and output.
+void batched_gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, int k, float alpha, const void* a,
+                  int lda, long long stride_a, const void* b, int ldb, long long stride_b, float* c, int ldc,
+                  long long stride_c, int batch, cudaDataType_t ab) {
   const float beta = 0.0f;
-  CUBLAS_CHECK(cublasGemmStridedBatchedEx(cuda_context().blas, op_a, op_b, m, n, k, &alpha, a, CUDA_R_32F, lda,
-                                          stride_a, b, CUDA_R_32F, ldb, stride_b, &beta, c, CUDA_R_32F, ldc, stride_c,
-                                          batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  CUBLAS_CHECK(cublasGemmStridedBatchedEx(cuda_context().blas, op_a, op_b, m, n, k, &alpha, a, ab, lda, stride_a, b,
+                                          ab, ldb, stride_b, &beta, c, CUDA_R_32F, ldc, stride_c, batch,
+                                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 constexpr int kThreads = 256;
 
+// The operands of the products: fp32, or bf16 copies, sized for one (B,NH,T,hs) tensor each.
+struct HeadTensors {
+  bool bf16;
+  size_t elem;
+  DeviceScratch q, k, v;
+  HeadTensors(bool bf16_, size_t n) : bf16(bf16_), elem(bf16_ ? 2 : 4), q(n * elem), k(n * elem), v(n * elem) {}
+  void permute(const float* qkv, int B, int T, int NH, int hs, size_t n) {
+    const cudaStream_t s = cuda_context().compute;
+    if (bf16)
+      permute_qkv_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(
+          q.as<__nv_bfloat16>(), k.as<__nv_bfloat16>(), v.as<__nv_bfloat16>(), qkv, B, T, NH, hs);
+    else
+      permute_qkv_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(q.as<float>(), k.as<float>(), v.as<float>(),
+                                                                    qkv, B, T, NH, hs);
+    CUDA_CHECK_LAUNCH();
+  }
+  cudaDataType_t type() const { return bf16 ? CUDA_R_16BF : CUDA_R_32F; }
+};
+
 }  // namespace
 
-void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH) {
+void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH,
+                       MatmulPrecision precision) {
   if (B <= 0 || T <= 0) return;
   const CudaContext& ctx = cuda_context();
+  const bool bf16 = precision == MatmulPrecision::kBF16;
   const int hs = C / NH, batch = B * NH;
   const size_t n = static_cast<size_t>(B) * T * C;
   const long long head = static_cast<long long>(T) * hs, square = static_cast<long long>(T) * T;
-  DeviceScratch q(n * sizeof(float)), k(n * sizeof(float)), v(n * sizeof(float)), y(n * sizeof(float));
-  permute_qkv_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(q.as<float>(), k.as<float>(),
-                                                                          v.as<float>(), qkv, B, T, NH, hs);
-  CUDA_CHECK_LAUNCH();
+  HeadTensors h(bf16, n);
+  h.permute(qkv, B, T, NH, hs, n);
+  DeviceScratch y(n * sizeof(float)), att_bf16(bf16 ? batch * square * 2 : 0);
   // scores Sᵀ (T,T) = K (hs,T)ᵀ · Q (hs,T), scaled by 1/sqrt(hs)
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  batched_gemm(CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, scale, k.as<float>(), hs, head, q.as<float>(), hs, head, att, T,
-               square, batch);
+  batched_gemm(CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, scale, h.k.as<void>(), hs, head, h.q.as<void>(), hs, head, att, T,
+               square, batch, h.type());
   const int rows = batch * T, warps = kThreads / 32;
-  causal_softmax_kernel<<<(rows + warps - 1) / warps, kThreads, 0, ctx.compute>>>(att, rows, T);
+  causal_softmax_kernel<<<(rows + warps - 1) / warps, kThreads, 0, ctx.compute>>>(
+      att, bf16 ? att_bf16.as<__nv_bfloat16>() : nullptr, rows, T);
   CUDA_CHECK_LAUNCH();
   // yᵀ (hs,T) = Vᵀ (hs,T) · attᵀ (T,T)
-  batched_gemm(CUBLAS_OP_N, CUBLAS_OP_N, hs, T, T, 1.0f, v.as<float>(), hs, head, att, T, square, y.as<float>(), hs,
-               head, batch);
-  permute_heads_kernel<false><<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(out, y.as<float>(), B, T, NH, hs);
+  const void* probs = bf16 ? att_bf16.as<void>() : static_cast<const void*>(att);
+  batched_gemm(CUBLAS_OP_N, CUBLAS_OP_N, hs, T, T, 1.0f, h.v.as<void>(), hs, head, probs, T, square, y.as<float>(), hs,
+               head, batch, h.type());
+  unpermute_out_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(out, y.as<float>(), B, T, NH, hs);
   CUDA_CHECK_LAUNCH();
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T, int C,
-                        int NH) {
+                        int NH, MatmulPrecision precision) {
   if (B <= 0 || T <= 0) return;
   const CudaContext& ctx = cuda_context();
+  const bool bf16 = precision == MatmulPrecision::kBF16;
   const int hs = C / NH, batch = B * NH;
   const size_t n = static_cast<size_t>(B) * T * C;
   const long long head = static_cast<long long>(T) * hs, square = static_cast<long long>(T) * T;
-  DeviceScratch q(n * sizeof(float)), k(n * sizeof(float)), v(n * sizeof(float)), dy(n * sizeof(float));
-  DeviceScratch dq(n * sizeof(float)), dk(n * sizeof(float)), dv(n * sizeof(float));
+  HeadTensors h(bf16, n);
+  h.permute(qkv, B, T, NH, hs, n);
+  DeviceScratch dy(n * h.elem), dq(n * sizeof(float)), dk(n * sizeof(float)), dv(n * sizeof(float));
   DeviceScratch datt(static_cast<size_t>(batch) * square * sizeof(float));
-  permute_qkv_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(q.as<float>(), k.as<float>(),
-                                                                          v.as<float>(), qkv, B, T, NH, hs);
-  CUDA_CHECK_LAUNCH();
-  permute_heads_kernel<true><<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(dy.as<float>(), dout, B, T, NH, hs);
+  DeviceScratch dscores_bf16(bf16 ? batch * square * 2 : 0), att_bf16(bf16 ? batch * square * 2 : 0);
+  if (bf16)
+    permute_dout_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(dy.as<__nv_bfloat16>(), dout, B, T, NH,
+                                                                             hs);
+  else
+    permute_dout_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(dy.as<float>(), dout, B, T, NH, hs);
   CUDA_CHECK_LAUNCH();
   // datt[t][t2] = dy[t] · v[t2]: the same form as the scores.
-  batched_gemm(CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, 1.0f, v.as<float>(), hs, head, dy.as<float>(), hs, head,
-               datt.as<float>(), T, square, batch);
-  // dv[t2] = sum_t att[t][t2] dy[t]:  dvᵀ (hs,T) = dyᵀ (hs,T) · att (T,T)
-  batched_gemm(CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, 1.0f, dy.as<float>(), hs, head, att, T, square, dv.as<float>(), hs,
-               head, batch);
+  batched_gemm(CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, 1.0f, h.v.as<void>(), hs, head, dy.as<void>(), hs, head,
+               datt.as<float>(), T, square, batch, h.type());
   const int rows = batch * T, warps = kThreads / 32;
-  causal_softmax_backward_kernel<<<(rows + warps - 1) / warps, kThreads, 0, ctx.compute>>>(datt.as<float>(), att,
-                                                                                           rows, T);
+  causal_softmax_backward_kernel<<<(rows + warps - 1) / warps, kThreads, 0, ctx.compute>>>(
+      datt.as<float>(), att, bf16 ? dscores_bf16.as<__nv_bfloat16>() : nullptr,
+      bf16 ? att_bf16.as<__nv_bfloat16>() : nullptr, rows, T);
   CUDA_CHECK_LAUNCH();
+  const void* probs = bf16 ? att_bf16.as<void>() : static_cast<const void*>(att);
+  const void* dscores = bf16 ? dscores_bf16.as<void>() : datt.as<void>();
+  // dv[t2] = sum_t att[t][t2] dy[t]:  dvᵀ (hs,T) = dyᵀ (hs,T) · att (T,T)
+  batched_gemm(CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, 1.0f, dy.as<void>(), hs, head, probs, T, square, dv.as<float>(), hs,
+               head, batch, h.type());
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
-  // dq[t] = scale * sum_t2 dpre[t][t2] k[t2]: the form of y = att · v.
-  batched_gemm(CUBLAS_OP_N, CUBLAS_OP_N, hs, T, T, scale, k.as<float>(), hs, head, datt.as<float>(), T, square,
-               dq.as<float>(), hs, head, batch);
-  // dk[t2] = scale * sum_t dpre[t][t2] q[t]: the form of dv.
-  batched_gemm(CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, scale, q.as<float>(), hs, head, datt.as<float>(), T, square,
-               dk.as<float>(), hs, head, batch);
+  // dq[t] = scale * sum_t2 dscores[t][t2] k[t2]: the form of y = att · v.
+  batched_gemm(CUBLAS_OP_N, CUBLAS_OP_N, hs, T, T, scale, h.k.as<void>(), hs, head, dscores, T, square,
+               dq.as<float>(), hs, head, batch, h.type());
+  // dk[t2] = scale * sum_t dscores[t][t2] q[t]: the form of dv.
+  batched_gemm(CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, scale, h.q.as<void>(), hs, head, dscores, T, square,
+               dk.as<float>(), hs, head, batch, h.type());
   unpermute_dqkv_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(dqkv, dq.as<float>(), dk.as<float>(),
                                                                              dv.as<float>(), B, T, NH, hs);
   CUDA_CHECK_LAUNCH();

@@ -8,4 +8,7 @@
 namespace strata::kernels::cuda {
 void f32_to_bf16(uint16_t* out, const float* in, size_t n);
 void bf16_to_f32(float* out, const uint16_t* in, size_t n);
+// A row-major (rows, cols) fp32 matrix with row stride ld_in into bf16 with row stride ld_out >= cols, the
+// padding columns written as zeros: aligns the rows of an odd-width operand for the tensor cores.
+void f32_to_bf16_rows(uint16_t* out, size_t ld_out, const float* in, size_t ld_in, size_t rows, size_t cols);
 }  // namespace strata::kernels::cuda

@@ -125,17 +125,30 @@ void run_gemm(const Gemm& g) {
                               ctx.lt_workspace, CudaContext::kLtWorkspaceBytes, ctx.compute));
 }
 
-// The operands of one GEMM, as the precision wants them: the fp32 originals, or bf16 copies in scratch.
+// The operands of one GEMM, as the precision wants them: the fp32 originals, or bf16 copies in scratch whose
+// rows are padded to a multiple of 8 elements (16 bytes), which the tensor-core kernels need: an odd width such
+// as GPT-2's vocabulary (50257) otherwise leaves cuBLASLt only its slow unaligned kernels.
 struct Operand {
   DeviceScratch rounded;
   const void* ptr;
+  int ld;  // row stride in elements
 };
-Operand operand(const float* x, size_t n, MatmulPrecision precision) {
-  if (precision == MatmulPrecision::kF32) return {DeviceScratch(), x};
-  DeviceScratch s(n * sizeof(uint16_t));
-  f32_to_bf16(s.as<uint16_t>(), x, n);
+constexpr int kBf16RowAlign = 8;
+int round_up(int x, int to) { return (x + to - 1) / to * to; }
+// `pad_rows`: also append zero rows up to a multiple of 8, so that a GEMM dimension taken from the row count
+// can be rounded up the same way (the zero rows add nothing).
+Operand operand(const float* x, int rows, int cols, MatmulPrecision precision, bool pad_rows = false) {
+  if (precision == MatmulPrecision::kF32) return {DeviceScratch(), x, cols};
+  const int ld = round_up(cols, kBf16RowAlign);
+  const int prows = pad_rows ? round_up(rows, kBf16RowAlign) : rows;
+  DeviceScratch s(static_cast<size_t>(prows) * ld * sizeof(uint16_t));
+  f32_to_bf16_rows(s.as<uint16_t>(), ld, x, cols, rows, cols);
+  if (prows > rows) {
+    CUDA_CHECK(cudaMemsetAsync(s.as<uint16_t>() + static_cast<size_t>(rows) * ld, 0,
+                               static_cast<size_t>(prows - rows) * ld * sizeof(uint16_t), cuda_context().compute));
+  }
   const void* p = s.as<void>();
-  return {std::move(s), p};
+  return {std::move(s), p, ld};
 }
 cudaDataType_t ab_type(MatmulPrecision precision) {
   return precision == MatmulPrecision::kF32 ? CUDA_R_32F : CUDA_R_16BF;
@@ -145,22 +158,35 @@ cudaDataType_t ab_type(MatmulPrecision precision) {
 
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC,
                     MatmulPrecision precision) {
-  const Operand w = operand(weight, static_cast<size_t>(OC) * C, precision);
-  const Operand x = operand(inp, static_cast<size_t>(N) * C, precision);
+  // An output width that is not a multiple of 8 (GPT-2's vocabulary, 50257) keeps the bf16 GEMM off its fast
+  // kernels: compute OC rounded up (zero weight rows) into an aligned scratch and copy the OC columns over — one
+  // extra pass over the output, much less than it saves. Not with a bias, whose length must be OC.
+  const bool pad = precision == MatmulPrecision::kBF16 && OC % kBf16RowAlign != 0 && bias == nullptr;
+  const int m = pad ? round_up(OC, kBf16RowAlign) : OC;
+  const Operand w = operand(weight, OC, C, precision, pad);
+  const Operand x = operand(inp, N, C, precision);
+  DeviceScratch padded(pad ? static_cast<size_t>(N) * m * sizeof(float) : 0);
+  float* d = pad ? padded.as<float>() : out;
   // out^T (OC,N) = W (C,OC)^T @ inp^T (C,N)
-  run_gemm(Gemm{CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, w.ptr, C, x.ptr, C, out, OC, 0.0f, bias, ab_type(precision)});
+  run_gemm(Gemm{CUBLAS_OP_T, CUBLAS_OP_N, m, N, C, w.ptr, w.ld, x.ptr, x.ld, d, m, 0.0f, bias, ab_type(precision)});
+  if (pad) {
+    CUDA_CHECK(cudaMemcpy2DAsync(out, sizeof(float) * OC, d, sizeof(float) * m, sizeof(float) * OC, N,
+                                 cudaMemcpyDeviceToDevice, cuda_context().compute));
+  }
 }
 
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int N, int C, int OC, MatmulPrecision precision) {
-  const Operand dy = operand(dout, static_cast<size_t>(N) * OC, precision);
-  const Operand w = operand(weight, static_cast<size_t>(OC) * C, precision);
-  const Operand x = operand(inp, static_cast<size_t>(N) * C, precision);
+  const bool bf16 = precision == MatmulPrecision::kBF16;
+  const Operand dy = operand(dout, N, OC, precision);  // bf16: columns padded with zeros to dy.ld
+  const Operand w = operand(weight, OC, C, precision, bf16);  // bf16: zero rows up to a multiple of 8
+  const Operand x = operand(inp, N, C, precision);
   const cudaDataType_t t = ab_type(precision);
-  // dinp^T (C,N) += W (C,OC) @ dout^T (OC,N)
-  run_gemm(Gemm{CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, w.ptr, C, dy.ptr, OC, dinp, C, 1.0f, nullptr, t});
+  // dinp^T (C,N) += W (C,OC) @ dout^T (OC,N), the inner dimension rounded up over the zero padding in bf16.
+  const int k = bf16 ? round_up(OC, kBf16RowAlign) : OC;
+  run_gemm(Gemm{CUBLAS_OP_N, CUBLAS_OP_N, C, N, k, w.ptr, w.ld, dy.ptr, dy.ld, dinp, C, 1.0f, nullptr, t});
   // dweight^T (C,OC) += inp^T (C,N) @ dout (N,OC)
-  run_gemm(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x.ptr, C, dy.ptr, OC, dweight, C, 1.0f, nullptr, t});
+  run_gemm(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x.ptr, x.ld, dy.ptr, dy.ld, dweight, C, 1.0f, nullptr, t});
   if (dbias != nullptr) column_sums_accumulate(dbias, dout, N, OC);
 }
 

@@ -30,8 +30,20 @@ constexpr int kB = 3, kT = 37, kSteps = 8;
 
 struct TrainRun {
   std::vector<float> losses;
-  std::vector<float> params;  // every unit's parameters after the last step, on the host
+  std::vector<float> init;    // every unit's parameters before the first step, on the host
+  std::vector<float> params;  // and after the last
 };
+
+// ‖(a.params − a.init) − (b.params − b.init)‖ / ‖b.params − b.init‖: how far apart the two runs' total updates are.
+double update_distance(const TrainRun& a, const TrainRun& b) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < a.params.size(); ++i) {
+    const double ua = double(a.params[i]) - a.init[i], ub = double(b.params[i]) - b.init[i];
+    diff += (ua - ub) * (ua - ub);
+    norm += ub * ub;
+  }
+  return std::sqrt(diff / norm);
+}
 
 std::vector<float> host_params(const GPT2& m) {
   std::vector<float> out;
@@ -49,6 +61,7 @@ TrainRun train(kernels::Device& device, MatmulPrecision precision, uint64_t seed
   EXPECT_TRUE(model.is_ok()) << model.status().to_string();
   GPT2& m = *model.value();
   m.init_gpt2(seed);
+  r.init = host_params(m);
   AdamWConfig ac;
   ac.grad_clip = 0.5f;  // low enough that clipping is active on some steps
   auto opt = AdamW::create(m.units(), ac, device);
@@ -92,10 +105,17 @@ TEST_F(GpuTrainTest, Fp32StepsMatchTheCpu) {
   EXPECT_LT(cpu.losses.back(), cpu.losses.front()) << "the loss must fall over the steps";
 }
 
+// The GPU's bf16 mode also rounds attention's products (the CPU's attention stays fp32), so the runs differ by
+// bf16 rounding. Parameters are compared by their total update, not element by element: Adam normalizes each
+// gradient, so a parameter whose exact gradient is zero (the key bias: softmax ignores a constant added to a
+// row of scores) takes lr-sized steps driven by rounding noise, differently on each side.
 TEST_F(GpuTrainTest, Bf16StepsMatchTheCpu) {
   const TrainRun cpu = train(*cpu_, MatmulPrecision::kBF16), gpu = train(*gpu_, MatmulPrecision::kBF16);
   EXPECT_TRUE(testing::all_close(gpu.losses, cpu.losses, 1e-2, 1e-2, "losses"));
-  EXPECT_TRUE(testing::all_close(gpu.params, cpu.params, 2e-3, 1e-2, "params"));
+  const double d = update_distance(gpu, cpu);
+  EXPECT_LT(d, 0.05) << "the GPU's updates are " << d << " of the CPU's away from them";
+  const TrainRun other_seed = train(*cpu_, MatmulPrecision::kBF16, 6);
+  EXPECT_GT(update_distance(other_seed, cpu), 0.5) << "the update distance does not tell different runs apart";
 }
 
 TEST_F(GpuTrainTest, GpuRunsAreBitwiseReproducible) {

@@ -197,6 +197,7 @@ TEST_F(CudaOpsTest, MatmulBF16) {
   check_matmul(k, 37, 48, 64, MatmulPrecision::kBF16, 9, true);
   check_matmul(k, 256, 384, 1536, MatmulPrecision::kBF16, 10, true);
   check_matmul(k, 33, 45, 61, MatmulPrecision::kBF16, 11, false);  // odd leading dimensions
+  check_matmul(k, 130, 64, 1001, MatmulPrecision::kBF16, 24, false);  // an odd vocabulary: padded rows and output
 }
 
 TEST_F(CudaOpsTest, Attention) {
@@ -213,13 +214,38 @@ TEST_F(CudaOpsTest, Attention) {
 
     Dev<float> g_qkv(qkv), g_dout(dout), g_dqkv(dqkv0);
     auto g_out = Dev<float>::poisoned(out.size()), g_att = Dev<float>::poisoned(att.size());
-    k.attention_forward(g_out.get(), g_att.get(), g_qkv.get(), B, T, C, NH);
-    k.attention_backward(g_dqkv.get(), g_dout.get(), g_qkv.get(), g_att.get(), B, T, C, NH);
+    k.attention_forward(g_out.get(), g_att.get(), g_qkv.get(), B, T, C, NH, MatmulPrecision::kF32);
+    k.attention_backward(g_dqkv.get(), g_dout.get(), g_qkv.get(), g_att.get(), B, T, C, NH,
+                         MatmulPrecision::kF32);
     const int hs = C / NH;
     EXPECT_TRUE(all_close(g_att.download(), att, accum_atol(hs + T), kRtol, "att"));
     EXPECT_TRUE(all_close(g_out.download(), out, accum_atol(hs + T), kRtol, "out"));
     EXPECT_TRUE(all_close(g_dqkv.download(), dqkv, 2 * accum_atol(hs + T), kRtol, "dqkv"));
   }
+}
+
+// bf16 products (tensor cores): q, k, v, dy, att and dscores are rounded to bf16, so the comparison with the
+// fp32 reference holds at bf16 tolerances, and must NOT hold at the fp32 ones (the bf16 path really ran).
+TEST_F(CudaOpsTest, AttentionBF16) {
+  const int B = 2, T = 67, C = 128, NH = 2;
+  Rng rng(23);
+  auto qkv = rand_vec(size_t(B) * T * 3 * C, rng, -1.0, 1.0), dout = rand_vec(size_t(B) * T * C, rng);
+  auto dqkv0 = rand_vec(qkv.size(), rng);
+  const auto qkv_d = to_double(qkv), dout_d = to_double(dout);
+  std::vector<double> out(dout.size()), att(size_t(B) * NH * T * T), dqkv = to_double(dqkv0);
+  ref::attention_forward(out.data(), att.data(), qkv_d.data(), B, T, C, NH);
+  ref::attention_backward(dqkv.data(), dout_d.data(), qkv_d.data(), att.data(), B, T, C, NH);
+  Dev<float> g_qkv(qkv), g_dout(dout), g_dqkv(dqkv0);
+  auto g_out = Dev<float>::poisoned(out.size()), g_att = Dev<float>::poisoned(att.size());
+  k.attention_forward(g_out.get(), g_att.get(), g_qkv.get(), B, T, C, NH, MatmulPrecision::kBF16);
+  k.attention_backward(g_dqkv.get(), g_dout.get(), g_qkv.get(), g_att.get(), B, T, C, NH, MatmulPrecision::kBF16);
+  const auto got_att = g_att.download(), got_out = g_out.download(), got_dqkv = g_dqkv.download();
+  // Scores are 64-term dots of bf16-rounded U(-1,1) values (relative error 2^-8 per term); probabilities and
+  // outputs inherit about 1% of their size.
+  EXPECT_TRUE(all_close(got_att, att, 1e-2, 2e-2, "att"));
+  EXPECT_TRUE(all_close(got_out, out, 1e-2, 2e-2, "out"));
+  EXPECT_TRUE(all_close(got_dqkv, dqkv, 2e-2, 2e-2, "dqkv"));
+  EXPECT_FALSE(all_close(got_out, out, accum_atol(C / NH + T), kRtol, "out")) << "the bf16 path did not run";
 }
 
 TEST_F(CudaOpsTest, GeluAndResidual) {

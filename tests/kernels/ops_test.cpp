@@ -156,9 +156,10 @@ struct AttentionCase {
     dqkv.assign(qkv.size(), 0);
   }
   std::string params() const { return fmt::format("attention B={} T={} C={} NH={} seed={}", B, T, C, NH, seed); }
-  void forward(Backend k) { STRATA_RUN_OP(k, attention_forward, out.data(), att.data(), qkv.data(), B, T, C, NH); }
+  void forward(Backend k) { STRATA_RUN_OP(k, attention_forward, out.data(), att.data(), qkv.data(), B, T, C, NH, MatmulPrecision::kF32); }
   void backward(Backend k) {
-    STRATA_RUN_OP(k, attention_backward, dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH);
+    STRATA_RUN_OP(k, attention_backward, dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH,
+                  MatmulPrecision::kF32);
   }
   double loss() const { return weighted_sum(out, dout); }
   std::vector<Array<F>> arrays() { return {{"out", &out, false}, {"att", &att, false}, {"dqkv", &dqkv, true}}; }
