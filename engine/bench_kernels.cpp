@@ -210,6 +210,8 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   auto mm_bwd = [&](int OC, int IC) {
     return f * (double(N) * OC + 3.0 * N * IC + 3.0 * double(OC) * IC + 2.0 * OC);
   };
+  // What attention saves for its backward: the probabilities, or flash attention's statistics and output.
+  const double saved_att = static_cast<double>(k.attention_saved_floats(B, T, C, NH, prec));
   kernels::AdamWParams hp;
   std::vector<OpRow> ops = {
       {"encoder fwd", 1, f * 3 * NC, 0, [&] { k.encoder_forward(x.f(), d_tokens.i(), wte.f(), wpe.f(), B, T, C); }},
@@ -217,7 +219,7 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
        0, [&] { k.layernorm_forward(y.f(), mean.f(), rstd.f(), x.f(), lnw.f(), lnb.f(), N, C); }},
       {"matmul fwd qkv", L, mm_fwd(3 * C, C), 2 * NC * 3 * C,
        [&] { k.matmul_forward(qkv.f(), x.f(), w4.f(), b4.f(), N, C, 3 * C, prec); }},
-      {"attention fwd", L, f * (4 * NC + att), 2 * att * (C / NH),
+      {"attention fwd", L, f * (4 * NC + saved_att), 2 * att * (C / NH),
        [&] { k.attention_forward(y.f(), attn.f(), qkv.f(), B, T, C, NH, prec); }},
       {"matmul fwd attproj", L, mm_fwd(C, C), 2 * NC * C,
        [&] { k.matmul_forward(y.f(), x.f(), w4.f(), b4.f(), N, C, C, prec); }},
@@ -244,7 +246,7 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
        [&] { k.matmul_backward(dx.f(), dw4.f(), db4.f(), h4.f(), y.f(), w4.f(), N, C, 4 * C, prec); }},
       {"matmul bwd attproj", L, mm_bwd(C, C), 4 * NC * C,
        [&] { k.matmul_backward(dx.f(), dw4.f(), db4.f(), y.f(), x.f(), w4.f(), N, C, C, prec); }},
-      {"attention bwd", L, f * (10 * NC + att), 4 * att * (C / NH),
+      {"attention bwd", L, f * (10 * NC + saved_att), 4 * att * (C / NH),
        [&] { k.attention_backward(dqkv.f(), y.f(), qkv.f(), attn.f(), B, T, C, NH, prec); }},
       {"matmul bwd qkv", L, mm_bwd(3 * C, C), 4 * NC * 3 * C,
        [&] { k.matmul_backward(dx.f(), dw4.f(), db4.f(), qkv.f(), x.f(), w4.f(), N, C, 3 * C, prec); }},

@@ -125,15 +125,16 @@ GPT2::BlockParams GPT2::block_params(int l, bool grads) const {
 
 Status GPT2::ensure_activations(int B, int T) {
   if (B == last_B_ && T == last_T_) return Status::ok();
-  const size_t L = config_.n_layer, C = config_.n_embd, NH = config_.n_head, V = config_.vocab_size;
+  const size_t L = config_.n_layer, C = config_.n_embd, V = config_.vocab_size;
   const size_t BT = static_cast<size_t>(B) * T;
+  const size_t att_floats = k_->attention_saved_floats(B, T, config_.n_embd, config_.n_head, precision_);
   // Sizes in floats, in the order of the Activations struct, then the per-block gradient scratch.
   const size_t sizes[] = {
       BT * C,                                  // encoded
       L * BT * C, L * BT, L * BT,              // ln1, ln1_mean, ln1_rstd
       L * BT * 3 * C,                          // qkv
       L * BT * C,                              // atty
-      L * B * NH * static_cast<size_t>(T) * T, // att
+      L * att_floats,                          // att: what attention saves for backward
       L * BT * C, L * BT * C,                  // attproj, residual2
       L * BT * C, L * BT, L * BT,              // ln2, ln2_mean, ln2_rstd
       L * BT * 4 * C, L * BT * 4 * C,          // fch, fch_gelu
@@ -176,7 +177,7 @@ void GPT2::block_forward(int l, const float* residual, int B, int T) {
   float* ln1_rstd = acts_.ln1_rstd + static_cast<size_t>(l) * N;
   float* qkv = acts_.qkv + l * BTC * 3;
   float* atty = acts_.atty + l * BTC;
-  float* att = acts_.att + static_cast<size_t>(l) * B * NH * T * T;
+  float* att = acts_.att + l * k_->attention_saved_floats(B, T, C, NH, precision_);
   float* attproj = acts_.attproj + l * BTC;
   float* residual2 = acts_.residual2 + l * BTC;
   float* ln2 = acts_.ln2 + l * BTC;
@@ -253,7 +254,7 @@ void GPT2::block_backward(int l, const float* residual, float* dres, int B, int 
   const float* ln1_rstd = acts_.ln1_rstd + static_cast<size_t>(l) * N;
   const float* qkv = acts_.qkv + l * BTC * 3;
   const float* atty = acts_.atty + l * BTC;
-  const float* att = acts_.att + static_cast<size_t>(l) * B * NH * T * T;
+  const float* att = acts_.att + l * k_->attention_saved_floats(B, T, C, NH, precision_);
   const float* residual2 = acts_.residual2 + l * BTC;
   const float* ln2 = acts_.ln2 + l * BTC;
   const float* ln2_mean = acts_.ln2_mean + static_cast<size_t>(l) * N;

@@ -61,6 +61,10 @@ struct KernelSet {
   // dqkv (B,T,3C) +=.
   void (*attention_backward)(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T,
                              int C, int NH, MatmulPrecision precision);
+  // Floats of `att`: what attention_forward saves for attention_backward at these shapes. The CPU backends save
+  // the probabilities (B*NH*T*T); CUDA's flash attention (bf16) saves far less (the row log-sum-exps and the
+  // output), and then `att` holds those instead of probabilities.
+  size_t (*attention_saved_floats)(int B, int T, int C, int NH, MatmulPrecision precision);
 
   // GELU, tanh approximation (GPT-2's). out (N) = gelu(inp).
   void (*gelu_forward)(float* out, const float* inp, size_t N);

@@ -194,6 +194,10 @@ void attention_backward(F* dqkv, const F* dout, const F* qkv, const F* att, int 
   }
 }
 
+inline size_t attention_saved_floats(int B, int T, int /*C*/, int NH, MatmulPrecision) {
+  return static_cast<size_t>(B) * NH * T * T;
+}
+
 // ---- GELU (tanh approximation, as torch.nn.functional.gelu(approximate='tanh')) -------------------------
 
 template <typename F>

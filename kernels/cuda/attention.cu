@@ -1,15 +1,22 @@
-// attention.cu — causal multi-head self-attention, forward and backward, as llm.c's CUDA version does it:
-// permute q, k, v to (B,NH,T,hs), batched cuBLAS GEMMs for QKᵀ and for att·V, and a warp-per-row causal
-// softmax. The saved probabilities att (B,NH,T,T) are the KernelSet's contract (kernels.h); a flash-style kernel
-// that never materializes them needs a different slot and is the next step for long contexts.
+// attention.cu — causal multi-head self-attention, forward and backward.
+//
+// bf16 precision with a head size of 32, 64 or 128: flash attention (flash_attention.cu), which never forms the
+// T×T matrix; `att` then holds its saved statistics (attention_saved_floats). Otherwise as llm.c's CUDA version
+// does it: permute q, k, v to (B,NH,T,hs), batched cuBLAS GEMMs for QKᵀ and for att·V, a warp-per-row causal
+// softmax, and `att` holds the probabilities (B,NH,T,T). On that path bf16 runs the four products on the tensor
+// cores (the permutes and softmaxes write bf16 copies beside their fp32 results; the GEMMs accumulate and write
+// fp32); fp32 keeps everything fp32 (CUBLAS_COMPUTE_32F, no TF32).
 //
 // Column-major view used by the GEMMs: a row-major (T,hs) head slice is a column-major (hs,T) matrix with
 // ld hs; a row-major (T,T) score matrix S is the column-major Sᵀ with ld T. Full T×T products are computed and
 // the softmax masks the upper triangle (the masked half is wasted work, not wrong results).
 #include <cmath>
 
+#include <cuda_bf16.h>
+
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_context.h"
+#include "kernels/cuda/flash_attention.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/reduce.cuh"
 
@@ -152,7 +159,16 @@ struct HeadTensors {
   cudaDataType_t type() const { return bf16 ? CUDA_R_16BF : CUDA_R_32F; }
 };
 
+bool use_flash(int C, int NH, MatmulPrecision precision) {
+  return precision == MatmulPrecision::kBF16 && flash_attention_supported(C / NH);
+}
+
 }  // namespace
+
+size_t attention_saved_floats(int B, int T, int C, int NH, MatmulPrecision precision) {
+  if (use_flash(C, NH, precision)) return flash_attention_saved_floats(B, T, NH, C / NH);
+  return static_cast<size_t>(B) * NH * T * T;
+}
 
 void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH,
                        MatmulPrecision precision) {
@@ -164,6 +180,10 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
   const long long head = static_cast<long long>(T) * hs, square = static_cast<long long>(T) * T;
   HeadTensors h(bf16, n);
   h.permute(qkv, B, T, NH, hs, n);
+  if (use_flash(C, NH, precision)) {
+    flash_attention_forward(out, att, h.q.as<uint16_t>(), h.k.as<uint16_t>(), h.v.as<uint16_t>(), B, T, NH, hs);
+    return;
+  }
   DeviceScratch y(n * sizeof(float)), att_bf16(bf16 ? batch * square * 2 : 0);
   // scores Sᵀ (T,T) = K (hs,T)ᵀ · Q (hs,T), scaled by 1/sqrt(hs)
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
@@ -192,14 +212,24 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
   HeadTensors h(bf16, n);
   h.permute(qkv, B, T, NH, hs, n);
   DeviceScratch dy(n * h.elem), dq(n * sizeof(float)), dk(n * sizeof(float)), dv(n * sizeof(float));
-  DeviceScratch datt(static_cast<size_t>(batch) * square * sizeof(float));
-  DeviceScratch dscores_bf16(bf16 ? batch * square * 2 : 0), att_bf16(bf16 ? batch * square * 2 : 0);
+  const bool flash = use_flash(C, NH, precision);
+  DeviceScratch datt(flash ? 0 : static_cast<size_t>(batch) * square * sizeof(float));
+  const size_t probs_bf16_bytes = bf16 && !flash ? static_cast<size_t>(batch) * square * 2 : 0;
+  DeviceScratch dscores_bf16(probs_bf16_bytes), att_bf16(probs_bf16_bytes);
   if (bf16)
     permute_dout_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(dy.as<__nv_bfloat16>(), dout, B, T, NH,
                                                                              hs);
   else
     permute_dout_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(dy.as<float>(), dout, B, T, NH, hs);
   CUDA_CHECK_LAUNCH();
+  if (flash) {
+    flash_attention_backward(dq.as<float>(), dk.as<float>(), dv.as<float>(), dout, att, h.q.as<uint16_t>(),
+                             h.k.as<uint16_t>(), h.v.as<uint16_t>(), dy.as<uint16_t>(), B, T, NH, hs);
+    unpermute_dqkv_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(dqkv, dq.as<float>(), dk.as<float>(),
+                                                                               dv.as<float>(), B, T, NH, hs);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
   // datt[t][t2] = dy[t] · v[t2]: the same form as the scores.
   batched_gemm(CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, 1.0f, h.v.as<void>(), hs, head, dy.as<void>(), hs, head,
                datt.as<float>(), T, square, batch, h.type());

@@ -15,6 +15,7 @@ const KernelSet& cuda_kernels() {
       &c::matmul_backward,
       &c::attention_forward,
       &c::attention_backward,
+      &c::attention_saved_floats,
       &c::gelu_forward,
       &c::gelu_backward,
       &c::residual_forward,

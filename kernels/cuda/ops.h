@@ -25,6 +25,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
                        MatmulPrecision precision);
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T, int C,
                         int NH, MatmulPrecision precision);
+size_t attention_saved_floats(int B, int T, int C, int NH, MatmulPrecision precision);
 void gelu_forward(float* out, const float* inp, size_t N);
 void gelu_backward(float* dinp, const float* inp, const float* dout, size_t N);
 void residual_forward(float* out, const float* inp1, const float* inp2, size_t N);

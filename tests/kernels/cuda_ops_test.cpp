@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -200,52 +201,94 @@ TEST_F(CudaOpsTest, MatmulBF16) {
   check_matmul(k, 130, 64, 1001, MatmulPrecision::kBF16, 24, false);  // an odd vocabulary: padded rows and output
 }
 
+// One attention case on the GPU and in the float64 reference. `want_lse` is each row's log-sum-exp of the scaled
+// scores (B,NH,T), which flash attention saves in place of the probabilities.
+struct AttentionRun {
+  std::vector<double> want_out, want_att, want_dqkv, want_lse;
+  std::vector<float> got_out, got_att, got_dqkv;
+};
+AttentionRun run_attention(const KernelSet& k, int B, int T, int C, int NH, uint64_t seed, MatmulPrecision precision,
+                           double range) {
+  Rng rng(seed);
+  auto qkv = rand_vec(size_t(B) * T * 3 * C, rng, -range, range), dout = rand_vec(size_t(B) * T * C, rng);
+  auto dqkv0 = rand_vec(qkv.size(), rng);
+  const auto qkv_d = to_double(qkv), dout_d = to_double(dout);
+  AttentionRun r;
+  r.want_out.resize(dout.size());
+  r.want_att.resize(size_t(B) * NH * T * T);
+  r.want_dqkv = to_double(dqkv0);
+  ref::attention_forward(r.want_out.data(), r.want_att.data(), qkv_d.data(), B, T, C, NH);
+  ref::attention_backward(r.want_dqkv.data(), dout_d.data(), qkv_d.data(), r.want_att.data(), B, T, C, NH);
+  const int hs = C / NH;
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < NH; ++h)
+      for (int t = 0; t < T; ++t) {
+        std::vector<double> s(t + 1);
+        double mx = -INFINITY;
+        for (int t2 = 0; t2 <= t; ++t2) {
+          double dot = 0;
+          for (int i = 0; i < hs; ++i)
+            dot += qkv_d[(size_t(b) * T + t) * 3 * C + h * hs + i] * qkv_d[(size_t(b) * T + t2) * 3 * C + C + h * hs + i];
+          s[t2] = dot / std::sqrt(double(hs));
+          mx = std::max(mx, s[t2]);
+        }
+        double sum = 0;
+        for (double x : s) sum += std::exp(x - mx);
+        r.want_lse.push_back(mx + std::log(sum));
+      }
+  const size_t saved = k.attention_saved_floats(B, T, C, NH, precision);
+  Dev<float> g_qkv(qkv), g_dout(dout), g_dqkv(dqkv0);
+  auto g_out = Dev<float>::poisoned(dout.size()), g_att = Dev<float>::poisoned(saved);
+  k.attention_forward(g_out.get(), g_att.get(), g_qkv.get(), B, T, C, NH, precision);
+  k.attention_backward(g_dqkv.get(), g_dout.get(), g_qkv.get(), g_att.get(), B, T, C, NH, precision);
+  r.got_out = g_out.download();
+  r.got_att = g_att.download();
+  r.got_dqkv = g_dqkv.download();
+  return r;
+}
+
 TEST_F(CudaOpsTest, Attention) {
   for (auto [B, T, C, NH, seed] : {std::tuple{2, 37, 48, 4, 12u}, std::tuple{3, 128, 192, 3, 13u},
                                    std::tuple{1, 257, 768, 12, 14u}}) {
-    SCOPED_TRACE(fmt::format("attention B={} T={} C={} NH={} seed={}", B, T, C, NH, seed));
-    Rng rng(seed);
-    auto qkv = rand_vec(size_t(B) * T * 3 * C, rng, -2.0, 2.0), dout = rand_vec(size_t(B) * T * C, rng);
-    auto dqkv0 = rand_vec(qkv.size(), rng);
-    const auto qkv_d = to_double(qkv), dout_d = to_double(dout);
-    std::vector<double> out(dout.size()), att(size_t(B) * NH * T * T), dqkv = to_double(dqkv0);
-    ref::attention_forward(out.data(), att.data(), qkv_d.data(), B, T, C, NH);
-    ref::attention_backward(dqkv.data(), dout_d.data(), qkv_d.data(), att.data(), B, T, C, NH);
-
-    Dev<float> g_qkv(qkv), g_dout(dout), g_dqkv(dqkv0);
-    auto g_out = Dev<float>::poisoned(out.size()), g_att = Dev<float>::poisoned(att.size());
-    k.attention_forward(g_out.get(), g_att.get(), g_qkv.get(), B, T, C, NH, MatmulPrecision::kF32);
-    k.attention_backward(g_dqkv.get(), g_dout.get(), g_qkv.get(), g_att.get(), B, T, C, NH,
-                         MatmulPrecision::kF32);
+    SCOPED_TRACE(fmt::format("attention fp32 B={} T={} C={} NH={} seed={}", B, T, C, NH, seed));
+    ASSERT_EQ(k.attention_saved_floats(B, T, C, NH, MatmulPrecision::kF32), size_t(B) * NH * T * T);
+    const AttentionRun r = run_attention(k, B, T, C, NH, seed, MatmulPrecision::kF32, 2.0);
     const int hs = C / NH;
-    EXPECT_TRUE(all_close(g_att.download(), att, accum_atol(hs + T), kRtol, "att"));
-    EXPECT_TRUE(all_close(g_out.download(), out, accum_atol(hs + T), kRtol, "out"));
-    EXPECT_TRUE(all_close(g_dqkv.download(), dqkv, 2 * accum_atol(hs + T), kRtol, "dqkv"));
+    EXPECT_TRUE(all_close(r.got_att, r.want_att, accum_atol(hs + T), kRtol, "att"));
+    EXPECT_TRUE(all_close(r.got_out, r.want_out, accum_atol(hs + T), kRtol, "out"));
+    EXPECT_TRUE(all_close(r.got_dqkv, r.want_dqkv, 2 * accum_atol(hs + T), kRtol, "dqkv"));
   }
 }
 
-// bf16 products (tensor cores): q, k, v, dy, att and dscores are rounded to bf16, so the comparison with the
-// fp32 reference holds at bf16 tolerances, and must NOT hold at the fp32 ones (the bf16 path really ran).
+// bf16 products (tensor cores): q, k, v, dy and the probabilities are rounded to bf16, so the comparison with
+// the fp32 reference holds at bf16 tolerances — and must NOT hold at the fp32 ones (the bf16 path really ran).
+// Scores are hs-term dots of bf16-rounded U(-1,1) values (relative error 2^-8 per term); probabilities and
+// outputs inherit about 1% of their size. Head sizes 32/64/128 take flash attention (no T×T matrix: `att`
+// holds the rows' log-sum-exps, then the outputs); 48 takes the batched-GEMM path. T = 1 and T past a multiple
+// of the 64-row tiles check the edges.
 TEST_F(CudaOpsTest, AttentionBF16) {
-  const int B = 2, T = 67, C = 128, NH = 2;
-  Rng rng(23);
-  auto qkv = rand_vec(size_t(B) * T * 3 * C, rng, -1.0, 1.0), dout = rand_vec(size_t(B) * T * C, rng);
-  auto dqkv0 = rand_vec(qkv.size(), rng);
-  const auto qkv_d = to_double(qkv), dout_d = to_double(dout);
-  std::vector<double> out(dout.size()), att(size_t(B) * NH * T * T), dqkv = to_double(dqkv0);
-  ref::attention_forward(out.data(), att.data(), qkv_d.data(), B, T, C, NH);
-  ref::attention_backward(dqkv.data(), dout_d.data(), qkv_d.data(), att.data(), B, T, C, NH);
-  Dev<float> g_qkv(qkv), g_dout(dout), g_dqkv(dqkv0);
-  auto g_out = Dev<float>::poisoned(out.size()), g_att = Dev<float>::poisoned(att.size());
-  k.attention_forward(g_out.get(), g_att.get(), g_qkv.get(), B, T, C, NH, MatmulPrecision::kBF16);
-  k.attention_backward(g_dqkv.get(), g_dout.get(), g_qkv.get(), g_att.get(), B, T, C, NH, MatmulPrecision::kBF16);
-  const auto got_att = g_att.download(), got_out = g_out.download(), got_dqkv = g_dqkv.download();
-  // Scores are 64-term dots of bf16-rounded U(-1,1) values (relative error 2^-8 per term); probabilities and
-  // outputs inherit about 1% of their size.
-  EXPECT_TRUE(all_close(got_att, att, 1e-2, 2e-2, "att"));
-  EXPECT_TRUE(all_close(got_out, out, 1e-2, 2e-2, "out"));
-  EXPECT_TRUE(all_close(got_dqkv, dqkv, 2e-2, 2e-2, "dqkv"));
-  EXPECT_FALSE(all_close(got_out, out, accum_atol(C / NH + T), kRtol, "out")) << "the bf16 path did not run";
+  for (auto [B, T, C, NH, seed] : {std::tuple{2, 67, 128, 2, 23u}, std::tuple{1, 200, 256, 8, 24u},
+                                   std::tuple{2, 130, 256, 2, 25u}, std::tuple{3, 1, 64, 1, 26u},
+                                   std::tuple{2, 70, 96, 2, 27u}}) {
+    const int hs = C / NH;
+    const bool flash = hs == 32 || hs == 64 || hs == 128;
+    SCOPED_TRACE(fmt::format("attention bf16 B={} T={} C={} NH={} seed={} ({})", B, T, C, NH, seed,
+                             flash ? "flash" : "batched GEMMs"));
+    const size_t saved = k.attention_saved_floats(B, T, C, NH, MatmulPrecision::kBF16);
+    ASSERT_EQ(saved, flash ? size_t(B) * NH * T * (1 + hs) : size_t(B) * NH * T * T);
+    const AttentionRun r = run_attention(k, B, T, C, NH, seed, MatmulPrecision::kBF16, 1.0);
+    if (flash) {
+      const std::vector<float> lse(r.got_att.begin(), r.got_att.begin() + size_t(B) * NH * T);
+      EXPECT_TRUE(all_close(lse, r.want_lse, 1e-2, 1e-2, "lse"));
+    } else {
+      EXPECT_TRUE(all_close(r.got_att, r.want_att, 1e-2, 2e-2, "att"));
+    }
+    EXPECT_TRUE(all_close(r.got_out, r.want_out, 1e-2, 2e-2, "out"));
+    EXPECT_TRUE(all_close(r.got_dqkv, r.want_dqkv, 2e-2, 2e-2, "dqkv"));
+    if (T > 1) {
+      EXPECT_FALSE(all_close(r.got_out, r.want_out, accum_atol(hs + T), kRtol, "out")) << "the bf16 path did not run";
+    }
+  }
 }
 
 TEST_F(CudaOpsTest, GeluAndResidual) {
