@@ -107,12 +107,16 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(float* out, float* 
   bf16* Ps = reinterpret_cast<bf16*>(Ss + kTile * (kTile + kPadF));
   float* Os = reinterpret_cast<float*>(Ps + kTile * (kTile + kPadH));
 
-  const int qt = blockIdx.x, bh = blockIdx.y, q0 = qt * kTile;
+  // The heaviest query tiles (most key tiles below the diagonal) first, so the last wave is the light ones.
+  const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, q0 = qt * kTile;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const size_t head = static_cast<size_t>(bh) * T * HS;
   load_tile<HS>(Qs, q + head, q0, T);
   for (int i = threadIdx.x; i < kTile * (HS + kPadF); i += kThreads) Os[i] = 0.0f;
-  // Running statistics of the warp's 16 rows: lane r < 16 holds row r's.
+  // Lanes 2r and 2r+1 own the warp's row r: columns [32*half, 32*half + 32) of S and P, and half of O's row.
+  // Both keep the row's running max m and sum l, so a row needs one shuffle per reduction, not a warp's five.
+  const int r = lane / 2, half = lane % 2;
+  const int qi = q0 + warp * 16 + r;
   float m_run = -INFINITY, l_run = 0.0f;
 
   for (int kt = 0; kt <= qt; ++kt) {
@@ -126,54 +130,52 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(float* out, float* 
     float* O = Os + warp * 16 * (HS + kPadF);
     warp_abt<HS>(S, Qs + warp * 16 * (HS + kPadH), HS + kPadH, Ks, HS + kPadH);
     __syncwarp();
-    for (int r = 0; r < 16; ++r) {
-      const int qi = q0 + warp * 16 + r;
-      float s[2];
-      float mx = -INFINITY;
-      for (int h = 0; h < 2; ++h) {
-        const int c = lane + 32 * h, kj = k0 + c;
-        s[h] = (kj <= qi && kj < T) ? S[r * (kTile + kPadF) + c] * scale : -INFINITY;
-        mx = fmaxf(mx, s[h]);
-      }
-      mx = warp_max(mx);
-      const float m_old = __shfl_sync(0xffffffffu, m_run, r);
-      const float m_new = fmaxf(m_old, mx);
-      float sum = 0.0f;
-      for (int h = 0; h < 2; ++h) {
-        const float p = m_new == -INFINITY ? 0.0f : __expf(s[h] - m_new);
-        sum += p;
-        P[r * (kTile + kPadH) + lane + 32 * h] = __float2bfloat16_rn(p);
-      }
-      sum = warp_sum(sum);
-      const float alpha = m_new == -INFINITY ? 1.0f : __expf(m_old - m_new);
-      for (int d = lane; d < HS; d += 32) O[r * (HS + kPadF) + d] *= alpha;
-      if (lane == r) {
-        m_run = m_new;
-        l_run = l_run * alpha + sum;
-      }
+    const float* srow = S + r * (kTile + kPadF) + 32 * half;
+    float sv[32];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int c = 0; c < 32; ++c) {
+      const int kj = k0 + 32 * half + c;
+      sv[c] = (kj <= qi && kj < T) ? srow[c] * scale : -INFINITY;
+      mx = fmaxf(mx, sv[c]);
     }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    const float m_new = fmaxf(m_run, mx);
+    float sum = 0.0f;
+    __nv_bfloat162* prow = reinterpret_cast<__nv_bfloat162*>(P + r * (kTile + kPadH) + 32 * half);
+#pragma unroll
+    for (int c = 0; c < 32; c += 2) {
+      const float p0 = m_new == -INFINITY ? 0.0f : __expf(sv[c] - m_new);
+      const float p1 = m_new == -INFINITY ? 0.0f : __expf(sv[c + 1] - m_new);
+      sum += p0 + p1;
+      prow[c / 2] = __floats2bfloat162_rn(p0, p1);
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    const float alpha = m_new == -INFINITY ? 1.0f : __expf(m_run - m_new);
+    l_run = l_run * alpha + sum;
+    m_run = m_new;
+    float* orow = O + r * (HS + kPadF) + (HS / 2) * half;
+#pragma unroll
+    for (int d = 0; d < HS / 2; ++d) orow[d] *= alpha;
     __syncwarp();
     warp_acc_pb<HS>(O, P, Vs);
     __syncwarp();
   }
 
   // out (B,T,C) at column h*HS; the saved lse and O (head layout).
-  const int b = bh / NH, h = bh % NH, C = NH * HS;
-  const float* O = Os + warp * 16 * (HS + kPadF);
-  for (int r = 0; r < 16; ++r) {
-    const int qi = q0 + warp * 16 + r;
-    const float l = __shfl_sync(0xffffffffu, l_run, r);
-    const float m = __shfl_sync(0xffffffffu, m_run, r);
-    if (qi >= T) continue;
-    const float inv = 1.0f / l;
-    float* dst = out + (static_cast<size_t>(b) * T + qi) * C + static_cast<size_t>(h) * HS;
-    float* saved = o_out + head + static_cast<size_t>(qi) * HS;
-    for (int d = lane; d < HS; d += 32) {
-      const float o = O[r * (HS + kPadF) + d] * inv;
+  if (qi < T) {
+    const int b = bh / NH, h = bh % NH, C = NH * HS;
+    const float* orow = Os + (warp * 16 + r) * (HS + kPadF) + (HS / 2) * half;
+    const float inv = 1.0f / l_run;
+    float* dst = out + (static_cast<size_t>(b) * T + qi) * C + static_cast<size_t>(h) * HS + (HS / 2) * half;
+    float* saved = o_out + head + static_cast<size_t>(qi) * HS + (HS / 2) * half;
+#pragma unroll 4
+    for (int d = 0; d < HS / 2; ++d) {
+      const float o = orow[d] * inv;
       dst[d] = o;
       saved[d] = o;
     }
-    if (lane == 0) lse_out[static_cast<size_t>(bh) * T + qi] = m + __logf(l);
+    if (half == 0) lse_out[static_cast<size_t>(bh) * T + qi] = m_run + __logf(l_run);
   }
 }
 
@@ -248,6 +250,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(float* dk, float
     warp_abt<HS>(S, Kw, HS + kPadH, Qs, HS + kPadH);
     __syncwarp();
     float pt[16][2];
+#pragma unroll
     for (int r = 0; r < 16; ++r) {
       const int kj = k0 + warp * 16 + r;
       for (int h = 0; h < 2; ++h) {
@@ -261,6 +264,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(float* dk, float
     // dPᵀ (16 × 64) = V_w dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ − D[q]).
     warp_abt<HS>(S, Vw, HS + kPadH, dYs, HS + kPadH);
     __syncwarp();
+#pragma unroll
     for (int r = 0; r < 16; ++r) {
       for (int h = 0; h < 2; ++h) {
         const int c = lane + 32 * h;
@@ -304,7 +308,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dq, const 
   bf16* dSs = reinterpret_cast<bf16*>(Ss + kTile * (kTile + kPadF));
   float* dQs = reinterpret_cast<float*>(dSs + kTile * (kTile + kPadH));
 
-  const int qt = blockIdx.x, bh = blockIdx.y, q0 = qt * kTile;
+  const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, q0 = qt * kTile;  // heaviest tiles first
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const size_t head = static_cast<size_t>(bh) * T * HS;
   load_tile<HS>(Qs, q + head, q0, T);
@@ -329,6 +333,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dq, const 
     warp_abt<HS>(S, Qs + warp * 16 * (HS + kPadH), HS + kPadH, Ks, HS + kPadH);  // S = Q_w Kᵀ
     __syncwarp();
     float p[16][2];
+#pragma unroll
     for (int r = 0; r < 16; ++r) {
       const int qi = q0 + warp * 16 + r;
       const float l = __shfl_sync(0xffffffffu, my_lse, r);
@@ -340,6 +345,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dq, const 
     __syncwarp();
     warp_abt<HS>(S, dYs + warp * 16 * (HS + kPadH), HS + kPadH, Vs, HS + kPadH);  // dP = dO_w Vᵀ
     __syncwarp();
+#pragma unroll
     for (int r = 0; r < 16; ++r) {
       const float d = __shfl_sync(0xffffffffu, my_D, r);
       for (int h = 0; h < 2; ++h) {
