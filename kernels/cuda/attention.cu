@@ -1,6 +1,6 @@
 // attention.cu — causal multi-head self-attention, forward and backward.
 //
-// bf16 precision with a head size of 32, 64 or 128: flash attention (flash_attention.cu), which never forms the
+// bf16 precision with a head size of 32 or 64: flash attention (flash_attention.cu), which never forms the
 // T×T matrix; `att` then holds its saved statistics (attention_saved_floats). Otherwise as llm.c's CUDA version
 // does it: permute q, k, v to (B,NH,T,hs), batched cuBLAS GEMMs for QKᵀ and for att·V, a warp-per-row causal
 // softmax, and `att` holds the probabilities (B,NH,T,T). On that path bf16 runs the four products on the tensor

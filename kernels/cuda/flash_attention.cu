@@ -1,17 +1,26 @@
 // flash_attention.cu — causal attention without the T×T matrix (FlashAttention-2's algorithm) on the tensor
-// cores through WMMA: bf16 operands, fp32 accumulation, fp32 softmax statistics.
+// cores: bf16 operands through mma.sync.m16n8k16, fp32 accumulation, fp32 softmax statistics.
 //
-// Forward: a block takes 64 query rows of one (batch, head), four warps of 16 rows each, and walks the key
-// tiles up to the diagonal: S = Q Kᵀ (tensor cores) -> online softmax in fp32 (running max m and sum l per row,
-// the output rescaled as m grows) -> O += P V with P rounded to bf16. It saves, per row, the log-sum-exp of the
-// scaled scores and the output O itself (head layout, fp32), which the backward needs for D = rowsum(dO ∘ O).
+// Every kernel has the same shape: a block takes 64 rows of one (batch, head), four warps of 16 rows each; a
+// warp keeps its rows' operand fragments, its 16×64 tile of scores and its output accumulator in REGISTERS, and
+// only the 64-row tiles it walks over are staged in shared memory. The scores come out of the tensor cores in
+// the accumulator layout, which is exactly the A-operand layout of the next product (FlashAttention-2's trick),
+// so probabilities never leave registers. (A first version used WMMA, whose opaque fragments forced scores and
+// outputs through shared memory: it was bound by shared-memory bandwidth at 19% occupancy.)
 //
-// Backward, deterministic (no atomics): kernel 1 takes 64 keys per block, each warp 16 of them, and walks the
-// query tiles from the diagonal down, accumulating its own rows of dV = Pᵀ dO and dK = dSᵀ Q; kernel 2 takes 64
-// queries per block and accumulates dQ = dS K over the key tiles. P is recomputed from the saved log-sum-exp;
-// dS = P ∘ (dP − D) with dP = dO Vᵀ. Every sum runs in an order fixed by the shapes.
-#include <mma.h>
-
+// Forward: walk the key tiles up to the diagonal: S = Q Kᵀ -> online softmax (running max m and sum l per
+// row, the output rescaled as m grows) -> O += P V with P rounded to bf16. Saves, per row, the log-sum-exp of
+// the scaled scores and the output O itself (head layout, fp32), which the backward needs for D = rowsum(dO∘O).
+//
+// Backward, deterministic (no atomics): kernel 1 takes 64 keys per block and walks the query tiles from the
+// diagonal down, accumulating its rows of dV = Pᵀ dO and dK = dSᵀ Q (it computes Sᵀ = K Qᵀ directly, so Pᵀ is
+// in registers as an A operand); kernel 2 takes 64 queries per block and accumulates dQ = dS K over the key
+// tiles. P is recomputed from the saved log-sum-exp; dS = P ∘ (dP − D) with dP = dO Vᵀ.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16 with bf16): g = lane / 4, t = lane % 4.
+//   A (16×16, row): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
+//   B (16×8, col):  b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
+//   C (16×8):       c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/cuda_check.h"
@@ -22,22 +31,32 @@
 namespace strata::kernels::cuda {
 namespace {
 
-using namespace nvcuda;
 using bf16 = __nv_bfloat16;
 
-constexpr int kTile = 64;     // query and key rows per tile
-constexpr int kWarps = 4;     // 16 rows each
+constexpr int kTile = 64;  // query and key rows per tile
+constexpr int kWarps = 4;  // 16 rows each
 constexpr int kThreads = 32 * kWarps;
-constexpr int kPadH = 8;      // bf16 row padding (16 bytes): keeps WMMA pointers 32-byte aligned, spreads banks
-constexpr int kPadF = 4;      // fp32 row padding
+constexpr int kPad = 8;    // bf16 row padding of shared tiles: spreads the fragment loads over the banks
 
-using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major>;
-using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major>;  // a row-major tile, transposed
-using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major>;
-using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
-// Rows [row0, row0 + 64) of a (T, HS) bf16 head slice into a shared tile with row stride HS + kPadH; rows past
-// T are zeros. 16-byte loads.
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t pack(bf16 lo, bf16 hi) {
+  return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) | (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
+}
+__device__ __forceinline__ uint32_t load_pair(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// Rows [row0, row0 + 64) of a (T, HS) bf16 head slice into a shared tile with row stride HS + kPad; rows past T
+// are zeros. 16-byte loads.
 template <int HS>
 __device__ void load_tile(bf16* dst, const bf16* src, int row0, int T) {
   constexpr int kVecs = HS / 8;  // uint4 per row
@@ -45,79 +64,87 @@ __device__ void load_tile(bf16* dst, const bf16* src, int row0, int T) {
     const int r = i / kVecs, c = (i % kVecs) * 8;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (row0 + r < T) v = *reinterpret_cast<const uint4*>(src + static_cast<size_t>(row0 + r) * HS + c);
-    *reinterpret_cast<uint4*>(dst + r * (HS + kPadH) + c) = v;
+    *reinterpret_cast<uint4*>(dst + r * (HS + kPad) + c) = v;
   }
 }
 
-// The 16×64 product of a warp's 16 rows of `a` (row-major, stride lda) with the 64 rows of `b` transposed
-// (row-major tile, stride ldb) over HS, stored row-major into `out` (stride kTile + kPadF).
+// The A fragments of 16 rows × HS (row r of the strip is row `row0 + r` of the (T, HS) head slice; rows past T
+// are zeros), straight from global memory: each warp reads its rows once per block.
 template <int HS>
-__device__ void warp_abt(float* out, const bf16* a, int lda, const bf16* b, int ldb) {
-  for (int j = 0; j < kTile / 16; ++j) {
-    FragC acc;
-    wmma::fill_fragment(acc, 0.0f);
-    for (int kk = 0; kk < HS / 16; ++kk) {
-      FragA fa;
-      FragBT fb;
-      wmma::load_matrix_sync(fa, a + kk * 16, lda);
-      wmma::load_matrix_sync(fb, b + j * 16 * ldb + kk * 16, ldb);
-      wmma::mma_sync(acc, fa, fb, acc);
+__device__ void load_a_strip(uint32_t (&a)[HS / 16][4], const bf16* src, int row0, int T) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const bool in0 = row0 + g < T, in1 = row0 + g + 8 < T;
+  const bf16* r0 = src + static_cast<size_t>(row0 + g) * HS;
+  const bf16* r1 = src + static_cast<size_t>(row0 + g + 8) * HS;
+#pragma unroll
+  for (int kk = 0; kk < HS / 16; ++kk) {
+    const int c = 16 * kk + 2 * t;
+    a[kk][0] = in0 ? load_pair(r0 + c) : 0u;
+    a[kk][1] = in1 ? load_pair(r1 + c) : 0u;
+    a[kk][2] = in0 ? load_pair(r0 + c + 8) : 0u;
+    a[kk][3] = in1 ? load_pair(r1 + c + 8) : 0u;
+  }
+}
+
+// s (16×64, accumulator layout, 8 n-tiles) = A (16×HS) · Bᵀ, B a shared 64×HS tile (row stride HS + kPad).
+template <int HS>
+__device__ void strip_abt(float (&s)[8][4], const uint32_t (&a)[HS / 16][4], const bf16* b) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    const bf16* row = b + (8 * j + g) * (HS + kPad) + 2 * t;
+#pragma unroll
+    for (int kk = 0; kk < HS / 16; ++kk) mma_bf16(s[j], a[kk], load_pair(row + 16 * kk), load_pair(row + 16 * kk + 8));
+  }
+}
+
+// acc (16×HS, accumulator layout, HS/8 n-tiles) += P (16×64, accumulator layout, rounded to bf16 here) · B, B a
+// shared 64×HS tile (row stride HS + kPad) whose rows are the 64 columns of P.
+template <int HS>
+__device__ void strip_pb(float (&acc)[HS / 8][4], const float (&p)[8][4], const bf16* b) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint32_t a[4] = {pack(p[2 * kk][0], p[2 * kk][1]), pack(p[2 * kk][2], p[2 * kk][3]),
+                           pack(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+    const bf16* r0 = b + (16 * kk + 2 * t) * (HS + kPad) + g;  // rows 2t, 2t+1; then 2t+8, 2t+9
+#pragma unroll
+    for (int n = 0; n < HS / 8; ++n) {
+      const bf16* c = r0 + 8 * n;
+      const uint32_t b0 = pack(c[0], c[HS + kPad]);
+      const uint32_t b1 = pack(c[8 * (HS + kPad)], c[9 * (HS + kPad)]);
+      mma_bf16(acc[n], a, b0, b1);
     }
-    wmma::store_matrix_sync(out + j * 16, acc, kTile + kPadF, wmma::mem_row_major);
   }
 }
 
-// acc (16×HS, fp32, row-major in shared memory, stride HS + kPadF) += p (16×64 bf16, stride kTile + kPadH) ·
-// b (64×HS bf16 row-major, stride HS + kPadH).
-template <int HS>
-__device__ void warp_acc_pb(float* acc, const bf16* p, const bf16* b) {
-  for (int n = 0; n < HS / 16; ++n) {
-    FragC c;
-    wmma::load_matrix_sync(c, acc + n * 16, HS + kPadF, wmma::mem_row_major);
-    for (int kk = 0; kk < kTile / 16; ++kk) {
-      FragA fa;
-      FragB fb;
-      wmma::load_matrix_sync(fa, p + kk * 16, kTile + kPadH);
-      wmma::load_matrix_sync(fb, b + kk * 16 * (HS + kPadH) + n * 16, HS + kPadH);
-      wmma::mma_sync(c, fa, fb, c);
-    }
-    wmma::store_matrix_sync(acc + n * 16, c, HS + kPadF, wmma::mem_row_major);
-  }
+// Reductions over the four lanes (t = 0..3) that share a row.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Shared memory of the forward, in bytes, for head size HS.
-template <int HS>
-constexpr size_t fwd_smem() {
-  return 3 * kTile * (HS + kPadH) * sizeof(bf16)          // Q, K, V tiles
-         + kTile * (kTile + kPadF) * sizeof(float)        // S
-         + kTile * (kTile + kPadH) * sizeof(bf16)         // P
-         + kTile * (HS + kPadF) * sizeof(float);          // O
-}
-
-// grid (ceil(T/64), B*NH). saved: lse (B*NH, T), then O (B*NH, T, HS) fp32.
+// grid (ceil(T/64), B*NH). saved: lse (B*NH, T) padded to a multiple of 4 floats, then O (B*NH, T, HS) fp32.
 template <int HS>
 __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(float* out, float* lse_out, float* o_out, const bf16* q,
                                                              const bf16* k, const bf16* v, int T, int NH,
                                                              float scale) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  bf16* Qs = reinterpret_cast<bf16*>(smem);
-  bf16* Ks = Qs + kTile * (HS + kPadH);
-  bf16* Vs = Ks + kTile * (HS + kPadH);
-  float* Ss = reinterpret_cast<float*>(Vs + kTile * (HS + kPadH));
-  bf16* Ps = reinterpret_cast<bf16*>(Ss + kTile * (kTile + kPadF));
-  float* Os = reinterpret_cast<float*>(Ps + kTile * (kTile + kPadH));
-
+  __shared__ __align__(16) bf16 Ks[kTile * (HS + kPad)];
+  __shared__ __align__(16) bf16 Vs[kTile * (HS + kPad)];
   // The heaviest query tiles (most key tiles below the diagonal) first, so the last wave is the light ones.
   const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, q0 = qt * kTile;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const size_t head = static_cast<size_t>(bh) * T * HS;
-  load_tile<HS>(Qs, q + head, q0, T);
-  for (int i = threadIdx.x; i < kTile * (HS + kPadF); i += kThreads) Os[i] = 0.0f;
-  // Lanes 2r and 2r+1 own the warp's row r: columns [32*half, 32*half + 32) of S and P, and half of O's row.
-  // Both keep the row's running max m and sum l, so a row needs one shuffle per reduction, not a warp's five.
-  const int r = lane / 2, half = lane % 2;
-  const int qi = q0 + warp * 16 + r;
-  float m_run = -INFINITY, l_run = 0.0f;
+  const int row0 = q0 + warp * 16;  // this thread's rows: row0 + g and row0 + g + 8
+  uint32_t qa[HS / 16][4];
+  load_a_strip<HS>(qa, q + head, row0, T);
+  float o[HS / 8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
   for (int kt = 0; kt <= qt; ++kt) {
     const int k0 = kt * kTile;
@@ -125,57 +152,60 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(float* out, float* 
     load_tile<HS>(Ks, k + head, k0, T);
     load_tile<HS>(Vs, v + head, k0, T);
     __syncthreads();
-    float* S = Ss + warp * 16 * (kTile + kPadF);
-    bf16* P = Ps + warp * 16 * (kTile + kPadH);
-    float* O = Os + warp * 16 * (HS + kPadF);
-    warp_abt<HS>(S, Qs + warp * 16 * (HS + kPadH), HS + kPadH, Ks, HS + kPadH);
-    __syncwarp();
-    const float* srow = S + r * (kTile + kPadF) + 32 * half;
-    float sv[32];
-    float mx = -INFINITY;
+    float s[8][4];
+    strip_abt<HS>(s, qa, Ks);
+    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int c = 0; c < 32; ++c) {
-      const int kj = k0 + 32 * half + c;
-      sv[c] = (kj <= qi && kj < T) ? srow[c] * scale : -INFINITY;
-      mx = fmaxf(mx, sv[c]);
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = k0 + 8 * j + 2 * t + (e & 1), query = row0 + g + 8 * (e >> 1);
+        s[j][e] = (key <= query && key < T) ? s[j][e] * scale : -INFINITY;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+      }
+    float alpha[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(m[h], quad_max(mx[h]));
+      alpha[h] = m_new == -INFINITY ? 1.0f : __expf(m[h] - m_new);
+      m[h] = m_new;
     }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    const float m_new = fmaxf(m_run, mx);
-    float sum = 0.0f;
-    __nv_bfloat162* prow = reinterpret_cast<__nv_bfloat162*>(P + r * (kTile + kPadH) + 32 * half);
 #pragma unroll
-    for (int c = 0; c < 32; c += 2) {
-      const float p0 = m_new == -INFINITY ? 0.0f : __expf(sv[c] - m_new);
-      const float p1 = m_new == -INFINITY ? 0.0f : __expf(sv[c + 1] - m_new);
-      sum += p0 + p1;
-      prow[c / 2] = __floats2bfloat162_rn(p0, p1);
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1;
+        s[j][e] = m[h] == -INFINITY ? 0.0f : __expf(s[j][e] - m[h]);
+        sum[h] += s[j][e];
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + quad_sum(sum[h]);
+#pragma unroll
+    for (int n = 0; n < HS / 8; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
     }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    const float alpha = m_new == -INFINITY ? 1.0f : __expf(m_run - m_new);
-    l_run = l_run * alpha + sum;
-    m_run = m_new;
-    float* orow = O + r * (HS + kPadF) + (HS / 2) * half;
-#pragma unroll
-    for (int d = 0; d < HS / 2; ++d) orow[d] *= alpha;
-    __syncwarp();
-    warp_acc_pb<HS>(O, P, Vs);
-    __syncwarp();
+    strip_pb<HS>(o, s, Vs);
   }
 
   // out (B,T,C) at column h*HS; the saved lse and O (head layout).
-  if (qi < T) {
-    const int b = bh / NH, h = bh % NH, C = NH * HS;
-    const float* orow = Os + (warp * 16 + r) * (HS + kPadF) + (HS / 2) * half;
-    const float inv = 1.0f / l_run;
-    float* dst = out + (static_cast<size_t>(b) * T + qi) * C + static_cast<size_t>(h) * HS + (HS / 2) * half;
-    float* saved = o_out + head + static_cast<size_t>(qi) * HS + (HS / 2) * half;
-#pragma unroll 4
-    for (int d = 0; d < HS / 2; ++d) {
-      const float o = orow[d] * inv;
-      dst[d] = o;
-      saved[d] = o;
+  const int b = bh / NH, hd = bh % NH, C = NH * HS;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int query = row0 + g + 8 * h;
+    if (query >= T) continue;
+    const float inv = 1.0f / l[h];
+    float* dst = out + (static_cast<size_t>(b) * T + query) * C + static_cast<size_t>(hd) * HS;
+    float* saved = o_out + head + static_cast<size_t>(query) * HS;
+#pragma unroll
+    for (int n = 0; n < HS / 8; ++n) {
+      const float2 val = make_float2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+      *reinterpret_cast<float2*>(dst + 8 * n + 2 * t) = val;
+      *reinterpret_cast<float2*>(saved + 8 * n + 2 * t) = val;
     }
-    if (half == 0) lse_out[static_cast<size_t>(bh) * T + qi] = m_run + __logf(l_run);
+    if (t == 0) lse_out[static_cast<size_t>(bh) * T + query] = m[h] + __logf(l[h]);
   }
 }
 
@@ -184,8 +214,8 @@ template <int HS>
 __global__ void flash_bwd_dot_kernel(float* D, const float* dout, const float* o, int B, int T, int NH) {
   const int row = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= B * NH * T) return;
-  const int bh = row / T, t = row % T, b = bh / NH, h = bh % NH, C = NH * HS;
-  const float* dy = dout + (static_cast<size_t>(b) * T + t) * C + static_cast<size_t>(h) * HS;
+  const int bh = row / T, tq = row % T, b = bh / NH, h = bh % NH, C = NH * HS;
+  const float* dy = dout + (static_cast<size_t>(b) * T + tq) * C + static_cast<size_t>(h) * HS;
   const float* oy = o + static_cast<size_t>(row) * HS;
   float s = 0.0f;
   for (int d = lane; d < HS; d += 32) s += dy[d] * oy[d];
@@ -193,46 +223,22 @@ __global__ void flash_bwd_dot_kernel(float* D, const float* dout, const float* o
   if (lane == 0) D[row] = s;
 }
 
-template <int HS>
-constexpr size_t bwd_kv_smem() {
-  return 4 * kTile * (HS + kPadH) * sizeof(bf16)          // K, V, Q, dO tiles
-         + kTile * (kTile + kPadF) * sizeof(float)        // Sᵀ / dPᵀ scratch, 16 rows per warp
-         + 2 * kTile * (kTile + kPadH) * sizeof(bf16)     // Pᵀ and dSᵀ
-         + 2 * kTile * (HS + kPadF) * sizeof(float)       // dK, dV accumulators
-         + 2 * kTile * sizeof(float);                     // lse and D of the query tile
-}
-
-// grid (ceil(T/64), B*NH): dk, dv (B*NH, T, HS) fp32 for the 64 keys of the block, scaled.
+// grid (ceil(T/64), B*NH): dk, dv (B*NH, T, HS) fp32 for the 64 keys of the block, dk scaled.
 template <int HS>
 __global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(float* dk, float* dv, const bf16* q, const bf16* k,
                                                                 const bf16* v, const bf16* dy, const float* lse,
                                                                 const float* D, int T, float scale) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  bf16* Ks = reinterpret_cast<bf16*>(smem);
-  bf16* Vs = Ks + kTile * (HS + kPadH);
-  bf16* Qs = Vs + kTile * (HS + kPadH);
-  bf16* dYs = Qs + kTile * (HS + kPadH);
-  float* Ss = reinterpret_cast<float*>(dYs + kTile * (HS + kPadH));
-  bf16* Pt = reinterpret_cast<bf16*>(Ss + kTile * (kTile + kPadF));
-  bf16* dSt = Pt + kTile * (kTile + kPadH);
-  float* dKs = reinterpret_cast<float*>(dSt + kTile * (kTile + kPadH));
-  float* dVs = dKs + kTile * (HS + kPadF);
-  float* lse_s = dVs + kTile * (HS + kPadF);
-  float* D_s = lse_s + kTile;
-
-  const int kt = blockIdx.x, bh = blockIdx.y, k0 = kt * kTile;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ __align__(16) bf16 Qs[kTile * (HS + kPad)];
+  __shared__ __align__(16) bf16 dYs[kTile * (HS + kPad)];
+  __shared__ float lse_s[kTile], D_s[kTile];
+  const int kt = blockIdx.x, bh = blockIdx.y, k0 = kt * kTile;  // the heaviest key tiles are the first
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const size_t head = static_cast<size_t>(bh) * T * HS;
-  load_tile<HS>(Ks, k + head, k0, T);
-  load_tile<HS>(Vs, v + head, k0, T);
-  for (int i = threadIdx.x; i < kTile * (HS + kPadF); i += kThreads) dKs[i] = dVs[i] = 0.0f;
-  float* S = Ss + warp * 16 * (kTile + kPadF);
-  bf16* P = Pt + warp * 16 * (kTile + kPadH);
-  bf16* dS = dSt + warp * 16 * (kTile + kPadH);
-  float* dK = dKs + warp * 16 * (HS + kPadF);
-  float* dV = dVs + warp * 16 * (HS + kPadF);
-  const bf16* Kw = Ks + warp * 16 * (HS + kPadH);
-  const bf16* Vw = Vs + warp * 16 * (HS + kPadH);
+  const int row0 = k0 + warp * 16;  // this thread's keys: row0 + g and row0 + g + 8
+  uint32_t ka[HS / 16][4], va[HS / 16][4];
+  load_a_strip<HS>(ka, k + head, row0, T);
+  load_a_strip<HS>(va, v + head, row0, T);
+  float dK[HS / 8][4] = {}, dV[HS / 8][4] = {};
   const int n_qt = (T + kTile - 1) / kTile;
 
   for (int qt = kt; qt < n_qt; ++qt) {
@@ -246,52 +252,33 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(float* dk, float
       D_s[i] = in ? D[static_cast<size_t>(bh) * T + q0 + i] : 0.0f;
     }
     __syncthreads();
-    // Pᵀ (16 keys × 64 queries) = exp(scale · K_w Qᵀ − lse[q]), causal (q ≥ key) and in range.
-    warp_abt<HS>(S, Kw, HS + kPadH, Qs, HS + kPadH);
-    __syncwarp();
-    float pt[16][2];
+    // Pᵀ (16 keys × 64 queries) = exp(scale · K Qᵀ − lse[query]) where query ≥ key, both in range.
+    float p[8][4], dp[8][4];
+    strip_abt<HS>(p, ka, Qs);
+    strip_abt<HS>(dp, va, dYs);  // dPᵀ = V dOᵀ
 #pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      const int kj = k0 + warp * 16 + r;
-      for (int h = 0; h < 2; ++h) {
-        const int c = lane + 32 * h, qi = q0 + c;
-        const float p = (qi >= kj && qi < T && kj < T) ? __expf(S[r * (kTile + kPadF) + c] * scale - lse_s[c]) : 0.0f;
-        pt[r][h] = p;
-        P[r * (kTile + kPadH) + c] = __float2bfloat16_rn(p);
-      }
-    }
-    __syncwarp();
-    // dPᵀ (16 × 64) = V_w dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ − D[q]).
-    warp_abt<HS>(S, Vw, HS + kPadH, dYs, HS + kPadH);
-    __syncwarp();
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      for (int h = 0; h < 2; ++h) {
-        const int c = lane + 32 * h;
-        dS[r * (kTile + kPadH) + c] = __float2bfloat16_rn(pt[r][h] * (S[r * (kTile + kPadF) + c] - D_s[c]));
+      for (int e = 0; e < 4; ++e) {
+        const int col = 8 * j + 2 * t + (e & 1), query = q0 + col, key = row0 + g + 8 * (e >> 1);
+        const float pe = (query >= key && query < T && key < T) ? __expf(p[j][e] * scale - lse_s[col]) : 0.0f;
+        p[j][e] = pe;
+        dp[j][e] = pe * (dp[j][e] - D_s[col]);  // dSᵀ
       }
-    }
-    __syncwarp();
-    warp_acc_pb<HS>(dV, P, dYs);  // dV_w += Pᵀ dO
-    warp_acc_pb<HS>(dK, dS, Qs);  // dK_w += dSᵀ Q
-    __syncwarp();
+    strip_pb<HS>(dV, p, dYs);  // dV += Pᵀ dO
+    strip_pb<HS>(dK, dp, Qs);  // dK += dSᵀ Q
   }
-  for (int r = 0; r < 16; ++r) {
-    const int kj = k0 + warp * 16 + r;
-    if (kj >= T) continue;
-    for (int d = lane; d < HS; d += 32) {
-      dk[head + static_cast<size_t>(kj) * HS + d] = dK[r * (HS + kPadF) + d] * scale;
-      dv[head + static_cast<size_t>(kj) * HS + d] = dV[r * (HS + kPadF) + d];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key = row0 + g + 8 * h;
+    if (key >= T) continue;
+#pragma unroll
+    for (int n = 0; n < HS / 8; ++n) {
+      const size_t at = head + static_cast<size_t>(key) * HS + 8 * n + 2 * t;
+      *reinterpret_cast<float2*>(dk + at) = make_float2(dK[n][2 * h] * scale, dK[n][2 * h + 1] * scale);
+      *reinterpret_cast<float2*>(dv + at) = make_float2(dV[n][2 * h], dV[n][2 * h + 1]);
     }
   }
-}
-
-template <int HS>
-constexpr size_t bwd_q_smem() {
-  return 4 * kTile * (HS + kPadH) * sizeof(bf16)          // Q, dO, K, V tiles
-         + kTile * (kTile + kPadF) * sizeof(float)        // S / dP scratch
-         + kTile * (kTile + kPadH) * sizeof(bf16)         // dS
-         + kTile * (HS + kPadF) * sizeof(float);          // dQ accumulator
 }
 
 // grid (ceil(T/64), B*NH): dq (B*NH, T, HS) fp32 for the block's 64 queries, scaled.
@@ -299,30 +286,23 @@ template <int HS>
 __global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dq, const bf16* q, const bf16* k, const bf16* v,
                                                                const bf16* dy, const float* lse, const float* D,
                                                                int T, float scale) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  bf16* Qs = reinterpret_cast<bf16*>(smem);
-  bf16* dYs = Qs + kTile * (HS + kPadH);
-  bf16* Ks = dYs + kTile * (HS + kPadH);
-  bf16* Vs = Ks + kTile * (HS + kPadH);
-  float* Ss = reinterpret_cast<float*>(Vs + kTile * (HS + kPadH));
-  bf16* dSs = reinterpret_cast<bf16*>(Ss + kTile * (kTile + kPadF));
-  float* dQs = reinterpret_cast<float*>(dSs + kTile * (kTile + kPadH));
-
+  __shared__ __align__(16) bf16 Ks[kTile * (HS + kPad)];
+  __shared__ __align__(16) bf16 Vs[kTile * (HS + kPad)];
   const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, q0 = qt * kTile;  // heaviest tiles first
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const size_t head = static_cast<size_t>(bh) * T * HS;
-  load_tile<HS>(Qs, q + head, q0, T);
-  load_tile<HS>(dYs, dy + head, q0, T);
-  for (int i = threadIdx.x; i < kTile * (HS + kPadF); i += kThreads) dQs[i] = 0.0f;
-  float* S = Ss + warp * 16 * (kTile + kPadF);
-  bf16* dS = dSs + warp * 16 * (kTile + kPadH);
-  float* dQ = dQs + warp * 16 * (HS + kPadF);
-  // The warp's rows' lse and D: lane r < 16 holds row r's.
-  float my_lse = 0.0f, my_D = 0.0f;
-  if (lane < 16 && q0 + warp * 16 + lane < T) {
-    my_lse = lse[static_cast<size_t>(bh) * T + q0 + warp * 16 + lane];
-    my_D = D[static_cast<size_t>(bh) * T + q0 + warp * 16 + lane];
+  const int row0 = q0 + warp * 16;
+  uint32_t qa[HS / 16][4], ya[HS / 16][4];
+  load_a_strip<HS>(qa, q + head, row0, T);
+  load_a_strip<HS>(ya, dy + head, row0, T);
+  float row_lse[2], row_D[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int query = row0 + g + 8 * h;
+    row_lse[h] = query < T ? lse[static_cast<size_t>(bh) * T + query] : 0.0f;
+    row_D[h] = query < T ? D[static_cast<size_t>(bh) * T + query] : 0.0f;
   }
+  float dQ[HS / 8][4] = {};
 
   for (int kt = 0; kt <= qt; ++kt) {
     const int k0 = kt * kTile;
@@ -330,58 +310,42 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dq, const 
     load_tile<HS>(Ks, k + head, k0, T);
     load_tile<HS>(Vs, v + head, k0, T);
     __syncthreads();
-    warp_abt<HS>(S, Qs + warp * 16 * (HS + kPadH), HS + kPadH, Ks, HS + kPadH);  // S = Q_w Kᵀ
-    __syncwarp();
-    float p[16][2];
+    float p[8][4], dp[8][4];
+    strip_abt<HS>(p, qa, Ks);  // S = Q Kᵀ
+    strip_abt<HS>(dp, ya, Vs);  // dP = dO Vᵀ
 #pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      const int qi = q0 + warp * 16 + r;
-      const float l = __shfl_sync(0xffffffffu, my_lse, r);
-      for (int h = 0; h < 2; ++h) {
-        const int c = lane + 32 * h, kj = k0 + c;
-        p[r][h] = (kj <= qi && kj < T && qi < T) ? __expf(S[r * (kTile + kPadF) + c] * scale - l) : 0.0f;
-      }
-    }
-    __syncwarp();
-    warp_abt<HS>(S, dYs + warp * 16 * (HS + kPadH), HS + kPadH, Vs, HS + kPadH);  // dP = dO_w Vᵀ
-    __syncwarp();
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      const float d = __shfl_sync(0xffffffffu, my_D, r);
-      for (int h = 0; h < 2; ++h) {
-        const int c = lane + 32 * h;
-        dS[r * (kTile + kPadH) + c] = __float2bfloat16_rn(p[r][h] * (S[r * (kTile + kPadF) + c] - d));
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1, key = k0 + 8 * j + 2 * t + (e & 1), query = row0 + g + 8 * h;
+        const float pe = (key <= query && key < T && query < T) ? __expf(p[j][e] * scale - row_lse[h]) : 0.0f;
+        dp[j][e] = pe * (dp[j][e] - row_D[h]);  // dS
       }
-    }
-    __syncwarp();
-    warp_acc_pb<HS>(dQ, dS, Ks);  // dQ_w += dS K
-    __syncwarp();
+    strip_pb<HS>(dQ, dp, Ks);  // dQ += dS K
   }
-  for (int r = 0; r < 16; ++r) {
-    const int qi = q0 + warp * 16 + r;
-    if (qi >= T) continue;
-    for (int d = lane; d < HS; d += 32) dq[head + static_cast<size_t>(qi) * HS + d] = dQ[r * (HS + kPadF) + d] * scale;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int query = row0 + g + 8 * h;
+    if (query >= T) continue;
+#pragma unroll
+    for (int n = 0; n < HS / 8; ++n) {
+      const size_t at = head + static_cast<size_t>(query) * HS + 8 * n + 2 * t;
+      *reinterpret_cast<float2*>(dq + at) = make_float2(dQ[n][2 * h] * scale, dQ[n][2 * h + 1] * scale);
+    }
   }
 }
 
-template <typename Kernel>
-void allow_smem(Kernel kernel, size_t bytes) {
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-}
+// The saved log-sum-exps, padded so that the saved output after them stays 16-byte aligned for vector stores.
+size_t lse_floats(int B, int T, int NH) { return (static_cast<size_t>(B) * NH * T + 3) / 4 * 4; }
 
 template <int HS>
 void forward(float* out, float* saved, const uint16_t* q, const uint16_t* k, const uint16_t* v, int B, int T,
              int NH) {
-  static bool configured = false;  // one driving thread (cuda_context.h)
-  if (!configured) {
-    allow_smem(flash_fwd_kernel<HS>, fwd_smem<HS>());
-    configured = true;
-  }
   const dim3 grid((T + kTile - 1) / kTile, B * NH);
   const float scale = 1.0f / sqrtf(static_cast<float>(HS));
   float* lse = saved;
-  float* o = saved + static_cast<size_t>(B) * NH * T;
-  flash_fwd_kernel<HS><<<grid, kThreads, fwd_smem<HS>(), cuda_context().compute>>>(
+  float* o = saved + lse_floats(B, T, NH);
+  flash_fwd_kernel<HS><<<grid, kThreads, 0, cuda_context().compute>>>(
       out, lse, o, reinterpret_cast<const bf16*>(q), reinterpret_cast<const bf16*>(k),
       reinterpret_cast<const bf16*>(v), T, NH, scale);
   CUDA_CHECK_LAUNCH();
@@ -390,16 +354,10 @@ void forward(float* out, float* saved, const uint16_t* q, const uint16_t* k, con
 template <int HS>
 void backward(float* dq, float* dk, float* dv, const float* dout, const float* saved, const uint16_t* q,
               const uint16_t* k, const uint16_t* v, const uint16_t* dy, int B, int T, int NH) {
-  static bool configured = false;
-  if (!configured) {
-    allow_smem(flash_bwd_kv_kernel<HS>, bwd_kv_smem<HS>());
-    allow_smem(flash_bwd_q_kernel<HS>, bwd_q_smem<HS>());
-    configured = true;
-  }
   const CudaContext& ctx = cuda_context();
   const size_t rows = static_cast<size_t>(B) * NH * T;
   const float* lse = saved;
-  const float* o = saved + rows;
+  const float* o = saved + lse_floats(B, T, NH);
   DeviceScratch D(rows * sizeof(float));
   flash_bwd_dot_kernel<HS><<<(rows + kWarps - 1) / kWarps, kThreads, 0, ctx.compute>>>(D.as<float>(), dout, o, B, T,
                                                                                        NH);
@@ -410,20 +368,19 @@ void backward(float* dq, float* dk, float* dv, const float* dout, const float* s
   const auto* kb = reinterpret_cast<const bf16*>(k);
   const auto* vb = reinterpret_cast<const bf16*>(v);
   const auto* dyb = reinterpret_cast<const bf16*>(dy);
-  flash_bwd_kv_kernel<HS><<<grid, kThreads, bwd_kv_smem<HS>(), ctx.compute>>>(dk, dv, qb, kb, vb, dyb, lse,
-                                                                             D.as<float>(), T, scale);
+  flash_bwd_kv_kernel<HS><<<grid, kThreads, 0, ctx.compute>>>(dk, dv, qb, kb, vb, dyb, lse, D.as<float>(), T, scale);
   CUDA_CHECK_LAUNCH();
-  flash_bwd_q_kernel<HS><<<grid, kThreads, bwd_q_smem<HS>(), ctx.compute>>>(dq, qb, kb, vb, dyb, lse, D.as<float>(),
-                                                                           T, scale);
+  flash_bwd_q_kernel<HS><<<grid, kThreads, 0, ctx.compute>>>(dq, qb, kb, vb, dyb, lse, D.as<float>(), T, scale);
   CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
 
-bool flash_attention_supported(int hs) { return hs == 32 || hs == 64 || hs == 128; }
+// 128 would need twice the accumulator registers of 64 and spill: it takes the batched-GEMM path instead.
+bool flash_attention_supported(int hs) { return hs == 32 || hs == 64; }
 
 size_t flash_attention_saved_floats(int B, int T, int NH, int hs) {
-  return static_cast<size_t>(B) * NH * T * (1 + static_cast<size_t>(hs));
+  return lse_floats(B, T, NH) + static_cast<size_t>(B) * NH * T * hs;
 }
 
 void flash_attention_forward(float* out, float* saved, const uint16_t* q, const uint16_t* k, const uint16_t* v, int B,
@@ -431,7 +388,6 @@ void flash_attention_forward(float* out, float* saved, const uint16_t* q, const 
   switch (hs) {
     case 32: return forward<32>(out, saved, q, k, v, B, T, NH);
     case 64: return forward<64>(out, saved, q, k, v, B, T, NH);
-    case 128: return forward<128>(out, saved, q, k, v, B, T, NH);
   }
   STRATA_ASSERT_MSG(false, "flash attention: unsupported head size (ask flash_attention_supported first)");
 }
@@ -442,7 +398,6 @@ void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout
   switch (hs) {
     case 32: return backward<32>(dq, dk, dv, dout, saved, q, k, v, dy, B, T, NH);
     case 64: return backward<64>(dq, dk, dv, dout, saved, q, k, v, dy, B, T, NH);
-    case 128: return backward<128>(dq, dk, dv, dout, saved, q, k, v, dy, B, T, NH);
   }
   STRATA_ASSERT_MSG(false, "flash attention: unsupported head size (ask flash_attention_supported first)");
 }
