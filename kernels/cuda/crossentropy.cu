@@ -11,22 +11,52 @@ namespace {
 
 constexpr int kThreads = 512;
 
+// One pass over the row: each thread keeps a running (max, sum of exp(x - max)) over its elements, and the pairs
+// are merged across the block — the row is read once, not twice.
+__device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
+  const float mx = fmaxf(m, m2);
+  s = (m == -INFINITY ? 0.0f : s * __expf(m - mx)) + (m2 == -INFINITY ? 0.0f : s2 * __expf(m2 - mx));
+  m = mx;
+}
+
 __global__ void crossentropy_forward_kernel(float* losses, float* lse, const float* logits, const int32_t* targets,
                                             int V) {
-  __shared__ float shared[32];
+  __shared__ float shared_m[32], shared_s[32];
   const int n = blockIdx.x;
   const float* row = logits + static_cast<size_t>(n) * V;
-  float mx = -INFINITY;
-  for (int v = threadIdx.x; v < V; v += blockDim.x) mx = fmaxf(mx, row[v]);
-  mx = block_reduce<true>(mx, shared);
-  float s = 0.0f;
-  for (int v = threadIdx.x; v < V; v += blockDim.x) s += expf(row[v] - mx);
-  s = block_reduce<false>(s, shared);
-  if (threadIdx.x == 0) {
-    const float l = mx + logf(s);
-    lse[n] = l;
-    const int t = targets[n];
-    losses[n] = t < 0 ? 0.0f : l - row[t];
+  float m = -INFINITY, s = 0.0f;
+  for (int v = threadIdx.x; v < V; v += blockDim.x) {
+    const float x = row[v];
+    if (x > m) {
+      s = (m == -INFINITY ? 0.0f : s * __expf(m - x)) + 1.0f;
+      m = x;
+    } else {
+      s += __expf(x - m);
+    }
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, offset), s2 = __shfl_xor_sync(0xffffffffu, s, offset);
+    merge(m, s, m2, s2);
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  if (lane == 0) {
+    shared_m[warp] = m;
+    shared_s[warp] = s;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < warps ? shared_m[lane] : -INFINITY;
+    s = lane < warps ? shared_s[lane] : 0.0f;
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m, offset), s2 = __shfl_xor_sync(0xffffffffu, s, offset);
+      merge(m, s, m2, s2);
+    }
+    if (lane == 0) {
+      const float l = m + logf(s);
+      lse[n] = l;
+      const int t = targets[n];
+      losses[n] = t < 0 ? 0.0f : l - row[t];
+    }
   }
 }
 
