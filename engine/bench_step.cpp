@@ -110,8 +110,9 @@ int run_bench_step(const BenchStepOptions& o) {
                         {"device", m.device().description()}};
     std::printf("%s\n", j.dump().c_str());
   } else {
-    std::printf("GPT-2 L=%d H=%d C=%d V=%d, B=%d T=%d, %s matmuls, %s, %d threads, %.2fM params\n", o.n_layer,
-                o.n_head, o.n_embd, o.vocab_size, B, T, o.precision.c_str(), m.device().description().c_str(), nthreads,
+    const std::string threads = m.device().host_accessible() ? fmt::format(", {} threads", nthreads) : "";
+    std::printf("GPT-2 L=%d H=%d C=%d V=%d, B=%d T=%d, %s matmuls, %s%s, %.2fM params\n", o.n_layer, o.n_head,
+                o.n_embd, o.vocab_size, B, T, o.precision.c_str(), m.device().description().c_str(), threads.c_str(),
                 m.num_params() / 1e6);
     std::printf("median of %d steps: %.1f ms/step, %.0f tokens/s, %.1f GFLOP/s (%.1f GFLOP/step)\n", o.steps,
                 median * 1e3, tokens / median, gflop / median, gflop);

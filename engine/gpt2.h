@@ -19,7 +19,6 @@
 #include <string>
 #include <vector>
 
-#include "common/aligned.h"
 #include "common/status.h"
 #include "common/tensor.h"
 #include "kernels/device.h"

@@ -24,7 +24,7 @@ struct TrainArgs {
   // Shortcuts for the most-changed fields; each becomes a --set.
   std::optional<int> max_steps, batch_size, seq_len, grad_accum, threads;
   std::optional<double> lr;
-  std::optional<std::string> checkpoint_dir, kernels, precision, init_from;
+  std::optional<std::string> checkpoint_dir, kernels, precision, init_from, device;
 };
 
 int run_train(TrainArgs& a) {
@@ -40,6 +40,7 @@ int run_train(TrainArgs& a) {
   auto quoted = [](const std::string& s) { return nlohmann::json(s).dump(); };
   if (a.checkpoint_dir) sets.push_back("training.checkpoint_dir=" + quoted(*a.checkpoint_dir));
   if (a.kernels) sets.push_back("compute.kernels=" + quoted(*a.kernels));
+  if (a.device) sets.push_back("compute.device=" + quoted(*a.device));
   if (a.precision) sets.push_back("compute.matmul_precision=" + quoted(*a.precision));
   if (a.init_from) sets.push_back("training.init_from=" + quoted(*a.init_from));
 
@@ -93,6 +94,7 @@ int main(int argc, char** argv) {
   train->add_option("--checkpoint-dir", ta.checkpoint_dir, "= --set training.checkpoint_dir=DIR");
   train->add_option("--init-from", ta.init_from, "= --set training.init_from=FILE.safetensors");
   train->add_option("--kernels", ta.kernels, "= --set compute.kernels=fast|reference");
+  train->add_option("--device", ta.device, "= --set compute.device=auto|cpu|cuda (auto: the GPU where there is one)");
   train->add_option("--precision", ta.precision, "= --set compute.matmul_precision=fp32|bf16");
   train->add_option("--threads", ta.threads, "= --set compute.threads=N");
 
