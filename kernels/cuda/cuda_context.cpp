@@ -1,6 +1,7 @@
 #include "kernels/cuda/cuda_context.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <cstdint>
 #include <mutex>
 
@@ -24,9 +25,12 @@ const Availability& availability() {
     int count = 0;
     const cudaError_t err = cudaGetDeviceCount(&count);
     if (err != cudaSuccess) {
+      // The runtime says "insufficient driver" both for an old driver and for none at all; tell them apart.
+      const bool no_driver = err == cudaErrorInsufficientDriver && !std::filesystem::exists("/proc/driver/nvidia");
       r.status = Status(StatusCode::kNotFound,
-                        fmt::format("no usable CUDA device: cudaGetDeviceCount says {} ({})", cudaGetErrorName(err),
-                                    cudaGetErrorString(err)));
+                        no_driver ? std::string("no usable CUDA device: no NVIDIA driver is loaded on this machine")
+                                  : fmt::format("no usable CUDA device: cudaGetDeviceCount says {} ({})",
+                                                cudaGetErrorName(err), cudaGetErrorString(err)));
       (void)cudaGetLastError();  // clear the sticky-free error so later probes start clean
       return r;
     }
