@@ -5,6 +5,7 @@
 // the current TBB arena. Safe to call from several threads on disjoint outputs.
 #pragma once
 
+#include "common/dtype.h"
 #include "kernels/kernels.h"
 
 namespace strata::kernels::cpu::fast {
@@ -33,5 +34,12 @@ void softmax_crossentropy_forward(float* losses, float* lse, const float* logits
 void softmax_crossentropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
                                    const float* dlosses, int N, int V);
 void adamw_update(float* params, float* m, float* v, const float* grads, size_t n, const AdamWParams& hp);
+// The optimizer pass of CPU offload: adamw_update fused with the write of a 16-bit working copy of the new
+// parameters, working[i] = params[i] rounded to nearest even as `working_dtype` (kBF16 or kF16; kF32 writes no
+// copy and `working` may be null). One pass over memory: 4 fp32 reads, 3 fp32 writes and one 16-bit write per
+// parameter. params, m, v are bitwise those of adamw_update; the copy is bitwise common/dtype.h's conversion
+// of them (NaN stays a quiet NaN, payload aside).
+void adamw_update_mixed(float* params, float* m, float* v, const float* grads, uint16_t* working,
+                        DType working_dtype, size_t n, const AdamWParams& hp);
 
 }  // namespace strata::kernels::cpu::fast

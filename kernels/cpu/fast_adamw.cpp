@@ -1,6 +1,9 @@
-// fast_adamw.cpp — the fast CPU AdamW update (declared in kernels/cpu/fast.h).
+// fast_adamw.cpp — the fast CPU AdamW update (declared in kernels/cpu/fast.h), and the same pass fused with the
+// write of a 16-bit working copy (adamw_update_mixed: the optimizer step of ZeRO-Offload, where the fp32 master,
+// m and v live in host memory and the device gets bf16/f16 weights).
 //
-// Memory-bound: 4 reads and 3 writes per parameter, so the aim is one pass at full bandwidth on all cores.
+// Memory-bound: 4 reads and 3 writes per parameter (+ one 16-bit write), so the aim is one pass at full
+// bandwidth on all cores.
 // The per-element operations are those of ref::adamw_update in the same order (see reference.h), each correctly
 // rounded, and deliberately without fused multiply-adds: FMA would buy nothing in a memory-bound loop and would
 // make m and v drift from the reference by many ulps wherever b1*m and (1-b1)*g nearly cancel. So on every clone
@@ -18,6 +21,7 @@
 #include <tbb/parallel_for.h>
 
 #include "common/check.h"
+#include "common/dtype.h"
 #include "kernels/cpu/fast.h"
 #include "kernels/cpu/fast_simd.h"
 
@@ -52,9 +56,13 @@ AdamWScalars make_scalars(const AdamWParams& hp) {
 
 #define STRATA_NO_FP_CONTRACT gnu::optimize("fp-contract=off")
 
+// What the pass writes besides fp32 params, m, v: nothing, or a bf16 / f16 rounding of each new parameter.
+enum class Working { kNone, kBF16, kF16 };
+
 // Elements [i0, i1), one at a time: the tails of the SIMD versions, and the whole baseline version.
-[[STRATA_NO_FP_CONTRACT]] void adamw_scalar(float* p, float* m, float* v, const float* g, size_t i0, size_t i1,
-                                            const AdamWScalars& s) {
+template <Working W>
+[[STRATA_NO_FP_CONTRACT]] void adamw_scalar(float* p, float* m, float* v, const float* g, uint16_t* w, size_t i0,
+                                            size_t i1, const AdamWScalars& s) {
   for (size_t i = i0; i < i1; ++i) {
     const float gi = g[i] * s.grad_scale;
     const float mi = s.b1 * m[i] + s.one_minus_b1 * gi;
@@ -62,12 +70,32 @@ AdamWScalars make_scalars(const AdamWParams& hp) {
     m[i] = mi;
     v[i] = vi;
     const float pi = p[i] * s.decay;
-    p[i] = pi - s.step_size * (mi / (std::sqrt(vi) / s.bc2_sqrt + s.eps));
+    const float pn = pi - s.step_size * (mi / (std::sqrt(vi) / s.bc2_sqrt + s.eps));
+    p[i] = pn;
+    if constexpr (W == Working::kBF16) w[i] = f32_to_bf16(pn);
+    if constexpr (W == Working::kF16) w[i] = f32_to_f16(pn);
   }
 }
 
+// bf16 round-to-nearest-even of 16 floats, NaN kept quiet: common/dtype.h's f32_to_bf16, vectorized. (The
+// zero-masking forms with a full mask are the plain instructions; the unmasked intrinsics trip GCC 12's
+// -Wmaybe-uninitialized, as in adamw_avx512's square root.)
+constexpr __mmask16 kAll16 = 0xFFFF;
+[[STRATA_TARGET_AVX512]] inline __m256i bf16_avx512(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i hi = _mm512_maskz_srli_epi32(kAll16, bits, 16);
+  const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+  __m512i h = _mm512_maskz_srli_epi32(kAll16, _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)),
+                                      16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  h = _mm512_mask_mov_epi32(h, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+  return _mm512_maskz_cvtepi32_epi16(kAll16, h);
+}
+
+template <Working W>
 [[STRATA_TARGET_AVX512, STRATA_NO_FP_CONTRACT]] void adamw_avx512(float* p, float* m, float* v, const float* g,
-                                                                  size_t i0, size_t i1, const AdamWScalars& s) {
+                                                                  uint16_t* w, size_t i0, size_t i1,
+                                                                  const AdamWScalars& s) {
   const __m512 grad_scale = _mm512_set1_ps(s.grad_scale), b1 = _mm512_set1_ps(s.b1),
                omb1 = _mm512_set1_ps(s.one_minus_b1), b2 = _mm512_set1_ps(s.b2), omb2 = _mm512_set1_ps(s.one_minus_b2),
                decay = _mm512_set1_ps(s.decay), step_size = _mm512_set1_ps(s.step_size),
@@ -83,13 +111,34 @@ AdamWScalars make_scalars(const AdamWParams& hp) {
     // maskz with a full mask is plain vsqrtps; _mm512_sqrt_ps trips GCC 12's -Wmaybe-uninitialized.
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_maskz_sqrt_ps(0xFFFF, vi), bc2_sqrt), eps);
     const __m512 pi = _mm512_mul_ps(_mm512_loadu_ps(p + i), decay);
-    _mm512_storeu_ps(p + i, _mm512_sub_ps(pi, _mm512_mul_ps(step_size, _mm512_div_ps(mi, denom))));
+    const __m512 pn = _mm512_sub_ps(pi, _mm512_mul_ps(step_size, _mm512_div_ps(mi, denom)));
+    _mm512_storeu_ps(p + i, pn);
+    if constexpr (W == Working::kBF16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + i), bf16_avx512(pn));
+    if constexpr (W == Working::kF16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + i),
+                          _mm512_maskz_cvtps_ph(kAll16, pn, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
-  adamw_scalar(p, m, v, g, i, i1, s);
+  adamw_scalar<W>(p, m, v, g, w, i, i1, s);
 }
 
-[[STRATA_TARGET_AVX2, STRATA_NO_FP_CONTRACT]] void adamw_avx2(float* p, float* m, float* v, const float* g, size_t i0,
-                                                              size_t i1, const AdamWScalars& s) {
+#define STRATA_TARGET_AVX2_F16C gnu::target("avx2,fma,f16c")
+
+// The AVX2 version of bf16_avx512: 8 floats to 8 bf16 in the low 128 bits.
+[[STRATA_TARGET_AVX2_F16C]] inline __m128i bf16_avx2(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i h = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  h = _mm256_blendv_epi8(h, _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40)), nan);
+  // Every lane is <= 0xffff, so the unsigned saturating pack is exact; it packs within 128-bit halves.
+  const __m256i packed = _mm256_packus_epi32(h, h);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+template <Working W>
+[[STRATA_TARGET_AVX2_F16C, STRATA_NO_FP_CONTRACT]] void adamw_avx2(float* p, float* m, float* v, const float* g,
+                                                                   uint16_t* w, size_t i0, size_t i1,
+                                                                   const AdamWScalars& s) {
   const __m256 grad_scale = _mm256_set1_ps(s.grad_scale), b1 = _mm256_set1_ps(s.b1),
                omb1 = _mm256_set1_ps(s.one_minus_b1), b2 = _mm256_set1_ps(s.b2), omb2 = _mm256_set1_ps(s.one_minus_b2),
                decay = _mm256_set1_ps(s.decay), step_size = _mm256_set1_ps(s.step_size),
@@ -104,16 +153,19 @@ AdamWScalars make_scalars(const AdamWParams& hp) {
     _mm256_storeu_ps(v + i, vi);
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2_sqrt), eps);
     const __m256 pi = _mm256_mul_ps(_mm256_loadu_ps(p + i), decay);
-    _mm256_storeu_ps(p + i, _mm256_sub_ps(pi, _mm256_mul_ps(step_size, _mm256_div_ps(mi, denom))));
+    const __m256 pn = _mm256_sub_ps(pi, _mm256_mul_ps(step_size, _mm256_div_ps(mi, denom)));
+    _mm256_storeu_ps(p + i, pn);
+    if constexpr (W == Working::kBF16) _mm_storeu_si128(reinterpret_cast<__m128i*>(w + i), bf16_avx2(pn));
+    if constexpr (W == Working::kF16)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(w + i),
+                       _mm256_cvtps_ph(pn, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
-  adamw_scalar(p, m, v, g, i, i1, s);
+  adamw_scalar<W>(p, m, v, g, w, i, i1, s);
 }
 
-}  // namespace
-
-void adamw_update(float* params, float* m, float* v, const float* grads, size_t n, const AdamWParams& hp) {
-  STRATA_ASSERT_MSG(hp.step >= 1, "AdamW step is 1-based");
-  const AdamWScalars s = make_scalars(hp);
+template <Working W>
+void adamw_blocks(float* params, float* m, float* v, const float* grads, uint16_t* w, size_t n,
+                  const AdamWScalars& s) {
   const simd::Isa isa = simd::active_isa();
   // Fixed blocks rather than TBB's adaptive split: the same elements take the SIMD loop or the scalar tail in
   // every run (identical arithmetic today, but determinism should not rest on that).
@@ -124,17 +176,39 @@ void adamw_update(float* params, float* m, float* v, const float* grads, size_t 
       const size_t i1 = std::min(n, i0 + kElementsPerTask);
       switch (isa) {
         case simd::Isa::kAvx512:
-          adamw_avx512(params, m, v, grads, i0, i1, s);
+          adamw_avx512<W>(params, m, v, grads, w, i0, i1, s);
           break;
         case simd::Isa::kAvx2:
-          adamw_avx2(params, m, v, grads, i0, i1, s);
+          adamw_avx2<W>(params, m, v, grads, w, i0, i1, s);
           break;
         default:
-          adamw_scalar(params, m, v, grads, i0, i1, s);
+          adamw_scalar<W>(params, m, v, grads, w, i0, i1, s);
           break;
       }
     }
   });
+}
+
+}  // namespace
+
+void adamw_update(float* params, float* m, float* v, const float* grads, size_t n, const AdamWParams& hp) {
+  adamw_update_mixed(params, m, v, grads, nullptr, DType::kF32, n, hp);
+}
+
+void adamw_update_mixed(float* params, float* m, float* v, const float* grads, uint16_t* working,
+                        DType working_dtype, size_t n, const AdamWParams& hp) {
+  STRATA_ASSERT_MSG(hp.step >= 1, "AdamW step is 1-based");
+  STRATA_ASSERT_MSG(working_dtype == DType::kF32 || working != nullptr || n == 0,
+                    "a 16-bit working copy needs its buffer");
+  const AdamWScalars s = make_scalars(hp);
+  switch (working_dtype) {
+    case DType::kBF16:
+      return adamw_blocks<Working::kBF16>(params, m, v, grads, working, n, s);
+    case DType::kF16:
+      return adamw_blocks<Working::kF16>(params, m, v, grads, working, n, s);
+    case DType::kF32:
+      return adamw_blocks<Working::kNone>(params, m, v, grads, nullptr, n, s);
+  }
 }
 
 }  // namespace strata::kernels::cpu::fast

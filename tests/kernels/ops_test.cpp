@@ -17,8 +17,10 @@
 #include <gtest/gtest.h>
 #include <tbb/task_arena.h>
 
+#include "common/dtype.h"
 #include "common/rng.h"
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/fast.h"
 #include "kernels/cpu/fast_simd.h"
 #include "kernels/cpu/reference.h"
 #include "tests/test_util.h"
@@ -658,6 +660,40 @@ TEST(AdamW, FastIsDeterministic) {
   EXPECT_TRUE(bitwise_equal(one.params, all.params, "params")) << adamw_params(n) << ", 1 thread vs all threads";
   EXPECT_TRUE(bitwise_equal(one.m, all.m, "m")) << adamw_params(n);
   EXPECT_TRUE(bitwise_equal(one.v, all.v, "v")) << adamw_params(n);
+}
+
+// The offload optimizer's fused pass: params, m, v as adamw_update's (within the same ulps), and the 16-bit
+// working copy bitwise common/dtype.h's rounding of the new params, on every clone, with the SIMD tails and a
+// value past f16's range (which must become infinity, as the scalar conversion says).
+TEST(AdamW, MixedWritesTheWorkingCopyInTheSamePass) {
+  for (size_t n : {size_t{0}, size_t{1}, size_t{15}, size_t{17}, size_t{100003}}) {
+    AdamWState<float> want = make_adamw_state<float>(n, kAdamWSteps);
+    run_adamw(want, kernels(Backend::kRef).adamw_update);
+    for (DType dt : {DType::kBF16, DType::kF16}) {
+      for_each_isa([&] {
+        SCOPED_TRACE(fmt::format("n={} working={}", n, dtype_name(dt)));
+        AdamWState<float> got = make_adamw_state<float>(n, kAdamWSteps);
+        if (n > 3) got.params[3] = 7e4f;  // the first step's update is lr-sized: still far past f16's 65504
+        std::vector<uint16_t> working(n, 0xABCD);
+        for (int i = 0; i < kAdamWSteps; ++i)
+          cpu::fast::adamw_update_mixed(got.params.data(), got.m.data(), got.v.data(), got.grads[i].data(),
+                                        working.data(), dt, n, adamw_hp(i + 1));
+        if (n > 3) got.params[3] = want.params[3];  // compared elementwise below; only the copy is the point
+        EXPECT_TRUE(within_ulps(got.params, want.params, kAdamWMaxUlps, "params")) << adamw_params(n);
+        EXPECT_TRUE(within_ulps(got.m, want.m, kAdamWMaxUlps, "m")) << adamw_params(n);
+        EXPECT_TRUE(within_ulps(got.v, want.v, kAdamWMaxUlps, "v")) << adamw_params(n);
+        for (size_t i = 0; i < n; ++i) {
+          const float p = i == 3 ? 7e4f : got.params[i];
+          const uint16_t expect = dt == DType::kBF16 ? f32_to_bf16(p) : f32_to_f16(p);
+          if (i != 3) {
+            ASSERT_EQ(working[i], expect) << "working copy at [" << i << "] of params " << p;
+          } else if (dt == DType::kF16) {
+            ASSERT_EQ(working[i] & 0x7fff, 0x7c00) << "f16 overflow is infinity";
+          }
+        }
+      });
+    }
+  }
 }
 
 }  // namespace
