@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "engine/bench_adam.h"
 #include "engine/bench_kernels.h"
 #include "engine/bench_nvme.h"
 #include "engine/bench_step.h"
@@ -109,6 +110,8 @@ int main(int argc, char** argv) {
   strata::engine::add_bench_nvme_command(*bench, bn);
   strata::engine::BenchKernelsOptions bk;
   strata::engine::add_bench_kernels_command(*bench, bk);
+  strata::engine::BenchAdamOptions ba;
+  strata::engine::add_bench_adam_command(*bench, ba);
 
   CLI11_PARSE(app, argc, argv);
   if (train->parsed()) return run_train(ta);
@@ -116,5 +119,6 @@ int main(int argc, char** argv) {
   if (bench->got_subcommand("step")) return strata::engine::run_bench_step(bs);
   if (bench->got_subcommand("nvme")) return strata::engine::run_bench_nvme(bn);
   if (bench->got_subcommand("kernels")) return strata::engine::run_bench_kernels(bk);
+  if (bench->got_subcommand("adam")) return strata::engine::run_bench_adam(ba);
   return 0;
 }
