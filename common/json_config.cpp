@@ -61,6 +61,12 @@ Status JsonSection::get_int(const char* key, int64_t* out) {
   return type_error(key, "an integer");
 }
 
+Status JsonSection::get_int_or_auto(const char* key, int64_t* out) {
+  const nlohmann::json* v = find(key);
+  if (v != nullptr && v->is_string() && v->get<std::string>() == "auto") return Status::ok();
+  return get_int(key, out);
+}
+
 Status JsonSection::get_int(const char* key, int* out) {
   int64_t v = *out;
   STRATA_RETURN_IF_ERROR(get_int(key, &v));

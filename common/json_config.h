@@ -34,6 +34,9 @@ class JsonSection {
   Status get_double(const char* key, float* out);
   Status get_bool(const char* key, bool* out);
   Status get_string(const char* key, std::string* out);
+  // get_int, except that the string "auto" (DeepSpeed configs written for the Hugging Face integration use it
+  // for values the framework fills in) leaves the default.
+  Status get_int_or_auto(const char* key, int64_t* out);
   // Keys that are accepted by name but whose value Strata does not act on yet: read them so finish()
   // accepts them, and return their names so the caller can warn.
   void accept_unused(const std::vector<const char*>& keys, std::vector<std::string>* present_names);

@@ -133,6 +133,7 @@ Result<RunConfig> parse_run_config(const nlohmann::json& j, const std::string& s
   }
   if (c.compute.threads < 0) return Status::invalid_argument("{}: compute.threads must be >= 0", source);
 
+  STRATA_RETURN_IF_ERROR(parse_offload_config(root, source, &c.offload));
   STRATA_RETURN_IF_ERROR(root.finish());
   return c;
 }

@@ -1,6 +1,7 @@
 // config.h — the run configuration: one JSON file, read strictly.
 //
-// Sections: "model" (GPT2Config), "data", "training", "compute". Unknown keys are errors that list the valid
+// Sections: "model" (GPT2Config), "data", "training", "compute", and the offload sections of
+// engine/offload_config.h ("zero_optimization", "aio", "memory"). Unknown keys are errors that list the valid
 // ones; a value of the wrong type is an error naming "file: section.key". Command-line overrides are applied to
 // the JSON before it is read (`--set training.lr=3e-4`), so they get exactly the same checks.
 #pragma once
@@ -13,6 +14,7 @@
 
 #include "common/status.h"
 #include "engine/gpt2.h"
+#include "engine/offload_config.h"
 #include "kernels/kernels.h"
 
 namespace strata::engine {
@@ -57,6 +59,7 @@ struct RunConfig {
   DataConfig data;
   TrainingConfig training;
   ComputeConfig compute;
+  OffloadConfig offload;  // "zero_optimization", "aio", "memory" (engine/offload_config.h)
   std::string source;  // where it was read from
   nlohmann::json json;  // the effective JSON (after overrides), saved with checkpoints
 };

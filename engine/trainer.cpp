@@ -88,6 +88,10 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     model->init_gpt2(static_cast<uint64_t>(tc.seed));
   }
 
+  for (const std::string& key : config.offload.not_acted_on) {
+    STRATA_LOG_WARN("{}: {} is accepted but not acted on yet (the offload manager is in progress): this run keeps "
+                    "every state on {}", config.source, key, device->name());
+  }
   const int64_t tokens_per_step = static_cast<int64_t>(B) * T * tc.grad_accum_steps;
   STRATA_LOG_INFO("model: GPT-2 {} layers, {} heads, width {}, vocab {}, context {}: {:.2f}M parameters",
                   config.model.n_layer, config.model.n_head, config.model.n_embd, config.model.vocab_size,

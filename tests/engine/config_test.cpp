@@ -67,5 +67,71 @@ TEST(ConfigTest, BadValuesAreRejectedByName) {
   EXPECT_FALSE(apply_overrides(&j, {"no_equals_sign"}).is_ok());
 }
 
+// A DeepSpeed ZeRO-Infinity config, as users write it (scientific notation, "auto", nested offload sections),
+// parses with the same meanings; every value set away from its default is listed as not acted on yet.
+TEST(ConfigTest, DeepSpeedOffloadSectionsCarryOver) {
+  const json j = json::parse(R"({
+    "zero_optimization": {
+      "stage": 3,
+      "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": true, "buffer_count": 5,
+                        "buffer_size": 1e8, "max_in_cpu": 1e9},
+      "offload_optimizer": {"device": "cpu", "pin_memory": true, "pipeline_read": true},
+      "sub_group_size": 1e9, "stage3_prefetch_bucket_size": "auto", "stage3_max_live_parameters": 2e9,
+      "stage3_max_reuse_distance": 1e9, "stage3_param_persistence_threshold": "auto"
+    },
+    "aio": {"block_size": 262144, "queue_depth": 32, "intra_op_parallelism": 1, "single_submit": false,
+            "overlap_events": true},
+    "memory": {"host_memory_limit": "4G", "device_memory_limit": 8589934592}
+  })");
+  auto c = parse_run_config(j, "ds.json");
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  const OffloadConfig& o = c->offload;
+  EXPECT_EQ(o.stage, 3);
+  EXPECT_EQ(o.offload_param.device, "nvme");
+  EXPECT_EQ(o.offload_param.nvme_path, "/local_nvme");
+  EXPECT_EQ(o.offload_param.buffer_size, 100000000);
+  EXPECT_EQ(o.offload_optimizer.device, "cpu");
+  EXPECT_EQ(o.offload_optimizer.buffer_count, 4) << "DeepSpeed's default for the optimizer";
+  EXPECT_TRUE(o.offload_optimizer.pipeline_read);
+  EXPECT_EQ(o.stage3_prefetch_bucket_size, 50000000) << "\"auto\" keeps the default";
+  EXPECT_EQ(o.stage3_max_live_parameters, 2000000000);
+  EXPECT_EQ(o.aio.block_size, 262144);
+  EXPECT_EQ(o.aio.queue_depth, 32);
+  EXPECT_EQ(o.host_memory_limit, uint64_t{4} << 30);
+  EXPECT_EQ(o.device_memory_limit, uint64_t{8} << 30);
+  std::string listed;
+  for (const auto& k : o.not_acted_on) listed += k + "\n";
+  for (const char* key : {"zero_optimization.stage = 3", "zero_optimization.offload_param.device = nvme",
+                          "zero_optimization.offload_optimizer.device = cpu", "aio.block_size = 262144",
+                          "memory.host_memory_limit = 4294967296"})
+    EXPECT_NE(listed.find(key), std::string::npos) << key << " not in:\n" << listed;
+  EXPECT_EQ(listed.find("sub_group_size"), std::string::npos) << "a default value is not worth a warning";
+
+  auto plain = parse_run_config(json::object(), "empty.json");
+  ASSERT_TRUE(plain.is_ok());
+  EXPECT_TRUE(plain->offload.not_acted_on.empty());
+}
+
+TEST(ConfigTest, BadOffloadValuesAreRejectedByName) {
+  auto expect_error = [](const json& j, const char* needle) {
+    auto c = parse_run_config(j, "ds.json");
+    ASSERT_FALSE(c.is_ok()) << j.dump();
+    EXPECT_NE(c.status().message().find(needle), std::string::npos) << c.status().message();
+    EXPECT_NE(c.status().message().find("ds.json"), std::string::npos) << c.status().message();
+  };
+  expect_error(json::parse(R"({"zero_optimization": {"stage": 4}})"), "zero_optimization.stage");
+  expect_error(json::parse(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}})"),
+               "zero_optimization.offload_param.device");
+  expect_error(json::parse(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})"),
+               "zero_optimization.offload_param.nvme_path");
+  expect_error(json::parse(R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})"),
+               "stage = 3");
+  expect_error(json::parse(R"({"zero_optimization": {"offload_optimizer": {"buffer_size": 5}}})"), "buffer_size");
+  expect_error(json::parse(R"({"zero_optimization": {"offload_optimizer": {"buffer_count": 0}}})"), "buffer_count");
+  expect_error(json::parse(R"({"aio": {"block_size": 1000}})"), "aio.block_size");
+  expect_error(json::parse(R"({"aio": {"depth": 8}})"), "queue_depth");  // unknown key lists the valid ones
+  expect_error(json::parse(R"({"memory": {"host_memory_limit": "lots"}})"), "memory.host_memory_limit");
+}
+
 }  // namespace
 }  // namespace strata::engine

@@ -1,0 +1,149 @@
+#include "engine/offload_config.h"
+
+#include <fmt/format.h>
+
+#include "engine/bench_nvme.h"  // parse_bytes
+
+namespace strata::engine {
+namespace {
+
+Status read_target(JsonSection s, bool is_param, OffloadTargetConfig* t) {
+  STRATA_RETURN_IF_ERROR(s.get_string("device", &t->device));
+  STRATA_RETURN_IF_ERROR(s.get_string("nvme_path", &t->nvme_path));
+  STRATA_RETURN_IF_ERROR(s.get_bool("pin_memory", &t->pin_memory));
+  STRATA_RETURN_IF_ERROR(s.get_int_or_auto("buffer_count", &t->buffer_count));
+  if (is_param) {
+    STRATA_RETURN_IF_ERROR(s.get_int_or_auto("buffer_size", &t->buffer_size));
+    STRATA_RETURN_IF_ERROR(s.get_int_or_auto("max_in_cpu", &t->max_in_cpu));
+  } else {
+    STRATA_RETURN_IF_ERROR(s.get_bool("pipeline_read", &t->pipeline_read));
+    STRATA_RETURN_IF_ERROR(s.get_bool("pipeline_write", &t->pipeline_write));
+  }
+  STRATA_RETURN_IF_ERROR(s.finish());
+  const std::string where = s.qualified("device");
+  if (t->device != "none" && t->device != "cpu" && t->device != "nvme")
+    return Status::invalid_argument("{} must be \"none\", \"cpu\" or \"nvme\", got \"{}\"", where, t->device);
+  if (t->device == "nvme" && t->nvme_path.empty())
+    return Status::invalid_argument("{} is \"nvme\", so {} must name the folder for the swap files", where,
+                                    s.qualified("nvme_path"));
+  for (auto [key, v] : {std::pair{"buffer_count", t->buffer_count}, std::pair{"buffer_size", t->buffer_size},
+                        std::pair{"max_in_cpu", t->max_in_cpu}}) {
+    if (v <= 0) return Status::invalid_argument("{} must be positive, got {}", s.qualified(key), v);
+  }
+  return Status::ok();
+}
+
+// "4G", "512M", 4294967296 -> bytes; 0 (the default: no limit of ours) stays 0.
+Status read_bytes(JsonSection& s, const char* key, uint64_t* out) {
+  std::string text;
+  int64_t number = -1;
+  if (Status st = s.get_int(key, &number); st.is_ok()) {
+    if (number < -1) return Status::invalid_argument("{} must be >= 0 bytes, got {}", s.qualified(key), number);
+    if (number >= 0) *out = static_cast<uint64_t>(number);
+    return Status::ok();
+  }
+  STRATA_RETURN_IF_ERROR(s.get_string(key, &text));
+  const uint64_t bytes = parse_bytes(text);
+  if (bytes == 0 && text != "0")
+    return Status::invalid_argument("{} must be a byte count such as 4096, \"512M\" or \"4G\", got \"{}\"",
+                                    s.qualified(key), text);
+  *out = bytes;
+  return Status::ok();
+}
+
+}  // namespace
+
+Status parse_offload_config(JsonSection& root, const std::string& source, OffloadConfig* c) {
+  JsonSection z = root.section("zero_optimization");
+  STRATA_RETURN_IF_ERROR(z.get_int("stage", &c->stage));
+  c->offload_param.buffer_count = 5;
+  c->offload_optimizer.buffer_count = 4;
+  STRATA_RETURN_IF_ERROR(read_target(z.section("offload_param"), true, &c->offload_param).with_context(source));
+  STRATA_RETURN_IF_ERROR(
+      read_target(z.section("offload_optimizer"), false, &c->offload_optimizer).with_context(source));
+  STRATA_RETURN_IF_ERROR(z.get_int_or_auto("sub_group_size", &c->sub_group_size));
+  STRATA_RETURN_IF_ERROR(z.get_int_or_auto("stage3_prefetch_bucket_size", &c->stage3_prefetch_bucket_size));
+  STRATA_RETURN_IF_ERROR(z.get_int_or_auto("stage3_max_live_parameters", &c->stage3_max_live_parameters));
+  STRATA_RETURN_IF_ERROR(z.get_int_or_auto("stage3_max_reuse_distance", &c->stage3_max_reuse_distance));
+  STRATA_RETURN_IF_ERROR(
+      z.get_int_or_auto("stage3_param_persistence_threshold", &c->stage3_param_persistence_threshold));
+  STRATA_RETURN_IF_ERROR(z.finish());
+  if (c->stage < 0 || c->stage > 3)
+    return Status::invalid_argument("{}: zero_optimization.stage must be 0, 1, 2 or 3, got {}", source, c->stage);
+  if (c->offload_param.device != "none" && c->stage != 3) {
+    return Status::invalid_argument(
+        "{}: zero_optimization.offload_param needs zero_optimization.stage = 3 (as in DeepSpeed), got stage {}",
+        source, c->stage);
+  }
+  for (auto [key, v] : {std::pair{"sub_group_size", c->sub_group_size},
+                        std::pair{"stage3_prefetch_bucket_size", c->stage3_prefetch_bucket_size},
+                        std::pair{"stage3_max_live_parameters", c->stage3_max_live_parameters},
+                        std::pair{"stage3_max_reuse_distance", c->stage3_max_reuse_distance}}) {
+    if (v <= 0) return Status::invalid_argument("{}: zero_optimization.{} must be positive, got {}", source, key, v);
+  }
+  if (c->stage3_param_persistence_threshold < 0)
+    return Status::invalid_argument("{}: zero_optimization.stage3_param_persistence_threshold must be >= 0", source);
+
+  JsonSection a = root.section("aio");
+  STRATA_RETURN_IF_ERROR(a.get_int_or_auto("block_size", &c->aio.block_size));
+  STRATA_RETURN_IF_ERROR(a.get_int_or_auto("queue_depth", &c->aio.queue_depth));
+  STRATA_RETURN_IF_ERROR(a.get_int_or_auto("intra_op_parallelism", &c->aio.intra_op_parallelism));
+  STRATA_RETURN_IF_ERROR(a.get_bool("single_submit", &c->aio.single_submit));
+  STRATA_RETURN_IF_ERROR(a.get_bool("overlap_events", &c->aio.overlap_events));
+  STRATA_RETURN_IF_ERROR(a.finish());
+  if (c->aio.block_size < 4096 || c->aio.block_size % 4096 != 0) {
+    return Status::invalid_argument("{}: aio.block_size must be a positive multiple of 4096 (O_DIRECT), got {}", source,
+                                    c->aio.block_size);
+  }
+  if (c->aio.queue_depth <= 0 || c->aio.intra_op_parallelism <= 0) {
+    return Status::invalid_argument("{}: aio.queue_depth and aio.intra_op_parallelism must be positive", source);
+  }
+
+  JsonSection m = root.section("memory");
+  STRATA_RETURN_IF_ERROR(read_bytes(m, "device_memory_limit", &c->device_memory_limit).with_context(source));
+  STRATA_RETURN_IF_ERROR(read_bytes(m, "host_memory_limit", &c->host_memory_limit).with_context(source));
+  STRATA_RETURN_IF_ERROR(m.finish());
+
+  // Every key set away from its default: none is acted on yet (the offload manager is being built), and a
+  // user who asked for offload must hear that it is not happening.
+  auto note = [&](bool differs, const std::string& key, const auto& value) {
+    if (differs) c->not_acted_on.push_back(fmt::format("{} = {}", key, value));
+  };
+  auto target = [&](const std::string& name, const OffloadTargetConfig& t, const OffloadTargetConfig& d) {
+    const std::string p = "zero_optimization." + name + ".";
+    note(t.device != d.device, p + "device", t.device);
+    note(t.nvme_path != d.nvme_path, p + "nvme_path", t.nvme_path);
+    note(t.pin_memory != d.pin_memory, p + "pin_memory", t.pin_memory);
+    note(t.buffer_count != d.buffer_count, p + "buffer_count", t.buffer_count);
+    note(t.buffer_size != d.buffer_size, p + "buffer_size", t.buffer_size);
+    note(t.max_in_cpu != d.max_in_cpu, p + "max_in_cpu", t.max_in_cpu);
+    note(t.pipeline_read != d.pipeline_read, p + "pipeline_read", t.pipeline_read);
+    note(t.pipeline_write != d.pipeline_write, p + "pipeline_write", t.pipeline_write);
+  };
+  const OffloadConfig d;
+  OffloadTargetConfig d_param, d_optimizer;
+  d_optimizer.buffer_count = 4;
+  note(c->stage != d.stage, "zero_optimization.stage", c->stage);
+  target("offload_param", c->offload_param, d_param);
+  target("offload_optimizer", c->offload_optimizer, d_optimizer);
+  note(c->sub_group_size != d.sub_group_size, "zero_optimization.sub_group_size", c->sub_group_size);
+  note(c->stage3_prefetch_bucket_size != d.stage3_prefetch_bucket_size,
+       "zero_optimization.stage3_prefetch_bucket_size", c->stage3_prefetch_bucket_size);
+  note(c->stage3_max_live_parameters != d.stage3_max_live_parameters, "zero_optimization.stage3_max_live_parameters",
+       c->stage3_max_live_parameters);
+  note(c->stage3_max_reuse_distance != d.stage3_max_reuse_distance, "zero_optimization.stage3_max_reuse_distance",
+       c->stage3_max_reuse_distance);
+  note(c->stage3_param_persistence_threshold != d.stage3_param_persistence_threshold,
+       "zero_optimization.stage3_param_persistence_threshold", c->stage3_param_persistence_threshold);
+  note(c->aio.block_size != d.aio.block_size, "aio.block_size", c->aio.block_size);
+  note(c->aio.queue_depth != d.aio.queue_depth, "aio.queue_depth", c->aio.queue_depth);
+  note(c->aio.intra_op_parallelism != d.aio.intra_op_parallelism, "aio.intra_op_parallelism",
+       c->aio.intra_op_parallelism);
+  note(c->aio.single_submit != d.aio.single_submit, "aio.single_submit", c->aio.single_submit);
+  note(c->aio.overlap_events != d.aio.overlap_events, "aio.overlap_events", c->aio.overlap_events);
+  note(c->device_memory_limit != 0, "memory.device_memory_limit", c->device_memory_limit);
+  note(c->host_memory_limit != 0, "memory.host_memory_limit", c->host_memory_limit);
+  return Status::ok();
+}
+
+}  // namespace strata::engine

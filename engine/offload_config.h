@@ -1,0 +1,58 @@
+// offload_config.h — the ZeRO / offload sections of the run configuration, with DeepSpeed's key names and
+// meanings so a DeepSpeed user's settings carry over: "zero_optimization" (stage, offload_param,
+// offload_optimizer, sub_group_size, stage3_*), "aio", and Strata's own "memory" budgets.
+//
+// Read strictly like every section (unknown keys are errors listing the valid ones; "auto" keeps a default, as
+// in configs written for the Hugging Face integration). The offload manager that acts on them is issue 4's work
+// in progress: until a key is acted on, parse_offload_config() lists it in `not_acted_on` when its value
+// differs from the default, and the trainer warns about each by name — never silently.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/json_config.h"
+#include "common/status.h"
+
+namespace strata::engine {
+
+// zero_optimization.offload_param and .offload_optimizer (DeepSpeed's DeepSpeedZeroOffload*Config).
+struct OffloadTargetConfig {
+  std::string device = "none";  // none | cpu | nvme
+  std::string nvme_path;        // required for nvme: the folder the swap files go in
+  bool pin_memory = false;
+  int64_t buffer_count = 5;           // offload_param: 5, offload_optimizer: 4 (DeepSpeed's defaults)
+  int64_t buffer_size = 100'000'000;  // offload_param only: elements per staging buffer
+  int64_t max_in_cpu = 1'000'000'000;  // offload_param only: elements kept in host memory with device nvme
+  bool pipeline_read = false, pipeline_write = false;  // offload_optimizer only
+};
+
+struct AioConfig {  // DeepSpeed's "aio" section, for the NVMe tier
+  int64_t block_size = 1'048'576;
+  int64_t queue_depth = 8;
+  int64_t intra_op_parallelism = 1;
+  bool single_submit = false;
+  bool overlap_events = true;
+};
+
+struct OffloadConfig {
+  int stage = 0;  // zero_optimization.stage: 0..3
+  OffloadTargetConfig offload_param, offload_optimizer;
+  int64_t sub_group_size = 1'000'000'000;
+  int64_t stage3_prefetch_bucket_size = 50'000'000;
+  int64_t stage3_max_live_parameters = 1'000'000'000;
+  int64_t stage3_max_reuse_distance = 1'000'000'000;
+  int64_t stage3_param_persistence_threshold = 100'000;
+  AioConfig aio;
+  uint64_t device_memory_limit = 0;  // memory.device_memory_limit, bytes; 0: what the device has
+  uint64_t host_memory_limit = 0;    // memory.host_memory_limit, bytes; 0: what the cgroup and machine allow
+  std::vector<std::string> not_acted_on;  // "zero_optimization.stage = 3", ... (set keys not yet honoured)
+};
+
+// Reads the three sections from `root`; errors name "file: section.key" and the accepted values.
+Status parse_offload_config(JsonSection& root, const std::string& source, OffloadConfig* out);
+
+}  // namespace strata::engine
