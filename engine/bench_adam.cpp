@@ -18,30 +18,11 @@
 #include "common/aligned.h"
 #include "common/dtype.h"
 #include "common/timer.h"
+#include "common/units.h"
 #include "kernels/cpu/fast.h"
 #include "kernels/cpu/fast_simd.h"
 
 namespace strata::engine {
-
-uint64_t parse_count(const std::string& text) {
-  if (text.empty()) return 0;
-  size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (...) {
-    return 0;
-  }
-  double scale = 1;
-  const std::string suffix = text.substr(used);
-  if (suffix == "k" || suffix == "K") scale = 1e3;
-  else if (suffix == "M" || suffix == "m") scale = 1e6;
-  else if (suffix == "G" || suffix == "g" || suffix == "B" || suffix == "b") scale = 1e9;
-  else if (!suffix.empty()) return 0;
-  const double n = value * scale;
-  if (!(n >= 1) || n > 1e13 || n != std::floor(n)) return 0;
-  return static_cast<uint64_t>(n);
-}
 
 void add_bench_adam_command(CLI::App& bench, BenchAdamOptions& o) {
   CLI::App* cmd = bench.add_subcommand(

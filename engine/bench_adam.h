@@ -24,7 +24,4 @@ struct BenchAdamOptions {
 void add_bench_adam_command(CLI::App& bench, BenchAdamOptions& opts);
 int run_bench_adam(const BenchAdamOptions& opts);
 
-// "100M" -> 100000000, "1.5G" -> 1500000000, "12345" -> 12345; 0 when malformed.
-uint64_t parse_count(const std::string& text);
-
 }  // namespace strata::engine

@@ -14,34 +14,11 @@
 #include "common/aligned.h"
 #include "common/rng.h"
 #include "common/timer.h"
+#include "common/units.h"
 #include "storage/io_queue.h"
 #include "storage/swap_store.h"
 
 namespace strata::engine {
-
-uint64_t parse_bytes(const std::string& text) {
-  size_t pos = 0;
-  uint64_t v = 0;
-  while (pos < text.size() && text[pos] >= '0' && text[pos] <= '9') {
-    if (v > (UINT64_MAX - 9) / 10) return 0;
-    v = v * 10 + static_cast<uint64_t>(text[pos++] - '0');
-  }
-  if (pos == 0) return 0;
-  std::string unit = text.substr(pos);
-  if (!unit.empty() && (unit.back() == 'B' || unit.back() == 'b')) unit.pop_back();
-  if (!unit.empty() && unit.back() == 'i') unit.pop_back();
-  if (unit.empty()) return v;
-  if (unit.size() != 1) return 0;
-  int shift = 0;
-  switch (unit[0]) {
-    case 'k': case 'K': shift = 10; break;
-    case 'm': case 'M': shift = 20; break;
-    case 'g': case 'G': shift = 30; break;
-    case 't': case 'T': shift = 40; break;
-    default: return 0;
-  }
-  return v > (UINT64_MAX >> shift) ? 0 : v << shift;
-}
 
 namespace {
 

@@ -34,7 +34,4 @@ struct BenchNvmeOptions {
 void add_bench_nvme_command(CLI::App& bench, BenchNvmeOptions& opts);
 int run_bench_nvme(const BenchNvmeOptions& opts);
 
-// "1G", "512M", "4k", "4096" -> bytes (binary units); 0 when malformed.
-uint64_t parse_bytes(const std::string& text);
-
 }  // namespace strata::engine

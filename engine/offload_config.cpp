@@ -2,7 +2,7 @@
 
 #include <fmt/format.h>
 
-#include "engine/bench_nvme.h"  // parse_bytes
+#include "common/units.h"
 
 namespace strata::engine {
 namespace {

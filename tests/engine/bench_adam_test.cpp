@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "common/units.h"
 #include "engine/bench_adam.h"
 
 namespace strata::engine {

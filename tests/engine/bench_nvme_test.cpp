@@ -1,6 +1,7 @@
 // `strata bench nvme` as a user drives it: byte counts, bad flags rejected with exit code 2 before any I/O, and
 // small real runs whose --json lines carry every field the issue names, move the bytes asked for, and leave
 // nothing behind in the directory.
+#include "common/units.h"
 #include "engine/bench_nvme.h"
 
 #include <unistd.h>
