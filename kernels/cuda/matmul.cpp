@@ -53,7 +53,7 @@ struct Plan {
 
 using PlanKey = std::tuple<int, int, int, int, int, int, int, int, int, bool, bool, int, int, int, int>;
 
-Plan make_plan(const CudaContext& ctx, const Gemm& g, int align_a, int align_b, int align_d, int align_bias) {
+Plan make_plan(const CudaContext& ctx, const Gemm& g, int align_a, int align_b, int align_d) {
   Plan p;
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &g.op_a, sizeof(g.op_a)));
@@ -86,7 +86,6 @@ Plan make_plan(const CudaContext& ctx, const Gemm& g, int align_a, int align_b, 
                                                     sizeof(uint32_t)));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &aligns[3],
                                                     sizeof(uint32_t)));
-  (void)align_bias;  // the bias pointer's alignment is part of the key; cuBLASLt has no preference for it
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx.lt, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found));
@@ -111,11 +110,13 @@ void run_gemm(const Gemm& g) {
   const CudaContext& ctx = cuda_context();
   static std::map<PlanKey, Plan> plans;  // one driving thread (cuda_context.h), so no lock
   const int align_a = alignment_of(g.a), align_b = alignment_of(g.b), align_d = alignment_of(g.d);
+  // The bias pointer's alignment is part of the key too (an algorithm may depend on it), though cuBLASLt takes
+  // no preference for it.
   const int align_bias = g.bias != nullptr ? alignment_of(g.bias) : 0;
   const PlanKey key{g.op_a, g.op_b, g.m,         g.n,     g.k,     g.lda,   g.ldb,     g.ldd,
                     g.ab_type, g.beta != 0.0f, g.bias != nullptr, align_a, align_b, align_d, align_bias};
   auto it = plans.find(key);
-  if (it == plans.end()) it = plans.emplace(key, make_plan(ctx, g, align_a, align_b, align_d, align_bias)).first;
+  if (it == plans.end()) it = plans.emplace(key, make_plan(ctx, g, align_a, align_b, align_d)).first;
   const Plan& p = it->second;
   if (g.bias != nullptr) {
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
