@@ -104,8 +104,9 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   STRATA_RETURN_IF_ERROR(read_bytes(m, "host_memory_limit", &c->host_memory_limit).with_context(source));
   STRATA_RETURN_IF_ERROR(m.finish());
 
-  // Every key set away from its default: none is acted on yet (the offload manager is being built), and a
-  // user who asked for offload must hear that it is not happening.
+  // Every key set away from its default that nothing acts on yet (the offload manager is being built): a user
+  // who asked for offload must hear that it is not happening. memory.device_memory_limit is acted on (the
+  // Device's allocation budget), so it is not listed.
   auto note = [&](bool differs, const std::string& key, const auto& value) {
     if (differs) c->not_acted_on.push_back(fmt::format("{} = {}", key, value));
   };
@@ -141,7 +142,6 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
        c->aio.intra_op_parallelism);
   note(c->aio.single_submit != d.aio.single_submit, "aio.single_submit", c->aio.single_submit);
   note(c->aio.overlap_events != d.aio.overlap_events, "aio.overlap_events", c->aio.overlap_events);
-  note(c->device_memory_limit != 0, "memory.device_memory_limit", c->device_memory_limit);
   note(c->host_memory_limit != 0, "memory.host_memory_limit", c->host_memory_limit);
   return Status::ok();
 }

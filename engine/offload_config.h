@@ -47,7 +47,8 @@ struct OffloadConfig {
   int64_t stage3_max_reuse_distance = 1'000'000'000;
   int64_t stage3_param_persistence_threshold = 100'000;
   AioConfig aio;
-  uint64_t device_memory_limit = 0;  // memory.device_memory_limit, bytes; 0: what the device has
+  uint64_t device_memory_limit = 0;  // memory.device_memory_limit, bytes; 0: what the device has. Acted on: the
+                                     // budget of every Device allocation (kernels/device.h)
   uint64_t host_memory_limit = 0;    // memory.host_memory_limit, bytes; 0: what the cgroup and machine allow
   std::vector<std::string> not_acted_on;  // "zero_optimization.stage = 3", ... (set keys not yet honoured)
 };

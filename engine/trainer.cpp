@@ -62,6 +62,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   // "auto" picks the GPU where there is one, unless the CPU reference kernels were asked for.
   const std::string device_name = config.compute.kernels == "reference" ? "cpu" : config.compute.device;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Device> device, kernels::make_device(device_name, *k));
+  device->set_memory_limit(config.offload.device_memory_limit);
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> model,
                           GPT2::create(config.model, *device, config.compute.matmul_precision));
   AdamWConfig ac;
@@ -162,6 +163,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     const double lr = lr_at(state.step, tc.lr, tc.min_lr, tc.warmup_steps, tc.max_steps);
     bool skipped = false;
     const double norm = opt.step(model->units(), static_cast<float>(lr), &skipped);
+    if (state.step == first_step) STRATA_LOG_INFO("{} memory: {}", device->name(), device->memory_report());
     if (skipped) {
       STRATA_LOG_WARN("step {}: gradient norm is {}; update skipped", state.step + 1, norm);
       if (++skipped_in_a_row >= 10) {

@@ -4,13 +4,15 @@
 // Two implementations: "cpu" (kernels/cpu/cpu_device.cpp: ordinary host memory, synchronous copies, the fast or
 // reference KernelSet) and "cuda" (kernels/cuda/cuda_device.cpp: device memory, every op on the compute stream).
 // The model, optimizer and checkpoints are written once against this interface. Threading: one host thread
-// drives a Device at a time (the KernelSet contract). The tiers, budgets and copy streams of offload/ build on
-// it; this is the compute side only.
+// drives a Device at a time (the KernelSet contract); the allocation ledger is thread-safe. The tiers and copy
+// streams of offload/ build on it.
 #pragma once
 
 #include <cstddef>
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -74,8 +76,20 @@ class Device {
   virtual const KernelSet& kernels() const = 0;   // every pointer passed to it is this device's memory
   virtual bool host_accessible() const = 0;       // the host may read and write this device's memory directly
 
-  // `bytes` of this device's memory, zero-filled, for `purpose`; OutOfMemory names the purpose and size.
-  virtual Result<DeviceBuffer> allocate(size_t bytes, std::string purpose) = 0;
+  // `bytes` of this device's memory, zero-filled, for `purpose`, within the memory limit: OutOfMemory names the
+  // purpose, the size, the limit and who holds what. Counted in the ledger until the buffer is released (the
+  // buffers must not outlive the device).
+  Result<DeviceBuffer> allocate(size_t bytes, std::string purpose);
+
+  // The hard budget of allocate() in bytes (memory.device_memory_limit); 0, the default, is what the hardware
+  // has. The kernels' own transient scratch (CUDA's stream-ordered pool) is outside it.
+  void set_memory_limit(uint64_t bytes) { ledger_->limit = bytes; }
+  uint64_t memory_limit() const { return ledger_->limit; }
+  uint64_t live_bytes() const;
+  uint64_t peak_bytes() const;
+  // "2.3 GiB live (peak 2.4), limit 8.0 GiB: gpt2.activations 1.2 GiB, adamw.m 0.5 GiB, ..." by purpose, the
+  // purpose's text up to its first space (so "gpt2.params h.3" counts as "gpt2.params").
+  std::string memory_report() const;
   // In order with the kernels: dst[0..bytes) = 0.
   virtual void zero(void* dst, size_t bytes) = 0;
   // Host -> device, in order with the kernels; `src` may be reused when the call returns.
@@ -87,6 +101,19 @@ class Device {
   // acc + the sum of x[i]² over n floats, accumulated in double in an order fixed by n alone (deterministic),
   // so a norm over many buffers is a chain of calls. Waits.
   virtual double add_sum_squares(double acc, const float* x, size_t n) = 0;
+
+ protected:
+  // The backend's allocation of `bytes` zero-filled bytes (its errors name the purpose); the budget and the
+  // ledger are allocate()'s.
+  virtual Result<DeviceBuffer> allocate_impl(size_t bytes, const std::string& purpose) = 0;
+
+ private:
+  struct Ledger {
+    std::mutex mu;
+    uint64_t limit = 0, live = 0, peak = 0;
+    std::map<std::string, uint64_t> by_purpose;
+  };
+  std::shared_ptr<Ledger> ledger_ = std::make_shared<Ledger>();
 };
 
 // "cpu" with the given CPU KernelSet (cpu_fast_kernels() or cpu_reference_kernels()), "cuda", or "auto" (cuda

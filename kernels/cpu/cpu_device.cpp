@@ -19,11 +19,11 @@ class CpuDevice final : public Device {
   const KernelSet& kernels() const override { return *k_; }
   bool host_accessible() const override { return true; }
 
-  Result<DeviceBuffer> allocate(size_t bytes, std::string purpose) override {
+  Result<DeviceBuffer> allocate_impl(size_t bytes, const std::string& purpose) override {
     STRATA_ASSIGN_OR_RETURN(AlignedBuffer buf, AlignedBuffer::allocate(bytes, purpose));
     void* data = buf.data();
     auto holder = std::make_shared<AlignedBuffer>(std::move(buf));
-    return DeviceBuffer(data, bytes, std::move(purpose), [holder]() mutable { holder->reset(); });
+    return DeviceBuffer(data, bytes, purpose, [holder]() mutable { holder->reset(); });
   }
   void zero(void* dst, size_t bytes) override { std::memset(dst, 0, bytes); }
   void copy_to_device(void* dst, const void* src, size_t bytes) override {

@@ -21,7 +21,7 @@ class CudaDevice final : public Device {
   const KernelSet& kernels() const override { return cuda_kernels(); }
   bool host_accessible() const override { return false; }
 
-  Result<DeviceBuffer> allocate(size_t bytes, std::string purpose) override {
+  Result<DeviceBuffer> allocate_impl(size_t bytes, const std::string& purpose) override {
     const cuda::CudaContext& ctx = cuda::cuda_context();
     void* p = nullptr;
     if (bytes > 0) {
@@ -35,7 +35,7 @@ class CudaDevice final : public Device {
       }
       CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, ctx.compute));
     }
-    return DeviceBuffer(p, bytes, std::move(purpose), [p] {
+    return DeviceBuffer(p, bytes, purpose, [p] {
       if (p != nullptr) {
         // Work still queued may use it: free after the stream drains.
         CUDA_CHECK(cudaStreamSynchronize(cuda::cuda_context().compute));
