@@ -1,0 +1,245 @@
+// optimizer_swap_test.cpp — the optimizer swap pipeline (offload/optimizer_swap.h) against the same fused Adam run
+// on host arrays: bitwise equal master weights, moments and working copies after several steps, for 2 and 3
+// staging slots, every working dtype, odd sub-group sizes and per-segment weight decay, on the in-memory and the
+// POSIX engine; and under injected bit flips and EIO, an error (naming the key) rather than a wrong update.
+#include "offload/optimizer_swap.h"
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "common/rng.h"
+#include "kernels/cpu/fast.h"
+#include "storage/fault_engine.h"
+#include "storage/io_engine.h"
+#include "storage/memory_engine.h"
+
+namespace strata::offload {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::vector<OptimizerGroup> test_groups() {
+  // Odd sizes, a group larger than a checksum chunk, segments with and without decay.
+  return {{"wte", 4099, {{0, 4000, 0.1f}, {4000, 99, 0.0f}}},
+          {"h.0", 70001, {{0, 33, 0.0f}, {33, 69000, 0.1f}, {69033, 968, 0.0f}}},
+          {"ln_f", 37, {{0, 37, 0.0f}}}};
+}
+
+struct Harness {
+  std::string dir;
+  std::unique_ptr<IoEngine> engine;
+  std::unique_ptr<FaultEngine> faulty;
+  std::unique_ptr<IoQueue> queue;
+  std::unique_ptr<SwapStore> store;
+  std::unique_ptr<PinnedPool> pool;
+
+  explicit Harness(const std::string& kind, const FaultOptions* faults = nullptr) {
+    static std::atomic<int> counter{0};
+    dir = (fs::temp_directory_path() / fmt::format("strata_optswap_{}_{}", ::getpid(), counter++)).string();
+    if (kind == "memory") {
+      MemoryEngineOptions o;
+      o.direct_alignment = 4096;
+      o.lanes = 2;
+      engine = std::make_unique<MemoryEngine>(o);
+    } else {
+      auto e = make_io_engine(EngineOptions{.kind = EngineKind::kPosix, .lanes = 2, .queue_depth = 8});
+      EXPECT_TRUE(e.is_ok());
+      engine = std::move(e).value();
+    }
+    IoEngine* io = engine.get();
+    if (faults != nullptr) {
+      faulty = std::make_unique<FaultEngine>(*engine, *faults);
+      io = faulty.get();
+    }
+    queue = std::make_unique<IoQueue>(*io, IoQueueOptions{64 << 10});
+    SwapStoreOptions so;
+    so.dir = dir;
+    so.file_bytes = 8 << 20;
+    so.max_files = 4;
+    so.checksum_chunk = 64 << 10;
+    auto s = SwapStore::open(*queue, so);
+    if (faults == nullptr) {
+      EXPECT_TRUE(s.is_ok()) << s.status().to_string();
+    }
+    if (s.is_ok()) store = std::move(s).value();  // under injected faults, opening may fail: the test skips it
+    auto p = PinnedPool::create(PinnedPoolOptions{.budget_bytes = 16 << 20, .lock = false});
+    EXPECT_TRUE(p.is_ok()) << p.status().to_string();
+    pool = std::move(p).value();
+  }
+  ~Harness() {
+    store.reset();
+    queue.reset();
+    faulty.reset();
+    engine.reset();
+    fs::remove_all(dir);
+  }
+};
+
+// Host-side state of every group, and the same steps run directly with the fused Adam.
+struct HostState {
+  std::vector<std::vector<float>> master, m, v, grads;
+  explicit HostState(const std::vector<OptimizerGroup>& groups, uint64_t seed) {
+    Rng rng(seed);
+    for (const auto& g : groups) {
+      std::vector<float> p(g.numel);
+      for (auto& x : p) x = static_cast<float>(rng.uniform(-1, 1));
+      master.push_back(p);
+      m.emplace_back(g.numel, 0.0f);
+      v.emplace_back(g.numel, 0.0f);
+      grads.emplace_back(g.numel, 0.0f);
+    }
+  }
+  void new_grads(Rng& rng) {
+    for (auto& g : grads)
+      for (auto& x : g) x = static_cast<float>(rng.uniform(-1, 1));
+  }
+};
+
+kernels::AdamWParams hyper(int step) {
+  kernels::AdamWParams hp;
+  hp.lr = 1e-2f;
+  hp.step = step;
+  hp.grad_scale = 0.5f;
+  return hp;
+}
+
+class OptimizerSwapTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(OptimizerSwapTest, StepsAreBitwiseTheInMemoryOptimizer) {
+  for (int slots : {2, 3}) {
+    for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
+      SCOPED_TRACE(fmt::format("engine={} slots={} working={}", GetParam(), slots, dtype_name(dt)));
+      Harness h(GetParam());
+      const auto groups = test_groups();
+      auto swapper = OptimizerSwapper::create(*h.store, *h.pool, groups, OptimizerSwapOptions{.slots = slots});
+      ASSERT_TRUE(swapper.is_ok()) << swapper.status().to_string();
+      OptimizerSwapper& s = *swapper.value();
+      HostState want(groups, 7);
+      for (size_t g = 0; g < groups.size(); ++g) ASSERT_TRUE(s.initialize(g, want.master[g].data()).is_ok());
+
+      const size_t elem = dt == DType::kF32 ? 4 : 2;
+      std::vector<std::vector<char>> got_working, want_working;
+      for (const auto& g : groups) {
+        got_working.emplace_back(g.numel * elem, 0);
+        want_working.emplace_back(g.numel * elem, 0);
+      }
+      Rng rng(11);
+      for (int step = 1; step <= 4; ++step) {
+        want.new_grads(rng);
+        std::vector<const float*> grads;
+        std::vector<void*> working;
+        for (size_t g = 0; g < groups.size(); ++g) {
+          grads.push_back(want.grads[g].data());
+          working.push_back(got_working[g].data());
+          for (const auto& seg : groups[g].segments) {
+            kernels::AdamWParams p = hyper(step);
+            p.weight_decay = seg.weight_decay;
+            auto* w16 = dt == DType::kF32 ? nullptr : reinterpret_cast<uint16_t*>(want_working[g].data()) + seg.offset;
+            kernels::cpu::fast::adamw_update_mixed(want.master[g].data() + seg.offset, want.m[g].data() + seg.offset,
+                                                   want.v[g].data() + seg.offset, want.grads[g].data() + seg.offset,
+                                                   w16, dt, seg.numel, p);
+          }
+          if (dt == DType::kF32)
+            std::memcpy(want_working[g].data(), want.master[g].data(), groups[g].numel * sizeof(float));
+        }
+        const Status st = s.step(grads, working, dt, hyper(step));
+        ASSERT_TRUE(st.is_ok()) << st.to_string();
+        const auto& stats = s.last_step_stats();
+        size_t total = 0;
+        for (const auto& g : groups) total += g.numel;
+        EXPECT_EQ(stats.bytes_read, 12 * total);
+        EXPECT_EQ(stats.bytes_written, 12 * total);
+      }
+      for (size_t g = 0; g < groups.size(); ++g) {
+        std::vector<float> master(groups[g].numel), m(groups[g].numel), v(groups[g].numel);
+        ASSERT_TRUE(s.read_state(g, master.data(), m.data(), v.data()).is_ok());
+        EXPECT_EQ(0, std::memcmp(master.data(), want.master[g].data(), master.size() * 4)) << groups[g].name;
+        EXPECT_EQ(0, std::memcmp(m.data(), want.m[g].data(), m.size() * 4)) << groups[g].name;
+        EXPECT_EQ(0, std::memcmp(v.data(), want.v[g].data(), v.size() * 4)) << groups[g].name;
+        EXPECT_EQ(got_working[g], want_working[g]) << groups[g].name << " working copy";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, OptimizerSwapTest, ::testing::Values("memory", "posix"));
+
+// Flipped bits on reads are caught by the store's checksums: the step fails with Corruption naming an optimizer
+// key, and never returns a wrong update as good; EIO surfaces as an IOError. Seeded, so reproducible.
+TEST(OptimizerSwapFaultTest, FaultsAreErrorsNeverWrongUpdates) {
+  const auto groups = test_groups();
+  int failures = 0, clean = 0;
+  for (uint64_t seed = 1; seed <= 12; ++seed) {
+    FaultOptions f;
+    f.seed = seed;
+    f.flip_rate = 0.02;
+    f.eio_rate = 0.01;
+    Harness h("memory", &f);
+    if (!h.store) continue;  // the store's own header write met an injected EIO
+    auto swapper = OptimizerSwapper::create(*h.store, *h.pool, groups);
+    ASSERT_TRUE(swapper.is_ok());
+    OptimizerSwapper& s = *swapper.value();
+    HostState want(groups, seed);
+    bool init_ok = true;
+    for (size_t g = 0; g < groups.size(); ++g) init_ok = init_ok && s.initialize(g, want.master[g].data()).is_ok();
+    if (!init_ok) continue;  // a write hit EIO: reported, nothing to check further
+    Rng rng(seed);
+    want.new_grads(rng);
+    std::vector<const float*> grads;
+    std::vector<void*> working;
+    std::vector<std::vector<uint16_t>> w16;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      grads.push_back(want.grads[g].data());
+      w16.emplace_back(groups[g].numel);
+      working.push_back(w16.back().data());
+    }
+    const Status st = s.step(grads, working, DType::kBF16, hyper(1));
+    if (!st.is_ok()) {
+      ++failures;
+      EXPECT_TRUE(st.code() == StatusCode::kCorruption || st.code() == StatusCode::kIOError) << st.to_string();
+      EXPECT_NE(st.message().find("opt."), std::string::npos) << "the error names the key: " << st.message();
+      continue;
+    }
+    ++clean;
+    for (size_t g = 0; g < groups.size(); ++g) {  // a step reported good must have computed from good bytes
+      for (const auto& seg : groups[g].segments) {
+        kernels::AdamWParams p = hyper(1);
+        p.weight_decay = seg.weight_decay;
+        kernels::cpu::fast::adamw_update_mixed(want.master[g].data() + seg.offset, want.m[g].data() + seg.offset,
+                                               want.v[g].data() + seg.offset, want.grads[g].data() + seg.offset,
+                                               nullptr, DType::kF32, seg.numel, p);
+      }
+      for (size_t i = 0; i < groups[g].numel; ++i)
+        ASSERT_EQ(w16[g][i], f32_to_bf16(want.master[g][i])) << groups[g].name << " [" << i << "], seed " << seed;
+    }
+  }
+  EXPECT_GT(failures, 0) << "the fault rates should have hit some steps";
+  RecordProperty("failed_steps", failures);
+  RecordProperty("clean_steps", clean);
+}
+
+TEST(OptimizerSwapConfigTest, BadGroupsAreRejectedByName) {
+  Harness h("memory");
+  auto expect_bad = [&](std::vector<OptimizerGroup> groups, const char* needle) {
+    auto s = OptimizerSwapper::create(*h.store, *h.pool, std::move(groups));
+    ASSERT_FALSE(s.is_ok());
+    EXPECT_NE(s.status().message().find(needle), std::string::npos) << s.status().message();
+  };
+  expect_bad({{"a", 10, {{0, 5, 0.f}}}}, "cover 5 of 10");
+  expect_bad({{"a", 10, {{0, 5, 0.f}, {6, 4, 0.f}}}}, "starts at 6");
+  expect_bad({{"a", 10, {{0, 10, 0.f}}}, {"a", 4, {{0, 4, 0.f}}}}, "two sub-groups are named 'a'");
+  expect_bad({}, "no sub-groups");
+  // Staging slots come from the pool's budget: too large a group is refused, naming the budget.
+  auto big = OptimizerSwapper::create(*h.store, *h.pool, {{"big", 4 << 20, {{0, 4 << 20, 0.f}}}});
+  ASSERT_FALSE(big.is_ok());
+  EXPECT_EQ(big.status().code(), StatusCode::kOutOfMemory) << big.status().to_string();
+}
+
+}  // namespace
+}  // namespace strata::offload
