@@ -1,5 +1,8 @@
 // bench_adam_test.cpp — `strata bench adam` as users drive it: the count parser, and a small run whose JSON lines
 // carry every field the issue names, one per working-copy dtype, with positive rates.
+#include <unistd.h>
+
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -44,6 +47,29 @@ TEST(BenchAdamTest, JsonLinesCarryTheNamedFields) {
     for (const char* key : {"seconds_per_step", "params_per_s", "gb_per_s", "probe_gb_per_s", "ratio_to_probe"})
       EXPECT_GT(r.at(key).get<double>(), 0.0) << key;
   }
+}
+
+// --nvme runs the optimizer swap pipeline on a real folder and reports it against the disk and the pass.
+TEST(BenchAdamTest, NvmeRunReportsTheSwapPipeline) {
+  BenchAdamOptions o;
+  o.params = "300001";
+  o.dtype = "bf16";
+  o.steps = 2;
+  o.json = true;
+  o.sub_group = "100k";
+  o.nvme_dir = (std::filesystem::temp_directory_path() / ("strata_bench_adam_" + std::to_string(::getpid()))).string();
+  ::testing::internal::CaptureStdout();
+  const int rc = run_bench_adam(o);
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  std::filesystem::remove_all(o.nvme_dir);
+  ASSERT_EQ(rc, 0) << out;
+  const size_t last_line = out.rfind('\n', out.size() - 2);
+  const auto r = nlohmann::json::parse(out.substr(last_line + 1));
+  EXPECT_EQ(r.at("bench"), "adam_nvme");
+  EXPECT_EQ(r.at("sub_group"), 100000);
+  for (const char* key : {"seconds_per_step", "disk_read_gb_per_s", "disk_mixed_gb_per_s", "disk_seconds",
+                          "adam_seconds", "ratio_to_bound"})
+    EXPECT_GT(r.at(key).get<double>(), 0.0) << key;
 }
 
 TEST(BenchAdamTest, BadCountIsAnErrorNamingTheFlag) {
