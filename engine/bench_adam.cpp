@@ -103,10 +103,8 @@ int bench_swap(const BenchAdamOptions& o, uint64_t n, uint64_t sub, float* p, co
     std::fprintf(stderr, "strata bench adam: %s\n", store.status().to_string().c_str());
     return 1;
   }
-  const size_t slot_bytes = 3 * ((sub * 4 + 4095) / 4096 * 4096);
-  auto pool = offload::PinnedPool::create(offload::PinnedPoolOptions{.budget_bytes = 3 * slot_bytes + (8u << 20)});
-  if (!pool.is_ok()) pool = offload::PinnedPool::create(
-                         offload::PinnedPoolOptions{.budget_bytes = 3 * slot_bytes + (8u << 20), .lock = false});
+  auto pool = offload::PinnedPool::create(
+      offload::PinnedPoolOptions{.budget_bytes = offload::OptimizerSwapper::staging_bytes(sub) + (8u << 20)});
   if (!pool.is_ok()) {
     std::fprintf(stderr, "strata bench adam: %s\n", pool.status().to_string().c_str());
     return 1;

@@ -19,6 +19,16 @@ struct OptimizerSwapper::Slot {
   float* region(size_t region_floats, int k) const { return buf.as<float>() + region_floats * k; }
 };
 
+namespace {
+// Floats per region (master, m or v) of a slot for sub-groups of at most `largest` elements: padded to 4 KiB
+// so all three regions stay page-aligned for O_DIRECT.
+size_t region_floats(size_t largest) { return (largest * sizeof(float) + 4095) / 4096 * 4096 / sizeof(float); }
+}  // namespace
+
+size_t OptimizerSwapper::staging_bytes(size_t largest, const OptimizerSwapOptions& options) {
+  return static_cast<size_t>(options.slots) * 3 * region_floats(largest) * sizeof(float);
+}
+
 OptimizerSwapper::OptimizerSwapper(SwapStore& store, std::vector<OptimizerGroup> groups,
                                    const OptimizerSwapOptions& options)
     : store_(store), groups_(std::move(groups)), options_(options), initialized_(groups_.size(), false) {}
@@ -48,7 +58,7 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(SwapStore& st
     largest = std::max(largest, g.numel);
   }
   std::unique_ptr<OptimizerSwapper> s(new OptimizerSwapper(store, std::move(groups), options));
-  s->region_floats_ = (largest * sizeof(float) + 4095) / 4096 * 4096 / sizeof(float);
+  s->region_floats_ = region_floats(largest);
   for (int i = 0; i < options.slots; ++i) {
     auto slot = std::make_unique<Slot>();
     STRATA_ASSIGN_OR_RETURN(slot->buf, pool.acquire(3 * s->region_floats_ * sizeof(float),

@@ -61,6 +61,8 @@ class OptimizerSwapper {
   static Result<std::unique_ptr<OptimizerSwapper>> create(SwapStore& store, PinnedPool& pool,
                                                           std::vector<OptimizerGroup> groups,
                                                           const OptimizerSwapOptions& options = {});
+  // The pinned bytes create() will take for sub-groups of at most `largest` elements (size a pool with it).
+  static size_t staging_bytes(size_t largest, const OptimizerSwapOptions& options = {});
   ~OptimizerSwapper();  // frees its keys in the store
   OptimizerSwapper(const OptimizerSwapper&) = delete;
   OptimizerSwapper& operator=(const OptimizerSwapper&) = delete;

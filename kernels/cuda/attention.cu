@@ -159,6 +159,18 @@ struct HeadTensors {
   cudaDataType_t type() const { return bf16 ? CUDA_R_16BF : CUDA_R_32F; }
 };
 
+// The sizes both directions derive from (B, T, C, NH): head size, B*NH heads, B*T*C elements, and the batched
+// GEMMs' strides between heads for a (T,hs) slice and a (T,T) score matrix.
+struct Dims {
+  int hs, batch;
+  size_t n;
+  long long head, square;
+  static Dims of(int B, int T, int C, int NH) {
+    const int hs = C / NH;
+    return {hs, B * NH, static_cast<size_t>(B) * T * C, static_cast<long long>(T) * hs, static_cast<long long>(T) * T};
+  }
+};
+
 bool use_flash(int C, int NH, MatmulPrecision precision) {
   return precision == MatmulPrecision::kBF16 && flash_attention_supported(C / NH);
 }
@@ -175,9 +187,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
   if (B <= 0 || T <= 0) return;
   const CudaContext& ctx = cuda_context();
   const bool bf16 = precision == MatmulPrecision::kBF16;
-  const int hs = C / NH, batch = B * NH;
-  const size_t n = static_cast<size_t>(B) * T * C;
-  const long long head = static_cast<long long>(T) * hs, square = static_cast<long long>(T) * T;
+  const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
   HeadTensors h(bf16, n);
   h.permute(qkv, B, T, NH, hs, n);
   if (use_flash(C, NH, precision)) {
@@ -206,9 +216,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
   if (B <= 0 || T <= 0) return;
   const CudaContext& ctx = cuda_context();
   const bool bf16 = precision == MatmulPrecision::kBF16;
-  const int hs = C / NH, batch = B * NH;
-  const size_t n = static_cast<size_t>(B) * T * C;
-  const long long head = static_cast<long long>(T) * hs, square = static_cast<long long>(T) * T;
+  const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
   HeadTensors h(bf16, n);
   h.permute(qkv, B, T, NH, hs, n);
   DeviceScratch dy(n * h.elem), dq(n * sizeof(float)), dk(n * sizeof(float)), dv(n * sizeof(float));
