@@ -56,8 +56,6 @@ Status read_bytes(JsonSection& s, const char* key, uint64_t* out) {
 Status parse_offload_config(JsonSection& root, const std::string& source, OffloadConfig* c) {
   JsonSection z = root.section("zero_optimization");
   STRATA_RETURN_IF_ERROR(z.get_int("stage", &c->stage));
-  c->offload_param.buffer_count = 5;
-  c->offload_optimizer.buffer_count = 4;
   STRATA_RETURN_IF_ERROR(read_target(z.section("offload_param"), true, &c->offload_param).with_context(source));
   STRATA_RETURN_IF_ERROR(
       read_target(z.section("offload_optimizer"), false, &c->offload_optimizer).with_context(source));
@@ -107,42 +105,37 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   // Every key set away from its default that nothing acts on yet (the offload manager is being built): a user
   // who asked for offload must hear that it is not happening. memory.device_memory_limit is acted on (the
   // Device's allocation budget), so it is not listed.
-  auto note = [&](bool differs, const std::string& key, const auto& value) {
-    if (differs) c->not_acted_on.push_back(fmt::format("{} = {}", key, value));
-  };
-  auto target = [&](const std::string& name, const OffloadTargetConfig& t, const OffloadTargetConfig& d) {
-    const std::string p = "zero_optimization." + name + ".";
-    note(t.device != d.device, p + "device", t.device);
-    note(t.nvme_path != d.nvme_path, p + "nvme_path", t.nvme_path);
-    note(t.pin_memory != d.pin_memory, p + "pin_memory", t.pin_memory);
-    note(t.buffer_count != d.buffer_count, p + "buffer_count", t.buffer_count);
-    note(t.buffer_size != d.buffer_size, p + "buffer_size", t.buffer_size);
-    note(t.max_in_cpu != d.max_in_cpu, p + "max_in_cpu", t.max_in_cpu);
-    note(t.pipeline_read != d.pipeline_read, p + "pipeline_read", t.pipeline_read);
-    note(t.pipeline_write != d.pipeline_write, p + "pipeline_write", t.pipeline_write);
+  auto note = [&](const std::string& key, const auto& value, const auto& default_value) {
+    if (value != default_value) c->not_acted_on.push_back(fmt::format("{} = {}", key, value));
   };
   const OffloadConfig d;
-  OffloadTargetConfig d_param, d_optimizer;
-  d_optimizer.buffer_count = 4;
-  note(c->stage != d.stage, "zero_optimization.stage", c->stage);
-  target("offload_param", c->offload_param, d_param);
-  target("offload_optimizer", c->offload_optimizer, d_optimizer);
-  note(c->sub_group_size != d.sub_group_size, "zero_optimization.sub_group_size", c->sub_group_size);
-  note(c->stage3_prefetch_bucket_size != d.stage3_prefetch_bucket_size,
-       "zero_optimization.stage3_prefetch_bucket_size", c->stage3_prefetch_bucket_size);
-  note(c->stage3_max_live_parameters != d.stage3_max_live_parameters, "zero_optimization.stage3_max_live_parameters",
-       c->stage3_max_live_parameters);
-  note(c->stage3_max_reuse_distance != d.stage3_max_reuse_distance, "zero_optimization.stage3_max_reuse_distance",
-       c->stage3_max_reuse_distance);
-  note(c->stage3_param_persistence_threshold != d.stage3_param_persistence_threshold,
-       "zero_optimization.stage3_param_persistence_threshold", c->stage3_param_persistence_threshold);
-  note(c->aio.block_size != d.aio.block_size, "aio.block_size", c->aio.block_size);
-  note(c->aio.queue_depth != d.aio.queue_depth, "aio.queue_depth", c->aio.queue_depth);
-  note(c->aio.intra_op_parallelism != d.aio.intra_op_parallelism, "aio.intra_op_parallelism",
-       c->aio.intra_op_parallelism);
-  note(c->aio.single_submit != d.aio.single_submit, "aio.single_submit", c->aio.single_submit);
-  note(c->aio.overlap_events != d.aio.overlap_events, "aio.overlap_events", c->aio.overlap_events);
-  note(c->host_memory_limit != 0, "memory.host_memory_limit", c->host_memory_limit);
+  auto target = [&](const std::string& name, const OffloadTargetConfig& t, const OffloadTargetConfig& dt) {
+    const std::string p = "zero_optimization." + name + ".";
+    note(p + "device", t.device, dt.device);
+    note(p + "nvme_path", t.nvme_path, dt.nvme_path);
+    note(p + "pin_memory", t.pin_memory, dt.pin_memory);
+    note(p + "buffer_count", t.buffer_count, dt.buffer_count);
+    note(p + "buffer_size", t.buffer_size, dt.buffer_size);
+    note(p + "max_in_cpu", t.max_in_cpu, dt.max_in_cpu);
+    note(p + "pipeline_read", t.pipeline_read, dt.pipeline_read);
+    note(p + "pipeline_write", t.pipeline_write, dt.pipeline_write);
+  };
+  note("zero_optimization.stage", c->stage, d.stage);
+  target("offload_param", c->offload_param, d.offload_param);
+  target("offload_optimizer", c->offload_optimizer, d.offload_optimizer);
+  note("zero_optimization.sub_group_size", c->sub_group_size, d.sub_group_size);
+  note("zero_optimization.stage3_prefetch_bucket_size", c->stage3_prefetch_bucket_size,
+       d.stage3_prefetch_bucket_size);
+  note("zero_optimization.stage3_max_live_parameters", c->stage3_max_live_parameters, d.stage3_max_live_parameters);
+  note("zero_optimization.stage3_max_reuse_distance", c->stage3_max_reuse_distance, d.stage3_max_reuse_distance);
+  note("zero_optimization.stage3_param_persistence_threshold", c->stage3_param_persistence_threshold,
+       d.stage3_param_persistence_threshold);
+  note("aio.block_size", c->aio.block_size, d.aio.block_size);
+  note("aio.queue_depth", c->aio.queue_depth, d.aio.queue_depth);
+  note("aio.intra_op_parallelism", c->aio.intra_op_parallelism, d.aio.intra_op_parallelism);
+  note("aio.single_submit", c->aio.single_submit, d.aio.single_submit);
+  note("aio.overlap_events", c->aio.overlap_events, d.aio.overlap_events);
+  note("memory.host_memory_limit", c->host_memory_limit, d.host_memory_limit);
   return Status::ok();
 }
 

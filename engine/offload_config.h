@@ -24,11 +24,18 @@ struct OffloadTargetConfig {
   std::string device = "none";  // none | cpu | nvme
   std::string nvme_path;        // required for nvme: the folder the swap files go in
   bool pin_memory = false;
-  int64_t buffer_count = 5;           // offload_param: 5, offload_optimizer: 4 (DeepSpeed's defaults)
+  int64_t buffer_count = 5;           // offload_param's default; offload_optimizer's is 4 (OffloadConfig)
   int64_t buffer_size = 100'000'000;  // offload_param only: elements per staging buffer
   int64_t max_in_cpu = 1'000'000'000;  // offload_param only: elements kept in host memory with device nvme
   bool pipeline_read = false, pipeline_write = false;  // offload_optimizer only
 };
+
+// offload_optimizer's defaults: DeepSpeed's, which differ from offload_param's in buffer_count.
+inline OffloadTargetConfig optimizer_target_defaults() {
+  OffloadTargetConfig t;
+  t.buffer_count = 4;
+  return t;
+}
 
 struct AioConfig {  // DeepSpeed's "aio" section, for the NVMe tier
   int64_t block_size = 1'048'576;
@@ -40,7 +47,8 @@ struct AioConfig {  // DeepSpeed's "aio" section, for the NVMe tier
 
 struct OffloadConfig {
   int stage = 0;  // zero_optimization.stage: 0..3
-  OffloadTargetConfig offload_param, offload_optimizer;
+  OffloadTargetConfig offload_param;
+  OffloadTargetConfig offload_optimizer = optimizer_target_defaults();
   int64_t sub_group_size = 1'000'000'000;
   int64_t stage3_prefetch_bucket_size = 50'000'000;
   int64_t stage3_max_live_parameters = 1'000'000'000;
