@@ -1,17 +1,40 @@
 // test_util.h — shared helpers for the GoogleTest suites: seeded random fills and array comparisons that
-// print the first mismatches with their indices, so a failure can be reproduced and read.
+// print the first mismatches with their indices, so a failure can be reproduced and read; Status checks
+// (ASSERT_OK, ASSERT_OK_AND_ASSIGN, expect_error naming the code and the words the message must carry).
 #pragma once
 
 #include <cmath>
 #include <cstddef>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "common/rng.h"
+#include "common/status.h"
+
+// ASSERT_OK(status_expr): fails the test, printing the expression and the Status, unless it is ok.
+// ASSERT_OK_AND_ASSIGN(lhs, result_expr): the same for a Result<T>, then moves its value into `lhs`.
+#define ASSERT_OK(expr)                                                  \
+  do {                                                                   \
+    const ::strata::Status _st = (expr);                                 \
+    ASSERT_TRUE(_st.is_ok()) << #expr << " failed: " << _st.to_string(); \
+  } while (0)
+#define ASSERT_OK_AND_ASSIGN(lhs, expr) ASSERT_OK_AND_ASSIGN_IMPL(STRATA_CONCAT(_res_, __LINE__), lhs, expr)
+#define ASSERT_OK_AND_ASSIGN_IMPL(tmp, lhs, expr)                               \
+  auto tmp = (expr);                                                            \
+  ASSERT_TRUE(tmp.is_ok()) << #expr << " failed: " << tmp.status().to_string(); \
+  lhs = std::move(tmp).value()
 
 namespace strata::testing {
+
+// Checks the status has `code` and its message contains every one of `parts`.
+inline void expect_error(const Status& st, StatusCode code, std::initializer_list<std::string> parts) {
+  EXPECT_EQ(st.code(), code) << st.to_string();
+  for (const auto& p : parts)
+    EXPECT_NE(st.message().find(p), std::string::npos) << "'" << p << "' not in: " << st.message();
+}
 
 // Fills with uniform values in [lo, hi) from a seeded Rng (never all zeros).
 template <typename F>

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <filesystem>
 #include <cstdint>
-#include <mutex>
 
 #include <fmt/format.h>
 
@@ -31,7 +30,7 @@ const Availability& availability() {
                         no_driver ? std::string("no usable CUDA device: no NVIDIA driver is loaded on this machine")
                                   : fmt::format("no usable CUDA device: cudaGetDeviceCount says {} ({})",
                                                 cudaGetErrorName(err), cudaGetErrorString(err)));
-      (void)cudaGetLastError();  // clear the sticky-free error so later probes start clean
+      (void)cudaGetLastError();  // reset the runtime's last-error slot so later probes start clean
       return r;
     }
     if (count == 0) {

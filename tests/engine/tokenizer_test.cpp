@@ -22,6 +22,7 @@
 
 #include "common/rng.h"
 #include "tests/engine/tiny_gpt2_files.h"
+#include "tests/test_util.h"
 
 namespace strata::engine {
 namespace {
@@ -176,10 +177,7 @@ class TinyTokenizerTest : public ::testing::Test {
   fs::path dir_;
 };
 
-void expect_error(const Status& st, StatusCode code, std::initializer_list<std::string> parts) {
-  EXPECT_EQ(st.code(), code) << st.to_string();
-  for (const auto& p : parts) EXPECT_NE(st.message().find(p), std::string::npos) << "'" << p << "' not in: " << st.message();
-}
+using ::strata::testing::expect_error;
 
 TEST_F(TinyTokenizerTest, MergesAllOccurrencesOfARankBeforeLowerRankedNewPairs) {
   // "ab a" ranks above "a b", so it is not a trained vocabulary; encoder.py still defines the result: the

@@ -1,6 +1,7 @@
 // Pinned pool: exact page-rounded sizes, a hard budget that blocks, times out or fails at once, hooks for
 // registration, the automatic budget's parsers on fake /proc and cgroup text, and a clean mlock failure.
 #include "offload/pinned_pool.h"
+#include "tests/test_util.h"
 
 #include <linux/capability.h>
 #include <sys/resource.h>
@@ -32,11 +33,7 @@ std::unique_ptr<PinnedPool> make_pool(size_t budget, bool lock = true) {
   return std::move(pool).value();
 }
 
-void expect_error(const Status& st, StatusCode code, std::initializer_list<std::string> parts) {
-  EXPECT_EQ(st.code(), code) << st.to_string();
-  for (const auto& p : parts)
-    EXPECT_NE(st.message().find(p), std::string::npos) << "'" << p << "' not in: " << st.message();
-}
+using ::strata::testing::expect_error;
 
 // Waits for a future from another thread; a hang is a failure, so abort loudly rather than wait for CTest.
 template <typename T>

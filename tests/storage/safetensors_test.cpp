@@ -13,16 +13,14 @@
 #include <gtest/gtest.h>
 
 #include "common/rng.h"
+#include "tests/test_util.h"
 
 namespace strata {
 namespace {
 
 namespace fs = std::filesystem;
 
-void expect_error(const Status& st, StatusCode code, std::initializer_list<std::string> parts) {
-  EXPECT_EQ(st.code(), code) << st.to_string();
-  for (const auto& p : parts) EXPECT_NE(st.message().find(p), std::string::npos) << "'" << p << "' not in: " << st.message();
-}
+using ::strata::testing::expect_error;
 
 class SafetensorsTest : public ::testing::Test {
  protected:

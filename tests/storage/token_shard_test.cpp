@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "common/rng.h"
+#include "tests/test_util.h"
 
 namespace strata {
 namespace {
@@ -53,11 +54,7 @@ class TokenShardTest : public ::testing::Test {
   fs::path dir_;
 };
 
-// Checks the status has `code` and its message contains every one of `parts`.
-void expect_error(const Status& st, StatusCode code, std::initializer_list<std::string> parts) {
-  EXPECT_EQ(st.code(), code) << st.to_string();
-  for (const auto& p : parts) EXPECT_NE(st.message().find(p), std::string::npos) << "'" << p << "' not in: " << st.message();
-}
+using ::strata::testing::expect_error;
 
 TEST_F(TokenShardTest, RoundTripsOddSizes) {
   for (size_t n : {size_t{0}, size_t{1}, size_t{12347}}) {
