@@ -67,6 +67,20 @@ class DeviceBuffer {
   std::function<void()> release_;
 };
 
+// A point in a device's compute stream (Device::fence()): wait() returns once every operation enqueued before
+// the fence has finished. Copyable; any thread may wait on it, any number of times.
+class DeviceFence {
+ public:
+  DeviceFence() = default;  // already passed
+  explicit DeviceFence(std::function<void()> wait) : wait_(std::move(wait)) {}
+  void wait() const {
+    if (wait_) wait_();
+  }
+
+ private:
+  std::function<void()> wait_;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -98,6 +112,15 @@ class Device {
   virtual void copy_to_host(void* dst, const void* src, size_t bytes) = 0;
   // Waits for everything enqueued so far.
   virtual void synchronize() = 0;
+  // Copies for the copy engine's threads (offload/copy_engine.h). They may run on any thread, concurrently with
+  // the driving thread and with each other, and return when the bytes have arrived. They run on the device's
+  // own host-to-device and device-to-host copy streams, so they overlap the kernels and are NOT ordered with
+  // them: a download of what kernels wrote, or an upload into memory that kernels may still read, first waits
+  // for a fence() taken after those kernels; kernels that read an upload are enqueued after it returned.
+  virtual void upload(void* dst, const void* src, size_t bytes) = 0;
+  virtual void download(void* dst, const void* src, size_t bytes) = 0;
+  // The point the compute stream has reached (driving thread only).
+  virtual DeviceFence fence() = 0;
   // acc + the sum of x[i]² over n floats, accumulated in double in an order fixed by n alone (deterministic),
   // so a norm over many buffers is a chain of calls. Waits.
   virtual double add_sum_squares(double acc, const float* x, size_t n) = 0;

@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "common/aligned.h"
+#include "kernels/cpu/fast.h"
 #include "kernels/device.h"
 
 namespace strata::kernels {
@@ -33,15 +34,12 @@ class CpuDevice final : public Device {
     if (dst != src) std::memcpy(dst, src, bytes);
   }
   void synchronize() override {}
+  // The kernels run on the driving thread and have finished when they return: every fence has passed.
+  void upload(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void download(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+  DeviceFence fence() override { return DeviceFence(); }
   double add_sum_squares(double sum, const float* x, size_t n) override {
-    // Blocks of 4096 summed in float64 keep the sum accurate without a slow scalar double loop.
-    for (size_t i = 0; i < n; i += 4096) {
-      const size_t end = std::min(n, i + 4096);
-      double s = 0.0;
-      for (size_t j = i; j < end; ++j) s += static_cast<double>(x[j]) * x[j];
-      sum += s;
-    }
-    return sum;
+    return cpu::fast::add_sum_squares(sum, x, n);
   }
 
  private:

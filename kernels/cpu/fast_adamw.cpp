@@ -211,4 +211,15 @@ void adamw_update_mixed(float* params, float* m, float* v, const float* grads, u
   }
 }
 
+double add_sum_squares(double sum, const float* x, size_t n) {
+  // Blocks of 4096 summed in float64 keep the sum accurate without a slow scalar double loop.
+  for (size_t i = 0; i < n; i += 4096) {
+    const size_t end = std::min(n, i + 4096);
+    double s = 0.0;
+    for (size_t j = i; j < end; ++j) s += static_cast<double>(x[j]) * x[j];
+    sum += s;
+  }
+  return sum;
+}
+
 }  // namespace strata::kernels::cpu::fast

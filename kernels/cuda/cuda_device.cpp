@@ -1,7 +1,8 @@
 // cuda_device.cpp — the "cuda" Device: cudaMalloc'ed memory, every operation in order on the compute stream.
-// Host-to-device copies are synchronous with respect to their source (pageable host memory; the pinned pool and
-// the separate copy streams come with offload/).
+// Host-to-device copies are synchronous with respect to their source (pageable host memory). upload/download
+// run on two copy streams of their own, for the copy engine's threads.
 #include <memory>
+#include <mutex>
 
 #include <fmt/format.h>
 
@@ -16,6 +17,14 @@ namespace {
 
 class CudaDevice final : public Device {
  public:
+  CudaDevice() {
+    CUDA_CHECK(cudaStreamCreateWithFlags(&h2d_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&d2h_, cudaStreamNonBlocking));
+  }
+  ~CudaDevice() override {
+    CUDA_CHECK(cudaStreamDestroy(h2d_));
+    CUDA_CHECK(cudaStreamDestroy(d2h_));
+  }
   const char* name() const override { return "cuda"; }
   std::string description() const override { return "cuda (" + cuda_device_description() + ")"; }
   const KernelSet& kernels() const override { return cuda_kernels(); }
@@ -60,7 +69,32 @@ class CudaDevice final : public Device {
     CUDA_CHECK(cudaStreamSynchronize(s));
   }
   void synchronize() override { cuda_synchronize(); }
+  // One stream per direction, each serialized by its mutex, so an upload and a download overlap each other
+  // and the compute stream. Returning only once the copy is done keeps the callers' ordering host-side.
+  void upload(void* dst, const void* src, size_t bytes) override {
+    if (bytes == 0) return;
+    std::lock_guard lock(h2d_mu_);
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, h2d_));
+    CUDA_CHECK(cudaStreamSynchronize(h2d_));
+  }
+  void download(void* dst, const void* src, size_t bytes) override {
+    if (bytes == 0) return;
+    std::lock_guard lock(d2h_mu_);
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, d2h_));
+    CUDA_CHECK(cudaStreamSynchronize(d2h_));
+  }
+  DeviceFence fence() override {
+    cudaEvent_t e = nullptr;
+    CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(e, cuda::cuda_context().compute));
+    auto event = std::shared_ptr<CUevent_st>(e, [](cudaEvent_t ev) { CUDA_CHECK(cudaEventDestroy(ev)); });
+    return DeviceFence([event] { CUDA_CHECK(cudaEventSynchronize(event.get())); });
+  }
   double add_sum_squares(double acc, const float* x, size_t n) override { return cuda::add_sum_squares(acc, x, n); }
+
+ private:
+  cudaStream_t h2d_ = nullptr, d2h_ = nullptr;
+  std::mutex h2d_mu_, d2h_mu_;
 };
 
 }  // namespace
