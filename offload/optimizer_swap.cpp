@@ -61,7 +61,7 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(SwapStore& st
   s->region_floats_ = region_floats(largest);
   for (int i = 0; i < options.slots; ++i) {
     auto slot = std::make_unique<Slot>();
-    STRATA_ASSIGN_OR_RETURN(slot->buf, pool.acquire(3 * s->region_floats_ * sizeof(float),
+    STRATA_ASSIGN_OR_RETURN(slot->buf, pool.try_acquire(3 * s->region_floats_ * sizeof(float),
                                                      fmt::format("optimizer swap slot {}", i)));
     s->slots_.push_back(std::move(slot));
   }
@@ -83,14 +83,20 @@ std::string OptimizerSwapper::key(size_t g, const char* what) const {
   return options_.key_prefix + groups_[g].name + "." + what;
 }
 
-Status OptimizerSwapper::initialize(size_t g, const float* master) {
+Status OptimizerSwapper::initialize(size_t g, const float* master, const float* m, const float* v) {
   if (g >= groups_.size()) return Status::invalid_argument("optimizer swap: no sub-group {}", g);
   const size_t bytes = groups_[g].numel * sizeof(float);
   Slot& slot = *slots_[0];
   if (slot.writes) STRATA_RETURN_IF_ERROR(slot.writes->wait());
   std::memcpy(slot.region(region_floats_, 0), master, bytes);
-  std::memset(slot.region(region_floats_, 1), 0, bytes);
-  std::memset(slot.region(region_floats_, 2), 0, bytes);
+  const float* moments[] = {m, v};
+  for (int k = 1; k < 3; ++k) {
+    if (moments[k - 1] != nullptr) {
+      std::memcpy(slot.region(region_floats_, k), moments[k - 1], bytes);
+    } else {
+      std::memset(slot.region(region_floats_, k), 0, bytes);
+    }
+  }
   for (int k = 0; k < 3; ++k) {
     static const char* kWhat[] = {"master", "m", "v"};
     STRATA_RETURN_IF_ERROR(store_.write(key(g, kWhat[k]), slot.region(region_floats_, k), bytes));
@@ -121,9 +127,10 @@ Status OptimizerSwapper::issue_read(size_t g) {
 }
 
 Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std::vector<void*>& working,
-                              DType working_dtype, const kernels::AdamWParams& hp) {
+                              DType working_dtype, const kernels::AdamWParams& hp, const UpdatedFn& on_updated) {
   const size_t n = groups_.size();
-  if (grads.size() != n || working.size() != n)
+  if (working.empty()) working_dtype = DType::kF32;  // no copies to write
+  if (grads.size() != n || (working.size() != n && !working.empty()))
     return Status::invalid_argument("optimizer swap: step needs {} gradient and working buffers, got {} and {}", n,
                                     grads.size(), working.size());
   for (size_t g = 0; g < n; ++g) {
@@ -171,8 +178,15 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
       kernels::cpu::fast::adamw_update_mixed(master + s.offset, m + s.offset, v + s.offset, grads[g] + s.offset, w16,
                                              working_dtype, s.numel, p);
     }
-    if (working_dtype == DType::kF32) std::memcpy(working[g], master, groups_[g].numel * sizeof(float));
+    if (working_dtype == DType::kF32 && !working.empty())
+      std::memcpy(working[g], master, groups_[g].numel * sizeof(float));
     stats_.update_s += update.seconds();
+    if (on_updated) {
+      if (Status st = on_updated(g, master); !st.is_ok()) {
+        drain();
+        return st;
+      }
+    }
     const size_t bytes = groups_[g].numel * sizeof(float);
     slot.writes = std::make_unique<IoBatch>();
     for (int k = 0; k < 3; ++k) {

@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -69,15 +70,18 @@ class OptimizerSwapper {
 
   const std::vector<OptimizerGroup>& groups() const { return groups_; }
 
-  // Stores sub-group g's fp32 master weights (`master`, group layout) with zero moments.
-  Status initialize(size_t g, const float* master);
+  // Stores sub-group g's fp32 master weights (`master`, group layout) and moments (zeros where null).
+  Status initialize(size_t g, const float* master, const float* m = nullptr, const float* v = nullptr);
 
   // One AdamW step over every sub-group, in order: grads[g] (host fp32, group layout, already reduced) updates
   // master, m, v in the store, and working[g] receives the new weights as `working_dtype` (2 bytes per element
   // for bf16/f16, 4 for fp32). hp.weight_decay is ignored: each segment has its own. hp.grad_scale carries the
-  // unscale and clip coefficient, as in adamw_update.
+  // unscale and clip coefficient, as in adamw_update. `working` may be empty: no working copies are written.
+  // `on_updated(g, master)`, when set, runs on this thread after sub-group g's update with its new fp32 master
+  // weights (valid during the call), while the writes of earlier sub-groups proceed; an error stops the step.
+  using UpdatedFn = std::function<Status(size_t group, const float* master)>;
   Status step(const std::vector<const float*>& grads, const std::vector<void*>& working, DType working_dtype,
-              const kernels::AdamWParams& hp);
+              const kernels::AdamWParams& hp, const UpdatedFn& on_updated = nullptr);
 
   // Reads sub-group g's state back (for checkpoints and tests); any pointer may be null.
   Status read_state(size_t g, float* master, float* m, float* v);

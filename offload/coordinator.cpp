@@ -1,0 +1,649 @@
+#include "offload/coordinator.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <semaphore>
+
+#include <fmt/format.h>
+
+#include "common/check.h"
+#include "common/log.h"
+#include "common/timer.h"
+
+namespace strata::offload {
+namespace {
+
+constexpr size_t kNever = std::numeric_limits<size_t>::max();
+constexpr char kSlotPurpose[] = "offload.slots";
+
+enum class GradState : uint8_t {
+  kZero,    // the gradient is zero; no copy is valid (a device buffer, if present, is stale)
+  kDevice,  // the device copy is the truth; host is stale (dirty)
+  kBoth,    // a download of the device copy to host is queued or done; the device copy stays valid
+  kHost,    // host holds the truth; no device copy
+};
+
+struct Access {
+  size_t unit;
+  Pass pass;
+  bool operator==(const Access&) const = default;
+};
+
+bool uses_params(Pass p) { return p != Pass::kGradients; }
+bool uses_grads(Pass p) { return p != Pass::kForward; }
+
+}  // namespace
+
+// A device buffer no unit holds, kept for reuse: usable once `after` has finished and `fence` has passed.
+struct Coordinator::Slot {
+  kernels::DeviceBuffer buf;
+  kernels::DeviceFence fence;
+  CopyTicket after;
+};
+
+struct Coordinator::State {
+  struct UnitRec {
+    CoordinatorUnit info;
+    size_t bytes = 0;
+    bool persistent = false;
+    Tier home = Tier::kHost;
+    // Parameters.
+    kernels::DeviceBuffer dev_params;  // present: the unit is on the device (or on its way: params_ready)
+    CopyTicket params_ready;
+    kernels::DeviceFence params_last_use;
+    PinnedBuffer host_params;           // home host
+    std::vector<std::string> nvme_keys;  // home nvme, one per chunk
+    int in_use = 0;
+    uint64_t last_access = 0;
+    // Gradients.
+    GradState grad_state = GradState::kZero;
+    kernels::DeviceBuffer dev_grads;
+    CopyTicket grads_ready;     // an upload of the host copy into dev_grads (prefetch)
+    CopyTicket grads_download;  // kBoth: the download into host_grads
+    kernels::DeviceFence grads_last_use;
+    PinnedBuffer host_grads;
+  };
+
+  kernels::Device& device;
+  CopyEngine& copies;
+  PinnedPool* pool;
+  SwapStore* store;
+  CoordinatorOptions options;
+  std::vector<UnitRec> units;
+  std::vector<Slot> spares;
+  uint64_t slot_bytes = 0, slot_peak = 0;  // device bytes in units' buffers and spares
+  size_t live_elements = 0;                // non-persistent parameter elements on the device
+  std::unique_ptr<std::counting_semaphore<>> nvme_buffers;
+  // The trace.
+  std::vector<Access> trace;
+  bool recording = true;
+  size_t pos = 0;  // accesses of this step so far
+  uint64_t clock = 0;
+  CoordinatorStats stats;
+
+  State(kernels::Device& d, CopyEngine& c, PinnedPool* p, SwapStore* s, const CoordinatorOptions& o)
+      : device(d), copies(c), pool(p), store(s), options(o) {}
+
+  ~State() {
+    for (UnitRec& r : units) {
+      (void)r.params_ready.wait();
+      (void)r.grads_ready.wait();
+      (void)r.grads_download.wait();
+    }
+    for (Slot& s : spares) (void)s.after.wait();
+  }
+
+  // ---- device slots ----
+
+  Result<Slot> new_slot(size_t bytes, const std::string& what) {
+    for (size_t i = 0; i < spares.size(); ++i) {
+      if (spares[i].buf.size() == bytes) {
+        Slot s = std::move(spares[i]);
+        spares.erase(spares.begin() + static_cast<std::ptrdiff_t>(i));
+        return s;
+      }
+    }
+    auto got = device.allocate(bytes, kSlotPurpose);
+    if (!got.is_ok() && got.status().code() == StatusCode::kOutOfMemory && !spares.empty()) {
+      drop_spares();
+      got = device.allocate(bytes, kSlotPurpose);
+    }
+    if (!got.is_ok()) return got.status().with_context(what);
+    slot_bytes += bytes;
+    slot_peak = std::max(slot_peak, slot_bytes);
+    return Slot{std::move(got).value(), {}, {}};
+  }
+
+  void drop_spares() {
+    for (Slot& s : spares) {
+      (void)s.after.wait();
+      s.fence.wait();
+      slot_bytes -= s.buf.size();
+    }
+    spares.clear();
+  }
+
+  void to_spare(kernels::DeviceBuffer buf, kernels::DeviceFence fence, CopyTicket after) {
+    spares.push_back(Slot{std::move(buf), std::move(fence), std::move(after)});
+  }
+
+  // Queues dst <- src (host to device) once `fence` has passed and `after` have finished.
+  CopyTicket upload(void* dst, const void* src, size_t bytes, kernels::DeviceFence fence,
+                    std::vector<CopyTicket> after = {}) {
+    kernels::Device* dev = &device;
+    stats.h2d_bytes += bytes;
+    return copies.h2d.submit(
+        [dev, dst, src, bytes, fence] {
+          fence.wait();
+          dev->upload(dst, src, bytes);
+          return Status::ok();
+        },
+        bytes, std::move(after));
+  }
+
+  // A device copy whose load failed never arrived: forget it, so the next acquire loads the unit again.
+  void drop_failed_params(UnitRec& r) {
+    if (!r.persistent && r.dev_params.data() != nullptr) {
+      to_spare(std::move(r.dev_params), r.params_last_use, {});
+      live_elements -= r.info.numel;
+    }
+    r.params_ready = CopyTicket();
+  }
+
+  // ---- distances on the trace ----
+
+  bool replaying() const { return !recording && !trace.empty(); }
+
+  // For every unit, how many accesses ahead its parameters (or gradients) are next used: 1 is the next access.
+  // Parameters look past the end of the step into the next one; gradients do not (the next step zeroes them).
+  // While recording, the least recently used unit counts as the farthest.
+  std::vector<size_t> next_use(bool grads) const {
+    std::vector<size_t> d(units.size(), kNever);
+    if (!replaying()) {
+      for (size_t u = 0; u < units.size(); ++u)
+        d[u] = std::numeric_limits<size_t>::max() / 2 + static_cast<size_t>(clock - units[u].last_access);
+      return d;
+    }
+    const size_t n = trace.size();
+    const size_t horizon = grads ? (pos < n ? n - pos : 0) : n;
+    for (size_t k = 1; k <= horizon; ++k) {
+      const Access& a = trace[(pos + k - 1) % n];
+      if ((grads ? uses_grads(a.pass) : uses_params(a.pass)) && d[a.unit] == kNever) d[a.unit] = k;
+    }
+    return d;
+  }
+
+  // Frees one device buffer of a unit whose next use is farther than `sooner_than` accesses away (0: any unit
+  // not in use): a parameter copy (clean, so only dropped) or a gradient copy that is already on its way home.
+  // False when there is none.
+  bool evict_one(size_t sooner_than) {
+    const std::vector<size_t> pd = next_use(false), gd = next_use(true);
+    size_t best = SIZE_MAX, best_d = 0;
+    bool best_grads = false;
+    for (size_t u = 0; u < units.size(); ++u) {
+      const UnitRec& r = units[u];
+      if (r.in_use > 0) continue;
+      if (r.dev_params.data() != nullptr && !r.persistent && pd[u] > sooner_than && (best == SIZE_MAX || pd[u] > best_d)) {
+        best = u, best_d = pd[u], best_grads = false;
+      }
+      const bool grads_clean = r.grad_state == GradState::kBoth || r.grad_state == GradState::kZero ||
+                               r.grad_state == GradState::kHost;
+      if (r.dev_grads.data() != nullptr && grads_clean && gd[u] > sooner_than && (best == SIZE_MAX || gd[u] > best_d)) {
+        best = u, best_d = gd[u], best_grads = true;
+      }
+    }
+    if (best == SIZE_MAX) return false;
+    UnitRec& r = units[best];
+    ++stats.evictions;
+    if (best_grads) {
+      // An upload into it waits for the download it follows, so the later ticket covers both.
+      CopyTicket after = r.grads_ready.valid() ? r.grads_ready : r.grads_download;
+      if (r.grad_state == GradState::kBoth) r.grad_state = GradState::kHost;
+      to_spare(std::move(r.dev_grads), r.grads_last_use, after);
+      r.grads_ready = CopyTicket();
+    } else {
+      to_spare(std::move(r.dev_params), r.params_last_use, r.params_ready);
+      r.params_ready = CopyTicket();
+      live_elements -= r.info.numel;
+    }
+    return true;
+  }
+
+  // A device buffer of `bytes` for unit u, evicting what is used later than `sooner_than` accesses from now
+  // (0: anything not in use) when memory is short. OutOfMemory when nothing more can be evicted.
+  Result<Slot> obtain(size_t u, size_t bytes, size_t sooner_than, const char* what) {
+    const std::string ctx = fmt::format("device copy of {} of unit '{}'", what, units[u].info.name);
+    for (;;) {
+      auto s = new_slot(bytes, ctx);
+      if (s.is_ok() || s.status().code() != StatusCode::kOutOfMemory) return s;
+      if (!evict_one(sooner_than)) {
+        return Status::out_of_memory("{}: the device budget cannot hold the working set ({} MiB in offload slots, "
+                                     "{} units in use); {}",
+                                     ctx, slot_bytes >> 20, in_use_units(), s.status().message());
+      }
+    }
+  }
+
+  std::string in_use_units() const {
+    std::string out;
+    for (const UnitRec& r : units)
+      if (r.in_use > 0) out += (out.empty() ? "" : ", ") + r.info.name;
+    return out.empty() ? "no" : out;
+  }
+
+  // ---- loading parameters ----
+
+  // Queues the load of unit u's parameters onto the device. A demand load (sooner_than 0) may evict any unit
+  // not in use; a prefetch for the access `sooner_than` ahead only units used later, and returns false (with
+  // an ok status) when that is not enough.
+  Result<bool> load_params(size_t u, size_t sooner_than) {
+    UnitRec& r = units[u];
+    const bool demand = sooner_than == 0;
+    STRATA_ASSERT(r.dev_params.data() == nullptr && !r.persistent);
+    while (live_elements + r.info.numel > options.max_live_elements) {
+      if (!evict_one(sooner_than)) break;  // demand loads go over the soft cap rather than fail
+    }
+    if (!demand && live_elements + r.info.numel > options.max_live_elements) return false;
+    auto slot = obtain(u, r.bytes, sooner_than, "parameters");
+    if (!slot.is_ok()) {
+      if (!demand && slot.status().code() == StatusCode::kOutOfMemory) return false;
+      return slot.status();
+    }
+    Slot s = std::move(slot).value();
+    void* dst = s.buf.data();
+    kernels::Device* dev = &device;
+    const size_t bytes = r.bytes;
+    const kernels::DeviceFence fence = s.fence;
+    std::vector<CopyTicket> after;
+    if (s.after.valid()) after.push_back(s.after);
+    if (r.home == Tier::kHost) {
+      r.params_ready = upload(dst, r.host_params.data(), bytes, fence, std::move(after));
+    } else {
+      STRATA_ASSERT(r.home == Tier::kNvme);
+      struct Staging {
+        PinnedBuffer buf;
+        std::counting_semaphore<>* sem = nullptr;
+        ~Staging() {
+          buf.reset();
+          if (sem) sem->release();
+        }
+      };
+      auto staging = std::make_shared<Staging>();
+      PinnedPool* p = pool;
+      SwapStore* st = store;
+      std::counting_semaphore<>* sem = nvme_buffers.get();
+      const std::vector<std::string> keys = r.nvme_keys;
+      const size_t chunk = options.nvme_chunk_elements * sizeof(float);
+      const std::string name = r.info.name;
+      CopyTicket read = copies.nvme.submit(
+          [staging, p, st, sem, keys, chunk, bytes, name] {
+            sem->acquire();
+            staging->sem = sem;
+            STRATA_ASSIGN_OR_RETURN(staging->buf, p->acquire(bytes, "offload.param staging " + name));
+            for (size_t k = 0; k < keys.size(); ++k) {
+              const size_t off = k * chunk, len = std::min(chunk, bytes - off);
+              STRATA_RETURN_IF_ERROR(st->read(keys[k], staging->buf.as<char>() + off, len));
+            }
+            return Status::ok();
+          },
+          bytes);
+      stats.nvme_read_bytes += bytes;
+      after.push_back(read);
+      r.params_ready = copies.h2d.submit(
+          [dev, dst, staging, bytes, fence]() mutable {
+            fence.wait();
+            dev->upload(dst, staging->buf.data(), bytes);
+            staging.reset();
+            return Status::ok();
+          },
+          bytes, std::move(after));
+      stats.h2d_bytes += bytes;
+    }
+    ++stats.fetches;
+    r.dev_params = std::move(s.buf);
+    live_elements += r.info.numel;
+    return true;
+  }
+
+  // Queues the upload of unit u's accumulated host gradient into a device buffer (sooner_than as load_params).
+  Result<bool> load_grads(size_t u, size_t sooner_than) {
+    UnitRec& r = units[u];
+    STRATA_ASSERT(r.grad_state == GradState::kHost && r.dev_grads.data() == nullptr);
+    auto slot = obtain(u, r.bytes, sooner_than, "gradients");
+    if (!slot.is_ok()) {
+      if (sooner_than != 0 && slot.status().code() == StatusCode::kOutOfMemory) return false;
+      return slot.status();
+    }
+    Slot s = std::move(slot).value();
+    std::vector<CopyTicket> after{r.grads_download};
+    if (s.after.valid()) after.push_back(s.after);
+    r.grads_ready = upload(s.buf.data(), r.host_grads.data(), r.bytes, s.fence, std::move(after));
+    r.dev_grads = std::move(s.buf);
+    return true;
+  }
+
+  // Fetches what the next accesses need, as far as the prefetch window and the budget allow.
+  Status prefetch() {
+    if (!replaying()) return Status::ok();
+    const size_t n = trace.size();
+    size_t window = 0;
+    std::vector<bool> seen(units.size(), false);
+    for (size_t k = 1; k <= n; ++k) {
+      const size_t at = (pos + k - 1) % n;
+      const Access& a = trace[at];
+      UnitRec& r = units[a.unit];
+      if (uses_params(a.pass) && !r.persistent && !seen[a.unit]) {
+        seen[a.unit] = true;
+        window += r.info.numel;
+        if (window > options.prefetch_elements && k > 1) break;
+        if (r.dev_params.data() == nullptr) {
+          STRATA_ASSIGN_OR_RETURN(bool queued, load_params(a.unit, k));
+          if (!queued) break;
+        }
+      }
+      const bool same_step = pos + k - 1 < n;
+      if (same_step && uses_grads(a.pass) && r.grad_state == GradState::kHost && r.dev_grads.data() == nullptr) {
+        STRATA_ASSIGN_OR_RETURN(bool queued, load_grads(a.unit, k));
+        if (!queued) break;
+      }
+    }
+    return Status::ok();
+  }
+
+  void record(const Access& a) {
+    if (replaying()) {
+      if (pos < trace.size() && trace[pos] == a) {
+        ++pos;
+        return;
+      }
+      ++stats.retraces;
+      STRATA_LOG_INFO("offload: unit access order changed at access {} ('{}'); re-recording the trace", pos,
+                      units[a.unit].info.name);
+      trace.resize(std::min(pos, trace.size()));
+      recording = true;
+    }
+    trace.push_back(a);
+    pos = trace.size();
+  }
+
+  Status wait_ticket(const CopyTicket& t, const UnitRec& r, const char* what) {
+    if (t.done()) return t.wait().with_context(fmt::format("loading {} of unit '{}'", what, r.info.name));
+    Timer timer;
+    Status s = t.wait();
+    stats.stall_s += timer.seconds();
+    if (!s.is_ok()) return s.with_context(fmt::format("loading {} of unit '{}' from {}", what, r.info.name,
+                                                      tier_name(r.home)));
+    return Status::ok();
+  }
+};
+
+Coordinator::Coordinator(std::unique_ptr<State> s) : s_(std::move(s)), options_(s_->options) {}
+Coordinator::~Coordinator() = default;
+
+Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device, CopyEngine& copies,
+                                                         PinnedPool* pool, SwapStore* store,
+                                                         std::vector<CoordinatorUnit> units,
+                                                         const CoordinatorOptions& options) {
+  if (options.nvme_chunk_elements == 0 || options.nvme_chunk_elements % 1024 != 0)
+    return Status::invalid_argument("offload: nvme_chunk_elements must be a positive multiple of 1024, got {}",
+                                    options.nvme_chunk_elements);
+  if (options.param_home == Tier::kNvme && store == nullptr)
+    return Status::invalid_argument("offload: parameters on nvme need a swap store (offload_param.nvme_path)");
+  if (pool == nullptr) return Status::invalid_argument("offload: the coordinator needs a pinned pool for gradients");
+  if (options.nvme_buffers < 1)
+    return Status::invalid_argument("offload_param.buffer_count must be >= 1, got {}", options.nvme_buffers);
+  auto s = std::make_unique<State>(device, copies, pool, store, options);
+  s->nvme_buffers = std::make_unique<std::counting_semaphore<>>(options.nvme_buffers);
+  s->units.resize(units.size());
+  for (size_t u = 0; u < units.size(); ++u) {
+    State::UnitRec& r = s->units[u];
+    r.info = std::move(units[u]);
+    if (r.info.numel == 0) return Status::invalid_argument("offload: unit '{}' has no parameters", r.info.name);
+    r.bytes = r.info.numel * sizeof(float);
+    r.persistent = options.param_home == Tier::kDevice || r.info.numel <= options.persistence_threshold;
+    r.home = r.persistent ? Tier::kDevice : options.param_home;
+    STRATA_ASSIGN_OR_RETURN(r.host_grads, pool->try_acquire(r.bytes, "offload.grads " + r.info.name));
+    if (r.home == Tier::kDevice) {
+      STRATA_ASSIGN_OR_RETURN(r.dev_params, device.allocate(r.bytes, "offload.persistent " + r.info.name));
+    } else if (r.home == Tier::kHost) {
+      STRATA_ASSIGN_OR_RETURN(r.host_params, pool->try_acquire(r.bytes, "offload.params " + r.info.name));
+      std::memset(r.host_params.data(), 0, r.bytes);
+    } else {
+      const size_t chunks = (r.info.numel + options.nvme_chunk_elements - 1) / options.nvme_chunk_elements;
+      for (size_t k = 0; k < chunks; ++k) r.nvme_keys.push_back(fmt::format("{}{}.{}", options.key_prefix, r.info.name, k));
+    }
+  }
+  std::unique_ptr<Coordinator> c(new Coordinator(std::move(s)));
+  // Parameters on nvme start as zeros too, so that every key exists before the first read.
+  for (size_t u = 0; u < c->num_units(); ++u) {
+    if (c->s_->units[u].home != Tier::kNvme) continue;
+    std::vector<float> zeros(std::min(c->unit(u).numel, options.nvme_chunk_elements), 0.0f);
+    for (size_t off = 0; off < c->unit(u).numel; off += options.nvme_chunk_elements) {
+      const size_t n = std::min(options.nvme_chunk_elements, c->unit(u).numel - off);
+      STRATA_RETURN_IF_ERROR(c->write_params(u, off, n, zeros.data()));
+    }
+  }
+  return c;
+}
+
+size_t Coordinator::num_units() const { return s_->units.size(); }
+const CoordinatorUnit& Coordinator::unit(size_t u) const { return s_->units[u].info; }
+
+Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float* host) {
+  STRATA_ASSERT(u < s_->units.size());
+  State::UnitRec& r = s_->units[u];
+  if (offset > r.info.numel || n > r.info.numel - offset)
+    return Status::invalid_argument("offload: write of [{}, {}) is outside unit '{}' ({} elements)", offset,
+                                    offset + n, r.info.name, r.info.numel);
+  STRATA_ASSERT_MSG(r.in_use == 0, "write_params on a unit between acquire and release");
+  // Pending uploads may still read the home copy this overwrites. One that failed left no valid device copy.
+  if (!r.params_ready.wait().is_ok()) s_->drop_failed_params(r);
+  const size_t bytes = n * sizeof(float);
+  const kernels::DeviceFence fence = r.params_last_use;
+  if (r.home == Tier::kHost) {
+    std::memcpy(r.host_params.as<float>() + offset, host, bytes);
+  } else if (r.home == Tier::kNvme) {
+    const size_t chunk = s_->options.nvme_chunk_elements;
+    if (offset % chunk != 0 || (n % chunk != 0 && offset + n != r.info.numel))
+      return Status::invalid_argument("offload: write of [{}, {}) of unit '{}' does not cover whole nvme chunks of {}",
+                                      offset, offset + n, r.info.name, chunk);
+    for (size_t off = 0; off < n; off += chunk) {
+      const size_t len = std::min(chunk, n - off);
+      STRATA_RETURN_IF_ERROR(s_->store->write(r.nvme_keys[(offset + off) / chunk], host + off, len * sizeof(float)));
+    }
+    s_->stats.nvme_write_bytes += bytes;
+  }
+  if (r.dev_params.data() == nullptr) return Status::ok();
+  // Refresh the device copy, after the kernels that read the old one.
+  float* dst = r.dev_params.as<float>() + offset;
+  if (r.home == Tier::kHost) {
+    r.params_ready = s_->upload(dst, r.host_params.as<float>() + offset, bytes, fence);
+    return Status::ok();
+  }
+  // `host` is the caller's: the upload finishes before returning.
+  return s_->upload(dst, host, bytes, fence).wait();
+}
+
+Status Coordinator::read_params(size_t u, float* host) {
+  STRATA_ASSERT(u < s_->units.size());
+  State::UnitRec& r = s_->units[u];
+  STRATA_RETURN_IF_ERROR(r.params_ready.wait().with_context("offload: loading unit '" + r.info.name + "'"));
+  if (r.home == Tier::kHost) {
+    std::memcpy(host, r.host_params.data(), r.bytes);
+  } else if (r.home == Tier::kNvme) {
+    const size_t chunk = s_->options.nvme_chunk_elements;
+    for (size_t k = 0; k < r.nvme_keys.size(); ++k) {
+      const size_t off = k * chunk, len = std::min(chunk, r.info.numel - off);
+      STRATA_RETURN_IF_ERROR(s_->store->read(r.nvme_keys[k], host + off, len * sizeof(float)));
+    }
+  } else {
+    s_->device.fence().wait();
+    s_->device.download(host, r.dev_params.data(), r.bytes);
+  }
+  return Status::ok();
+}
+
+void Coordinator::begin_step() {
+  State& s = *s_;
+  if (s.recording && !s.trace.empty()) s.recording = false;  // the first full step is the trace
+  s.pos = 0;
+  (void)s.prefetch();  // failures resurface in acquire, which waits for the same tickets
+}
+
+Result<UnitView> Coordinator::acquire(size_t u, Pass pass) {
+  STRATA_ASSERT(u < s_->units.size());
+  State& s = *s_;
+  State::UnitRec& r = s.units[u];
+  s.record(Access{u, pass});
+  r.last_access = ++s.clock;
+  ++r.in_use;  // protects it from the evictions below
+  auto fail = [&](Status st) {
+    --r.in_use;
+    return st;
+  };
+  UnitView view;
+  if (uses_params(pass)) {
+    if (r.dev_params.data() == nullptr) {
+      if (auto loaded = s.load_params(u, 0); !loaded.is_ok()) return fail(loaded.status());
+    } else if (!r.persistent) {
+      ++s.stats.prefetch_hits;
+    }
+  }
+  if (uses_grads(pass)) {
+    switch (r.grad_state) {
+      case GradState::kDevice:
+        break;
+      case GradState::kBoth:  // the kernels are about to change the copy being downloaded
+        if (Status st = s.wait_ticket(r.grads_download, r, "gradients"); !st.is_ok()) return fail(st);
+        r.grad_state = GradState::kDevice;
+        break;
+      case GradState::kZero: {
+        if (r.dev_grads.data() == nullptr) {
+          auto slot = s.obtain(u, r.bytes, 0, "gradients");
+          if (!slot.is_ok()) return fail(slot.status());
+          if (Status st = s.wait_ticket(slot->after, r, "a gradient slot"); !st.is_ok()) return fail(st);
+          r.dev_grads = std::move(slot->buf);
+        } else if (Status st = s.wait_ticket(r.grads_download, r, "gradients"); !st.is_ok()) {
+          return fail(st);
+        }
+        s.device.zero(r.dev_grads.data(), r.bytes);  // in order with the kernels
+        r.grad_state = GradState::kDevice;
+        break;
+      }
+      case GradState::kHost:
+        if (r.dev_grads.data() == nullptr) {
+          if (auto loaded = s.load_grads(u, 0); !loaded.is_ok()) return fail(loaded.status());
+        }
+        if (Status st = s.wait_ticket(r.grads_ready, r, "gradients"); !st.is_ok()) return fail(st);
+        r.grad_state = GradState::kDevice;
+        break;
+    }
+    view.grads = r.dev_grads.as<float>();
+  }
+  if (Status st = s.prefetch(); !st.is_ok()) return fail(st);
+  if (uses_params(pass)) {
+    if (Status st = s.wait_ticket(r.params_ready, r, "parameters"); !st.is_ok()) {
+      s.drop_failed_params(r);
+      return fail(st);
+    }
+    view.params = r.dev_params.as<float>();
+  }
+  return view;
+}
+
+void Coordinator::release(size_t u, Pass pass) {
+  STRATA_ASSERT(u < s_->units.size());
+  State& s = *s_;
+  State::UnitRec& r = s.units[u];
+  STRATA_ASSERT_MSG(r.in_use > 0, "release without acquire");
+  --r.in_use;
+  const kernels::DeviceFence fence = s.device.fence();
+  if (uses_params(pass)) r.params_last_use = fence;
+  if (!uses_grads(pass)) return;
+  r.grads_last_use = fence;
+  if (r.in_use > 0) return;  // still being added to
+  // Send the gradient home now, overlapping the rest of backward; the device copy stays valid until evicted.
+  kernels::Device* dev = &s.device;
+  void* dst = r.host_grads.data();
+  const void* src = r.dev_grads.data();
+  const size_t bytes = r.bytes;
+  r.grads_download = s.copies.d2h.submit(
+      [dev, dst, src, bytes, fence] {
+        fence.wait();
+        dev->download(dst, src, bytes);
+        return Status::ok();
+      },
+      bytes);
+  s.stats.d2h_bytes += bytes;
+  r.grad_state = GradState::kBoth;
+  // Keep the device copy only when this step adds to it again (the tied embedding); otherwise its memory goes
+  // back for reuse once the download has read it, so gradients never pile up on the device.
+  if (s.next_use(true)[u] == kNever || !s.replaying()) {
+    s.to_spare(std::move(r.dev_grads), fence, r.grads_download);
+    r.grad_state = GradState::kHost;
+  }
+}
+
+Status Coordinator::zero_grads() {
+  for (State::UnitRec& r : s_->units) {
+    STRATA_RETURN_IF_ERROR(r.grads_download.wait().with_context("offload: gradients of unit '" + r.info.name + "'"));
+    STRATA_RETURN_IF_ERROR(r.grads_ready.wait().with_context("offload: gradients of unit '" + r.info.name + "'"));
+    r.grads_download = CopyTicket();
+    r.grads_ready = CopyTicket();
+    r.grad_state = GradState::kZero;
+  }
+  return Status::ok();
+}
+
+Status Coordinator::flush_grads() {
+  for (State::UnitRec& r : s_->units) {
+    STRATA_ASSERT_MSG(r.in_use == 0, "flush_grads with a unit between acquire and release");
+    switch (r.grad_state) {
+      case GradState::kZero:
+        std::memset(r.host_grads.data(), 0, r.bytes);
+        r.grad_state = GradState::kHost;
+        if (r.dev_grads.data() != nullptr) s_->to_spare(std::move(r.dev_grads), r.grads_last_use, {});
+        break;
+      case GradState::kDevice:
+        STRATA_ASSERT_MSG(false, "a device gradient without a release");
+        break;
+      case GradState::kBoth:
+      case GradState::kHost:
+        STRATA_RETURN_IF_ERROR(s_->wait_ticket(r.grads_download, r, "gradients"));
+        break;
+    }
+  }
+  return Status::ok();
+}
+
+const float* Coordinator::host_grads(size_t u) const { return s_->units[u].host_grads.as<float>(); }
+
+Residency Coordinator::residency(size_t u, StateClass what) const {
+  const State::UnitRec& r = s_->units[u];
+  Residency res;
+  if (what == StateClass::kParams) {
+    res.home = r.home;
+    res.on_device = r.dev_params.data() != nullptr;
+    res.on_host = r.home == Tier::kHost;
+    res.on_nvme = r.home == Tier::kNvme;
+  } else {
+    STRATA_ASSERT(what == StateClass::kGrads);
+    res.home = Tier::kHost;
+    res.on_device = r.dev_grads.data() != nullptr &&
+                    (r.grad_state == GradState::kDevice || r.grad_state == GradState::kBoth);
+    res.on_host = r.grad_state == GradState::kHost || (r.grad_state == GradState::kBoth && r.grads_download.done());
+    res.dirty = r.grad_state == GradState::kDevice;
+  }
+  return res;
+}
+
+TierUsage Coordinator::device_usage() const { return TierUsage{s_->slot_bytes, s_->slot_peak, 0}; }
+
+CoordinatorStats Coordinator::take_stats() {
+  CoordinatorStats out = s_->stats;
+  s_->stats = CoordinatorStats{};
+  return out;
+}
+
+}  // namespace strata::offload

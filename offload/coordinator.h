@@ -1,0 +1,127 @@
+// coordinator.h — the parameter and gradient coordinator: where every unit's parameters and gradients are,
+// and moving them between the tiers so that the device holds only the working set (ZeRO-Infinity's
+// "partitioned parameter coordinator" for one rank).
+//
+// Parameters have a home tier (offload_param.device: none -> device, cpu -> host, nvme -> nvme); units of at
+// most `persistence_threshold` elements stay on the device whatever the home. The home copy is the truth: the
+// optimizer writes new parameters there (write_params) and a device copy, when there is one, is refreshed.
+// Gradients are computed on the device and go home to host memory (the optimizer runs on the CPU whenever a
+// coordinator is used), accumulated exactly: a unit's accumulated gradient is uploaded again before the kernels
+// add to it, so the sums are bitwise those of a run that keeps everything on the device.
+//
+// The model brackets every use of a unit with acquire(unit, pass) / release(unit, pass). The first step's
+// sequence of accesses is recorded as the trace (begin_step() marks where a step starts); from then on every
+// acquire prefetches the next accesses' parameters (and accumulated gradients) as far as
+// `prefetch_elements` and the device budget allow, and when device memory is short evicts the unit whose next
+// use is farthest away (Belady's rule on the trace; least recently used while recording). An access that
+// differs from the trace re-records it from that point: nothing waits for an access that will not come, and
+// nothing stale is used, because an acquire always waits for the unit's own latest copy.
+//
+// Device memory comes from Device::allocate (purpose "offload.params <unit>" / "offload.grads <unit>"), so the
+// device budget (memory.device_memory_limit) bounds it; freed slots are kept for reuse by size and given back
+// when an allocation would not fit. Host buffers come from the PinnedPool (its budget is the host tier's);
+// NVMe copies are swap store keys "<key_prefix><unit>.<chunk>" of at most `nvme_chunk_elements` each.
+//
+// Threading: one driving thread calls everything; copies run on the CopyEngine's queues. Destruction waits for
+// every job it queued. Errors (a failed read, a budget too small for the working set) come back as Status and
+// name the unit and tier.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "kernels/device.h"
+#include "offload/copy_engine.h"
+#include "offload/pinned_pool.h"
+#include "offload/tiers.h"
+#include "storage/swap_store.h"
+
+namespace strata::offload {
+
+struct CoordinatorUnit {
+  std::string name;
+  size_t numel = 0;  // fp32 elements of its parameters (and of its gradients)
+};
+
+struct CoordinatorOptions {
+  Tier param_home = Tier::kHost;
+  size_t persistence_threshold = 0;          // stage3_param_persistence_threshold (elements)
+  size_t prefetch_elements = 50'000'000;     // stage3_prefetch_bucket_size: elements fetched ahead of use
+  size_t max_live_elements = SIZE_MAX;       // stage3_max_live_parameters: non-persistent elements on device
+  size_t nvme_chunk_elements = 1u << 28;     // elements per swap key; a multiple of 1024
+  int nvme_buffers = 4;                      // offload_param.buffer_count: NVMe reads staged at once
+  std::string key_prefix = "param.";
+};
+
+// How the model will use a unit between acquire and release.
+enum class Pass : uint8_t {
+  kForward,    // reads its parameters
+  kBackward,   // reads its parameters and adds to its gradients
+  kGradients,  // adds to its gradients only (the embedding's backward)
+};
+
+struct UnitView {
+  float* params = nullptr;  // device memory, valid until release (null for kGradients)
+  float* grads = nullptr;   // device memory holding the accumulated gradient (null for kForward)
+};
+
+struct CoordinatorStats {  // since the last take_stats()
+  double stall_s = 0;      // the driving thread waiting for a unit's copies to arrive
+  uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_write_bytes = 0;
+  uint64_t fetches = 0;    // parameter loads onto the device (prefetched or on demand)
+  uint64_t prefetch_hits = 0;  // acquires whose parameters were already on the device or on their way
+  uint64_t evictions = 0;
+  uint64_t retraces = 0;   // times the access order differed from the trace
+};
+
+class Coordinator {
+ public:
+  // `pool` is needed unless every unit is on the device; `store` when param_home is nvme. Parameters start
+  // as zeros; call write_params for each unit before the first step.
+  static Result<std::unique_ptr<Coordinator>> create(kernels::Device& device, CopyEngine& copies, PinnedPool* pool,
+                                                     SwapStore* store, std::vector<CoordinatorUnit> units,
+                                                     const CoordinatorOptions& options);
+  ~Coordinator();
+  Coordinator(const Coordinator&) = delete;
+  Coordinator& operator=(const Coordinator&) = delete;
+
+  size_t num_units() const;
+  const CoordinatorUnit& unit(size_t u) const;
+  const CoordinatorOptions& options() const { return options_; }
+
+  // Elements [offset, offset + n) of unit u's parameters become host[0..n) at home, and on the device when it
+  // has a copy. With home nvme, offset and n must cover whole chunks (or reach the unit's end).
+  Status write_params(size_t u, size_t offset, size_t n, const float* host);
+  Status write_params(size_t u, const float* host) { return write_params(u, 0, unit(u).numel, host); }
+  // The current parameters of unit u into host[0..numel).
+  Status read_params(size_t u, float* host);
+
+  // The step protocol. begin_step() marks the start of a forward pass (a step, or one micro-batch of it).
+  void begin_step();
+  Result<UnitView> acquire(size_t u, Pass pass);
+  void release(size_t u, Pass pass);
+
+  // Every gradient becomes zero (nothing is touched until a unit is next used).
+  Status zero_grads();
+  // Waits until every gradient is in host memory; host_grads(u) is then the accumulated gradient of unit u
+  // (zeros for a unit no backward touched), valid until the next acquire.
+  Status flush_grads();
+  const float* host_grads(size_t u) const;
+
+  Residency residency(size_t u, StateClass what) const;  // kParams or kGrads
+  TierUsage device_usage() const;  // this coordinator's device slots (cached spares included)
+  CoordinatorStats take_stats();   // the counters since the last call, then zeroes them
+
+ private:
+  struct Slot;
+  struct State;
+  explicit Coordinator(std::unique_ptr<State> s);
+  std::unique_ptr<State> s_;
+  CoordinatorOptions options_;
+};
+
+}  // namespace strata::offload
