@@ -64,7 +64,10 @@ int run_bench_step(const BenchStepOptions& o) {
     return 2;
   }
   GPT2& m = *model.value();
-  m.init_gpt2(o.seed);
+  if (Status st = m.init_gpt2(o.seed); !st.is_ok()) {
+    std::fprintf(stderr, "strata bench step: %s\n", st.to_string().c_str());
+    return 1;
+  }
   auto opt = AdamW::create(m.units(), AdamWConfig{}, m.device());
   if (!opt.is_ok()) {
     std::fprintf(stderr, "strata bench step: %s\n", opt.status().to_string().c_str());
@@ -81,14 +84,20 @@ int run_bench_step(const BenchStepOptions& o) {
   float loss = 0;
   for (int s = 0; s < o.warmup + o.steps; ++s) {
     Timer t;
-    m.zero_grads();
+    if (Status st = m.zero_grads(); !st.is_ok()) {
+      std::fprintf(stderr, "strata bench step: %s\n", st.to_string().c_str());
+      return 2;
+    }
     auto l = m.forward(x.data(), y.data(), B, T);
     if (!l.is_ok()) {
       std::fprintf(stderr, "strata bench step: %s\n", l.status().to_string().c_str());
       return 2;
     }
     loss = l.value();
-    m.backward();
+    if (Status st = m.backward(); !st.is_ok()) {
+      std::fprintf(stderr, "strata bench step: %s\n", st.to_string().c_str());
+      return 2;
+    }
     opt->step(m.units(), 1e-4f);
     m.device().synchronize();  // the GPU's optimizer kernels are still running when step() returns
     if (s >= o.warmup) times.push_back(t.seconds());

@@ -59,42 +59,17 @@ Status read_tensors(const SafetensorsFile& f, const GPT2& model, const std::stri
   return Status::ok();
 }
 
-// Host views of per-unit buffers in the model's device memory: the buffers themselves where the host can address
-// them, else host copies — filled from the device when `fetch`, and sent back by store() after a load.
-class HostUnits {
- public:
-  HostUnits(const GPT2& model, std::function<float*(size_t)> device_base, bool fetch)
-      : device_(model.device()), device_base_(std::move(device_base)) {
-    for (size_t i = 0; i < model.units().size(); ++i) {
-      if (device_.host_accessible()) {
-        ptrs_.push_back(device_base_(i));
-        continue;
-      }
-      copies_.emplace_back(model.units()[i].numel());
-      if (fetch) device_.copy_to_host(copies_.back().data(), device_base_(i), copies_.back().size() * sizeof(float));
-      ptrs_.push_back(copies_.back().data());
-    }
-  }
-  float* operator()(size_t i) const { return ptrs_[i]; }
-  void store() {
-    for (size_t i = 0; i < copies_.size(); ++i)
-      device_.copy_to_device(device_base_(i), copies_[i].data(), copies_[i].size() * sizeof(float));
-  }
+// Host copies of one state of every unit, in the units' layouts.
+using HostUnits = std::vector<std::vector<float>>;
 
- private:
-  kernels::Device& device_;
-  std::function<float*(size_t)> device_base_;
-  std::vector<std::vector<float>> copies_;
-  std::vector<float*> ptrs_;
-};
+HostUnits host_units(const GPT2& model) {
+  HostUnits out;
+  for (const Unit& u : model.units()) out.emplace_back(u.numel());
+  return out;
+}
 
-// Reads every tensor of prefix into the buffers `device_base(i)` names.
-Status load_units(const SafetensorsFile& f, const GPT2& model, const std::string& prefix,
-                  std::function<float*(size_t)> device_base) {
-  HostUnits host(model, std::move(device_base), false);
-  STRATA_RETURN_IF_ERROR(read_tensors(f, model, prefix, host));
-  host.store();
-  return Status::ok();
+auto base_of(HostUnits& h) {
+  return [&h](size_t i) { return h[i].data(); };
 }
 
 Status check_model_metadata(const SafetensorsFile& f, const GPT2Config& c) {
@@ -129,18 +104,22 @@ Status check_writable_dir(const std::string& dir, const std::string& what) {
 }
 
 Status save_model(const GPT2& model, const std::string& path) {
-  const HostUnits params(model, [&](size_t i) { return model.units()[i].p(); }, true);
-  auto tensors = tensors_of(model, "", params);
+  HostUnits params = host_units(model);
+  for (size_t i = 0; i < params.size(); ++i) STRATA_RETURN_IF_ERROR(model.read_params(i, params[i].data()));
+  auto tensors = tensors_of(model, "", base_of(params));
   return write_safetensors(path, tensors, model_metadata(model.config()));
 }
 
 Status load_model(GPT2& model, const std::string& path) {
   STRATA_ASSIGN_OR_RETURN(SafetensorsFile f, SafetensorsFile::open(path));
   STRATA_RETURN_IF_ERROR(check_model_metadata(f, model.config()));
-  return load_units(f, model, "", [&](size_t i) { return model.units()[i].p(); });
+  HostUnits params = host_units(model);
+  STRATA_RETURN_IF_ERROR(read_tensors(f, model, "", base_of(params)));
+  for (size_t i = 0; i < params.size(); ++i) STRATA_RETURN_IF_ERROR(model.write_params(i, params[i].data()));
+  return Status::ok();
 }
 
-Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT2& model, const AdamW& opt,
+Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT2& model, Optimizer& opt,
                                     const TrainState& state, int keep) {
   const std::string name = fmt::format("step_{:06d}", state.step);
   const fs::path final_dir = fs::path(checkpoint_dir) / name;
@@ -151,10 +130,10 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
   if (ec) return Status::io_error("cannot create checkpoint folder {}: {}", tmp_dir.string(), ec.message());
 
   STRATA_RETURN_IF_ERROR(save_model(model, (tmp_dir / "model.safetensors").string()));
-  const HostUnits m(model, [&](size_t i) { return opt.m(i); }, true);
-  const HostUnits v(model, [&](size_t i) { return opt.v(i); }, true);
-  std::vector<SafetensorsTensor> moments = tensors_of(model, "m.", m);
-  for (auto& t : tensors_of(model, "v.", v)) moments.push_back(std::move(t));
+  HostUnits m = host_units(model), v = host_units(model);
+  for (size_t i = 0; i < m.size(); ++i) STRATA_RETURN_IF_ERROR(opt.read_moments(i, m[i].data(), v[i].data()));
+  std::vector<SafetensorsTensor> moments = tensors_of(model, "m.", base_of(m));
+  for (auto& t : tensors_of(model, "v.", base_of(v))) moments.push_back(std::move(t));
   STRATA_RETURN_IF_ERROR(write_safetensors((tmp_dir / "optimizer.safetensors").string(), moments,
                                            {{"adam_steps", std::to_string(opt.steps_taken())}}));
   nlohmann::json js = {
@@ -185,7 +164,7 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
   return final_dir.string();
 }
 
-Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, AdamW& opt) {
+Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimizer& opt) {
   fs::path dir(path);
   std::error_code ec;
   if (fs::exists(dir / "latest", ec)) {
@@ -221,8 +200,11 @@ Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, AdamW& 
   }
   STRATA_RETURN_IF_ERROR(load_model(model, (dir / "model.safetensors").string()));
   STRATA_ASSIGN_OR_RETURN(SafetensorsFile f, SafetensorsFile::open((dir / "optimizer.safetensors").string()));
-  STRATA_RETURN_IF_ERROR(load_units(f, model, "m.", [&](size_t i) { return opt.m(i); }));
-  STRATA_RETURN_IF_ERROR(load_units(f, model, "v.", [&](size_t i) { return opt.v(i); }));
+  HostUnits m = host_units(model), v = host_units(model);
+  STRATA_RETURN_IF_ERROR(read_tensors(f, model, "m.", base_of(m)));
+  STRATA_RETURN_IF_ERROR(read_tensors(f, model, "v.", base_of(v)));
+  // After the parameters: an offloaded optimizer takes its master weights from them.
+  for (size_t i = 0; i < m.size(); ++i) STRATA_RETURN_IF_ERROR(opt.write_moments(i, m[i].data(), v[i].data()));
   return st;
 }
 

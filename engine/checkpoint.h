@@ -4,7 +4,9 @@
 // optimizer.safetensors (AdamW moments "m.<name>", "v.<name>"), and state.json (step, optimizer step count, data
 // loader positions, the effective config). It is written as "step_000100.tmp" and renamed when complete, then
 // <checkpoint_dir>/latest is replaced atomically with the new directory's name; a crash at any point leaves
-// the previous checkpoint intact and `latest` pointing at a complete one. Runs on the training thread.
+// the previous checkpoint intact and `latest` pointing at a complete one. Runs on the training thread. The
+// state is read and written through GPT2::read_params/write_params and the Optimizer interface, so offloaded
+// runs checkpoint the same files (staged through host memory, one full copy of each state at a time).
 #pragma once
 
 #include <cstdint>
@@ -36,11 +38,11 @@ Status load_model(GPT2& model, const std::string& path);
 
 // Saves a checkpoint for `state.step` under `checkpoint_dir`; keeps the newest `keep` (0 = all). Returns the
 // directory written.
-Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT2& model, const AdamW& opt,
+Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT2& model, Optimizer& opt,
                                     const TrainState& state, int keep);
 
 // Resolves `path` (a step directory, or a checkpoint_dir containing `latest`) and restores model, optimizer
 // and state. The model config in the checkpoint must equal the model's; the error names the field.
-Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, AdamW& opt);
+Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimizer& opt);
 
 }  // namespace strata::engine

@@ -37,9 +37,10 @@ Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, const kerne
 }
 
 Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, kernels::Device& device,
-                                           MatmulPrecision precision) {
+                                           MatmulPrecision precision, bool offloaded) {
   STRATA_RETURN_IF_ERROR(config.validate());
   std::unique_ptr<GPT2> m(new GPT2(config, device, precision));
+  m->offloaded_ = offloaded;
   const int64_t C = config.n_embd, V = config.vocab_size, maxT = config.block_size;
 
   auto add_unit = [&](std::string name, FlatLayout layout) -> Status {
@@ -47,8 +48,10 @@ Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, kernels::De
     u.name = std::move(name);
     u.layout = std::move(layout);
     const size_t bytes = u.layout.numel() * sizeof(float);
-    STRATA_ASSIGN_OR_RETURN(u.params, device.allocate(bytes, "gpt2.params " + u.name));
-    STRATA_ASSIGN_OR_RETURN(u.grads, device.allocate(bytes, "gpt2.grads " + u.name));
+    if (!offloaded) {
+      STRATA_ASSIGN_OR_RETURN(u.params, device.allocate(bytes, "gpt2.params " + u.name));
+      STRATA_ASSIGN_OR_RETURN(u.grads, device.allocate(bytes, "gpt2.grads " + u.name));
+    }
     m->units_.push_back(std::move(u));
     return Status::ok();
   };
@@ -87,36 +90,60 @@ size_t GPT2::num_params() const {
   return n;
 }
 
-void GPT2::init_gpt2(uint64_t seed) {
+Status GPT2::init_gpt2(uint64_t seed) {
   Rng rng(seed);
   const double residual_std = 0.02 / std::sqrt(2.0 * config_.n_layer);
-  std::vector<float> staging;  // the host copy of a unit, where the device's memory is not the host's
-  for (Unit& u : units_) {
-    float* base = u.p();
-    if (!device_->host_accessible()) {
-      staging.assign(u.numel(), 0.0f);
-      base = staging.data();
-    }
+  std::vector<float> host;
+  for (size_t i = 0; i < units_.size(); ++i) {
+    const Unit& u = units_[i];
+    host.assign(u.numel(), 0.0f);
     for (const TensorSpec& s : u.layout.specs()) {
-      float* p = base + s.offset;
+      float* p = host.data() + s.offset;
       const size_t n = s.numel();
       const bool is_norm_weight = s.name.find("ln_") != std::string::npos && s.name.ends_with(".weight");
       if (s.shape.size() >= 2) {
         const bool residual_proj = s.name.ends_with("c_proj.weight");
         const double std = residual_proj ? residual_std : 0.02;
-        for (size_t i = 0; i < n; ++i) p[i] = static_cast<float>(std * rng.normal());
+        for (size_t j = 0; j < n; ++j) p[j] = static_cast<float>(std * rng.normal());
       } else {
         const float v = is_norm_weight ? 1.0f : 0.0f;
-        for (size_t i = 0; i < n; ++i) p[i] = v;
+        for (size_t j = 0; j < n; ++j) p[j] = v;
       }
     }
-    if (base != u.p()) device_->copy_to_device(u.p(), base, u.numel() * sizeof(float));
+    STRATA_RETURN_IF_ERROR(write_params(i, host.data()));
   }
+  return Status::ok();
 }
 
-GPT2::BlockParams GPT2::block_params(int l, bool grads) const {
+Status GPT2::read_params(size_t u, float* host) const {
+  STRATA_ASSERT(u < units_.size());
+  if (coordinator_ != nullptr) return coordinator_->read_params(u, host);
+  STRATA_ASSERT_MSG(!offloaded_, "an offloaded model needs set_coordinator()");
+  device_->copy_to_host(host, units_[u].p(), units_[u].numel() * sizeof(float));
+  return Status::ok();
+}
+
+Status GPT2::write_params(size_t u, const float* host) {
+  STRATA_ASSERT(u < units_.size());
+  if (coordinator_ != nullptr) return coordinator_->write_params(u, host);
+  STRATA_ASSERT_MSG(!offloaded_, "an offloaded model needs set_coordinator()");
+  device_->copy_to_device(units_[u].p(), host, units_[u].numel() * sizeof(float));
+  return Status::ok();
+}
+
+Result<offload::UnitView> GPT2::acquire(size_t u, offload::Pass pass) {
+  if (coordinator_ != nullptr) return coordinator_->acquire(u, pass);
+  STRATA_ASSERT_MSG(!offloaded_, "an offloaded model needs set_coordinator()");
+  return offload::UnitView{units_[u].p(), units_[u].g()};
+}
+
+void GPT2::release(size_t u, offload::Pass pass) {
+  if (coordinator_ != nullptr) coordinator_->release(u, pass);
+}
+
+GPT2::BlockParams GPT2::block_params(int l, const float* cbase) const {
   const Unit& u = units_[1 + l];
-  float* base = grads ? u.g() : u.p();
+  float* base = const_cast<float*>(cbase);
   const auto& s = u.layout.specs();  // in the canonical order of create()
   return BlockParams{base + s[0].offset, base + s[1].offset, base + s[2].offset,  base + s[3].offset,
                      base + s[4].offset, base + s[5].offset, base + s[6].offset,  base + s[7].offset,
@@ -167,11 +194,11 @@ Status GPT2::ensure_activations(int B, int T) {
   return Status::ok();
 }
 
-void GPT2::block_forward(int l, const float* residual, int B, int T) {
+void GPT2::block_forward(int l, const float* params, const float* residual, int B, int T) {
   const int C = config_.n_embd, NH = config_.n_head;
   const int N = B * T;
   const size_t BTC = static_cast<size_t>(N) * C;
-  const BlockParams w = block_params(l, false);
+  const BlockParams w = block_params(l, params);
   float* ln1 = acts_.ln1 + l * BTC;
   float* ln1_mean = acts_.ln1_mean + static_cast<size_t>(l) * N;
   float* ln1_rstd = acts_.ln1_rstd + static_cast<size_t>(l) * N;
@@ -207,24 +234,13 @@ Result<float> GPT2::forward(const int32_t* inputs, const int32_t* targets, int B
                                     T, config_.block_size);
   }
   STRATA_RETURN_IF_ERROR(ensure_activations(B, T));
-  const int C = config_.n_embd, V = config_.vocab_size, L = config_.n_layer;
+  const int V = config_.vocab_size;
   const int N = B * T;
-  const size_t BTC = static_cast<size_t>(N) * C;
   for (int i = 0; i < N; ++i) STRATA_ASSERT(inputs[i] >= 0 && inputs[i] < V);
   device_->copy_to_device(acts_.inputs, inputs, sizeof(int32_t) * N);
 
-  const Unit& emb = units_[0];
-  const float* wte = emb.p();
-  const float* wpe = emb.p() + emb.layout.specs()[1].offset;
-  k_->encoder_forward(acts_.encoded, acts_.inputs, wte, wpe, B, T, C);
-  const float* residual = acts_.encoded;
-  for (int l = 0; l < L; ++l) {
-    block_forward(l, residual, B, T);
-    residual = acts_.residual3 + l * BTC;
-  }
-  const Unit& lnf = units_.back();
-  k_->layernorm_forward(acts_.lnf, acts_.lnf_mean, acts_.lnf_rstd, residual, lnf.p(), lnf.p() + C, N, C);
-  k_->matmul_forward(acts_.logits, acts_.lnf, wte, nullptr, N, C, V, precision_);
+  have_targets_ = false;  // until this forward has succeeded
+  STRATA_RETURN_IF_ERROR(forward_units(B, T));
 
   have_targets_ = targets != nullptr;
   if (!have_targets_) return 0.0f;
@@ -243,12 +259,43 @@ Result<float> GPT2::forward(const int32_t* inputs, const int32_t* targets, int B
   return num_counted_targets_ ? static_cast<float>(sum / num_counted_targets_) : 0.0f;
 }
 
-void GPT2::block_backward(int l, const float* residual, float* dres, int B, int T) {
+Status GPT2::forward_units(int B, int T) {
+  using offload::Pass;
+  const int C = config_.n_embd, V = config_.vocab_size, L = config_.n_layer;
+  const int N = B * T;
+  const size_t BTC = static_cast<size_t>(N) * C;
+  if (coordinator_ != nullptr) coordinator_->begin_step();
+  const size_t wpe_offset = units_[0].layout.specs()[1].offset;
+  {
+    STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kForward));
+    k_->encoder_forward(acts_.encoded, acts_.inputs, emb.params, emb.params + wpe_offset, B, T, C);
+    release(0, Pass::kForward);
+  }
+  const float* residual = acts_.encoded;
+  for (int l = 0; l < L; ++l) {
+    STRATA_ASSIGN_OR_RETURN(offload::UnitView block, acquire(1 + l, Pass::kForward));
+    block_forward(l, block.params, residual, B, T);
+    release(1 + l, Pass::kForward);
+    residual = acts_.residual3 + l * BTC;
+  }
+  {
+    STRATA_ASSIGN_OR_RETURN(offload::UnitView lnf, acquire(L + 1, Pass::kForward));
+    k_->layernorm_forward(acts_.lnf, acts_.lnf_mean, acts_.lnf_rstd, residual, lnf.params, lnf.params + C, N, C);
+    release(L + 1, Pass::kForward);
+  }
+  // The LM head is tied to the token embedding: the embedding unit's second use.
+  STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kForward));
+  k_->matmul_forward(acts_.logits, acts_.lnf, emb.params, nullptr, N, C, V, precision_);
+  release(0, Pass::kForward);
+  return Status::ok();
+}
+
+void GPT2::block_backward(int l, const offload::UnitView& unit, const float* residual, float* dres, int B, int T) {
   const int C = config_.n_embd, NH = config_.n_head;
   const int N = B * T;
   const size_t BTC = static_cast<size_t>(N) * C;
-  const BlockParams w = block_params(l, false);
-  const BlockParams dw = block_params(l, true);
+  const BlockParams w = block_params(l, unit.params);
+  const BlockParams dw = block_params(l, unit.grads);
   const float* ln1 = acts_.ln1 + l * BTC;
   const float* ln1_mean = acts_.ln1_mean + static_cast<size_t>(l) * N;
   const float* ln1_rstd = acts_.ln1_rstd + static_cast<size_t>(l) * N;
@@ -281,7 +328,8 @@ void GPT2::block_backward(int l, const float* residual, float* dres, int B, int 
   k_->layernorm_backward(dres, dw.ln1w, dw.ln1b, grads_.dln, residual, w.ln1w, ln1_mean, ln1_rstd, N, C);
 }
 
-void GPT2::backward(float loss_scale) {
+Status GPT2::backward(float loss_scale) {
+  using offload::Pass;
   STRATA_ASSERT_MSG(have_targets_, "backward() needs a forward() with targets");
   have_targets_ = false;  // the logits are overwritten below; a second backward would be wrong
   const int B = last_B_, T = last_T_;
@@ -296,26 +344,37 @@ void GPT2::backward(float loss_scale) {
   float* dlogits = acts_.logits;
   k_->softmax_crossentropy_backward(dlogits, acts_.logits, acts_.lse, acts_.targets, acts_.dlosses, N, V);
 
-  Unit& emb = units_[0];
-  Unit& lnf = units_.back();
-  const float* wte = emb.p();
-  float* dwte = emb.g();
-  float* dwpe = emb.g() + emb.layout.specs()[1].offset;
   device_->zero(grads_.dln, sizeof(float) * BTC);
   device_->zero(grads_.dres, sizeof(float) * BTC);
-  k_->matmul_backward(grads_.dln, dwte, nullptr, dlogits, acts_.lnf, wte, N, C, V, precision_);
-  const float* last_residual = acts_.residual3 + (L - 1) * BTC;
-  k_->layernorm_backward(grads_.dres, lnf.g(), lnf.g() + C, grads_.dln, last_residual, lnf.p(), acts_.lnf_mean,
-                         acts_.lnf_rstd, N, C);
+  {
+    STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kBackward));
+    k_->matmul_backward(grads_.dln, emb.grads, nullptr, dlogits, acts_.lnf, emb.params, N, C, V, precision_);
+    release(0, Pass::kBackward);
+  }
+  {
+    STRATA_ASSIGN_OR_RETURN(offload::UnitView lnf, acquire(L + 1, Pass::kBackward));
+    const float* last_residual = acts_.residual3 + (L - 1) * BTC;
+    k_->layernorm_backward(grads_.dres, lnf.grads, lnf.grads + C, grads_.dln, last_residual, lnf.params,
+                           acts_.lnf_mean, acts_.lnf_rstd, N, C);
+    release(L + 1, Pass::kBackward);
+  }
   for (int l = L - 1; l >= 0; --l) {
     const float* residual = l == 0 ? acts_.encoded : acts_.residual3 + (l - 1) * BTC;
-    block_backward(l, residual, grads_.dres, B, T);
+    STRATA_ASSIGN_OR_RETURN(offload::UnitView block, acquire(1 + l, Pass::kBackward));
+    block_backward(l, block, residual, grads_.dres, B, T);
+    release(1 + l, Pass::kBackward);
   }
-  k_->encoder_backward(dwte, dwpe, grads_.dres, acts_.inputs, B, T, C);
+  STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kGradients));
+  const size_t wpe_offset = units_[0].layout.specs()[1].offset;
+  k_->encoder_backward(emb.grads, emb.grads + wpe_offset, grads_.dres, acts_.inputs, B, T, C);
+  release(0, Pass::kGradients);
+  return Status::ok();
 }
 
-void GPT2::zero_grads() {
+Status GPT2::zero_grads() {
+  if (coordinator_ != nullptr) return coordinator_->zero_grads();
   for (Unit& u : units_) device_->zero(u.g(), u.numel() * sizeof(float));
+  return Status::ok();
 }
 
 double GPT2::flops_per_step(int B, int T) const {

@@ -10,6 +10,10 @@
 // memory on "cpu", GPU memory on "cuda", where the host must not dereference them (p(), g() and logits() are
 // device pointers; use Device::copy_to_host). Token ids come in as host arrays and are copied over.
 //
+// Offloaded (create(..., offloaded = true) then set_coordinator()): the units hold no buffers; an
+// offload::Coordinator places their parameters and gradients, and the model brackets each use of a unit with
+// its acquire/release. read_params/write_params and zero_grads work the same either way.
+//
 // Threading: a GPT2 is used by one thread at a time; kernels parallelise inside each op. Activations are sized
 // for (B, T) at the first forward and re-allocated only when B*T grows.
 #pragma once
@@ -23,6 +27,7 @@
 #include "common/tensor.h"
 #include "kernels/device.h"
 #include "kernels/kernels.h"
+#include "offload/coordinator.h"
 
 namespace strata::engine {
 
@@ -40,8 +45,8 @@ struct GPT2Config {
 struct Unit {
   std::string name;
   FlatLayout layout;
-  kernels::DeviceBuffer params;  // fp32 (layout.numel()), device memory
-  kernels::DeviceBuffer grads;   // fp32 (layout.numel()), device memory
+  kernels::DeviceBuffer params;  // fp32 (layout.numel()), device memory; empty when offloaded
+  kernels::DeviceBuffer grads;   // fp32 (layout.numel()), device memory; empty when offloaded
 
   float* p() const { return params.as<float>(); }
   float* g() const { return grads.as<float>(); }
@@ -53,14 +58,23 @@ class GPT2 {
   // Builds the units (zeroed) in `device`'s memory; the device must outlive the model. Call init_gpt2() or
   // load weights afterwards.
   static Result<std::unique_ptr<GPT2>> create(const GPT2Config& config, kernels::Device& device,
-                                              kernels::MatmulPrecision precision);
+                                              kernels::MatmulPrecision precision, bool offloaded = false);
   // The same on a "cpu" device with the given CPU KernelSet, owned by the model.
   static Result<std::unique_ptr<GPT2>> create(const GPT2Config& config, const kernels::KernelSet& cpu_kernels,
                                               kernels::MatmulPrecision precision);
 
+  // For an offloaded model: the coordinator of its units (built from units(), same order; it must outlive
+  // the model's use).
+  void set_coordinator(offload::Coordinator* c) { coordinator_ = c; }
+  offload::Coordinator* coordinator() const { return coordinator_; }
+
   // GPT-2 initialisation, seeded: weights N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)), biases 0,
   // layernorm weights 1.
-  void init_gpt2(uint64_t seed);
+  Status init_gpt2(uint64_t seed);
+
+  // Unit u's parameters to or from host memory (its layout), wherever they live.
+  Status read_params(size_t u, float* host) const;
+  Status write_params(size_t u, const float* host);
 
   // Forward over inputs (B,T) token ids. With targets (B,T) (entries < 0 ignored) it computes the mean loss
   // over the counted targets and returns it; without, it returns 0 and only logits are valid. T <= block_size.
@@ -69,9 +83,10 @@ class GPT2 {
 
   // Backward of the last forward (which must have had targets). Adds this batch's gradients, scaled by
   // `loss_scale` (1/grad_accum_steps for gradient accumulation), into every unit's grads. Overwrites the logits.
-  void backward(float loss_scale = 1.0f);
+  // Fails only when offloaded state cannot be brought in (an I/O error, a device budget below the working set).
+  [[nodiscard]] Status backward(float loss_scale = 1.0f);
 
-  void zero_grads();
+  [[nodiscard]] Status zero_grads();
 
   const GPT2Config& config() const { return config_; }
   std::vector<Unit>& units() { return units_; }
@@ -87,14 +102,18 @@ class GPT2 {
   GPT2(const GPT2Config& config, kernels::Device& device, kernels::MatmulPrecision precision)
       : config_(config), device_(&device), k_(&device.kernels()), precision_(precision) {}
   Status ensure_activations(int B, int T);
-  void block_forward(int l, const float* residual, int B, int T);
-  void block_backward(int l, const float* residual, float* dres, int B, int T);
+  // Unit u's parameters and gradients on the device for one use (the resident buffers, or the coordinator's).
+  Result<offload::UnitView> acquire(size_t u, offload::Pass pass);
+  void release(size_t u, offload::Pass pass);
+  Status forward_units(int B, int T);
+  void block_forward(int l, const float* params, const float* residual, int B, int T);
+  void block_backward(int l, const offload::UnitView& unit, const float* residual, float* dres, int B, int T);
 
-  // Parameter views of block l (into units_[1 + l]).
+  // Tensor views of block l, given its unit's parameter or gradient base.
   struct BlockParams {
     float *ln1w, *ln1b, *qkvw, *qkvb, *attprojw, *attprojb, *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
   };
-  BlockParams block_params(int l, bool grads) const;
+  BlockParams block_params(int l, const float* base) const;
 
   GPT2Config config_;
   std::unique_ptr<kernels::Device> owned_device_;  // set by the KernelSet overload of create()
@@ -102,6 +121,8 @@ class GPT2 {
   const kernels::KernelSet* k_;
   kernels::MatmulPrecision precision_;
   std::vector<Unit> units_;  // wte, h.0 .. h.{L-1}, ln_f
+  bool offloaded_ = false;
+  offload::Coordinator* coordinator_ = nullptr;
 
   // Activations of the last forward, llm.c-style, per layer l where marked (L, ...).
   struct Activations {

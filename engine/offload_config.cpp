@@ -102,40 +102,30 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   STRATA_RETURN_IF_ERROR(read_bytes(m, "host_memory_limit", &c->host_memory_limit).with_context(source));
   STRATA_RETURN_IF_ERROR(m.finish());
 
-  // Every key set away from its default that nothing acts on yet (the offload manager is being built): a user
-  // who asked for offload must hear that it is not happening. memory.device_memory_limit is acted on (the
-  // Device's allocation budget), so it is not listed.
+  // Every key set away from its default that nothing acts on yet: a user must hear that a setting is not
+  // happening. Acted on (engine/offload_runtime.cpp): both targets' device, nvme_path, pin_memory and
+  // buffer_count, sub_group_size, stage3_prefetch_bucket_size, stage3_max_live_parameters,
+  // stage3_param_persistence_threshold, and both memory limits. zero_optimization.stage is not listed: one
+  // process is a data-parallel group of one, where every stage keeps the whole state (issue 5 shards it).
   auto note = [&](const std::string& key, const auto& value, const auto& default_value) {
     if (value != default_value) c->not_acted_on.push_back(fmt::format("{} = {}", key, value));
   };
   const OffloadConfig d;
   auto target = [&](const std::string& name, const OffloadTargetConfig& t, const OffloadTargetConfig& dt) {
     const std::string p = "zero_optimization." + name + ".";
-    note(p + "device", t.device, dt.device);
-    note(p + "nvme_path", t.nvme_path, dt.nvme_path);
-    note(p + "pin_memory", t.pin_memory, dt.pin_memory);
-    note(p + "buffer_count", t.buffer_count, dt.buffer_count);
     note(p + "buffer_size", t.buffer_size, dt.buffer_size);
     note(p + "max_in_cpu", t.max_in_cpu, dt.max_in_cpu);
     note(p + "pipeline_read", t.pipeline_read, dt.pipeline_read);
     note(p + "pipeline_write", t.pipeline_write, dt.pipeline_write);
   };
-  note("zero_optimization.stage", c->stage, d.stage);
   target("offload_param", c->offload_param, d.offload_param);
   target("offload_optimizer", c->offload_optimizer, d.offload_optimizer);
-  note("zero_optimization.sub_group_size", c->sub_group_size, d.sub_group_size);
-  note("zero_optimization.stage3_prefetch_bucket_size", c->stage3_prefetch_bucket_size,
-       d.stage3_prefetch_bucket_size);
-  note("zero_optimization.stage3_max_live_parameters", c->stage3_max_live_parameters, d.stage3_max_live_parameters);
   note("zero_optimization.stage3_max_reuse_distance", c->stage3_max_reuse_distance, d.stage3_max_reuse_distance);
-  note("zero_optimization.stage3_param_persistence_threshold", c->stage3_param_persistence_threshold,
-       d.stage3_param_persistence_threshold);
   note("aio.block_size", c->aio.block_size, d.aio.block_size);
   note("aio.queue_depth", c->aio.queue_depth, d.aio.queue_depth);
   note("aio.intra_op_parallelism", c->aio.intra_op_parallelism, d.aio.intra_op_parallelism);
   note("aio.single_submit", c->aio.single_submit, d.aio.single_submit);
   note("aio.overlap_events", c->aio.overlap_events, d.aio.overlap_events);
-  note("memory.host_memory_limit", c->host_memory_limit, d.host_memory_limit);
   return Status::ok();
 }
 

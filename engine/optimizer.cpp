@@ -4,6 +4,12 @@
 
 namespace strata::engine {
 
+float clip_scale(double norm, float clip) {
+  if (clip <= 0) return 1.0f;
+  const double coef = clip / (norm + 1e-6);
+  return coef < 1.0 ? static_cast<float>(coef) : 1.0f;
+}
+
 double lr_at(int step, double lr, double min_lr, int warmup, int max_steps) {
   if (step < warmup) return lr * (step + 1) / warmup;
   if (max_steps <= warmup) return lr;
@@ -15,6 +21,7 @@ Result<AdamW> AdamW::create(const std::vector<Unit>& units, const AdamWConfig& c
   AdamW opt;
   opt.config_ = config;
   opt.device_ = &device;
+  opt.units_ = &units;
   for (const Unit& u : units) {
     STRATA_ASSIGN_OR_RETURN(kernels::DeviceBuffer m, device.allocate(u.numel() * sizeof(float), "adamw.m " + u.name));
     STRATA_ASSIGN_OR_RETURN(kernels::DeviceBuffer v, device.allocate(u.numel() * sizeof(float), "adamw.v " + u.name));
@@ -30,7 +37,7 @@ double AdamW::grad_norm(const std::vector<Unit>& units, kernels::Device& device)
   return std::sqrt(sum);
 }
 
-double AdamW::step(std::vector<Unit>& units, float lr, bool* skipped) {
+double AdamW::step(const std::vector<Unit>& units, float lr, bool* skipped) {
   const kernels::KernelSet& k = device_->kernels();
   const double norm = grad_norm(units, *device_);
   if (!std::isfinite(norm)) {
@@ -38,14 +45,10 @@ double AdamW::step(std::vector<Unit>& units, float lr, bool* skipped) {
     return norm;
   }
   if (skipped) *skipped = false;
-  float scale = 1.0f;
-  if (config_.grad_clip > 0) {
-    const double coef = config_.grad_clip / (norm + 1e-6);
-    if (coef < 1.0) scale = static_cast<float>(coef);
-  }
+  const float scale = clip_scale(norm, config_.grad_clip);
   ++t_;
   for (size_t i = 0; i < units.size(); ++i) {
-    Unit& u = units[i];
+    const Unit& u = units[i];
     for (const TensorSpec& s : u.layout.specs()) {
       kernels::AdamWParams hp;
       hp.lr = lr;
@@ -59,6 +62,26 @@ double AdamW::step(std::vector<Unit>& units, float lr, bool* skipped) {
     }
   }
   return norm;
+}
+
+Status AdamW::adopt_params() {
+  for (size_t i = 0; i < m_.size(); ++i) {
+    device_->zero(m(i), m_[i].size());
+    device_->zero(v(i), v_[i].size());
+  }
+  return Status::ok();
+}
+
+Status AdamW::read_moments(size_t unit, float* m_host, float* v_host) {
+  device_->copy_to_host(m_host, m(unit), m_[unit].size());
+  device_->copy_to_host(v_host, v(unit), v_[unit].size());
+  return Status::ok();
+}
+
+Status AdamW::write_moments(size_t unit, const float* m_host, const float* v_host) {
+  device_->copy_to_device(m(unit), m_host, m_[unit].size());
+  device_->copy_to_device(v(unit), v_host, v_[unit].size());
+  return Status::ok();
 }
 
 }  // namespace strata::engine

@@ -19,13 +19,38 @@ struct AdamWConfig {
   float grad_clip = 1.0f;  // 0: no clipping
 };
 
+// The gradient scale of global-norm clipping (PyTorch's clip_grad_norm_): clip / (norm + 1e-6) when that is
+// < 1, else 1; clip 0 turns clipping off. One definition, so every optimizer clips with the same bits.
+float clip_scale(double norm, float clip);
+
 // Warmup + cosine: linear from lr/warmup to lr over `warmup` steps, then cosine down to min_lr at max_steps.
 // `step` is 0-based.
 double lr_at(int step, double lr, double min_lr, int warmup, int max_steps);
 
-class AdamW {
+// What the trainer and checkpoints need of an optimizer, wherever its state lives: AdamW below keeps it on the
+// model's device, OffloadedAdamW (engine/offload_optimizer.h) in host memory or on NVMe.
+class Optimizer {
  public:
-  // Moments for `units`, zeroed, on `device` (the units' device, which must outlive the optimizer).
+  virtual ~Optimizer() = default;
+  // One update of every unit from its gradients with learning rate lr, clipped by global norm first
+  // (PyTorch's clip_grad_norm_: scale = clip / (norm + 1e-6) when that is < 1). Returns the pre-clip norm. A
+  // non-finite norm skips the update (nothing changes, step count included) and sets *skipped.
+  virtual Result<double> step(float lr, bool* skipped) = 0;
+  virtual int steps_taken() const = 0;
+  virtual void set_steps_taken(int t) = 0;
+  // The optimizer's master weights become the model's current parameters and the moments zero (after the
+  // model was initialised or its weights loaded).
+  virtual Status adopt_params() = 0;
+  // Adam's moments of unit i, host fp32 in the unit's layout (checkpoints). write_moments also takes the
+  // master weights from the model's current parameters, so load those first.
+  virtual Status read_moments(size_t unit, float* m, float* v) = 0;
+  virtual Status write_moments(size_t unit, const float* m, const float* v) = 0;
+};
+
+class AdamW final : public Optimizer {
+ public:
+  // Moments for `units`, zeroed, on `device` (the units' device, which must outlive the optimizer). The units
+  // must outlive it too: the Optimizer interface updates them.
   static Result<AdamW> create(const std::vector<Unit>& units, const AdamWConfig& config, kernels::Device& device);
 
   // Global L2 norm of all gradients (summed in double, in unit order, so it is independent of threading).
@@ -34,10 +59,15 @@ class AdamW {
   // One update of every unit with learning rate lr. Clips by global norm first (PyTorch's clip_grad_norm_:
   // scale = clip / (norm + 1e-6) when that is < 1). Returns the pre-clip norm. A non-finite norm skips the
   // update (nothing changes, step count included) and is reported through *skipped.
-  double step(std::vector<Unit>& units, float lr, bool* skipped = nullptr);
+  double step(const std::vector<Unit>& units, float lr, bool* skipped = nullptr);
 
-  int steps_taken() const { return t_; }
-  void set_steps_taken(int t) { t_ = t; }
+  // The Optimizer interface, over the units given to create().
+  Result<double> step(float lr, bool* skipped) override { return step(*units_, lr, skipped); }
+  int steps_taken() const override { return t_; }
+  void set_steps_taken(int t) override { t_ = t; }
+  Status adopt_params() override;  // zeroes the moments: the parameters are the master weights
+  Status read_moments(size_t unit, float* m, float* v) override;
+  Status write_moments(size_t unit, const float* m, const float* v) override;
   // Moments of unit i (layout of the unit); device memory.
   float* m(size_t i) const { return m_[i].as<float>(); }
   float* v(size_t i) const { return v_[i].as<float>(); }
@@ -46,6 +76,7 @@ class AdamW {
  private:
   AdamWConfig config_;
   kernels::Device* device_ = nullptr;
+  const std::vector<Unit>* units_ = nullptr;
   std::vector<kernels::DeviceBuffer> m_, v_;
   int t_ = 0;
 };

@@ -17,6 +17,7 @@
 #include "engine/checkpoint.h"
 #include "engine/dataloader.h"
 #include "engine/gpt2.h"
+#include "engine/offload_runtime.h"
 #include "engine/optimizer.h"
 #include "kernels/cpu/cpu_kernels.h"
 
@@ -63,20 +64,35 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   const std::string device_name = config.compute.kernels == "reference" ? "cpu" : config.compute.device;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Device> device, kernels::make_device(device_name, *k));
   device->set_memory_limit(config.offload.device_memory_limit);
+  const bool offloaded = offload_enabled(config.offload);
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> model,
-                          GPT2::create(config.model, *device, config.compute.matmul_precision));
+                          GPT2::create(config.model, *device, config.compute.matmul_precision, offloaded));
   AdamWConfig ac;
   ac.beta1 = static_cast<float>(tc.beta1);
   ac.beta2 = static_cast<float>(tc.beta2);
   ac.eps = static_cast<float>(tc.eps);
   ac.weight_decay = static_cast<float>(tc.weight_decay);
   ac.grad_clip = static_cast<float>(tc.grad_clip);
-  STRATA_ASSIGN_OR_RETURN(AdamW opt, AdamW::create(model->units(), ac, *device));
+  // The optimizer and, when offloading, the stack that places the state (declared after the model and before
+  // the optimizer's users, so it is destroyed first).
+  std::unique_ptr<OffloadRuntime> offload;
+  std::optional<AdamW> device_opt;
+  Optimizer* opt = nullptr;
+  if (offloaded) {
+    auto rt = OffloadRuntime::create(config.offload, ac, *device, *model);
+    if (!rt.is_ok()) return rt.status().with_context(config.source);
+    offload = std::move(rt).value();
+    opt = &offload->optimizer();
+  } else {
+    STRATA_ASSIGN_OR_RETURN(AdamW a, AdamW::create(model->units(), ac, *device));
+    device_opt.emplace(std::move(a));
+    opt = &*device_opt;
+  }
 
   TrainState state;
   state.config = config.json;
   if (!options.resume.empty()) {
-    auto loaded = load_checkpoint(options.resume, *model, opt);
+    auto loaded = load_checkpoint(options.resume, *model, *opt);
     if (!loaded.is_ok()) return loaded.status().with_context("--resume " + options.resume);
     state.step = loaded->step;
     state.train_pos = loaded->train_pos;
@@ -84,15 +100,17 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     STRATA_LOG_INFO("resumed from {} at step {}", options.resume, state.step);
   } else if (!tc.init_from.empty()) {
     STRATA_RETURN_IF_ERROR(load_model(*model, tc.init_from).with_context("training.init_from"));
+    STRATA_RETURN_IF_ERROR(opt->adopt_params());
     STRATA_LOG_INFO("initialised weights from {}", tc.init_from);
   } else {
-    model->init_gpt2(static_cast<uint64_t>(tc.seed));
+    STRATA_RETURN_IF_ERROR(model->init_gpt2(static_cast<uint64_t>(tc.seed)));
+    STRATA_RETURN_IF_ERROR(opt->adopt_params());
   }
 
   for (const std::string& key : config.offload.not_acted_on) {
-    STRATA_LOG_WARN("{}: {} is accepted but not acted on yet (the offload manager is in progress): this run keeps "
-                    "every state on {}", config.source, key, device->name());
+    STRATA_LOG_WARN("{}: {} is accepted but not acted on yet", config.source, key);
   }
+  if (offload) STRATA_LOG_INFO("{}", offload->describe());
   const int64_t tokens_per_step = static_cast<int64_t>(B) * T * tc.grad_accum_steps;
   STRATA_LOG_INFO("model: GPT-2 {} layers, {} heads, width {}, vocab {}, context {}: {:.2f}M parameters",
                   config.model.n_layer, config.model.n_head, config.model.n_embd, config.model.vocab_size,
@@ -135,7 +153,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   auto checkpoint = [&]() -> Status {
     state.train_pos = train.position();
     STRATA_ASSIGN_OR_RETURN(summary.checkpoint,
-                            save_checkpoint(tc.checkpoint_dir, *model, opt, state, tc.keep_checkpoints));
+                            save_checkpoint(tc.checkpoint_dir, *model, *opt, state, tc.keep_checkpoints));
     return Status::ok();
   };
 
@@ -151,19 +169,21 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
                                                        int(g_stop_signal), tc.checkpoint_dir));
     }
     Timer step_timer;
-    model->zero_grads();
+    STRATA_RETURN_IF_ERROR(model->zero_grads());
     double loss_sum = 0.0;
     for (int micro = 0; micro < tc.grad_accum_steps; ++micro) {
       STRATA_RETURN_IF_ERROR(train.next_batch(x.data(), y.data()));
       STRATA_ASSIGN_OR_RETURN(float loss, model->forward(x.data(), y.data(), B, T));
       loss_sum += loss;
-      model->backward(1.0f / static_cast<float>(tc.grad_accum_steps));
+      STRATA_RETURN_IF_ERROR(model->backward(1.0f / static_cast<float>(tc.grad_accum_steps)));
     }
     const float loss = static_cast<float>(loss_sum / tc.grad_accum_steps);
     const double lr = lr_at(state.step, tc.lr, tc.min_lr, tc.warmup_steps, tc.max_steps);
     bool skipped = false;
-    const double norm = opt.step(model->units(), static_cast<float>(lr), &skipped);
+    STRATA_ASSIGN_OR_RETURN(const double norm, opt->step(static_cast<float>(lr), &skipped));
     if (state.step == first_step) STRATA_LOG_INFO("{} memory: {}", device->name(), device->memory_report());
+    std::optional<OffloadStepReport> report;
+    if (offload) report = offload->take_report();
     if (skipped) {
       STRATA_LOG_WARN("step {}: gradient norm is {}; update skipped", state.step + 1, norm);
       if (++skipped_in_a_row >= 10) {
@@ -192,6 +212,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
                                      "{:>6.0f} ms | elapsed {} | eta {}",
                                      done, tc.max_steps, loss, lr, norm, tok_s, step_s * 1e3, hms(elapsed), hms(eta));
       if (ran_val) line += fmt::format(" | val {:.4f}", summary.val_loss);
+      if (report) line += " | " + report->summary();
       std::puts(line.c_str());
       std::fflush(stdout);
     }
@@ -200,6 +221,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
                           {"grad_norm", norm},       {"tokens_per_s", tok_s},  {"step_ms", step_s * 1e3}};
       if (ran_val) m["val_loss"] = summary.val_loss;
       if (skipped) m["skipped"] = true;
+      if (report) m["offload"] = report->to_json();
       std::fprintf(metrics.get(), "%s\n", m.dump().c_str());
       std::fflush(metrics.get());
     }

@@ -101,8 +101,8 @@ TEST_P(GoldenTest, LogitsLossAndGradientsMatchPyTorch) {
   const size_t nlogits = fx_.logits.size();
   EXPECT_TRUE(testing::all_close(model_->logits(), fx_.logits.data(), nlogits, 1e-4, 0, "logits"));
   EXPECT_NEAR(loss.value(), fx_.loss, 1e-5) << "loss";
-  model_->zero_grads();
-  model_->backward();
+  ASSERT_OK(model_->zero_grads());
+  ASSERT_OK(model_->backward());
   const std::vector<float> g = all_grads();
   // Report per tensor, so a failure names the tensor.
   size_t off = 0;
@@ -126,10 +126,10 @@ TEST_P(GoldenTest, TenAdamWStepsMatchPyTorch) {
   ASSERT_TRUE(opt.is_ok());
   std::vector<float> losses;
   for (int s = 0; s < fx_.n_steps; ++s) {
-    model_->zero_grads();
+    ASSERT_OK(model_->zero_grads());
     auto loss = model_->forward(fx_.x.data(), fx_.y.data(), fx_.B, fx_.T);
     ASSERT_TRUE(loss.is_ok());
-    model_->backward();
+    ASSERT_OK(model_->backward());
     opt->step(model_->units(), fx_.lr);
     losses.push_back(loss.value());
   }

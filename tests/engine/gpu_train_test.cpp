@@ -60,7 +60,7 @@ TrainRun train(kernels::Device& device, MatmulPrecision precision, uint64_t seed
   auto model = GPT2::create(kConfig, device, precision);
   EXPECT_TRUE(model.is_ok()) << model.status().to_string();
   GPT2& m = *model.value();
-  m.init_gpt2(seed);
+  EXPECT_TRUE(m.init_gpt2(seed).is_ok());
   r.init = host_params(m);
   AdamWConfig ac;
   ac.grad_clip = 0.5f;  // low enough that clipping is active on some steps
@@ -73,11 +73,11 @@ TrainRun train(kernels::Device& device, MatmulPrecision precision, uint64_t seed
       x[i] = static_cast<int32_t>(rng.below(kConfig.vocab_size));
       y[i] = i % 11 == 4 ? -1 : static_cast<int32_t>(rng.below(kConfig.vocab_size));  // some ignored targets
     }
-    m.zero_grads();
+    EXPECT_TRUE(m.zero_grads().is_ok());
     auto loss = m.forward(x.data(), y.data(), kB, kT);
     EXPECT_TRUE(loss.is_ok());
     r.losses.push_back(loss.value());
-    m.backward();
+    EXPECT_TRUE(m.backward().is_ok());
     opt->step(m.units(), 1e-3f);
   }
   r.params = host_params(m);
@@ -129,12 +129,12 @@ TEST_F(GpuTrainTest, CheckpointRoundTripsThroughTheHost) {
       (std::filesystem::temp_directory_path() / fmt::format("strata_gpu_ckpt_{}", ::getpid())).string();
   auto model = GPT2::create(kConfig, *gpu_, MatmulPrecision::kF32);
   ASSERT_TRUE(model.is_ok());
-  model.value()->init_gpt2(9);
+  ASSERT_OK(model.value()->init_gpt2(9));
   auto opt = AdamW::create(model.value()->units(), AdamWConfig{}, *gpu_);
   ASSERT_TRUE(opt.is_ok());
   std::vector<int32_t> x(kB * kT, 3), y(kB * kT, 7);
   ASSERT_TRUE(model.value()->forward(x.data(), y.data(), kB, kT).is_ok());
-  model.value()->backward();
+  ASSERT_OK(model.value()->backward());
   opt->step(model.value()->units(), 1e-3f);  // non-zero moments to save
   auto saved = save_checkpoint(dir, *model.value(), *opt, TrainState{.step = 1, .train_pos = {}, .config = {}}, 0);
   ASSERT_TRUE(saved.is_ok()) << saved.status().to_string();

@@ -1,0 +1,164 @@
+#include "engine/offload_optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "common/timer.h"
+#include "kernels/cpu/fast.h"
+
+namespace strata::engine {
+
+Result<std::unique_ptr<OffloadedAdamW>> OffloadedAdamW::create(const GPT2& model, offload::Coordinator& coordinator,
+                                                              offload::PinnedPool& pool, SwapStore* store,
+                                                              const AdamWConfig& config,
+                                                              const OffloadedAdamWOptions& options) {
+  if (options.placement != offload::Tier::kHost && options.placement != offload::Tier::kNvme)
+    return Status::invalid_argument("offload_optimizer.device must be cpu or nvme here");
+  if (options.placement == offload::Tier::kNvme && store == nullptr)
+    return Status::invalid_argument("offload_optimizer.device = nvme needs offload_optimizer.nvme_path");
+  if (options.sub_group_size == 0) return Status::invalid_argument("zero_optimization.sub_group_size must be > 0");
+  if (coordinator.num_units() != model.units().size())
+    return Status::invalid_argument("offload: the coordinator has {} units, the model {}", coordinator.num_units(),
+                                    model.units().size());
+  std::unique_ptr<OffloadedAdamW> opt(new OffloadedAdamW());
+  opt->config_ = config;
+  opt->options_ = options;
+  opt->model_ = &model;
+  opt->coordinator_ = &coordinator;
+  const size_t group_size = (options.sub_group_size + 1023) / 1024 * 1024;
+  for (size_t u = 0; u < model.units().size(); ++u) {
+    const Unit& unit = model.units()[u];
+    for (size_t off = 0, k = 0; off < unit.numel(); off += group_size, ++k) {
+      Group g;
+      g.unit = u;
+      g.offset = off;
+      g.spec.name = fmt::format("{}.{}", unit.name, k);
+      g.spec.numel = std::min(group_size, unit.numel() - off);
+      // The weight decay runs of the range: each tensor's part of it.
+      for (const TensorSpec& s : unit.layout.specs()) {
+        const size_t lo = std::max(off, s.offset), hi = std::min(off + g.spec.numel, s.offset + s.numel());
+        if (lo >= hi) continue;
+        g.spec.segments.push_back({lo - off, hi - lo, s.decay ? config.weight_decay : 0.0f});
+      }
+      if (options.placement == offload::Tier::kHost) {
+        STRATA_ASSIGN_OR_RETURN(g.state, pool.try_acquire(3 * g.spec.numel * sizeof(float),
+                                                      "offload.optimizer " + g.spec.name));
+      }
+      opt->groups_.push_back(std::move(g));
+    }
+  }
+  if (options.placement == offload::Tier::kNvme) {
+    std::vector<offload::OptimizerGroup> specs;
+    for (const Group& g : opt->groups_) specs.push_back(g.spec);
+    STRATA_ASSIGN_OR_RETURN(opt->swapper_,
+                            offload::OptimizerSwapper::create(*store, pool, std::move(specs),
+                                                              offload::OptimizerSwapOptions{
+                                                                  .key_prefix = "opt.",
+                                                                  .slots = std::max(2, options.swap_slots)}));
+  }
+  return opt;
+}
+
+Status OffloadedAdamW::load_unit(size_t unit, const float* m, const float* v) {
+  std::vector<float> params(model_->units()[unit].numel());
+  STRATA_RETURN_IF_ERROR(coordinator_->read_params(unit, params.data()));
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    Group& g = groups_[i];
+    if (g.unit != unit) continue;
+    const size_t n = g.spec.numel;
+    const float* master = params.data() + g.offset;
+    const float* gm = m ? m + g.offset : nullptr;
+    const float* gv = v ? v + g.offset : nullptr;
+    if (swapper_) {
+      STRATA_RETURN_IF_ERROR(swapper_->initialize(i, master, gm, gv));
+      continue;
+    }
+    float* st = g.state.as<float>();
+    std::memcpy(st, master, n * sizeof(float));
+    if (gm) std::memcpy(st + n, gm, n * sizeof(float)); else std::memset(st + n, 0, n * sizeof(float));
+    if (gv) std::memcpy(st + 2 * n, gv, n * sizeof(float)); else std::memset(st + 2 * n, 0, n * sizeof(float));
+  }
+  return Status::ok();
+}
+
+Status OffloadedAdamW::adopt_params() {
+  for (size_t u = 0; u < model_->units().size(); ++u) STRATA_RETURN_IF_ERROR(load_unit(u, nullptr, nullptr));
+  return Status::ok();
+}
+
+Status OffloadedAdamW::write_moments(size_t unit, const float* m, const float* v) { return load_unit(unit, m, v); }
+
+Status OffloadedAdamW::read_moments(size_t unit, float* m, float* v) {
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    const Group& g = groups_[i];
+    if (g.unit != unit) continue;
+    if (swapper_) {
+      STRATA_RETURN_IF_ERROR(swapper_->read_state(i, nullptr, m + g.offset, v + g.offset));
+      continue;
+    }
+    const float* st = g.state.as<float>();
+    std::memcpy(m + g.offset, st + g.spec.numel, g.spec.numel * sizeof(float));
+    std::memcpy(v + g.offset, st + 2 * g.spec.numel, g.spec.numel * sizeof(float));
+  }
+  return Status::ok();
+}
+
+Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
+  stats_ = OffloadedStepStats{};
+  Timer wait;
+  STRATA_RETURN_IF_ERROR(coordinator_->flush_grads());
+  stats_.grads_wait_s = wait.seconds();
+  double sum = 0.0;
+  for (size_t u = 0; u < model_->units().size(); ++u)
+    sum = kernels::cpu::fast::add_sum_squares(sum, coordinator_->host_grads(u), model_->units()[u].numel());
+  const double norm = std::sqrt(sum);
+  if (!std::isfinite(norm)) {
+    if (skipped) *skipped = true;
+    return norm;
+  }
+  if (skipped) *skipped = false;
+  const float scale = clip_scale(norm, config_.grad_clip);
+  ++t_;
+  kernels::AdamWParams hp;
+  hp.lr = lr;
+  hp.beta1 = config_.beta1;
+  hp.beta2 = config_.beta2;
+  hp.eps = config_.eps;
+  hp.step = t_;
+  hp.grad_scale = scale;
+  Timer update;
+  if (swapper_) {
+    std::vector<const float*> grads;
+    for (const Group& g : groups_) grads.push_back(coordinator_->host_grads(g.unit) + g.offset);
+    const Status st = swapper_->step(grads, {}, DType::kF32, hp, [&](size_t i, const float* master) {
+      const Group& g = groups_[i];
+      return coordinator_->write_params(g.unit, g.offset, g.spec.numel, master);
+    });
+    stats_.nvme_read_bytes = swapper_->last_step_stats().bytes_read;
+    stats_.nvme_write_bytes = swapper_->last_step_stats().bytes_written;
+    // A failed step leaves some sub-groups updated (OptimizerSwapper's contract): the run must restart from a
+    // checkpoint, which the error says.
+    if (!st.is_ok()) return st.with_context("optimizer step " + std::to_string(t_) + " (resume from a checkpoint)");
+  } else {
+    for (const Group& g : groups_) {
+      float* master = g.state.as<float>();
+      float* m = master + g.spec.numel;
+      float* v = m + g.spec.numel;
+      const float* grads = coordinator_->host_grads(g.unit) + g.offset;
+      for (const offload::OptimizerSegment& s : g.spec.segments) {
+        kernels::AdamWParams p = hp;
+        p.weight_decay = s.weight_decay;
+        kernels::cpu::fast::adamw_update_mixed(master + s.offset, m + s.offset, v + s.offset, grads + s.offset,
+                                               nullptr, DType::kF32, s.numel, p);
+      }
+      STRATA_RETURN_IF_ERROR(coordinator_->write_params(g.unit, g.offset, g.spec.numel, master));
+    }
+  }
+  stats_.update_s = update.seconds();
+  return norm;
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,83 @@
+// offload_optimizer.h — AdamW with its state off the device (ZeRO-Offload / ZeRO-Infinity's offload_optimizer):
+// fp32 master weights and moments in pinned host memory ("cpu") or in the swap store on NVMe ("nvme"), updated
+// on the CPU by the fused pass of kernels/cpu/fast.h from the gradients the Coordinator brought home, and the
+// new parameters written back through the Coordinator (to their home tier, refreshing any device copy).
+//
+// The state is split into sub-groups of at most `sub_group_size` elements (DeepSpeed's sub_group_size), each a
+// range of one unit; with "nvme" they stream through the OptimizerSwapper's pinned slots (read i+1, update i,
+// write i-1), so host memory holds a few sub-groups instead of 12 bytes per parameter. The global norm is
+// summed per unit, in unit order, with the same function as the "cpu" Device (kernels/cpu/fast.h
+// add_sum_squares), and the update is the same AdamW: on the CPU backend a run with the optimizer offloaded is
+// bitwise the run that keeps it on the device.
+//
+// Threading: the training thread drives it; the update runs on TBB, NVMe I/O on the swap store's engine.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/gpt2.h"
+#include "engine/optimizer.h"
+#include "offload/coordinator.h"
+#include "offload/optimizer_swap.h"
+#include "offload/pinned_pool.h"
+#include "storage/swap_store.h"
+
+namespace strata::engine {
+
+struct OffloadedAdamWOptions {
+  offload::Tier placement = offload::Tier::kHost;  // kHost ("cpu") or kNvme
+  size_t sub_group_size = 1'000'000'000;           // elements; rounded up to a multiple of 1024
+  int swap_slots = 3;                              // nvme: staging slots (offload_optimizer.buffer_count)
+};
+
+// Where the last step's time went (seconds) and what it moved.
+struct OffloadedStepStats {
+  double grads_wait_s = 0;  // waiting for gradients to arrive in host memory
+  double update_s = 0;      // the fused Adam passes (with nvme: the whole swap pipeline)
+  uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;
+};
+
+class OffloadedAdamW final : public Optimizer {
+ public:
+  // `model` gives the layouts (its units, in the coordinator's order); `store` is needed for kNvme. All must
+  // outlive the optimizer. Call adopt_params() (or write_moments for every unit) before the first step.
+  static Result<std::unique_ptr<OffloadedAdamW>> create(const GPT2& model, offload::Coordinator& coordinator,
+                                                        offload::PinnedPool& pool, SwapStore* store,
+                                                        const AdamWConfig& config,
+                                                        const OffloadedAdamWOptions& options);
+
+  Result<double> step(float lr, bool* skipped) override;
+  int steps_taken() const override { return t_; }
+  void set_steps_taken(int t) override { t_ = t; }
+  Status adopt_params() override;
+  Status read_moments(size_t unit, float* m, float* v) override;
+  Status write_moments(size_t unit, const float* m, const float* v) override;
+
+  const OffloadedStepStats& last_step_stats() const { return stats_; }
+  size_t num_groups() const { return groups_.size(); }
+
+ private:
+  struct Group {
+    size_t unit = 0, offset = 0;  // the range [offset, offset + numel) of the unit
+    offload::OptimizerGroup spec;
+    offload::PinnedBuffer state;  // kHost: master, m, v (3 x numel floats)
+  };
+  OffloadedAdamW() = default;
+  // Sets master from the unit's current parameters and the moments from m, v (zeros where null).
+  Status load_unit(size_t unit, const float* m, const float* v);
+
+  AdamWConfig config_;
+  OffloadedAdamWOptions options_;
+  const GPT2* model_ = nullptr;
+  offload::Coordinator* coordinator_ = nullptr;
+  std::vector<Group> groups_;
+  std::unique_ptr<offload::OptimizerSwapper> swapper_;  // kNvme
+  int t_ = 0;
+  OffloadedStepStats stats_;
+};
+
+}  // namespace strata::engine

@@ -1,0 +1,185 @@
+#include "engine/offload_runtime.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "common/log.h"
+
+namespace strata::engine {
+namespace {
+
+std::string short_bytes(uint64_t b) {
+  if (b >= (uint64_t{1} << 30)) return fmt::format("{:.1f}G", b / double(uint64_t{1} << 30));
+  if (b >= (uint64_t{1} << 20)) return fmt::format("{:.0f}M", b / double(uint64_t{1} << 20));
+  return fmt::format("{:.0f}K", b / 1024.0);
+}
+
+offload::Tier tier_of(const std::string& device) {
+  return device == "nvme" ? offload::Tier::kNvme : device == "cpu" ? offload::Tier::kHost : offload::Tier::kDevice;
+}
+
+}  // namespace
+
+bool offload_enabled(const OffloadConfig& c) {
+  return c.offload_optimizer.device != "none" || c.offload_param.device != "none";
+}
+
+nlohmann::json OffloadStepReport::to_json() const {
+  return {{"stall_ms", stall_s * 1e3},
+          {"optimizer_ms", optimizer_s * 1e3},
+          {"grads_wait_ms", grads_wait_s * 1e3},
+          {"h2d_bytes", h2d_bytes},
+          {"d2h_bytes", d2h_bytes},
+          {"nvme_read_bytes", nvme_read_bytes},
+          {"nvme_write_bytes", nvme_write_bytes},
+          {"h2d_busy_ms", h2d_busy_s * 1e3},
+          {"d2h_busy_ms", d2h_busy_s * 1e3},
+          {"nvme_busy_ms", nvme_busy_s * 1e3},
+          {"fetches", fetches},
+          {"prefetch_hits", prefetch_hits},
+          {"evictions", evictions},
+          {"retraces", retraces},
+          {"device_bytes", device.live},
+          {"device_peak_bytes", device.peak},
+          {"host_bytes", host.live},
+          {"host_peak_bytes", host.peak},
+          {"nvme_bytes", nvme.live},
+          {"nvme_peak_bytes", nvme.peak}};
+}
+
+std::string OffloadStepReport::summary() const {
+  return fmt::format("dev {} host {} nvme {} | stall {:.0f} ms opt {:.0f} ms", short_bytes(device.live),
+                     short_bytes(host.live), short_bytes(nvme.live), stall_s * 1e3, optimizer_s * 1e3);
+}
+
+OffloadRuntime::~OffloadRuntime() = default;
+
+Status OffloadRuntime::open_store(const std::string& path, uint64_t file_bytes, uint32_t max_files) {
+  if (!io_engine_) {
+    STRATA_ASSIGN_OR_RETURN(io_engine_, make_io_engine(EngineOptions{.kind = EngineKind::kAuto, .lanes = 2,
+                                                                     .queue_depth = 32}));
+    io_queue_ = std::make_unique<IoQueue>(*io_engine_);
+  }
+  SwapStoreOptions so;
+  so.dir = path;
+  so.file_bytes = file_bytes;
+  so.max_files = max_files;
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<SwapStore> store, SwapStore::open(*io_queue_, so));
+  stores_.emplace(path, std::move(store));
+  return Status::ok();
+}
+
+Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConfig& config, const AdamWConfig& adam,
+                                                              kernels::Device& device, GPT2& model) {
+  const offload::Tier opt_tier = tier_of(config.offload_optimizer.device);
+  const offload::Tier param_tier = tier_of(config.offload_param.device);
+  if (opt_tier == offload::Tier::kDevice) {
+    return Status::invalid_argument(
+        "zero_optimization.offload_param.device = {} needs zero_optimization.offload_optimizer.device = cpu or nvme: "
+        "the fp32 master weights would otherwise stay on the device",
+        config.offload_param.device);
+  }
+  std::unique_ptr<OffloadRuntime> rt(new OffloadRuntime());
+  rt->device_ = &device;
+  rt->model_ = &model;
+  rt->placements_ = fmt::format("parameters on {}, optimizer state on {}, gradients to host",
+                                offload::tier_name(param_tier), offload::tier_name(opt_tier));
+
+  // Sub-groups: optimizer state and nvme parameter chunks share one size, so an optimizer sub-group's new
+  // parameters are whole chunks.
+  const size_t group = static_cast<size_t>((config.sub_group_size + 1023) / 1024 * 1024);
+  size_t largest_key = 0, total = 0;
+  for (const Unit& u : model.units()) {
+    largest_key = std::max(largest_key, std::min(group, u.numel()) * sizeof(float));
+    total += u.numel() * sizeof(float);
+  }
+  // One file size that holds the largest key; files are preallocated, so no bigger than the state needs.
+  const uint64_t file_bytes =
+      (std::max<uint64_t>(largest_key + 4096, std::min<uint64_t>(uint64_t{1} << 30, 2 * 3 * total)) + 4095) / 4096 *
+      4096;
+  // One store per folder, sized for what goes there: two versions of every key can coexist (copy-on-write).
+  std::map<std::string, uint64_t> need;
+  if (param_tier == offload::Tier::kNvme) need[config.offload_param.nvme_path] += 2 * total;
+  if (opt_tier == offload::Tier::kNvme) need[config.offload_optimizer.nvme_path] += 2 * 3 * total;
+  for (const auto& [path, bytes] : need) {
+    const uint64_t files = (bytes + file_bytes - 4096 - 1) / (file_bytes - 4096) + 1;
+    STRATA_RETURN_IF_ERROR(rt->open_store(path, file_bytes, static_cast<uint32_t>(files))
+                               .with_context("zero_optimization nvme_path " + path));
+  }
+  SwapStore* param_store =
+      param_tier == offload::Tier::kNvme ? rt->stores_.at(config.offload_param.nvme_path).get() : nullptr;
+  SwapStore* opt_store =
+      opt_tier == offload::Tier::kNvme ? rt->stores_.at(config.offload_optimizer.nvme_path).get() : nullptr;
+
+  offload::PinnedPoolOptions po;
+  po.budget_bytes = config.host_memory_limit;
+  po.lock = config.offload_param.pin_memory || config.offload_optimizer.pin_memory;
+  STRATA_ASSIGN_OR_RETURN(rt->pool_, offload::PinnedPool::create(po));
+  rt->copies_ = std::make_unique<offload::CopyEngine>();
+
+  std::vector<offload::CoordinatorUnit> units;
+  for (const Unit& u : model.units()) units.push_back({u.name, u.numel()});
+  offload::CoordinatorOptions co;
+  co.param_home = param_tier;
+  co.persistence_threshold = static_cast<size_t>(config.stage3_param_persistence_threshold);
+  co.prefetch_elements = static_cast<size_t>(config.stage3_prefetch_bucket_size);
+  co.max_live_elements = static_cast<size_t>(config.stage3_max_live_parameters);
+  co.nvme_chunk_elements = group;
+  co.nvme_buffers = static_cast<int>(config.offload_param.buffer_count);
+  STRATA_ASSIGN_OR_RETURN(rt->coordinator_, offload::Coordinator::create(device, *rt->copies_, rt->pool_.get(),
+                                                                         param_store, std::move(units), co));
+  model.set_coordinator(rt->coordinator_.get());
+
+  OffloadedAdamWOptions oo;
+  oo.placement = opt_tier;
+  oo.sub_group_size = group;
+  oo.swap_slots = static_cast<int>(config.offload_optimizer.buffer_count);
+  STRATA_ASSIGN_OR_RETURN(rt->optimizer_,
+                          OffloadedAdamW::create(model, *rt->coordinator_, *rt->pool_, opt_store, adam, oo));
+  return rt;
+}
+
+OffloadStepReport OffloadRuntime::take_report() {
+  OffloadStepReport r;
+  const offload::CoordinatorStats cs = coordinator_->take_stats();
+  r.stall_s = cs.stall_s;
+  r.h2d_bytes = cs.h2d_bytes;
+  r.d2h_bytes = cs.d2h_bytes;
+  r.nvme_read_bytes = cs.nvme_read_bytes;
+  r.nvme_write_bytes = cs.nvme_write_bytes;
+  r.fetches = cs.fetches;
+  r.prefetch_hits = cs.prefetch_hits;
+  r.evictions = cs.evictions;
+  r.retraces = cs.retraces;
+  const OffloadedStepStats& os = optimizer_->last_step_stats();
+  r.optimizer_s = os.update_s;
+  r.grads_wait_s = os.grads_wait_s;
+  r.nvme_read_bytes += os.nvme_read_bytes;
+  r.nvme_write_bytes += os.nvme_write_bytes;
+  auto delta = [](const offload::CopyQueueStats& now, offload::CopyQueueStats* last) {
+    const double d = now.busy_s - last->busy_s;
+    *last = now;
+    return d;
+  };
+  r.h2d_busy_s = delta(copies_->h2d.stats(), &last_h2d_);
+  r.d2h_busy_s = delta(copies_->d2h.stats(), &last_d2h_);
+  r.nvme_busy_s = delta(copies_->nvme.stats(), &last_nvme_);
+  r.device = offload::TierUsage{device_->live_bytes(), device_->peak_bytes(), device_->memory_limit()};
+  r.host = offload::TierUsage{pool_->used_bytes(), pool_->peak_bytes(), pool_->budget_bytes()};
+  uint64_t nvme = 0;
+  for (const auto& [path, store] : stores_) nvme += store->stats().used_bytes;
+  nvme_peak_ = std::max(nvme_peak_, nvme);
+  r.nvme = offload::TierUsage{nvme, nvme_peak_, 0};
+  return r;
+}
+
+std::string OffloadRuntime::describe() const {
+  std::string out = fmt::format("offload: {}; host tier: {}", placements_, pool_->budget_source());
+  for (const auto& [path, store] : stores_)
+    out += fmt::format("; nvme tier: {} ({} file(s) of {} MiB)", path, store->options().max_files,
+                       store->options().file_bytes >> 20);
+  return out;
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,84 @@
+// offload_runtime.h — the offload stack of one training run, built from the "zero_optimization", "aio" and
+// "memory" sections: the swap store(s) on NVMe, the pinned host pool, the copy engine, the Coordinator of the
+// model's parameters and gradients, and the offloaded optimizer.
+//
+// Placements (DeepSpeed's names): offload_optimizer.device cpu|nvme puts the fp32 master weights and Adam
+// moments in host memory or on NVMe and runs Adam on the CPU; offload_param.device cpu|nvme makes the device
+// hold only the units being computed, with the rest in host memory or on NVMe. offload_param needs
+// offload_optimizer (the fp32 master weights would otherwise have to stay on the device). Gradients go home to
+// host memory whenever the optimizer is offloaded.
+//
+// Threading: built and driven by the training thread; owns the copy and I/O threads.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "engine/gpt2.h"
+#include "engine/offload_config.h"
+#include "engine/offload_optimizer.h"
+#include "engine/optimizer.h"
+#include "offload/coordinator.h"
+#include "offload/copy_engine.h"
+#include "offload/pinned_pool.h"
+#include "storage/io_engine.h"
+#include "storage/io_queue.h"
+#include "storage/swap_store.h"
+
+namespace strata::engine {
+
+// True when the configuration moves any state off the device.
+bool offload_enabled(const OffloadConfig& config);
+
+// What one step moved and where its time went, for the progress line, the metrics file and bench step.
+struct OffloadStepReport {
+  double stall_s = 0;           // training thread waiting for parameters or gradients to arrive
+  double optimizer_s = 0;       // the CPU optimizer (with nvme: its whole swap pipeline)
+  double grads_wait_s = 0;      // the optimizer waiting for the last gradients to reach host memory
+  double h2d_busy_s = 0, d2h_busy_s = 0, nvme_busy_s = 0;  // copy queues' busy time
+  uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_write_bytes = 0;
+  uint64_t fetches = 0, prefetch_hits = 0, evictions = 0, retraces = 0;
+  offload::TierUsage device, host, nvme;
+  nlohmann::json to_json() const;
+  std::string summary() const;  // "dev 12.0M host 1.2G nvme 3.4G | stall 3 ms opt 40 ms"
+};
+
+class OffloadRuntime {
+ public:
+  // Builds the stack for `model` (created offloaded, on `device`) and attaches the coordinator to it. The
+  // model's parameters are zeros until written (init_gpt2, load_model); then call optimizer().adopt_params().
+  static Result<std::unique_ptr<OffloadRuntime>> create(const OffloadConfig& config, const AdamWConfig& adam,
+                                                        kernels::Device& device, GPT2& model);
+  ~OffloadRuntime();
+
+  Optimizer& optimizer() { return *optimizer_; }
+  offload::Coordinator& coordinator() { return *coordinator_; }
+  // The counters since the last call, with each tier's live and peak bytes now.
+  OffloadStepReport take_report();
+  // One line per tier for the log: placements, budgets, what holds the bytes.
+  std::string describe() const;
+
+ private:
+  OffloadRuntime() = default;
+  Status open_store(const std::string& path, uint64_t file_bytes, uint32_t max_files);
+
+  kernels::Device* device_ = nullptr;
+  GPT2* model_ = nullptr;
+  std::string placements_;
+  // Declared in construction order; destroyed in reverse, so nothing outlives what it uses.
+  std::unique_ptr<IoEngine> io_engine_;
+  std::unique_ptr<IoQueue> io_queue_;
+  std::map<std::string, std::unique_ptr<SwapStore>> stores_;  // by nvme_path
+  std::unique_ptr<offload::PinnedPool> pool_;
+  std::unique_ptr<offload::CopyEngine> copies_;
+  std::unique_ptr<offload::Coordinator> coordinator_;
+  std::unique_ptr<OffloadedAdamW> optimizer_;
+  offload::CopyQueueStats last_h2d_, last_d2h_, last_nvme_;
+  uint64_t nvme_peak_ = 0;
+};
+
+}  // namespace strata::engine

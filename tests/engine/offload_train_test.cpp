@@ -1,0 +1,149 @@
+// Training with the state spread over the tiers gives bitwise the run that keeps everything on the device:
+// every placement (optimizer in host memory or on NVMe, parameters in host memory or on NVMe, small sub-groups
+// that split tensors, a cap on live parameters that forces evictions, gradient accumulation), resumed runs
+// included. Compared: the per-step loss and gradient norm, and the final checkpoint's weights and moments.
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/engine/trainer_fixture.h"
+
+namespace strata::engine {
+namespace {
+
+struct Placement {
+  const char* name;
+  json zero;  // the zero_optimization section; nvme paths are filled in
+};
+
+class OffloadTrainTest : public TrainerTest {
+ protected:
+  json config(const std::string& run, const json& zero, int accum = 1) const {
+    json j = base_config(run);
+    j["training"]["grad_accum_steps"] = accum;
+    j["training"]["val_every"] = 2;  // forward-only passes between steps: a prefix of the recorded trace
+    if (!zero.is_null()) j["zero_optimization"] = fill_paths(zero);
+    return j;
+  }
+  json fill_paths(json zero) const {
+    for (const char* t : {"offload_param", "offload_optimizer"}) {
+      if (zero.contains(t) && zero[t].value("device", "") == "nvme") zero[t]["nvme_path"] = (dir_ / "swap").string();
+    }
+    return zero;
+  }
+  // Loss and grad_norm of every step, in order, from a metrics file.
+  static std::vector<std::pair<double, double>> losses(const fs::path& metrics) {
+    std::ifstream in(metrics);
+    std::vector<std::pair<double, double>> out;
+    for (std::string line; std::getline(in, line);) {
+      const json m = json::parse(line);
+      out.emplace_back(m.at("loss").get<double>(), m.at("grad_norm").get<double>());
+    }
+    return out;
+  }
+  void expect_same_run(const std::string& want, const std::string& got, int step) const {
+    const std::string dir = fmt::format("step_{:06d}", step);
+    EXPECT_EQ(losses(dir_ / (want + ".jsonl")), losses(dir_ / (got + ".jsonl"))) << got << ": losses differ";
+    for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
+      const auto a = file_bytes(dir_ / want / dir / f);
+      EXPECT_FALSE(a.empty());
+      EXPECT_TRUE(a == file_bytes(dir_ / got / dir / f)) << got << ": " << f << " differs from " << want;
+    }
+  }
+  // The offload counters of a run's metrics, summed over its steps.
+  static json offload_totals(const fs::path& metrics) {
+    std::ifstream in(metrics);
+    json sum = json::object();
+    for (std::string line; std::getline(in, line);) {
+      const json m = json::parse(line);
+      if (!m.contains("offload")) return json();
+      for (const auto& [k, v] : m["offload"].items()) sum[k] = sum.value(k, 0.0) + v.get<double>();
+    }
+    return sum;
+  }
+  void run(const std::string& name, const json& j, const std::string& resume = "") {
+    auto r = train(j, resume, (dir_ / (name + ".jsonl")).string());
+    ASSERT_TRUE(r.is_ok()) << name << ": " << r.status().to_string();
+  }
+};
+
+std::vector<Placement> placements() {
+  const json opt_cpu = {{"device", "cpu"}};
+  const json opt_nvme = {{"device", "nvme"}};
+  return {
+      {"optimizer_cpu", {{"stage", 2}, {"offload_optimizer", opt_cpu}}},
+      {"optimizer_nvme", {{"stage", 2}, {"offload_optimizer", opt_nvme}, {"sub_group_size", 5000}}},
+      {"params_cpu",
+       {{"stage", 3}, {"offload_param", {{"device", "cpu"}}}, {"offload_optimizer", opt_cpu},
+        {"stage3_param_persistence_threshold", 0}}},
+      {"params_nvme_optimizer_nvme",
+       {{"stage", 3}, {"offload_param", {{"device", "nvme"}, {"buffer_count", 2}}}, {"offload_optimizer", opt_nvme},
+        {"stage3_param_persistence_threshold", 100}, {"sub_group_size", 3000},
+        {"stage3_max_live_parameters", 20000}, {"stage3_prefetch_bucket_size", 15000}}},
+  };
+}
+
+TEST_F(OffloadTrainTest, EveryPlacementIsBitwiseThePlainRun) {
+  run("plain", config("plain", json()));
+  for (const Placement& p : placements()) {
+    SCOPED_TRACE(p.name);
+    run(p.name, config(p.name, p.zero));
+    expect_same_run("plain", p.name, 6);
+    // The state really moved: gradients came home every step, and the optimizer or parameters used the disk
+    // where they were placed on it.
+    const json t = offload_totals(dir_ / (std::string(p.name) + ".jsonl"));
+    ASSERT_TRUE(t.is_object()) << "no offload metrics";
+    EXPECT_GT(t["d2h_bytes"].get<double>(), 0);
+    if (p.zero.dump().find("nvme") != std::string::npos) {
+      EXPECT_GT(t["nvme_read_bytes"].get<double>(), 0);
+    }
+  }
+  // The capped run had to evict and fetch again, and the trace's prefetches were used.
+  const json t = offload_totals(dir_ / "params_nvme_optimizer_nvme.jsonl");
+  EXPECT_GT(t["evictions"].get<double>(), 0);
+  EXPECT_GT(t["fetches"].get<double>(), 0);
+  EXPECT_GT(t["prefetch_hits"].get<double>(), 0);
+  EXPECT_EQ(t["retraces"].get<double>(), 0) << "the access order of training steps does not change";
+}
+
+TEST_F(OffloadTrainTest, GradientAccumulationIsExactWithOffloadedGradients) {
+  run("plain", config("plain", json(), 2));
+  const Placement p = placements().back();  // everything off the device, with evictions
+  run(p.name, config(p.name, p.zero, 2));
+  expect_same_run("plain", p.name, 6);
+}
+
+TEST_F(OffloadTrainTest, ResumeFromAnOffloadedCheckpointIsBitwiseAStraightRun) {
+  const Placement p = placements().back();
+  run("straight", config("straight", p.zero));
+  json first = config("resumed", p.zero);
+  first["training"]["max_steps"] = 3;
+  run("resumed_part1", first);
+  run("resumed", config("resumed", p.zero), (dir_ / "resumed").string());
+  for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
+    EXPECT_TRUE(file_bytes(dir_ / "straight" / "step_000006" / f) == file_bytes(dir_ / "resumed" / "step_000006" / f))
+        << f;
+  }
+}
+
+TEST_F(OffloadTrainTest, ParamOffloadWithoutOptimizerOffloadIsRefusedByName) {
+  json zero = {{"stage", 3}, {"offload_param", {{"device", "cpu"}}}};
+  auto r = train(config("bad", zero));
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("offload_optimizer.device"), std::string::npos) << r.status().to_string();
+}
+
+TEST_F(OffloadTrainTest, AHostBudgetTooSmallForTheStateFailsAtStartNamingIt) {
+  json j = config("small", placements()[0].zero);
+  j["memory"] = {{"host_memory_limit", "64KiB"}};
+  auto r = train(j);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kOutOfMemory) << r.status().to_string();
+  EXPECT_NE(r.status().to_string().find("offload."), std::string::npos) << r.status().to_string();
+}
+
+}  // namespace
+}  // namespace strata::engine
