@@ -152,7 +152,12 @@ GPT2::BlockParams GPT2::block_params(int l, const float* cbase) const {
 
 Status GPT2::ensure_activations(int B, int T) {
   if (B == last_B_ && T == last_T_) return Status::ok();
-  const size_t L = config_.n_layer, C = config_.n_embd, V = config_.vocab_size;
+  const size_t C = config_.n_embd, V = config_.vocab_size;
+  // Per-layer activations: every layer's, or with checkpointing one layer's (recomputed in backward).
+  const size_t L = checkpointing_ == ActivationCheckpointing::kNone ? config_.n_layer : 1;
+  // Block outputs: every layer's (they are the checkpoints), or two alternating ones when the checkpoints live
+  // in host memory.
+  const size_t R = checkpointing_ == ActivationCheckpointing::kHost ? std::min(2, config_.n_layer) : config_.n_layer;
   const size_t BT = static_cast<size_t>(B) * T;
   const size_t att_floats = k_->attention_saved_floats(B, T, config_.n_embd, config_.n_head, precision_);
   // Sizes in floats, in the order of the Activations struct, then the per-block gradient scratch.
@@ -165,7 +170,7 @@ Status GPT2::ensure_activations(int B, int T) {
       L * BT * C, L * BT * C,                  // attproj, residual2
       L * BT * C, L * BT, L * BT,              // ln2, ln2_mean, ln2_rstd
       L * BT * 4 * C, L * BT * 4 * C,          // fch, fch_gelu
-      L * BT * C, L * BT * C,                  // fcproj, residual3
+      L * BT * C, R * BT * C,                  // fcproj, residual3
       BT * C, BT, BT,                          // lnf, lnf_mean, lnf_rstd
       BT * V, BT, BT, BT,                      // logits, losses, lse, dlosses
       BT, BT,                                  // inputs, targets (int32, same size as float)
@@ -176,6 +181,14 @@ Status GPT2::ensure_activations(int B, int T) {
   if (total * sizeof(float) > act_buffer_.size()) {
     act_buffer_.reset();
     STRATA_ASSIGN_OR_RETURN(act_buffer_, device_->allocate(total * sizeof(float), "gpt2.activations"));
+  }
+  if (checkpointing_ == ActivationCheckpointing::kHost && config_.n_layer > 1) {
+    // The inputs of blocks 1..L-1 (the outputs of 0..L-2); the last block's output never needs recomputing from.
+    const size_t bytes = (config_.n_layer - 1) * BT * C * sizeof(float);
+    if (host_checkpoints_.size() < bytes) {
+      host_checkpoints_.reset();
+      STRATA_ASSIGN_OR_RETURN(host_checkpoints_, host_pool_->try_acquire(bytes, "gpt2.activation_checkpoints"));
+    }
   }
   float* p = act_buffer_.as<float>();
   float** slots[] = {&acts_.encoded, &acts_.ln1, &acts_.ln1_mean, &acts_.ln1_rstd, &acts_.qkv, &acts_.atty,
@@ -199,21 +212,22 @@ void GPT2::block_forward(int l, const float* params, const float* residual, int 
   const int N = B * T;
   const size_t BTC = static_cast<size_t>(N) * C;
   const BlockParams w = block_params(l, params);
-  float* ln1 = acts_.ln1 + l * BTC;
-  float* ln1_mean = acts_.ln1_mean + static_cast<size_t>(l) * N;
-  float* ln1_rstd = acts_.ln1_rstd + static_cast<size_t>(l) * N;
-  float* qkv = acts_.qkv + l * BTC * 3;
-  float* atty = acts_.atty + l * BTC;
-  float* att = acts_.att + l * k_->attention_saved_floats(B, T, C, NH, precision_);
-  float* attproj = acts_.attproj + l * BTC;
-  float* residual2 = acts_.residual2 + l * BTC;
-  float* ln2 = acts_.ln2 + l * BTC;
-  float* ln2_mean = acts_.ln2_mean + static_cast<size_t>(l) * N;
-  float* ln2_rstd = acts_.ln2_rstd + static_cast<size_t>(l) * N;
-  float* fch = acts_.fch + l * BTC * 4;
-  float* fch_gelu = acts_.fch_gelu + l * BTC * 4;
-  float* fcproj = acts_.fcproj + l * BTC;
-  float* residual3 = acts_.residual3 + l * BTC;
+  const size_t a = act_layer(l);
+  float* ln1 = acts_.ln1 + a * BTC;
+  float* ln1_mean = acts_.ln1_mean + a * N;
+  float* ln1_rstd = acts_.ln1_rstd + a * N;
+  float* qkv = acts_.qkv + a * BTC * 3;
+  float* atty = acts_.atty + a * BTC;
+  float* att = acts_.att + a * k_->attention_saved_floats(B, T, C, NH, precision_);
+  float* attproj = acts_.attproj + a * BTC;
+  float* residual2 = acts_.residual2 + a * BTC;
+  float* ln2 = acts_.ln2 + a * BTC;
+  float* ln2_mean = acts_.ln2_mean + a * N;
+  float* ln2_rstd = acts_.ln2_rstd + a * N;
+  float* fch = acts_.fch + a * BTC * 4;
+  float* fch_gelu = acts_.fch_gelu + a * BTC * 4;
+  float* fcproj = acts_.fcproj + a * BTC;
+  float* residual3 = block_output(l, BTC);
 
   k_->layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, w.ln1w, w.ln1b, N, C);
   k_->matmul_forward(qkv, ln1, w.qkvw, w.qkvb, N, C, 3 * C, precision_);
@@ -276,7 +290,9 @@ Status GPT2::forward_units(int B, int T) {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView block, acquire(1 + l, Pass::kForward));
     block_forward(l, block.params, residual, B, T);
     release(1 + l, Pass::kForward);
-    residual = acts_.residual3 + l * BTC;
+    residual = block_output(l, BTC);
+    if (checkpointing_ == ActivationCheckpointing::kHost && l + 1 < L)
+      device_->copy_to_host(host_checkpoints_.as<float>() + l * BTC, residual, BTC * sizeof(float));
   }
   {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView lnf, acquire(L + 1, Pass::kForward));
@@ -296,18 +312,19 @@ void GPT2::block_backward(int l, const offload::UnitView& unit, const float* res
   const size_t BTC = static_cast<size_t>(N) * C;
   const BlockParams w = block_params(l, unit.params);
   const BlockParams dw = block_params(l, unit.grads);
-  const float* ln1 = acts_.ln1 + l * BTC;
-  const float* ln1_mean = acts_.ln1_mean + static_cast<size_t>(l) * N;
-  const float* ln1_rstd = acts_.ln1_rstd + static_cast<size_t>(l) * N;
-  const float* qkv = acts_.qkv + l * BTC * 3;
-  const float* atty = acts_.atty + l * BTC;
-  const float* att = acts_.att + l * k_->attention_saved_floats(B, T, C, NH, precision_);
-  const float* residual2 = acts_.residual2 + l * BTC;
-  const float* ln2 = acts_.ln2 + l * BTC;
-  const float* ln2_mean = acts_.ln2_mean + static_cast<size_t>(l) * N;
-  const float* ln2_rstd = acts_.ln2_rstd + static_cast<size_t>(l) * N;
-  const float* fch = acts_.fch + l * BTC * 4;
-  const float* fch_gelu = acts_.fch_gelu + l * BTC * 4;
+  const size_t a = act_layer(l);
+  const float* ln1 = acts_.ln1 + a * BTC;
+  const float* ln1_mean = acts_.ln1_mean + a * N;
+  const float* ln1_rstd = acts_.ln1_rstd + a * N;
+  const float* qkv = acts_.qkv + a * BTC * 3;
+  const float* atty = acts_.atty + a * BTC;
+  const float* att = acts_.att + a * k_->attention_saved_floats(B, T, C, NH, precision_);
+  const float* residual2 = acts_.residual2 + a * BTC;
+  const float* ln2 = acts_.ln2 + a * BTC;
+  const float* ln2_mean = acts_.ln2_mean + a * N;
+  const float* ln2_rstd = acts_.ln2_rstd + a * N;
+  const float* fch = acts_.fch + a * BTC * 4;
+  const float* fch_gelu = acts_.fch_gelu + a * BTC * 4;
 
   // The residual adds pass dres through unchanged, so dres is used directly as the gradient of fcproj and of
   // attproj, and the layernorm backwards accumulate into it: no residual_backward copies are needed.
@@ -353,14 +370,21 @@ Status GPT2::backward(float loss_scale) {
   }
   {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView lnf, acquire(L + 1, Pass::kBackward));
-    const float* last_residual = acts_.residual3 + (L - 1) * BTC;
+    const float* last_residual = block_output(L - 1, BTC);
     k_->layernorm_backward(grads_.dres, lnf.grads, lnf.grads + C, grads_.dln, last_residual, lnf.params,
                            acts_.lnf_mean, acts_.lnf_rstd, N, C);
     release(L + 1, Pass::kBackward);
   }
   for (int l = L - 1; l >= 0; --l) {
-    const float* residual = l == 0 ? acts_.encoded : acts_.residual3 + (l - 1) * BTC;
+    const float* residual = l == 0 ? acts_.encoded : block_output(l - 1, BTC);
     STRATA_ASSIGN_OR_RETURN(offload::UnitView block, acquire(1 + l, Pass::kBackward));
+    if (checkpointing_ != ActivationCheckpointing::kNone && l + 1 < L) {
+      // Recompute the block from its checkpoint (the last block's activations are still those of forward).
+      if (checkpointing_ == ActivationCheckpointing::kHost && l > 0)
+        device_->copy_to_device(const_cast<float*>(residual), host_checkpoints_.as<float>() + (l - 1) * BTC,
+                                BTC * sizeof(float));
+      block_forward(l, block.params, residual, B, T);
+    }
     block_backward(l, block, residual, grads_.dres, B, T);
     release(1 + l, Pass::kBackward);
   }

@@ -27,7 +27,9 @@
 #include "common/tensor.h"
 #include "kernels/device.h"
 #include "kernels/kernels.h"
+#include "common/check.h"
 #include "offload/coordinator.h"
+#include "offload/pinned_pool.h"
 
 namespace strata::engine {
 
@@ -53,6 +55,11 @@ struct Unit {
   size_t numel() const { return layout.numel(); }
 };
 
+// Activation checkpointing per block: keep only each block's input and recompute the block in backward
+// (kDevice), with the inputs held in host memory between forward and backward (kHost). The recomputed
+// activations are bitwise the forward's, so training results do not change.
+enum class ActivationCheckpointing : uint8_t { kNone, kDevice, kHost };
+
 class GPT2 {
  public:
   // Builds the units (zeroed) in `device`'s memory; the device must outlive the model. Call init_gpt2() or
@@ -67,6 +74,14 @@ class GPT2 {
   // the model's use).
   void set_coordinator(offload::Coordinator* c) { coordinator_ = c; }
   offload::Coordinator* coordinator() const { return coordinator_; }
+
+  // Before the first forward. kHost takes the checkpoints' host memory from `host_pool` (which must outlive
+  // the model).
+  void set_activation_checkpointing(ActivationCheckpointing mode, offload::PinnedPool* host_pool = nullptr) {
+    STRATA_ASSERT(last_B_ == 0 && (mode != ActivationCheckpointing::kHost || host_pool != nullptr));
+    checkpointing_ = mode;
+    host_pool_ = host_pool;
+  }
 
   // GPT-2 initialisation, seeded: weights N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)), biases 0,
   // layernorm weights 1.
@@ -108,6 +123,13 @@ class GPT2 {
   Status forward_units(int B, int T);
   void block_forward(int l, const float* params, const float* residual, int B, int T);
   void block_backward(int l, const offload::UnitView& unit, const float* residual, float* dres, int B, int T);
+
+  // Which layer slot of the per-layer activations block l uses, and where its output (the next block's
+  // input) is, given B*T*C.
+  size_t act_layer(int l) const { return checkpointing_ == ActivationCheckpointing::kNone ? l : 0; }
+  float* block_output(int l, size_t BTC) const {
+    return acts_.residual3 + (checkpointing_ == ActivationCheckpointing::kHost ? l % 2 : l) * BTC;
+  }
 
   // Tensor views of block l, given its unit's parameter or gradient base.
   struct BlockParams {
@@ -162,6 +184,9 @@ class GPT2 {
     float* dfch_gelu;  // (B,T,4C)
   } grads_{};
   kernels::DeviceBuffer act_buffer_;
+  ActivationCheckpointing checkpointing_ = ActivationCheckpointing::kNone;
+  offload::PinnedPool* host_pool_ = nullptr;
+  offload::PinnedBuffer host_checkpoints_;  // kHost: (L-1, B, T, C) block outputs 0..L-2
   std::vector<float> host_scratch_;  // losses read back, dlosses written, on their way across
   size_t act_capacity_bt_ = 0;  // B*T the buffer was sized for
   int last_B_ = 0, last_T_ = 0;

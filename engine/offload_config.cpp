@@ -97,6 +97,21 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
     return Status::invalid_argument("{}: aio.queue_depth and aio.intra_op_parallelism must be positive", source);
   }
 
+  JsonSection ac = root.section("activation_checkpointing");
+  ActivationCheckpointConfig& act = c->activation_checkpointing;
+  STRATA_RETURN_IF_ERROR(ac.get_bool("enabled", &act.enabled));
+  STRATA_RETURN_IF_ERROR(ac.get_bool("cpu_checkpointing", &act.cpu_checkpointing));
+  STRATA_RETURN_IF_ERROR(ac.get_bool("partition_activations", &act.partition_activations));
+  STRATA_RETURN_IF_ERROR(ac.get_bool("contiguous_memory_optimization", &act.contiguous_memory_optimization));
+  STRATA_RETURN_IF_ERROR(ac.get_int("number_checkpoints", &act.number_checkpoints));
+  STRATA_RETURN_IF_ERROR(ac.get_bool("synchronize_checkpoint_boundary", &act.synchronize_checkpoint_boundary));
+  STRATA_RETURN_IF_ERROR(ac.get_bool("profile", &act.profile));
+  STRATA_RETURN_IF_ERROR(ac.finish());
+  if (act.cpu_checkpointing && !act.enabled)
+    return Status::invalid_argument("{}: activation_checkpointing.cpu_checkpointing needs activation_checkpointing."
+                                    "enabled = true",
+                                    source);
+
   JsonSection m = root.section("memory");
   STRATA_RETURN_IF_ERROR(read_bytes(m, "device_memory_limit", &c->device_memory_limit).with_context(source));
   STRATA_RETURN_IF_ERROR(read_bytes(m, "host_memory_limit", &c->host_memory_limit).with_context(source));
@@ -126,6 +141,14 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   note("aio.intra_op_parallelism", c->aio.intra_op_parallelism, d.aio.intra_op_parallelism);
   note("aio.single_submit", c->aio.single_submit, d.aio.single_submit);
   note("aio.overlap_events", c->aio.overlap_events, d.aio.overlap_events);
+  const ActivationCheckpointConfig& da = d.activation_checkpointing;
+  note("activation_checkpointing.partition_activations", act.partition_activations, da.partition_activations);
+  note("activation_checkpointing.contiguous_memory_optimization", act.contiguous_memory_optimization,
+       da.contiguous_memory_optimization);
+  note("activation_checkpointing.number_checkpoints", act.number_checkpoints, da.number_checkpoints);
+  note("activation_checkpointing.synchronize_checkpoint_boundary", act.synchronize_checkpoint_boundary,
+       da.synchronize_checkpoint_boundary);
+  note("activation_checkpointing.profile", act.profile, da.profile);
   return Status::ok();
 }
 

@@ -45,6 +45,15 @@ struct AioConfig {  // DeepSpeed's "aio" section, for the NVMe tier
   bool overlap_events = true;
 };
 
+// DeepSpeed's "activation_checkpointing" section, plus our "enabled" (DeepSpeed turns it on from model code).
+struct ActivationCheckpointConfig {
+  bool enabled = false;            // keep each block's input only and recompute the block in backward
+  bool cpu_checkpointing = false;  // hold those inputs in host memory between forward and backward
+  bool partition_activations = false, contiguous_memory_optimization = false;
+  int64_t number_checkpoints = 0;  // DeepSpeed's; not needed here (one checkpoint per block)
+  bool synchronize_checkpoint_boundary = false, profile = false;
+};
+
 struct OffloadConfig {
   int stage = 0;  // zero_optimization.stage: 0..3
   OffloadTargetConfig offload_param;
@@ -55,13 +64,14 @@ struct OffloadConfig {
   int64_t stage3_max_reuse_distance = 1'000'000'000;
   int64_t stage3_param_persistence_threshold = 100'000;
   AioConfig aio;
+  ActivationCheckpointConfig activation_checkpointing;
   uint64_t device_memory_limit = 0;  // memory.device_memory_limit, bytes; 0: what the device has. Acted on: the
                                      // budget of every Device allocation (kernels/device.h)
   uint64_t host_memory_limit = 0;    // memory.host_memory_limit, bytes; 0: what the cgroup and machine allow
   std::vector<std::string> not_acted_on;  // "zero_optimization.stage = 3", ... (set keys not yet honoured)
 };
 
-// Reads the three sections from `root`; errors name "file: section.key" and the accepted values.
+// Reads the four sections ("zero_optimization", "aio", "activation_checkpointing", "memory") from `root`; errors name "file: section.key" and the accepted values.
 Status parse_offload_config(JsonSection& root, const std::string& source, OffloadConfig* out);
 
 }  // namespace strata::engine

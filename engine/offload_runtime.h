@@ -57,6 +57,7 @@ class OffloadRuntime {
 
   Optimizer& optimizer() { return *optimizer_; }
   offload::Coordinator& coordinator() { return *coordinator_; }
+  offload::PinnedPool& pool() { return *pool_; }  // the host tier
   // The counters since the last call, with each tier's live and peak bytes now.
   OffloadStepReport take_report();
   // One line per tier for the log: placements, budgets, what holds the bytes.

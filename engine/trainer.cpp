@@ -65,6 +65,10 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Device> device, kernels::make_device(device_name, *k));
   device->set_memory_limit(config.offload.device_memory_limit);
   const bool offloaded = offload_enabled(config.offload);
+  // The offload stack and the host pool of activation checkpoints are declared before the model, so the
+  // model (whose host checkpoints come from a pool) is destroyed first.
+  std::unique_ptr<OffloadRuntime> offload_stack;
+  std::unique_ptr<offload::PinnedPool> checkpoint_pool;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> model,
                           GPT2::create(config.model, *device, config.compute.matmul_precision, offloaded));
   AdamWConfig ac;
@@ -73,20 +77,31 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   ac.eps = static_cast<float>(tc.eps);
   ac.weight_decay = static_cast<float>(tc.weight_decay);
   ac.grad_clip = static_cast<float>(tc.grad_clip);
-  // The optimizer and, when offloading, the stack that places the state (declared after the model and before
-  // the optimizer's users, so it is destroyed first).
-  std::unique_ptr<OffloadRuntime> offload;
   std::optional<AdamW> device_opt;
   Optimizer* opt = nullptr;
   if (offloaded) {
     auto rt = OffloadRuntime::create(config.offload, ac, *device, *model);
     if (!rt.is_ok()) return rt.status().with_context(config.source);
-    offload = std::move(rt).value();
-    opt = &offload->optimizer();
+    offload_stack = std::move(rt).value();
+    opt = &offload_stack->optimizer();
   } else {
     STRATA_ASSIGN_OR_RETURN(AdamW a, AdamW::create(model->units(), ac, *device));
     device_opt.emplace(std::move(a));
     opt = &*device_opt;
+  }
+
+  // Activation checkpointing; host checkpoints come from the offload stack's pool (the host tier's budget),
+  // or from a pool of their own under the same limit.
+  const ActivationCheckpointConfig& acfg = config.offload.activation_checkpointing;
+  if (acfg.enabled) {
+    offload::PinnedPool* pool = offload_stack ? &offload_stack->pool() : nullptr;
+    if (acfg.cpu_checkpointing && pool == nullptr) {
+      STRATA_ASSIGN_OR_RETURN(checkpoint_pool, offload::PinnedPool::create(offload::PinnedPoolOptions{
+                                                   .budget_bytes = config.offload.host_memory_limit, .lock = false}));
+      pool = checkpoint_pool.get();
+    }
+    model->set_activation_checkpointing(
+        acfg.cpu_checkpointing ? ActivationCheckpointing::kHost : ActivationCheckpointing::kDevice, pool);
   }
 
   TrainState state;
@@ -110,7 +125,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   for (const std::string& key : config.offload.not_acted_on) {
     STRATA_LOG_WARN("{}: {} is accepted but not acted on yet", config.source, key);
   }
-  if (offload) STRATA_LOG_INFO("{}", offload->describe());
+  if (offload_stack) STRATA_LOG_INFO("{}", offload_stack->describe());
   const int64_t tokens_per_step = static_cast<int64_t>(B) * T * tc.grad_accum_steps;
   STRATA_LOG_INFO("model: GPT-2 {} layers, {} heads, width {}, vocab {}, context {}: {:.2f}M parameters",
                   config.model.n_layer, config.model.n_head, config.model.n_embd, config.model.vocab_size,
@@ -183,7 +198,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     STRATA_ASSIGN_OR_RETURN(const double norm, opt->step(static_cast<float>(lr), &skipped));
     if (state.step == first_step) STRATA_LOG_INFO("{} memory: {}", device->name(), device->memory_report());
     std::optional<OffloadStepReport> report;
-    if (offload) report = offload->take_report();
+    if (offload_stack) report = offload_stack->take_report();
     if (skipped) {
       STRATA_LOG_WARN("step {}: gradient norm is {}; update skipped", state.step + 1, norm);
       if (++skipped_in_a_row >= 10) {

@@ -1,7 +1,7 @@
 // Training with the state spread over the tiers gives bitwise the run that keeps everything on the device:
 // every placement (optimizer in host memory or on NVMe, parameters in host memory or on NVMe, small sub-groups
-// that split tensors, a cap on live parameters that forces evictions, gradient accumulation), resumed runs
-// included. Compared: the per-step loss and gradient norm, and the final checkpoint's weights and moments.
+// that split tensors, a cap on live parameters that forces evictions, gradient accumulation, activation
+// checkpoints on the device or in host memory), resumed runs included. Compared: the per-step loss and gradient norm, and the final checkpoint's weights and moments.
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -9,6 +9,9 @@
 
 #include <gtest/gtest.h>
 
+#include "engine/gpt2.h"
+#include "kernels/cpu/cpu_kernels.h"
+#include "offload/pinned_pool.h"
 #include "tests/engine/trainer_fixture.h"
 
 namespace strata::engine {
@@ -16,16 +19,23 @@ namespace {
 
 struct Placement {
   const char* name;
-  json zero;  // the zero_optimization section; nvme paths are filled in
+  json zero;         // the zero_optimization section; nvme paths are filled in
+  json checkpoints;  // the activation_checkpointing section (null: none)
 };
 
 class OffloadTrainTest : public TrainerTest {
  protected:
   json config(const std::string& run, const json& zero, int accum = 1) const {
     json j = base_config(run);
+    j["model"]["n_layer"] = 4;  // blocks whose inputs are checkpoints of other blocks
     j["training"]["grad_accum_steps"] = accum;
     j["training"]["val_every"] = 2;  // forward-only passes between steps: a prefix of the recorded trace
     if (!zero.is_null()) j["zero_optimization"] = fill_paths(zero);
+    return j;
+  }
+  json config(const std::string& run, const Placement& p, int accum = 1) const {
+    json j = config(run, p.zero, accum);
+    if (!p.checkpoints.is_null()) j["activation_checkpointing"] = p.checkpoints;
     return j;
   }
   json fill_paths(json zero) const {
@@ -73,7 +83,10 @@ class OffloadTrainTest : public TrainerTest {
 std::vector<Placement> placements() {
   const json opt_cpu = {{"device", "cpu"}};
   const json opt_nvme = {{"device", "nvme"}};
+  const json on_device = {{"enabled", true}}, on_host = {{"enabled", true}, {"cpu_checkpointing", true}};
   return {
+      {"checkpoints_device", json(), on_device},
+      {"checkpoints_host", json(), on_host},
       {"optimizer_cpu", {{"stage", 2}, {"offload_optimizer", opt_cpu}}},
       {"optimizer_nvme", {{"stage", 2}, {"offload_optimizer", opt_nvme}, {"sub_group_size", 5000}}},
       {"params_cpu",
@@ -82,7 +95,8 @@ std::vector<Placement> placements() {
       {"params_nvme_optimizer_nvme",
        {{"stage", 3}, {"offload_param", {{"device", "nvme"}, {"buffer_count", 2}}}, {"offload_optimizer", opt_nvme},
         {"stage3_param_persistence_threshold", 100}, {"sub_group_size", 3000},
-        {"stage3_max_live_parameters", 20000}, {"stage3_prefetch_bucket_size", 15000}}},
+        {"stage3_max_live_parameters", 20000}, {"stage3_prefetch_bucket_size", 15000}},
+       on_host},
   };
 }
 
@@ -90,8 +104,9 @@ TEST_F(OffloadTrainTest, EveryPlacementIsBitwiseThePlainRun) {
   run("plain", config("plain", json()));
   for (const Placement& p : placements()) {
     SCOPED_TRACE(p.name);
-    run(p.name, config(p.name, p.zero));
+    run(p.name, config(p.name, p));
     expect_same_run("plain", p.name, 6);
+    if (p.zero.is_null()) continue;
     // The state really moved: gradients came home every step, and the optimizer or parameters used the disk
     // where they were placed on it.
     const json t = offload_totals(dir_ / (std::string(p.name) + ".jsonl"));
@@ -112,17 +127,17 @@ TEST_F(OffloadTrainTest, EveryPlacementIsBitwiseThePlainRun) {
 TEST_F(OffloadTrainTest, GradientAccumulationIsExactWithOffloadedGradients) {
   run("plain", config("plain", json(), 2));
   const Placement p = placements().back();  // everything off the device, with evictions
-  run(p.name, config(p.name, p.zero, 2));
+  run(p.name, config(p.name, p, 2));
   expect_same_run("plain", p.name, 6);
 }
 
 TEST_F(OffloadTrainTest, ResumeFromAnOffloadedCheckpointIsBitwiseAStraightRun) {
   const Placement p = placements().back();
-  run("straight", config("straight", p.zero));
-  json first = config("resumed", p.zero);
+  run("straight", config("straight", p));
+  json first = config("resumed", p);
   first["training"]["max_steps"] = 3;
   run("resumed_part1", first);
-  run("resumed", config("resumed", p.zero), (dir_ / "resumed").string());
+  run("resumed", config("resumed", p), (dir_ / "resumed").string());
   for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
     EXPECT_TRUE(file_bytes(dir_ / "straight" / "step_000006" / f) == file_bytes(dir_ / "resumed" / "step_000006" / f))
         << f;
@@ -137,12 +152,36 @@ TEST_F(OffloadTrainTest, ParamOffloadWithoutOptimizerOffloadIsRefusedByName) {
 }
 
 TEST_F(OffloadTrainTest, AHostBudgetTooSmallForTheStateFailsAtStartNamingIt) {
-  json j = config("small", placements()[0].zero);
+  json j = config("small", placements()[2]);
   j["memory"] = {{"host_memory_limit", "64KiB"}};
   auto r = train(j);
   ASSERT_FALSE(r.is_ok());
   EXPECT_EQ(r.status().code(), StatusCode::kOutOfMemory) << r.status().to_string();
   EXPECT_NE(r.status().to_string().find("offload."), std::string::npos) << r.status().to_string();
+}
+
+// Checkpointing shrinks what forward keeps on the device: one block's activations plus one (B,T,C) input per
+// block on the device, or two in all with the inputs in host memory.
+TEST(ActivationCheckpointingTest, KeepsLessOnTheDevice) {
+  GPT2Config mc{.n_layer = 6, .n_head = 2, .n_embd = 32, .vocab_size = kVocab, .block_size = 16};
+  auto pool = offload::PinnedPool::create(offload::PinnedPoolOptions{.budget_bytes = 16 << 20, .lock = false});
+  ASSERT_TRUE(pool.is_ok());
+  std::vector<int32_t> x(2 * 16, 3), y(2 * 16, 5);
+  uint64_t live[3] = {};
+  uint64_t host = 0;
+  for (int mode = 0; mode < 3; ++mode) {
+    auto device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
+    auto m = GPT2::create(mc, *device, kernels::MatmulPrecision::kF32);
+    ASSERT_TRUE(m.is_ok());
+    const uint64_t before = device->live_bytes();
+    m.value()->set_activation_checkpointing(static_cast<ActivationCheckpointing>(mode), pool->get());
+    ASSERT_TRUE(m.value()->forward(x.data(), y.data(), 2, 16).is_ok());
+    live[mode] = device->live_bytes() - before;
+    if (mode == 2) host = pool.value()->used_bytes();
+  }
+  EXPECT_LT(live[1], live[0] / 2) << "checkpoints on the device";
+  EXPECT_LT(live[2], live[1]) << "checkpoints in host memory";
+  EXPECT_GE(host, 5u * 2 * 16 * 32 * sizeof(float)) << "the inputs of blocks 1..5 are in the host pool";
 }
 
 }  // namespace
