@@ -41,9 +41,27 @@ void add_bench_step_command(CLI::App& bench, BenchStepOptions& o) {
   cmd->add_option("--threads", o.threads, "Worker threads (0: all)")->capture_default_str();
   cmd->add_option("--seed", o.seed, "Seed for weights and tokens")->capture_default_str();
   cmd->add_flag("--json", o.json, "Print one JSON object instead of text");
+  cmd->add_option("--offload-param", o.offload_param, "Parameters' home: none, cpu or nvme")
+      ->check(CLI::IsMember({"none", "cpu", "nvme"}))
+      ->capture_default_str();
+  cmd->add_option("--offload-optimizer", o.offload_optimizer, "Optimizer state: none, cpu or nvme")
+      ->check(CLI::IsMember({"none", "cpu", "nvme"}))
+      ->capture_default_str();
+  cmd->add_option("--nvme-path", o.nvme_path, "Folder for swap files (default: a temporary one)");
+  cmd->add_option("--host-limit", o.host_limit, "memory.host_memory_limit, e.g. 4G (0: automatic)")
+      ->capture_default_str();
+  cmd->add_option("--sub-group", o.sub_group_size, "zero_optimization.sub_group_size (elements)")
+      ->capture_default_str();
+  cmd->add_option("--max-live", o.max_live, "zero_optimization.stage3_max_live_parameters (elements)")
+      ->capture_default_str();
+  cmd->add_option("--checkpointing", o.checkpointing, "Activation checkpoints: none, device or host")
+      ->check(CLI::IsMember({"none", "device", "host"}))
+      ->capture_default_str();
 }
 
 int run_bench_step(const BenchStepOptions& o) {
+  if (o.offload_param != "none" || o.offload_optimizer != "none" || o.checkpointing != "none")
+    return run_bench_step_offload(o);
   std::optional<tbb::global_control> threads;
   if (o.threads > 0) threads.emplace(tbb::global_control::max_allowed_parallelism, o.threads);
   GPT2Config mc{o.n_layer, o.n_head, o.n_embd, o.vocab_size, std::max(o.block_size, o.seq_len)};

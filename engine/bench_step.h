@@ -1,5 +1,6 @@
 // bench_step.h — `strata bench step`: times full training steps (forward, backward, AdamW) of a GPT-2 config on
-// random tokens and reports tokens/s and achieved GFLOP/s. Compare with PyTorch via scripts/bench_step_vs_torch.sh.
+// random tokens and reports tokens/s and achieved GFLOP/s. Compare with PyTorch via scripts/bench_step_torch.py.
+// With --offload-param / --offload-optimizer it times the offloaded step against its bound instead.
 #pragma once
 
 #include <string>
@@ -20,7 +21,19 @@ struct BenchStepOptions {
   int threads = 0;
   uint64_t seed = 1;
   bool json = false;
+  // Offload (engine/bench_step_offload.cpp): any of these set runs the offloaded step against its bound.
+  std::string offload_param = "none";      // none | cpu | nvme
+  std::string offload_optimizer = "none";  // none | cpu | nvme
+  std::string nvme_path;                   // default: a temporary folder under $TMPDIR, removed afterwards
+  std::string host_limit = "0";            // memory.host_memory_limit ("4G"); 0: automatic
+  int64_t sub_group_size = 100'000'000;
+  int64_t max_live = 1'000'000'000;        // zero_optimization.stage3_max_live_parameters (elements)
+  std::string checkpointing = "none";      // none | device | host
 };
+
+// The offloaded step (any offload option set): the same model plain and offloaded in one run, the offloaded
+// step's breakdown, and its ratio to max(compute, disk time for its NVMe bytes, CPU optimizer time).
+int run_bench_step_offload(const BenchStepOptions& opts);
 
 void add_bench_step_command(CLI::App& bench, BenchStepOptions& opts);
 int run_bench_step(const BenchStepOptions& opts);

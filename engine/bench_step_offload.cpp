@@ -1,0 +1,277 @@
+// `strata bench step --offload-…`: the offloaded training step against the bound DESIGN.md sets for it,
+// max(compute, NVMe traffic / disk bandwidth, optimizer time), every term measured in the same run: the same
+// model's forward+backward kept on the device, the step's NVMe byte mix pushed through a swap store in the
+// same folder, and the CPU Adam pass over the same parameters in memory.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <tbb/global_control.h>
+
+#include "common/aligned.h"
+#include "common/rng.h"
+#include "common/timer.h"
+#include "common/units.h"
+#include "engine/bench_step.h"
+#include "engine/gpt2.h"
+#include "engine/offload_runtime.h"
+#include "engine/optimizer.h"
+#include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/fast.h"
+#include "storage/io_engine.h"
+#include "storage/io_queue.h"
+#include "storage/swap_store.h"
+
+namespace strata::engine {
+namespace {
+
+namespace fs = std::filesystem;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// Seconds the disk takes to read `read` bytes while writing `write` bytes, everything in flight at once,
+// through a swap store in `dir` (8 MiB keys, the reads' keys written beforehand).
+Result<double> disk_seconds(const std::string& dir, uint64_t read, uint64_t write) {
+  constexpr uint64_t kKey = 8 << 20;
+  STRATA_ASSIGN_OR_RETURN(auto engine, make_io_engine(EngineOptions{.kind = EngineKind::kAuto, .lanes = 2,
+                                                                    .queue_depth = 32}));
+  IoQueue queue(*engine);
+  const uint64_t reads = (read + kKey - 1) / kKey, writes = (write + kKey - 1) / kKey;
+  SwapStoreOptions so;
+  so.dir = dir;
+  so.file_bytes = uint64_t{1} << 30;
+  so.max_files = static_cast<uint32_t>(((reads + writes) * kKey) / (so.file_bytes - 4096) + 2);
+  STRATA_ASSIGN_OR_RETURN(auto store, SwapStore::open(queue, so));
+  // 64 keys' worth of memory, cycled: the disk, not memory, is what is measured.
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer a, AlignedBuffer::allocate(64 * kKey, "bench_step.disk_probe_read", 4096));
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer b, AlignedBuffer::allocate(64 * kKey, "bench_step.disk_probe_write", 4096));
+  std::fill(b.as<char>(), b.as<char>() + 64 * kKey, 'x');
+  for (uint64_t i = 0; i < reads; ++i)
+    STRATA_RETURN_IF_ERROR(store->write(fmt::format("r{}", i), b.as<char>() + (i % 64) * kKey, kKey));
+  IoBatch batch;
+  Timer t;
+  for (uint64_t i = 0; i < std::max(reads, writes); ++i) {
+    if (i < reads)
+      STRATA_RETURN_IF_ERROR(store->read(fmt::format("r{}", i), a.as<char>() + (i % 64) * kKey, kKey, &batch));
+    if (i < writes)
+      STRATA_RETURN_IF_ERROR(store->write(fmt::format("w{}", i), b.as<char>() + (i % 64) * kKey, kKey, &batch));
+  }
+  STRATA_RETURN_IF_ERROR(batch.wait());
+  return t.seconds();
+}
+
+// The CPU optimizer's pass over n parameters in memory (AdamW, fp32), median of 3.
+Result<double> adam_seconds(size_t n) {
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer buf, AlignedBuffer::allocate(4 * n * sizeof(float), "bench_step.adam"));
+  float* p = buf.as<float>();
+  Rng rng(3);
+  for (size_t i = 0; i < 4 * n; ++i) p[i] = static_cast<float>(rng.normal()) * 0.01f;
+  for (size_t i = 2 * n; i < 3 * n; ++i) p[i] = std::abs(p[i]);  // v >= 0
+  kernels::AdamWParams hp;
+  hp.lr = 1e-4f;
+  hp.weight_decay = 0.1f;
+  std::vector<double> times;
+  for (int i = 0; i < 3; ++i) {
+    hp.step = i + 1;
+    Timer t;
+    kernels::cpu::fast::adamw_update_mixed(p, p + n, p + 2 * n, p + 3 * n, nullptr, DType::kF32, n, hp);
+    times.push_back(t.seconds());
+  }
+  return median(times);
+}
+
+ActivationCheckpointing checkpointing_of(const std::string& s) {
+  return s == "host" ? ActivationCheckpointing::kHost
+                     : s == "device" ? ActivationCheckpointing::kDevice : ActivationCheckpointing::kNone;
+}
+
+int fail(const Status& st) {
+  std::fprintf(stderr, "strata bench step: %s\n", st.to_string().c_str());
+  return 1;
+}
+
+}  // namespace
+
+int run_bench_step_offload(const BenchStepOptions& o) {
+  std::optional<tbb::global_control> threads;
+  if (o.threads > 0) threads.emplace(tbb::global_control::max_allowed_parallelism, o.threads);
+  if (o.steps <= 0 || o.batch_size <= 0 || o.seq_len <= 0) {
+    std::fprintf(stderr, "strata bench step: --steps, --batch and --context must be positive\n");
+    return 2;
+  }
+  const GPT2Config mc{o.n_layer, o.n_head, o.n_embd, o.vocab_size, std::max(o.block_size, o.seq_len)};
+  const kernels::KernelSet* k = kernels::find_kernel_set(o.kernels.c_str());
+  const auto precision = o.precision == "bf16" ? kernels::MatmulPrecision::kBF16 : kernels::MatmulPrecision::kF32;
+  auto device = kernels::make_device(o.device, *k);
+  if (!device.is_ok()) return fail(device.status());
+  const int B = o.batch_size, T = o.seq_len;
+  std::vector<int32_t> x(static_cast<size_t>(B) * T), y(x.size());
+  Rng rng(o.seed);
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = static_cast<int32_t>(rng.below(mc.vocab_size));
+    y[i] = static_cast<int32_t>(rng.below(mc.vocab_size));
+  }
+  std::string nvme_path = o.nvme_path;
+  const bool temp_dir = nvme_path.empty();
+  if (temp_dir) nvme_path = (fs::temp_directory_path() / fmt::format("strata-bench-step-{}", getpid())).string();
+  struct RemoveDir {
+    std::string dir;
+    bool on;
+    ~RemoveDir() {
+      std::error_code ec;
+      if (on) fs::remove_all(dir, ec);
+    }
+  } cleanup{nvme_path, temp_dir};
+  const int total = o.warmup + o.steps;
+  const ActivationCheckpointing ckpt = checkpointing_of(o.checkpointing);
+  std::unique_ptr<offload::PinnedPool> ckpt_pool;
+  if (ckpt == ActivationCheckpointing::kHost) {
+    auto p = offload::PinnedPool::create(offload::PinnedPoolOptions{.budget_bytes = 0, .lock = false});
+    if (!p.is_ok()) return fail(p.status());
+    ckpt_pool = std::move(p).value();
+  }
+
+  // 1. Compute: the same model kept on the device, forward + backward only.
+  std::vector<double> compute;
+  size_t n_params = 0;
+  {
+    auto model = GPT2::create(mc, *device.value(), precision);
+    if (!model.is_ok()) return fail(model.status());
+    GPT2& m = *model.value();
+    m.set_activation_checkpointing(ckpt, ckpt_pool.get());
+    if (Status st = m.init_gpt2(o.seed); !st.is_ok()) return fail(st);
+    n_params = m.num_params();
+    for (int s = 0; s < total; ++s) {
+      Timer t;
+      if (Status st = m.zero_grads(); !st.is_ok()) return fail(st);
+      auto loss = m.forward(x.data(), y.data(), B, T);
+      if (!loss.is_ok()) return fail(loss.status());
+      if (Status st = m.backward(); !st.is_ok()) return fail(st);
+      m.device().synchronize();
+      if (s >= o.warmup) compute.push_back(t.seconds());
+    }
+  }
+  // 2. The optimizer term: the CPU Adam pass over the same parameters in memory.
+  auto adam_s = adam_seconds(n_params);
+  if (!adam_s.is_ok()) return fail(adam_s.status());
+
+  // 3. The offloaded step.
+  OffloadConfig oc;
+  oc.stage = 3;
+  oc.offload_param.device = o.offload_param;
+  oc.offload_param.nvme_path = nvme_path + "/param";
+  oc.offload_optimizer.device = o.offload_optimizer;
+  oc.offload_optimizer.nvme_path = nvme_path + "/optimizer";
+  oc.sub_group_size = o.sub_group_size;
+  oc.stage3_param_persistence_threshold = 0;
+  oc.stage3_max_live_parameters = o.max_live;
+  oc.host_memory_limit = parse_bytes(o.host_limit);
+  const bool offloaded = offload_enabled(oc);
+  std::vector<double> steps;
+  std::vector<OffloadStepReport> reports;
+  float loss = 0;
+  {
+    std::unique_ptr<OffloadRuntime> rt;
+    auto model = GPT2::create(mc, *device.value(), precision, offloaded);
+    if (!model.is_ok()) return fail(model.status());
+    GPT2& m = *model.value();
+    std::optional<AdamW> plain_opt;
+    Optimizer* opt = nullptr;
+    if (offloaded) {
+      auto r = OffloadRuntime::create(oc, AdamWConfig{}, *device.value(), m);
+      if (!r.is_ok()) return fail(r.status());
+      rt = std::move(r).value();
+      opt = &rt->optimizer();
+    } else {
+      auto a = AdamW::create(m.units(), AdamWConfig{}, *device.value());
+      if (!a.is_ok()) return fail(a.status());
+      plain_opt.emplace(std::move(a).value());
+      opt = &*plain_opt;
+    }
+    m.set_activation_checkpointing(ckpt, rt ? &rt->pool() : ckpt_pool.get());
+    if (Status st = m.init_gpt2(o.seed); !st.is_ok()) return fail(st);
+    if (Status st = opt->adopt_params(); !st.is_ok()) return fail(st);
+    for (int s = 0; s < total; ++s) {
+      Timer t;
+      if (Status st = m.zero_grads(); !st.is_ok()) return fail(st);
+      auto l = m.forward(x.data(), y.data(), B, T);
+      if (!l.is_ok()) return fail(l.status());
+      loss = l.value();
+      if (Status st = m.backward(); !st.is_ok()) return fail(st);
+      auto norm = opt->step(1e-4f, nullptr);
+      if (!norm.is_ok()) return fail(norm.status());
+      m.device().synchronize();
+      const double secs = t.seconds();
+      OffloadStepReport r = rt ? rt->take_report() : OffloadStepReport{};
+      if (s >= o.warmup) {
+        steps.push_back(secs);
+        reports.push_back(r);
+      }
+      if (!o.json) std::fprintf(stderr, "  step %d/%d: %.1f ms%s%s\n", s + 1, total, secs * 1e3,
+                                rt ? (" | " + r.summary()).c_str() : "", s < o.warmup ? " (warmup)" : "");
+    }
+  }
+  // The median step's report.
+  const double step_s = median(steps);
+  const size_t mid = std::distance(steps.begin(), std::find(steps.begin(), steps.end(), step_s));
+  const OffloadStepReport& r = reports[mid];
+
+  // 4. The disk term: the median step's NVMe byte mix through a store in the same folder.
+  double disk_s = 0;
+  if (r.nvme_read_bytes + r.nvme_write_bytes > 0) {
+    auto d = disk_seconds(nvme_path + "/probe", r.nvme_read_bytes, r.nvme_write_bytes);
+    if (!d.is_ok()) return fail(d.status());
+    disk_s = d.value();
+  }
+  const double compute_s = median(compute);
+  const double bound = std::max({compute_s, disk_s, adam_s.value()});
+  const double ratio = step_s / bound;
+  const double tokens = static_cast<double>(B) * T;
+  if (o.json) {
+    nlohmann::json j = {{"bench", "step_offload"},
+                        {"params", n_params},
+                        {"offload_param", o.offload_param},
+                        {"offload_optimizer", o.offload_optimizer},
+                        {"checkpointing", o.checkpointing},
+                        {"batch", B},
+                        {"context", T},
+                        {"step_ms", step_s * 1e3},
+                        {"tokens_per_s", tokens / step_s},
+                        {"compute_ms", compute_s * 1e3},
+                        {"disk_ms", disk_s * 1e3},
+                        {"optimizer_bound_ms", adam_s.value() * 1e3},
+                        {"bound_ms", bound * 1e3},
+                        {"ratio", ratio},
+                        {"loss", loss},
+                        {"breakdown", r.to_json()}};
+    std::printf("%s\n", j.dump().c_str());
+    return 0;
+  }
+  std::printf("GPT-2 L=%d H=%d C=%d V=%d, B=%d T=%d, %.2fM params, %s; params %s, optimizer %s, checkpoints %s\n",
+              o.n_layer, o.n_head, o.n_embd, o.vocab_size, B, T, n_params / 1e6,
+              device.value()->description().c_str(), o.offload_param.c_str(), o.offload_optimizer.c_str(),
+              o.checkpointing.c_str());
+  std::printf("offloaded step (median of %d): %.1f ms, %.0f tokens/s\n", o.steps, step_s * 1e3, tokens / step_s);
+  std::printf("  breakdown: stall %.1f ms, optimizer %.1f ms (of which waiting for gradients %.1f), "
+              "h2d %.1f MB (%.1f ms busy), d2h %.1f MB (%.1f ms), nvme read %.1f MB + write %.1f MB (%.1f ms busy)\n",
+              r.stall_s * 1e3, r.optimizer_s * 1e3, r.grads_wait_s * 1e3, r.h2d_bytes / 1e6, r.h2d_busy_s * 1e3,
+              r.d2h_bytes / 1e6, r.d2h_busy_s * 1e3, r.nvme_read_bytes / 1e6, r.nvme_write_bytes / 1e6,
+              r.nvme_busy_s * 1e3);
+  std::printf("  memory: device %.1f MB (peak %.1f), host %.1f MB (peak %.1f), nvme %.1f MB\n", r.device.live / 1e6,
+              r.device.peak / 1e6, r.host.live / 1e6, r.host.peak / 1e6, r.nvme.live / 1e6);
+  std::printf("bound = max(compute %.1f ms, disk %.1f ms for its nvme bytes, CPU Adam %.1f ms in memory) = %.1f ms\n",
+              compute_s * 1e3, disk_s * 1e3, adam_s.value() * 1e3, bound * 1e3);
+  std::printf("ratio: step / bound = %.2f (target <= 1.15)\n", ratio);
+  return 0;
+}
+
+}  // namespace strata::engine
