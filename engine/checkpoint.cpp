@@ -35,41 +35,59 @@ std::map<std::string, std::string> model_metadata(const GPT2Config& c) {
           {"block_size", std::to_string(c.block_size)}};
 }
 
-// Every tensor of every unit, reading from `base(unit_index)`, named `prefix + spec.name`.
-template <typename BaseFn>
-std::vector<SafetensorsTensor> tensors_of(const GPT2& model, const std::string& prefix, BaseFn base) {
+// One state class of one unit at a time in host memory, read on demand: checkpoints of offloaded state never
+// hold more than a unit's worth of it in RAM.
+class UnitCache {
+ public:
+  using ReadFn = std::function<Status(size_t unit, float* m, float* v)>;  // v may be unused (null for params)
+  UnitCache(const GPT2& model, ReadFn read, bool pair) : model_(model), read_(std::move(read)), pair_(pair) {}
+  // The unit's first (or, with `second`, second) state, read if another unit is cached.
+  Result<const float*> get(size_t unit, bool second) {
+    if (unit != cached_) {
+      a_.resize(model_.units()[unit].numel());
+      if (pair_) b_.resize(a_.size());
+      STRATA_RETURN_IF_ERROR(read_(unit, a_.data(), pair_ ? b_.data() : nullptr));
+      cached_ = unit;
+    }
+    return second ? b_.data() : a_.data();
+  }
+
+ private:
+  const GPT2& model_;
+  ReadFn read_;
+  bool pair_;
+  size_t cached_ = SIZE_MAX;
+  std::vector<float> a_, b_;
+};
+
+// Every tensor of every unit named `prefix + spec.name`, produced from `cache` when written. With two prefixes
+// (Adam's m and v) a unit's m tensors are followed by its v tensors, so each unit is read once.
+std::vector<SafetensorsTensor> tensors_of(const GPT2& model, const std::vector<std::string>& prefixes,
+                                          UnitCache& cache) {
   std::vector<SafetensorsTensor> out;
   for (size_t i = 0; i < model.units().size(); ++i) {
-    const Unit& u = model.units()[i];
-    for (const TensorSpec& s : u.layout.specs())
-      out.push_back(SafetensorsTensor{prefix + s.name, DType::kF32, s.shape, base(i) + s.offset});
-  }
-  return out;
-}
-
-template <typename BaseFn>
-Status read_tensors(const SafetensorsFile& f, const GPT2& model, const std::string& prefix, BaseFn base) {
-  for (size_t i = 0; i < model.units().size(); ++i) {
-    const Unit& u = model.units()[i];
-    for (const TensorSpec& s : u.layout.specs()) {
-      STRATA_ASSIGN_OR_RETURN(auto bytes, f.expect(prefix + s.name, DType::kF32, s.shape));
-      std::memcpy(base(i) + s.offset, bytes.data(), bytes.size());
+    for (size_t k = 0; k < prefixes.size(); ++k) {
+      for (const TensorSpec& s : model.units()[i].layout.specs()) {
+        SafetensorsTensor t{prefixes[k] + s.name, DType::kF32, s.shape, nullptr, {}};
+        t.fill = [&cache, i, k, offset = s.offset, bytes = s.numel() * sizeof(float)](void* dst) -> Status {
+          STRATA_ASSIGN_OR_RETURN(const float* base, cache.get(i, k == 1));
+          std::memcpy(dst, base + offset, bytes);
+          return Status::ok();
+        };
+        out.push_back(std::move(t));
+      }
     }
   }
-  return Status::ok();
-}
-
-// Host copies of one state of every unit, in the units' layouts.
-using HostUnits = std::vector<std::vector<float>>;
-
-HostUnits host_units(const GPT2& model) {
-  HostUnits out;
-  for (const Unit& u : model.units()) out.emplace_back(u.numel());
   return out;
 }
 
-auto base_of(HostUnits& h) {
-  return [&h](size_t i) { return h[i].data(); };
+// Reads unit i's tensors named `prefix + spec.name` into `dst` (the unit's layout).
+Status read_unit(const SafetensorsFile& f, const Unit& u, const std::string& prefix, float* dst) {
+  for (const TensorSpec& s : u.layout.specs()) {
+    STRATA_ASSIGN_OR_RETURN(auto bytes, f.expect(prefix + s.name, DType::kF32, s.shape));
+    std::memcpy(dst + s.offset, bytes.data(), bytes.size());
+  }
+  return Status::ok();
 }
 
 Status check_model_metadata(const SafetensorsFile& f, const GPT2Config& c) {
@@ -104,18 +122,24 @@ Status check_writable_dir(const std::string& dir, const std::string& what) {
 }
 
 Status save_model(const GPT2& model, const std::string& path) {
-  HostUnits params = host_units(model);
-  for (size_t i = 0; i < params.size(); ++i) STRATA_RETURN_IF_ERROR(model.read_params(i, params[i].data()));
-  auto tensors = tensors_of(model, "", base_of(params));
+  UnitCache cache(model, [&](size_t u, float* p, float*) { return model.read_params(u, p); }, false);
+  auto tensors = tensors_of(model, {""}, cache);
   return write_safetensors(path, tensors, model_metadata(model.config()));
 }
 
 Status load_model(GPT2& model, const std::string& path) {
   STRATA_ASSIGN_OR_RETURN(SafetensorsFile f, SafetensorsFile::open(path));
   STRATA_RETURN_IF_ERROR(check_model_metadata(f, model.config()));
-  HostUnits params = host_units(model);
-  STRATA_RETURN_IF_ERROR(read_tensors(f, model, "", base_of(params)));
-  for (size_t i = 0; i < params.size(); ++i) STRATA_RETURN_IF_ERROR(model.write_params(i, params[i].data()));
+  std::vector<float> unit;
+  for (size_t i = 0; i < model.units().size(); ++i) {  // every tensor is checked before anything is written
+    unit.resize(model.units()[i].numel());
+    STRATA_RETURN_IF_ERROR(read_unit(f, model.units()[i], "", unit.data()));
+  }
+  for (size_t i = 0; i < model.units().size(); ++i) {
+    unit.resize(model.units()[i].numel());
+    STRATA_RETURN_IF_ERROR(read_unit(f, model.units()[i], "", unit.data()));
+    STRATA_RETURN_IF_ERROR(model.write_params(i, unit.data()));
+  }
   return Status::ok();
 }
 
@@ -130,10 +154,8 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
   if (ec) return Status::io_error("cannot create checkpoint folder {}: {}", tmp_dir.string(), ec.message());
 
   STRATA_RETURN_IF_ERROR(save_model(model, (tmp_dir / "model.safetensors").string()));
-  HostUnits m = host_units(model), v = host_units(model);
-  for (size_t i = 0; i < m.size(); ++i) STRATA_RETURN_IF_ERROR(opt.read_moments(i, m[i].data(), v[i].data()));
-  std::vector<SafetensorsTensor> moments = tensors_of(model, "m.", base_of(m));
-  for (auto& t : tensors_of(model, "v.", base_of(v))) moments.push_back(std::move(t));
+  UnitCache cache(model, [&](size_t u, float* m, float* v) { return opt.read_moments(u, m, v); }, true);
+  std::vector<SafetensorsTensor> moments = tensors_of(model, {"m.", "v."}, cache);
   STRATA_RETURN_IF_ERROR(write_safetensors((tmp_dir / "optimizer.safetensors").string(), moments,
                                            {{"adam_steps", std::to_string(opt.steps_taken())}}));
   nlohmann::json js = {
@@ -200,11 +222,15 @@ Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimiz
   }
   STRATA_RETURN_IF_ERROR(load_model(model, (dir / "model.safetensors").string()));
   STRATA_ASSIGN_OR_RETURN(SafetensorsFile f, SafetensorsFile::open((dir / "optimizer.safetensors").string()));
-  HostUnits m = host_units(model), v = host_units(model);
-  STRATA_RETURN_IF_ERROR(read_tensors(f, model, "m.", base_of(m)));
-  STRATA_RETURN_IF_ERROR(read_tensors(f, model, "v.", base_of(v)));
   // After the parameters: an offloaded optimizer takes its master weights from them.
-  for (size_t i = 0; i < m.size(); ++i) STRATA_RETURN_IF_ERROR(opt.write_moments(i, m[i].data(), v[i].data()));
+  std::vector<float> m, v;
+  for (size_t i = 0; i < model.units().size(); ++i) {
+    m.resize(model.units()[i].numel());
+    v.resize(m.size());
+    STRATA_RETURN_IF_ERROR(read_unit(f, model.units()[i], "m.", m.data()));
+    STRATA_RETURN_IF_ERROR(read_unit(f, model.units()[i], "v.", v.data()));
+    STRATA_RETURN_IF_ERROR(opt.write_moments(i, m.data(), v.data()));
+  }
   return st;
 }
 

@@ -104,7 +104,7 @@ Status write_safetensors(const std::string& path, std::span<const SafetensorsTen
     size_t bytes = 0;
     if (!shape_bytes(t.shape, dtype_size(t.dtype), &bytes))
       return Status::invalid_argument("{}: tensor '{}' has a bad shape {}", path, t.name, shape_str(t.shape));
-    if (bytes > 0 && t.data == nullptr)
+    if (bytes > 0 && t.data == nullptr && !t.fill)
       return Status::invalid_argument("{}: tensor '{}' has {} bytes but no data", path, t.name, bytes);
     header[t.name] = {{"dtype", safetensors_dtype_name(t.dtype)},
                       {"shape", t.shape},
@@ -119,7 +119,20 @@ Status write_safetensors(const std::string& path, std::span<const SafetensorsTen
   const uint64_t len = text.size();
   parts[0] = std::as_bytes(std::span<const uint64_t>(&len, 1));
   parts[1] = std::as_bytes(std::span<const char>(text));
-  return write_file_atomic(path, parts);
+  std::vector<std::byte> staging;  // produced tensors, one at a time
+  return write_file_atomic(path, [&](const AppendFn& append) -> Status {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const SafetensorsTensor* t = i >= 2 ? &tensors[i - 2] : nullptr;
+      if (t == nullptr || !t->fill) {
+        STRATA_RETURN_IF_ERROR(append(parts[i]));
+        continue;
+      }
+      staging.resize(parts[i].size());
+      STRATA_RETURN_IF_ERROR(t->fill(staging.data()).with_context(fmt::format("{}: tensor '{}'", path, t->name)));
+      STRATA_RETURN_IF_ERROR(append(staging));
+    }
+    return Status::ok();
+  });
 }
 
 Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {

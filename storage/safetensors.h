@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <span>
 #include <string>
@@ -24,11 +25,15 @@
 namespace strata {
 
 // One tensor to write; `data` holds numel(shape) * dtype_size(dtype) bytes (may be null when that is zero).
+// Or, with `fill` set instead, the writer calls fill(dst) when it reaches the tensor to produce exactly those
+// bytes into its own buffer: a file larger than memory is written one tensor at a time (checkpoints of
+// offloaded state), and an error from fill stops the write.
 struct SafetensorsTensor {
   std::string name;
   DType dtype = DType::kF32;
   std::vector<int64_t> shape;
   const void* data = nullptr;
+  std::function<Status(void* dst)> fill;
 };
 
 // Writes `tensors` (data laid out in the order given) and `metadata` to `path` via "<path>.tmp", fsync and

@@ -62,6 +62,13 @@ Status fsync_parent_dir(const std::string& path) {
 }  // namespace
 
 Status write_file_atomic(const std::string& path, std::span<const std::span<const std::byte>> parts) {
+  return write_file_atomic(path, [&](const AppendFn& append) -> Status {
+    for (std::span<const std::byte> part : parts) STRATA_RETURN_IF_ERROR(append(part));
+    return Status::ok();
+  });
+}
+
+Status write_file_atomic(const std::string& path, const std::function<Status(const AppendFn&)>& produce) {
   const std::string tmp = path + ".tmp";
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Status::io_error("{}: cannot create: {}", tmp, std::strerror(errno));
@@ -71,11 +78,12 @@ Status write_file_atomic(const std::string& path, std::span<const std::span<cons
     return st;
   };
   size_t written = 0;
-  for (std::span<const std::byte> part : parts) {
-    Status st = write_all(fd, part.data(), part.size(), tmp, written);
-    if (!st.is_ok()) return fail(st);
+  Status produced = produce([&](std::span<const std::byte> part) -> Status {
+    STRATA_RETURN_IF_ERROR(write_all(fd, part.data(), part.size(), tmp, written));
     written += part.size();
-  }
+    return Status::ok();
+  });
+  if (!produced.is_ok()) return fail(produced);
   if (::fsync(fd) != 0) return fail(Status::io_error("{}: fsync failed: {}", tmp, std::strerror(errno)));
   // close() can report a deferred write error (NFS, quota): it must be checked before the rename.
   const int rc = ::close(fd);

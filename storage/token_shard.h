@@ -13,6 +13,7 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -58,5 +59,8 @@ Status write_token_shard(const std::string& path, const uint16_t* tokens, size_t
 // over `path`, then the directory is fsynced so the rename itself survives a crash. On failure the temporary
 // file is removed and the error names it. Shared by the token-shard and safetensors writers.
 Status write_file_atomic(const std::string& path, std::span<const std::span<const std::byte>> parts);
+// The same with the bytes produced as they are written: produce(append) calls append(piece) in order.
+using AppendFn = std::function<Status(std::span<const std::byte>)>;
+Status write_file_atomic(const std::string& path, const std::function<Status(const AppendFn&)>& produce);
 
 }  // namespace strata

@@ -55,11 +55,11 @@ TEST_F(SafetensorsTest, RoundTripsAllDtypesAndMetadata) {
   for (auto& x : h) x = f32_to_f16(static_cast<float>(rng.normal()));
   const float scalar = 0.125f;
   const std::vector<SafetensorsTensor> tensors = {
-      {"h.0.attn.c_attn.weight", DType::kF32, {3, 7}, w.data()},
-      {"bias", DType::kBF16, {5}, b.data()},  // 10 bytes: the next tensor starts unaligned, which is allowed
-      {"cube", DType::kF16, {2, 3, 5}, h.data()},
-      {"empty", DType::kF32, {0, 4}, nullptr},
-      {"scalar", DType::kF32, {}, &scalar},
+      {"h.0.attn.c_attn.weight", DType::kF32, {3, 7}, w.data(), {}},
+      {"bias", DType::kBF16, {5}, b.data(), {}},  // 10 bytes: the next tensor starts unaligned, which is allowed
+      {"cube", DType::kF16, {2, 3, 5}, h.data(), {}},
+      {"empty", DType::kF32, {0, 4}, nullptr, {}},
+      {"scalar", DType::kF32, {}, &scalar, {}},
   };
   const std::string p = path("model.safetensors");
   ASSERT_TRUE(write_safetensors(p, tensors, {{"format", "pt"}, {"step", "100"}}).is_ok());
@@ -106,11 +106,11 @@ TEST_F(SafetensorsTest, EmptyFileOfTensors) {
 
 TEST_F(SafetensorsTest, WriterRejectsBadInput) {
   const float x[2] = {1, 2};
-  const std::vector<SafetensorsTensor> dup = {{"a", DType::kF32, {2}, x}, {"a", DType::kF32, {1}, x}};
+  const std::vector<SafetensorsTensor> dup = {{"a", DType::kF32, {2}, x, {}}, {"a", DType::kF32, {1}, x, {}}};
   expect_error(write_safetensors(path("d.safetensors"), dup), StatusCode::kInvalidArgument, {"'a'", "twice"});
-  const std::vector<SafetensorsTensor> reserved = {{"__metadata__", DType::kF32, {2}, x}};
+  const std::vector<SafetensorsTensor> reserved = {{"__metadata__", DType::kF32, {2}, x, {}}};
   expect_error(write_safetensors(path("r.safetensors"), reserved), StatusCode::kInvalidArgument, {"reserved"});
-  const std::vector<SafetensorsTensor> neg = {{"n", DType::kF32, {-1, 2}, x}};
+  const std::vector<SafetensorsTensor> neg = {{"n", DType::kF32, {-1, 2}, x, {}}};
   expect_error(write_safetensors(path("n.safetensors"), neg), StatusCode::kInvalidArgument, {"'n'", "[-1, 2]"});
   EXPECT_FALSE(fs::exists(path("d.safetensors")));
 }
@@ -127,7 +127,7 @@ TEST_F(SafetensorsTest, ShorterThanLengthField) {
 
 TEST_F(SafetensorsTest, TruncatedFile) {
   const std::vector<float> w(64, 1.5f);
-  const std::vector<SafetensorsTensor> tensors = {{"w", DType::kF32, {8, 8}, w.data()}};
+  const std::vector<SafetensorsTensor> tensors = {{"w", DType::kF32, {8, 8}, w.data(), {}}};
   const std::string p = path("trunc.safetensors");
   ASSERT_TRUE(write_safetensors(p, tensors).is_ok());
   fs::resize_file(p, fs::file_size(p) - 10);
@@ -200,6 +200,43 @@ TEST_F(SafetensorsTest, UnsupportedDtypeIsNamed) {
   const std::string h = R"({"a":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}})";
   expect_error(SafetensorsFile::open(write_raw("f64.safetensors", h, 8)).status(), StatusCode::kUnimplemented,
                {"f64.safetensors", "'a'", "F64"});
+}
+
+TEST_F(SafetensorsTest, ProducedTensorsAreWrittenAsTheyAreReachedAndTheirErrorsRemoveTheFile) {
+  std::vector<float> a(21), b(6);
+  Rng rng(4);
+  for (auto& x : a) x = static_cast<float>(rng.normal());
+  for (auto& x : b) x = static_cast<float>(rng.normal());
+  std::vector<std::string> order;
+  auto produce = [&](const std::string& name, const std::vector<float>& src) {
+    return [&order, &src, name](void* dst) {
+      order.push_back(name);
+      std::memcpy(dst, src.data(), src.size() * sizeof(float));
+      return Status::ok();
+    };
+  };
+  const std::vector<SafetensorsTensor> tensors = {{"a", DType::kF32, {3, 7}, nullptr, produce("a", a)},
+                                                  {"b", DType::kF32, {6}, b.data(), {}},
+                                                  {"c", DType::kF32, {6}, nullptr, produce("c", b)}};
+  const std::string p = path("produced.safetensors");
+  ASSERT_TRUE(write_safetensors(p, tensors).is_ok());
+  EXPECT_EQ(order, (std::vector<std::string>{"a", "c"}));
+  auto f = SafetensorsFile::open(p);
+  ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+  const std::vector<int64_t> shape_a = {3, 7}, shape_c = {6};
+  auto got_a = f->expect("a", DType::kF32, shape_a);
+  auto got_c = f->expect("c", DType::kF32, shape_c);
+  ASSERT_TRUE(got_a.is_ok() && got_c.is_ok());
+  EXPECT_EQ(std::memcmp(got_a->data(), a.data(), a.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(got_c->data(), b.data(), b.size() * 4), 0);
+
+  const std::vector<SafetensorsTensor> failing = {
+      {"ok", DType::kF32, {6}, b.data(), {}},
+      {"bad", DType::kF32, {6}, nullptr, [](void*) { return Status::io_error("swap read failed"); }}};
+  const std::string q = path("failing.safetensors");
+  expect_error(write_safetensors(q, failing), StatusCode::kIOError, {"'bad'", "swap read failed"});
+  EXPECT_FALSE(fs::exists(q));
+  EXPECT_FALSE(fs::exists(q + ".tmp"));
 }
 
 }  // namespace
