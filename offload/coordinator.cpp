@@ -3,7 +3,8 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <semaphore>
+#include <condition_variable>
+#include <mutex>
 
 #include <fmt/format.h>
 
@@ -34,6 +35,35 @@ bool uses_params(Pass p) { return p != Pass::kGradients; }
 bool uses_grads(Pass p) { return p != Pass::kForward; }
 
 }  // namespace
+
+// Pinned buffers handed out one at a time, blocking while all are out (they come back when a job is done).
+class StagingBuffers {
+ public:
+  void add(PinnedBuffer b) {
+    all_.push_back(std::make_unique<PinnedBuffer>(std::move(b)));
+    free_.push_back(all_.back().get());
+  }
+  PinnedBuffer* take() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return !free_.empty(); });
+    PinnedBuffer* b = free_.back();
+    free_.pop_back();
+    return b;
+  }
+  void give(PinnedBuffer* b) {
+    {
+      std::lock_guard lock(mu_);
+      free_.push_back(b);
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::unique_ptr<PinnedBuffer>> all_;
+  std::vector<PinnedBuffer*> free_;
+};
 
 // A device buffer no unit holds, kept for reuse: usable once `after` has finished and `fence` has passed.
 struct Coordinator::Slot {
@@ -74,7 +104,9 @@ struct Coordinator::State {
   std::vector<Slot> spares;
   uint64_t slot_bytes = 0, slot_peak = 0;  // device bytes in units' buffers and spares
   size_t live_elements = 0;                // non-persistent parameter elements on the device
-  std::unique_ptr<std::counting_semaphore<>> nvme_buffers;
+  // offload_param.buffer_count pinned buffers of the largest nvme-homed unit, taken at create() so that a
+  // host budget too small for them fails there instead of blocking a read forever.
+  StagingBuffers staging_buffers;
   // The trace.
   std::vector<Access> trace;
   bool recording = true;
@@ -124,6 +156,9 @@ struct Coordinator::State {
     spares.clear();
   }
 
+  // Keeps a freed buffer for reuse: new_slot takes it back by size, and drops every spare when an allocation
+  // would not fit. (Trimming spares eagerly instead cost the demo a third of its step time in allocation and
+  // page faults on the CPU backend.)
   void to_spare(kernels::DeviceBuffer buf, kernels::DeviceFence fence, CopyTicket after) {
     spares.push_back(Slot{std::move(buf), std::move(fence), std::move(after)});
   }
@@ -261,29 +296,25 @@ struct Coordinator::State {
       r.params_ready = upload(dst, r.host_params.data(), bytes, fence, std::move(after));
     } else {
       STRATA_ASSERT(r.home == Tier::kNvme);
+      // A staging buffer from the fixed set, returned when both jobs are done with it (or failed).
       struct Staging {
-        PinnedBuffer buf;
-        std::counting_semaphore<>* sem = nullptr;
+        StagingBuffers* from = nullptr;
+        PinnedBuffer* buf = nullptr;
         ~Staging() {
-          buf.reset();
-          if (sem) sem->release();
+          if (buf) from->give(buf);
         }
       };
       auto staging = std::make_shared<Staging>();
-      PinnedPool* p = pool;
+      staging->from = &staging_buffers;
       SwapStore* st = store;
-      std::counting_semaphore<>* sem = nvme_buffers.get();
       const std::vector<std::string> keys = r.nvme_keys;
       const size_t chunk = options.nvme_chunk_elements * sizeof(float);
-      const std::string name = r.info.name;
       CopyTicket read = copies.nvme.submit(
-          [staging, p, st, sem, keys, chunk, bytes, name] {
-            sem->acquire();
-            staging->sem = sem;
-            STRATA_ASSIGN_OR_RETURN(staging->buf, p->acquire(bytes, "offload.param staging " + name));
+          [staging, st, keys, chunk, bytes] {
+            staging->buf = staging->from->take();
             for (size_t k = 0; k < keys.size(); ++k) {
               const size_t off = k * chunk, len = std::min(chunk, bytes - off);
-              STRATA_RETURN_IF_ERROR(st->read(keys[k], staging->buf.as<char>() + off, len));
+              STRATA_RETURN_IF_ERROR(st->read(keys[k], staging->buf->as<char>() + off, len));
             }
             return Status::ok();
           },
@@ -293,7 +324,7 @@ struct Coordinator::State {
       r.params_ready = copies.h2d.submit(
           [dev, dst, staging, bytes, fence]() mutable {
             fence.wait();
-            dev->upload(dst, staging->buf.data(), bytes);
+            dev->upload(dst, staging->buf->data(), bytes);
             staging.reset();
             return Status::ok();
           },
@@ -394,7 +425,6 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
   if (options.nvme_buffers < 1)
     return Status::invalid_argument("offload_param.buffer_count must be >= 1, got {}", options.nvme_buffers);
   auto s = std::make_unique<State>(device, copies, pool, store, options);
-  s->nvme_buffers = std::make_unique<std::counting_semaphore<>>(options.nvme_buffers);
   s->units.resize(units.size());
   for (size_t u = 0; u < units.size(); ++u) {
     State::UnitRec& r = s->units[u];
@@ -413,6 +443,13 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
       const size_t chunks = (r.info.numel + options.nvme_chunk_elements - 1) / options.nvme_chunk_elements;
       for (size_t k = 0; k < chunks; ++k) r.nvme_keys.push_back(fmt::format("{}{}.{}", options.key_prefix, r.info.name, k));
     }
+  }
+  size_t largest_nvme = 0;
+  for (const State::UnitRec& r : s->units)
+    if (r.home == Tier::kNvme) largest_nvme = std::max(largest_nvme, r.bytes);
+  for (int i = 0; largest_nvme > 0 && i < options.nvme_buffers; ++i) {
+    STRATA_ASSIGN_OR_RETURN(PinnedBuffer b, pool->try_acquire(largest_nvme, "offload.param staging"));
+    s->staging_buffers.add(std::move(b));
   }
   std::unique_ptr<Coordinator> c(new Coordinator(std::move(s)));
   // Parameters on nvme start as zeros too, so that every key exists before the first read.

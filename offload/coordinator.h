@@ -53,7 +53,7 @@ struct CoordinatorOptions {
   size_t prefetch_elements = 50'000'000;     // stage3_prefetch_bucket_size: elements fetched ahead of use
   size_t max_live_elements = SIZE_MAX;       // stage3_max_live_parameters: non-persistent elements on device
   size_t nvme_chunk_elements = 1u << 28;     // elements per swap key; a multiple of 1024
-  int nvme_buffers = 4;                      // offload_param.buffer_count: NVMe reads staged at once
+  int nvme_buffers = 4;  // offload_param.buffer_count: pinned staging buffers for NVMe reads, taken at create
   std::string key_prefix = "param.";
 };
 
