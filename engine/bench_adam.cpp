@@ -112,7 +112,7 @@ int bench_swap(const BenchAdamOptions& o, uint64_t n, uint64_t sub, float* p, co
   std::vector<offload::OptimizerGroup> groups;
   for (uint64_t at = 0; at < n; at += sub) {
     const size_t len = static_cast<size_t>(std::min<uint64_t>(sub, n - at));
-    groups.push_back({fmt::format("g{}", groups.size()), len, {{0, len, 0.1f}}});
+    groups.push_back({fmt::format("g{}", groups.size()), len, {{0, len, 0.1f}}, {}});
   }
   auto swapper = offload::OptimizerSwapper::create(*store.value(), *pool.value(), groups);
   if (!swapper.is_ok()) {

@@ -115,7 +115,15 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   JsonSection m = root.section("memory");
   STRATA_RETURN_IF_ERROR(read_bytes(m, "device_memory_limit", &c->device_memory_limit).with_context(source));
   STRATA_RETURN_IF_ERROR(read_bytes(m, "host_memory_limit", &c->host_memory_limit).with_context(source));
+  STRATA_RETURN_IF_ERROR(m.get_string("gradients", &c->gradients));
   STRATA_RETURN_IF_ERROR(m.finish());
+  if (c->gradients != "auto" && c->gradients != "host" && c->gradients != "nvme")
+    return Status::invalid_argument("{}: memory.gradients must be \"auto\", \"host\" or \"nvme\", got \"{}\"", source,
+                                    c->gradients);
+  if (c->gradients == "nvme" && c->offload_param.device != "nvme" && c->offload_optimizer.device != "nvme")
+    return Status::invalid_argument("{}: memory.gradients = \"nvme\" needs an offload target on nvme (its nvme_path "
+                                    "holds them)",
+                                    source);
 
   // Every key set away from its default that nothing acts on yet: a user must hear that a setting is not
   // happening. Acted on (engine/offload_runtime.cpp): both targets' device, nvme_path, pin_memory and

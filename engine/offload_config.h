@@ -68,6 +68,9 @@ struct OffloadConfig {
   uint64_t device_memory_limit = 0;  // memory.device_memory_limit, bytes; 0: what the device has. Acted on: the
                                      // budget of every Device allocation (kernels/device.h)
   uint64_t host_memory_limit = 0;    // memory.host_memory_limit, bytes; 0: what the cgroup and machine allow
+  // memory.gradients: where offloaded gradients go home: "host", "nvme" (an offload nvme_path's store), or
+  // "auto": nvme when they would take more than half of a set host_memory_limit and an nvme_path is set.
+  std::string gradients = "auto";
   std::vector<std::string> not_acted_on;  // "zero_optimization.stage = 3", ... (set keys not yet honoured)
 };
 

@@ -14,7 +14,8 @@ namespace strata::engine {
 Result<std::unique_ptr<OffloadedAdamW>> OffloadedAdamW::create(const GPT2& model, offload::Coordinator& coordinator,
                                                               offload::PinnedPool& pool, SwapStore* store,
                                                               const AdamWConfig& config,
-                                                              const OffloadedAdamWOptions& options) {
+                                                              const OffloadedAdamWOptions& options,
+                                                              SwapStore* grad_store) {
   if (options.placement != offload::Tier::kHost && options.placement != offload::Tier::kNvme)
     return Status::invalid_argument("offload_optimizer.device must be cpu or nvme here");
   if (options.placement == offload::Tier::kNvme && store == nullptr)
@@ -43,12 +44,30 @@ Result<std::unique_ptr<OffloadedAdamW>> OffloadedAdamW::create(const GPT2& model
         if (lo >= hi) continue;
         g.spec.segments.push_back({lo - off, hi - lo, s.decay ? config.weight_decay : 0.0f});
       }
+      if (coordinator.options().grad_home == offload::Tier::kNvme) {
+        const auto& keys = coordinator.grad_keys(u);
+        if (keys.size() <= k || coordinator.options().nvme_chunk_elements != group_size)
+          return Status::invalid_argument("offload: gradient chunks of '{}' do not match the optimizer's sub-groups",
+                                          unit.name);
+        g.spec.grad_key = keys[k];
+      }
       if (options.placement == offload::Tier::kHost) {
         STRATA_ASSIGN_OR_RETURN(g.state, pool.try_acquire(3 * g.spec.numel * sizeof(float),
                                                       "offload.optimizer " + g.spec.name));
       }
       opt->groups_.push_back(std::move(g));
     }
+  }
+  opt->grad_store_ = grad_store;
+  if (coordinator.options().grad_home == offload::Tier::kNvme) {
+    if (grad_store == nullptr) return Status::invalid_argument("offload: gradients on nvme need their swap store");
+    if (options.placement == offload::Tier::kNvme && grad_store != store)
+      return Status::invalid_argument("offload: with the optimizer on nvme its gradients must be in its swap store");
+  }
+  if (options.placement == offload::Tier::kHost && coordinator.options().grad_home == offload::Tier::kNvme) {
+    size_t largest = 0;
+    for (const Group& g : opt->groups_) largest = std::max(largest, g.spec.numel);
+    STRATA_ASSIGN_OR_RETURN(opt->grad_scratch_, pool.try_acquire(largest * sizeof(float), "offload.optimizer grads"));
   }
   if (options.placement == offload::Tier::kNvme) {
     std::vector<offload::OptimizerGroup> specs;
@@ -112,8 +131,7 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   STRATA_RETURN_IF_ERROR(coordinator_->flush_grads());
   stats_.grads_wait_s = wait.seconds();
   double sum = 0.0;
-  for (size_t u = 0; u < model_->units().size(); ++u)
-    sum = kernels::cpu::fast::add_sum_squares(sum, coordinator_->host_grads(u), model_->units()[u].numel());
+  for (size_t u = 0; u < model_->units().size(); ++u) sum += coordinator_->grad_sum_squares(u);
   const double norm = std::sqrt(sum);
   if (!std::isfinite(norm)) {
     if (skipped) *skipped = true;
@@ -130,9 +148,11 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   hp.step = t_;
   hp.grad_scale = scale;
   Timer update;
+  const bool grads_on_nvme = coordinator_->options().grad_home == offload::Tier::kNvme;
   if (swapper_) {
-    std::vector<const float*> grads;
-    for (const Group& g : groups_) grads.push_back(coordinator_->host_grads(g.unit) + g.offset);
+    std::vector<const float*> grads;  // null where the swapper reads the group's gradient key
+    for (const Group& g : groups_)
+      grads.push_back(grads_on_nvme ? nullptr : coordinator_->host_grads(g.unit) + g.offset);
     const Status st = swapper_->step(grads, {}, DType::kF32, hp, [&](size_t i, const float* master) {
       const Group& g = groups_[i];
       return coordinator_->write_params(g.unit, g.offset, g.spec.numel, master);
@@ -147,7 +167,14 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
       float* master = g.state.as<float>();
       float* m = master + g.spec.numel;
       float* v = m + g.spec.numel;
-      const float* grads = coordinator_->host_grads(g.unit) + g.offset;
+      const float* grads = nullptr;
+      if (grads_on_nvme) {
+        STRATA_RETURN_IF_ERROR(grad_store_->read(g.spec.grad_key, grad_scratch_.data(), g.spec.numel * sizeof(float)));
+        stats_.nvme_read_bytes += g.spec.numel * sizeof(float);
+        grads = grad_scratch_.as<float>();
+      } else {
+        grads = coordinator_->host_grads(g.unit) + g.offset;
+      }
       for (const offload::OptimizerSegment& s : g.spec.segments) {
         kernels::AdamWParams p = hp;
         p.weight_decay = s.weight_decay;

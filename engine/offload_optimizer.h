@@ -45,10 +45,12 @@ class OffloadedAdamW final : public Optimizer {
  public:
   // `model` gives the layouts (its units, in the coordinator's order); `store` is needed for kNvme. All must
   // outlive the optimizer. Call adopt_params() (or write_moments for every unit) before the first step.
+  // With the coordinator's gradients on nvme, `grad_store` is where they are (with kNvme it must be `store`).
   static Result<std::unique_ptr<OffloadedAdamW>> create(const GPT2& model, offload::Coordinator& coordinator,
                                                         offload::PinnedPool& pool, SwapStore* store,
                                                         const AdamWConfig& config,
-                                                        const OffloadedAdamWOptions& options);
+                                                        const OffloadedAdamWOptions& options,
+                                                        SwapStore* grad_store = nullptr);
 
   Result<double> step(float lr, bool* skipped) override;
   int steps_taken() const override { return t_; }
@@ -76,6 +78,8 @@ class OffloadedAdamW final : public Optimizer {
   offload::Coordinator* coordinator_ = nullptr;
   std::vector<Group> groups_;
   std::unique_ptr<offload::OptimizerSwapper> swapper_;  // kNvme
+  SwapStore* grad_store_ = nullptr;                      // gradients on nvme
+  offload::PinnedBuffer grad_scratch_;                   // kHost with gradients on nvme: one sub-group's
   int t_ = 0;
   OffloadedStepStats stats_;
 };

@@ -83,8 +83,18 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   std::unique_ptr<OffloadRuntime> rt(new OffloadRuntime());
   rt->device_ = &device;
   rt->model_ = &model;
-  rt->placements_ = fmt::format("parameters on {}, optimizer state on {}, gradients to host",
-                                offload::tier_name(param_tier), offload::tier_name(opt_tier));
+  uint64_t grad_bytes = 0;
+  for (const Unit& u : model.units()) grad_bytes += u.numel() * sizeof(float);
+  const bool have_nvme = param_tier == offload::Tier::kNvme || opt_tier == offload::Tier::kNvme;
+  const offload::Tier grad_tier =
+      config.gradients == "nvme" ||
+              (config.gradients == "auto" && have_nvme && config.host_memory_limit > 0 &&
+               grad_bytes > config.host_memory_limit / 2)
+          ? offload::Tier::kNvme
+          : offload::Tier::kHost;
+  rt->placements_ = fmt::format("parameters on {}, optimizer state on {}, gradients to {}",
+                                offload::tier_name(param_tier), offload::tier_name(opt_tier),
+                                offload::tier_name(grad_tier));
 
   // Sub-groups: optimizer state and nvme parameter chunks share one size, so an optimizer sub-group's new
   // parameters are whole chunks.
@@ -99,9 +109,14 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
       (std::max<uint64_t>(largest_key + 4096, std::min<uint64_t>(uint64_t{1} << 30, 2 * 3 * total)) + 4095) / 4096 *
       4096;
   // One store per folder, sized for what goes there: two versions of every key can coexist (copy-on-write).
+  // Gradients share the optimizer's store when it is on nvme (its swap pipeline reads them), else the
+  // parameters'.
+  const std::string& grad_path =
+      opt_tier == offload::Tier::kNvme ? config.offload_optimizer.nvme_path : config.offload_param.nvme_path;
   std::map<std::string, uint64_t> need;
   if (param_tier == offload::Tier::kNvme) need[config.offload_param.nvme_path] += 2 * total;
   if (opt_tier == offload::Tier::kNvme) need[config.offload_optimizer.nvme_path] += 2 * 3 * total;
+  if (grad_tier == offload::Tier::kNvme) need[grad_path] += 2 * total;
   for (const auto& [path, bytes] : need) {
     const uint64_t files = (bytes + file_bytes - 4096 - 1) / (file_bytes - 4096) + 1;
     STRATA_RETURN_IF_ERROR(rt->open_store(path, file_bytes, static_cast<uint32_t>(files))
@@ -111,6 +126,7 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
       param_tier == offload::Tier::kNvme ? rt->stores_.at(config.offload_param.nvme_path).get() : nullptr;
   SwapStore* opt_store =
       opt_tier == offload::Tier::kNvme ? rt->stores_.at(config.offload_optimizer.nvme_path).get() : nullptr;
+  SwapStore* grad_store = grad_tier == offload::Tier::kNvme ? rt->stores_.at(grad_path).get() : nullptr;
 
   offload::PinnedPoolOptions po;
   po.budget_bytes = config.host_memory_limit;
@@ -122,21 +138,23 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   for (const Unit& u : model.units()) units.push_back({u.name, u.numel()});
   offload::CoordinatorOptions co;
   co.param_home = param_tier;
+  co.grad_home = grad_tier;
   co.persistence_threshold = static_cast<size_t>(config.stage3_param_persistence_threshold);
   co.prefetch_elements = static_cast<size_t>(config.stage3_prefetch_bucket_size);
   co.max_live_elements = static_cast<size_t>(config.stage3_max_live_parameters);
   co.nvme_chunk_elements = group;
   co.nvme_buffers = static_cast<int>(config.offload_param.buffer_count);
   STRATA_ASSIGN_OR_RETURN(rt->coordinator_, offload::Coordinator::create(device, *rt->copies_, rt->pool_.get(),
-                                                                         param_store, std::move(units), co));
+                                                                         param_store, std::move(units), co,
+                                                                         grad_store));
   model.set_coordinator(rt->coordinator_.get());
 
   OffloadedAdamWOptions oo;
   oo.placement = opt_tier;
   oo.sub_group_size = group;
   oo.swap_slots = static_cast<int>(config.offload_optimizer.buffer_count);
-  STRATA_ASSIGN_OR_RETURN(rt->optimizer_,
-                          OffloadedAdamW::create(model, *rt->coordinator_, *rt->pool_, opt_store, adam, oo));
+  STRATA_ASSIGN_OR_RETURN(rt->optimizer_, OffloadedAdamW::create(model, *rt->coordinator_, *rt->pool_, opt_store,
+                                                                 adam, oo, grad_store));
   return rt;
 }
 

@@ -33,7 +33,9 @@ Result<AdamW> AdamW::create(const std::vector<Unit>& units, const AdamWConfig& c
 
 double AdamW::grad_norm(const std::vector<Unit>& units, kernels::Device& device) {
   double sum = 0.0;
-  for (const Unit& u : units) sum = device.add_sum_squares(sum, u.g(), u.numel());
+  // Per unit from zero, then across units in order: the offloaded optimizer gets each unit's sum where the
+  // unit's gradient lands (OffloadedAdamW), and adds them the same way, so the norms are the same bits.
+  for (const Unit& u : units) sum += device.add_sum_squares(0.0, u.g(), u.numel());
   return std::sqrt(sum);
 }
 

@@ -53,7 +53,8 @@ class AdamW final : public Optimizer {
   // must outlive it too: the Optimizer interface updates them.
   static Result<AdamW> create(const std::vector<Unit>& units, const AdamWConfig& config, kernels::Device& device);
 
-  // Global L2 norm of all gradients (summed in double, in unit order, so it is independent of threading).
+  // Global L2 norm of all gradients: each unit's sum of squares in double from zero, added in unit order
+  // (independent of threading, and the same bits as the offloaded optimizer's).
   static double grad_norm(const std::vector<Unit>& units, kernels::Device& device);
 
   // One update of every unit with learning rate lr. Clips by global norm first (PyTorch's clip_grad_norm_:

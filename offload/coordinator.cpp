@@ -11,6 +11,7 @@
 #include "common/check.h"
 #include "common/log.h"
 #include "common/timer.h"
+#include "kernels/cpu/fast.h"
 
 namespace strata::offload {
 namespace {
@@ -92,13 +93,16 @@ struct Coordinator::State {
     CopyTicket grads_ready;     // an upload of the host copy into dev_grads (prefetch)
     CopyTicket grads_download;  // kBoth: the download into host_grads
     kernels::DeviceFence grads_last_use;
-    PinnedBuffer host_grads;
+    PinnedBuffer host_grads;             // grad_home host
+    std::vector<std::string> grad_keys;  // grad_home nvme, one per chunk
+    double grad_sumsq = 0;               // grad_home nvme: sum of squares of the last download (on d2h thread)
   };
 
   kernels::Device& device;
   CopyEngine& copies;
   PinnedPool* pool;
-  SwapStore* store;
+  SwapStore* store;             // parameters' nvme home
+  SwapStore* grad_store = nullptr;  // gradients' nvme home
   CoordinatorOptions options;
   std::vector<UnitRec> units;
   std::vector<Slot> spares;
@@ -106,7 +110,11 @@ struct Coordinator::State {
   size_t live_elements = 0;                // non-persistent parameter elements on the device
   // offload_param.buffer_count pinned buffers of the largest nvme-homed unit, taken at create() so that a
   // host budget too small for them fails there instead of blocking a read forever.
-  StagingBuffers staging_buffers;
+  StagingBuffers read_staging;
+  // With gradients on nvme: buffer_count buffers the downloads go through on their way to the swap store (a
+  // set of their own: taken on the d2h queue and given back on the nvme queue, while read_staging is taken on
+  // the nvme queue and given back on the h2d queue, so neither can wait on the other in a cycle).
+  StagingBuffers write_staging;
   // The trace.
   std::vector<Access> trace;
   bool recording = true;
@@ -267,6 +275,46 @@ struct Coordinator::State {
     return out.empty() ? "no" : out;
   }
 
+  // A staging buffer from a fixed set, returned when every job holding it is done (or failed).
+  struct Staging {
+    StagingBuffers* from = nullptr;
+    PinnedBuffer* buf = nullptr;
+    ~Staging() {
+      if (buf) from->give(buf);
+    }
+  };
+
+  // Queues dst <- the swap keys `keys` (chunks of nvme_chunk_elements): an NVMe read into a read-staging
+  // buffer, then the upload, once `fence` has passed and `after` have finished.
+  CopyTicket fetch_from_nvme(SwapStore* st, const std::vector<std::string>& keys, size_t bytes, void* dst,
+                             kernels::DeviceFence fence, std::vector<CopyTicket> after) {
+    auto staging = std::make_shared<Staging>();
+    staging->from = &read_staging;
+    const size_t chunk = options.nvme_chunk_elements * sizeof(float);
+    CopyTicket read = copies.nvme.submit(
+        [staging, st, keys, chunk, bytes] {
+          staging->buf = staging->from->take();
+          for (size_t k = 0; k < keys.size(); ++k) {
+            const size_t off = k * chunk, len = std::min(chunk, bytes - off);
+            STRATA_RETURN_IF_ERROR(st->read(keys[k], staging->buf->as<char>() + off, len));
+          }
+          return Status::ok();
+        },
+        bytes);
+    stats.nvme_read_bytes += bytes;
+    after.push_back(read);
+    kernels::Device* dev = &device;
+    stats.h2d_bytes += bytes;
+    return copies.h2d.submit(
+        [dev, dst, staging, bytes, fence]() mutable {
+          fence.wait();
+          dev->upload(dst, staging->buf->data(), bytes);
+          staging.reset();
+          return Status::ok();
+        },
+        bytes, std::move(after));
+  }
+
   // ---- loading parameters ----
 
   // Queues the load of unit u's parameters onto the device. A demand load (sooner_than 0) may evict any unit
@@ -287,7 +335,6 @@ struct Coordinator::State {
     }
     Slot s = std::move(slot).value();
     void* dst = s.buf.data();
-    kernels::Device* dev = &device;
     const size_t bytes = r.bytes;
     const kernels::DeviceFence fence = s.fence;
     std::vector<CopyTicket> after;
@@ -296,40 +343,7 @@ struct Coordinator::State {
       r.params_ready = upload(dst, r.host_params.data(), bytes, fence, std::move(after));
     } else {
       STRATA_ASSERT(r.home == Tier::kNvme);
-      // A staging buffer from the fixed set, returned when both jobs are done with it (or failed).
-      struct Staging {
-        StagingBuffers* from = nullptr;
-        PinnedBuffer* buf = nullptr;
-        ~Staging() {
-          if (buf) from->give(buf);
-        }
-      };
-      auto staging = std::make_shared<Staging>();
-      staging->from = &staging_buffers;
-      SwapStore* st = store;
-      const std::vector<std::string> keys = r.nvme_keys;
-      const size_t chunk = options.nvme_chunk_elements * sizeof(float);
-      CopyTicket read = copies.nvme.submit(
-          [staging, st, keys, chunk, bytes] {
-            staging->buf = staging->from->take();
-            for (size_t k = 0; k < keys.size(); ++k) {
-              const size_t off = k * chunk, len = std::min(chunk, bytes - off);
-              STRATA_RETURN_IF_ERROR(st->read(keys[k], staging->buf->as<char>() + off, len));
-            }
-            return Status::ok();
-          },
-          bytes);
-      stats.nvme_read_bytes += bytes;
-      after.push_back(read);
-      r.params_ready = copies.h2d.submit(
-          [dev, dst, staging, bytes, fence]() mutable {
-            fence.wait();
-            dev->upload(dst, staging->buf->data(), bytes);
-            staging.reset();
-            return Status::ok();
-          },
-          bytes, std::move(after));
-      stats.h2d_bytes += bytes;
+      r.params_ready = fetch_from_nvme(store, r.nvme_keys, bytes, dst, fence, std::move(after));
     }
     ++stats.fetches;
     r.dev_params = std::move(s.buf);
@@ -349,7 +363,9 @@ struct Coordinator::State {
     Slot s = std::move(slot).value();
     std::vector<CopyTicket> after{r.grads_download};
     if (s.after.valid()) after.push_back(s.after);
-    r.grads_ready = upload(s.buf.data(), r.host_grads.data(), r.bytes, s.fence, std::move(after));
+    r.grads_ready = options.grad_home == Tier::kNvme
+                        ? fetch_from_nvme(grad_store, r.grad_keys, r.bytes, s.buf.data(), s.fence, std::move(after))
+                        : upload(s.buf.data(), r.host_grads.data(), r.bytes, s.fence, std::move(after));
     r.dev_grads = std::move(s.buf);
     return true;
   }
@@ -415,16 +431,22 @@ Coordinator::~Coordinator() = default;
 Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device, CopyEngine& copies,
                                                          PinnedPool* pool, SwapStore* store,
                                                          std::vector<CoordinatorUnit> units,
-                                                         const CoordinatorOptions& options) {
+                                                         const CoordinatorOptions& options, SwapStore* grad_store) {
+  if (grad_store == nullptr) grad_store = store;
   if (options.nvme_chunk_elements == 0 || options.nvme_chunk_elements % 1024 != 0)
     return Status::invalid_argument("offload: nvme_chunk_elements must be a positive multiple of 1024, got {}",
                                     options.nvme_chunk_elements);
   if (options.param_home == Tier::kNvme && store == nullptr)
     return Status::invalid_argument("offload: parameters on nvme need a swap store (offload_param.nvme_path)");
+  if (options.grad_home != Tier::kHost && options.grad_home != Tier::kNvme)
+    return Status::invalid_argument("offload: gradients go home to host or nvme");
+  if (options.grad_home == Tier::kNvme && grad_store == nullptr)
+    return Status::invalid_argument("offload: gradients on nvme need a swap store");
   if (pool == nullptr) return Status::invalid_argument("offload: the coordinator needs a pinned pool for gradients");
   if (options.nvme_buffers < 1)
     return Status::invalid_argument("offload_param.buffer_count must be >= 1, got {}", options.nvme_buffers);
   auto s = std::make_unique<State>(device, copies, pool, store, options);
+  s->grad_store = grad_store;
   s->units.resize(units.size());
   for (size_t u = 0; u < units.size(); ++u) {
     State::UnitRec& r = s->units[u];
@@ -433,23 +455,35 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
     r.bytes = r.info.numel * sizeof(float);
     r.persistent = options.param_home == Tier::kDevice || r.info.numel <= options.persistence_threshold;
     r.home = r.persistent ? Tier::kDevice : options.param_home;
-    STRATA_ASSIGN_OR_RETURN(r.host_grads, pool->try_acquire(r.bytes, "offload.grads " + r.info.name));
+    const size_t chunks = (r.info.numel + options.nvme_chunk_elements - 1) / options.nvme_chunk_elements;
+    if (options.grad_home == Tier::kNvme) {
+      for (size_t k = 0; k < chunks; ++k) r.grad_keys.push_back(fmt::format("grad.{}.{}", r.info.name, k));
+    } else {
+      STRATA_ASSIGN_OR_RETURN(r.host_grads, pool->try_acquire(r.bytes, "offload.grads " + r.info.name));
+    }
     if (r.home == Tier::kDevice) {
       STRATA_ASSIGN_OR_RETURN(r.dev_params, device.allocate(r.bytes, "offload.persistent " + r.info.name));
     } else if (r.home == Tier::kHost) {
       STRATA_ASSIGN_OR_RETURN(r.host_params, pool->try_acquire(r.bytes, "offload.params " + r.info.name));
       std::memset(r.host_params.data(), 0, r.bytes);
     } else {
-      const size_t chunks = (r.info.numel + options.nvme_chunk_elements - 1) / options.nvme_chunk_elements;
       for (size_t k = 0; k < chunks; ++k) r.nvme_keys.push_back(fmt::format("{}{}.{}", options.key_prefix, r.info.name, k));
     }
   }
-  size_t largest_nvme = 0;
-  for (const State::UnitRec& r : s->units)
-    if (r.home == Tier::kNvme) largest_nvme = std::max(largest_nvme, r.bytes);
-  for (int i = 0; largest_nvme > 0 && i < options.nvme_buffers; ++i) {
-    STRATA_ASSIGN_OR_RETURN(PinnedBuffer b, pool->try_acquire(largest_nvme, "offload.param staging"));
-    s->staging_buffers.add(std::move(b));
+  size_t largest_read = 0, largest_write = 0;
+  for (const State::UnitRec& r : s->units) {
+    if (r.home == Tier::kNvme || options.grad_home == Tier::kNvme) largest_read = std::max(largest_read, r.bytes);
+    if (options.grad_home == Tier::kNvme) largest_write = std::max(largest_write, r.bytes);
+  }
+  for (int i = 0; i < options.nvme_buffers; ++i) {
+    if (largest_read > 0) {
+      STRATA_ASSIGN_OR_RETURN(PinnedBuffer b, pool->try_acquire(largest_read, "offload.nvme read staging"));
+      s->read_staging.add(std::move(b));
+    }
+    if (largest_write > 0) {
+      STRATA_ASSIGN_OR_RETURN(PinnedBuffer b, pool->try_acquire(largest_write, "offload.nvme write staging"));
+      s->write_staging.add(std::move(b));
+    }
   }
   std::unique_ptr<Coordinator> c(new Coordinator(std::move(s)));
   // Parameters on nvme start as zeros too, so that every key exists before the first read.
@@ -602,22 +636,55 @@ void Coordinator::release(size_t u, Pass pass) {
   if (r.in_use > 0) return;  // still being added to
   // Send the gradient home now, overlapping the rest of backward; the device copy stays valid until evicted.
   kernels::Device* dev = &s.device;
-  void* dst = r.host_grads.data();
   const void* src = r.dev_grads.data();
   const size_t bytes = r.bytes;
-  r.grads_download = s.copies.d2h.submit(
-      [dev, dst, src, bytes, fence] {
-        fence.wait();
-        dev->download(dst, src, bytes);
-        return Status::ok();
-      },
-      bytes);
+  CopyTicket downloaded;
+  if (s.options.grad_home == Tier::kHost) {
+    void* dst = r.host_grads.data();
+    downloaded = s.copies.d2h.submit(
+        [dev, dst, src, bytes, fence] {
+          fence.wait();
+          dev->download(dst, src, bytes);
+          return Status::ok();
+        },
+        bytes);
+    r.grads_download = downloaded;
+  } else {
+    // Through a write-staging buffer to the swap store; the sum of squares for the norm is taken on the way,
+    // from the same bytes the optimizer will read.
+    auto staging = std::make_shared<State::Staging>();
+    staging->from = &s.write_staging;
+    double* sumsq = &r.grad_sumsq;
+    downloaded = s.copies.d2h.submit(
+        [dev, src, bytes, fence, staging, sumsq] {
+          staging->buf = staging->from->take();
+          fence.wait();
+          dev->download(staging->buf->data(), src, bytes);
+          *sumsq = kernels::cpu::fast::add_sum_squares(0.0, staging->buf->as<float>(), bytes / sizeof(float));
+          return Status::ok();
+        },
+        bytes);
+    SwapStore* st = s.grad_store;
+    const std::vector<std::string> keys = r.grad_keys;
+    const size_t chunk = s.options.nvme_chunk_elements * sizeof(float);
+    r.grads_download = s.copies.nvme.submit(
+        [staging, st, keys, chunk, bytes]() mutable {
+          for (size_t k = 0; k < keys.size(); ++k) {
+            const size_t off = k * chunk, len = std::min(chunk, bytes - off);
+            STRATA_RETURN_IF_ERROR(st->write(keys[k], staging->buf->as<char>() + off, len));
+          }
+          staging.reset();
+          return Status::ok();
+        },
+        bytes, {downloaded});
+    s.stats.nvme_write_bytes += bytes;
+  }
   s.stats.d2h_bytes += bytes;
   r.grad_state = GradState::kBoth;
   // Keep the device copy only when this step adds to it again (the tied embedding); otherwise its memory goes
   // back for reuse once the download has read it, so gradients never pile up on the device.
   if (s.next_use(true)[u] == kNever || !s.replaying()) {
-    s.to_spare(std::move(r.dev_grads), fence, r.grads_download);
+    s.to_spare(std::move(r.dev_grads), fence, downloaded);
     r.grad_state = GradState::kHost;
   }
 }
@@ -638,7 +705,17 @@ Status Coordinator::flush_grads() {
     STRATA_ASSERT_MSG(r.in_use == 0, "flush_grads with a unit between acquire and release");
     switch (r.grad_state) {
       case GradState::kZero:
-        std::memset(r.host_grads.data(), 0, r.bytes);
+        if (s_->options.grad_home == Tier::kHost) {
+          std::memset(r.host_grads.data(), 0, r.bytes);
+        } else {  // every key must hold this step's (zero) gradient for the optimizer to read
+          const size_t chunk = s_->options.nvme_chunk_elements;
+          const std::vector<float> zeros(std::min(chunk, r.info.numel), 0.0f);
+          for (size_t k = 0; k < r.grad_keys.size(); ++k) {
+            const size_t len = std::min(chunk, r.info.numel - k * chunk);
+            STRATA_RETURN_IF_ERROR(s_->grad_store->write(r.grad_keys[k], zeros.data(), len * sizeof(float)));
+          }
+          r.grad_sumsq = 0.0;
+        }
         r.grad_state = GradState::kHost;
         if (r.dev_grads.data() != nullptr) s_->to_spare(std::move(r.dev_grads), r.grads_last_use, {});
         break;
@@ -656,6 +733,14 @@ Status Coordinator::flush_grads() {
 
 const float* Coordinator::host_grads(size_t u) const { return s_->units[u].host_grads.as<float>(); }
 
+const std::vector<std::string>& Coordinator::grad_keys(size_t u) const { return s_->units[u].grad_keys; }
+
+double Coordinator::grad_sum_squares(size_t u) const {
+  const State::UnitRec& r = s_->units[u];
+  if (s_->options.grad_home == Tier::kNvme) return r.grad_sumsq;
+  return kernels::cpu::fast::add_sum_squares(0.0, r.host_grads.as<float>(), r.info.numel);
+}
+
 Residency Coordinator::residency(size_t u, StateClass what) const {
   const State::UnitRec& r = s_->units[u];
   Residency res;
@@ -666,7 +751,7 @@ Residency Coordinator::residency(size_t u, StateClass what) const {
     res.on_nvme = r.home == Tier::kNvme;
   } else {
     STRATA_ASSERT(what == StateClass::kGrads);
-    res.home = Tier::kHost;
+    res.home = s_->options.grad_home;
     res.on_device = r.dev_grads.data() != nullptr &&
                     (r.grad_state == GradState::kDevice || r.grad_state == GradState::kBoth);
     res.on_host = r.grad_state == GradState::kHost || (r.grad_state == GradState::kBoth && r.grads_download.done());

@@ -5,9 +5,10 @@
 // Parameters have a home tier (offload_param.device: none -> device, cpu -> host, nvme -> nvme); units of at
 // most `persistence_threshold` elements stay on the device whatever the home. The home copy is the truth: the
 // optimizer writes new parameters there (write_params) and a device copy, when there is one, is refreshed.
-// Gradients are computed on the device and go home to host memory (the optimizer runs on the CPU whenever a
-// coordinator is used), accumulated exactly: a unit's accumulated gradient is uploaded again before the kernels
-// add to it, so the sums are bitwise those of a run that keeps everything on the device.
+// Gradients are computed on the device and go home to host memory, or to NVMe when host memory is short (the
+// optimizer runs on the CPU whenever a coordinator is used), accumulated exactly: a unit's accumulated gradient
+// is uploaded again before the kernels add to it, so the sums are bitwise those of a run that keeps everything
+// on the device.
 //
 // The model brackets every use of a unit with acquire(unit, pass) / release(unit, pass). The first step's
 // sequence of accesses is recorded as the trace (begin_step() marks where a step starts); from then on every
@@ -49,6 +50,7 @@ struct CoordinatorUnit {
 
 struct CoordinatorOptions {
   Tier param_home = Tier::kHost;
+  Tier grad_home = Tier::kHost;              // kHost, or kNvme (keys "grad.<unit>.<chunk>") when RAM is short
   size_t persistence_threshold = 0;          // stage3_param_persistence_threshold (elements)
   size_t prefetch_elements = 50'000'000;     // stage3_prefetch_bucket_size: elements fetched ahead of use
   size_t max_live_elements = SIZE_MAX;       // stage3_max_live_parameters: non-persistent elements on device
@@ -80,11 +82,13 @@ struct CoordinatorStats {  // since the last take_stats()
 
 class Coordinator {
  public:
-  // `pool` is needed unless every unit is on the device; `store` when param_home is nvme. Parameters start
-  // as zeros; call write_params for each unit before the first step.
+  // `pool` holds the host tier's buffers; `store` is needed when param_home is nvme, `grad_store` (default:
+  // `store`) when grad_home is. Parameters start as zeros; call write_params for each unit before the first
+  // step.
   static Result<std::unique_ptr<Coordinator>> create(kernels::Device& device, CopyEngine& copies, PinnedPool* pool,
                                                      SwapStore* store, std::vector<CoordinatorUnit> units,
-                                                     const CoordinatorOptions& options);
+                                                     const CoordinatorOptions& options,
+                                                     SwapStore* grad_store = nullptr);
   ~Coordinator();
   Coordinator(const Coordinator&) = delete;
   Coordinator& operator=(const Coordinator&) = delete;
@@ -107,10 +111,14 @@ class Coordinator {
 
   // Every gradient becomes zero (nothing is touched until a unit is next used).
   Status zero_grads();
-  // Waits until every gradient is in host memory; host_grads(u) is then the accumulated gradient of unit u
-  // (zeros for a unit no backward touched), valid until the next acquire.
+  // Waits until every gradient is at its home (zeros for a unit no backward touched). Then, until the next
+  // acquire: host_grads(u) is unit u's accumulated gradient (grad_home host; null with nvme, where the
+  // optimizer reads grad_keys(u), chunks of nvme_chunk_elements), and grad_sum_squares(u) its sum of squares
+  // (kernels/cpu/fast.h add_sum_squares from 0 over the unit, whichever the home).
   Status flush_grads();
   const float* host_grads(size_t u) const;
+  const std::vector<std::string>& grad_keys(size_t u) const;
+  double grad_sum_squares(size_t u) const;
 
   Residency residency(size_t u, StateClass what) const;  // kParams or kGrads
   TierUsage device_usage() const;  // this coordinator's device slots (cached spares included)

@@ -1,5 +1,6 @@
 #include "offload/optimizer_swap.h"
 
+#include <algorithm>
 #include <cstring>
 #include <set>
 
@@ -25,8 +26,8 @@ namespace {
 size_t region_floats(size_t largest) { return (largest * sizeof(float) + 4095) / 4096 * 4096 / sizeof(float); }
 }  // namespace
 
-size_t OptimizerSwapper::staging_bytes(size_t largest, const OptimizerSwapOptions& options) {
-  return static_cast<size_t>(options.slots) * 3 * region_floats(largest) * sizeof(float);
+size_t OptimizerSwapper::staging_bytes(size_t largest, const OptimizerSwapOptions& options, bool grads) {
+  return static_cast<size_t>(options.slots) * (grads ? 4 : 3) * region_floats(largest) * sizeof(float);
 }
 
 OptimizerSwapper::OptimizerSwapper(SwapStore& store, std::vector<OptimizerGroup> groups,
@@ -57,11 +58,13 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(SwapStore& st
                                       g.numel);
     largest = std::max(largest, g.numel);
   }
+  const bool grads = std::any_of(groups.begin(), groups.end(), [](const OptimizerGroup& g) { return !g.grad_key.empty(); });
   std::unique_ptr<OptimizerSwapper> s(new OptimizerSwapper(store, std::move(groups), options));
   s->region_floats_ = region_floats(largest);
+  s->regions_ = grads ? 4 : 3;
   for (int i = 0; i < options.slots; ++i) {
     auto slot = std::make_unique<Slot>();
-    STRATA_ASSIGN_OR_RETURN(slot->buf, pool.try_acquire(3 * s->region_floats_ * sizeof(float),
+    STRATA_ASSIGN_OR_RETURN(slot->buf, pool.try_acquire(s->regions_ * s->region_floats_ * sizeof(float),
                                                      fmt::format("optimizer swap slot {}", i)));
     s->slots_.push_back(std::move(slot));
   }
@@ -123,6 +126,10 @@ Status OptimizerSwapper::issue_read(size_t g) {
   for (int k = 0; k < 3; ++k)
     STRATA_RETURN_IF_ERROR(store_.read(key(g, kWhat[k]), slot.region(region_floats_, k), bytes, slot.reads.get()));
   stats_.bytes_read += 3 * bytes;
+  if (!groups_[g].grad_key.empty()) {
+    STRATA_RETURN_IF_ERROR(store_.read(groups_[g].grad_key, slot.region(region_floats_, 3), bytes, slot.reads.get()));
+    stats_.bytes_read += bytes;
+  }
   return Status::ok();
 }
 
@@ -170,12 +177,13 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
     float* master = slot.region(region_floats_, 0);
     float* m = slot.region(region_floats_, 1);
     float* v = slot.region(region_floats_, 2);
+    const float* grad = groups_[g].grad_key.empty() ? grads[g] : slot.region(region_floats_, 3);
     Timer update;
     for (const OptimizerSegment& s : groups_[g].segments) {
       kernels::AdamWParams p = hp;
       p.weight_decay = s.weight_decay;
       uint16_t* w16 = working_dtype == DType::kF32 ? nullptr : static_cast<uint16_t*>(working[g]) + s.offset;
-      kernels::cpu::fast::adamw_update_mixed(master + s.offset, m + s.offset, v + s.offset, grads[g] + s.offset, w16,
+      kernels::cpu::fast::adamw_update_mixed(master + s.offset, m + s.offset, v + s.offset, grad + s.offset, w16,
                                              working_dtype, s.numel, p);
     }
     if (working_dtype == DType::kF32 && !working.empty())

@@ -40,6 +40,7 @@ struct OptimizerGroup {
   std::string name;                       // unique; part of the swap keys
   size_t numel = 0;
   std::vector<OptimizerSegment> segments;  // cover [0, numel) exactly, in order
+  std::string grad_key;  // when set, the step reads the group's fp32 gradient from this key of the same store
 };
 
 struct OptimizerSwapOptions {
@@ -62,8 +63,9 @@ class OptimizerSwapper {
   static Result<std::unique_ptr<OptimizerSwapper>> create(SwapStore& store, PinnedPool& pool,
                                                           std::vector<OptimizerGroup> groups,
                                                           const OptimizerSwapOptions& options = {});
-  // The pinned bytes create() will take for sub-groups of at most `largest` elements (size a pool with it).
-  static size_t staging_bytes(size_t largest, const OptimizerSwapOptions& options = {});
+  // The pinned bytes create() will take for sub-groups of at most `largest` elements (size a pool with it);
+  // `grads`: the groups read their gradients from keys (a fourth region per slot).
+  static size_t staging_bytes(size_t largest, const OptimizerSwapOptions& options = {}, bool grads = false);
   ~OptimizerSwapper();  // frees its keys in the store
   OptimizerSwapper(const OptimizerSwapper&) = delete;
   OptimizerSwapper& operator=(const OptimizerSwapper&) = delete;
@@ -73,7 +75,8 @@ class OptimizerSwapper {
   // Stores sub-group g's fp32 master weights (`master`, group layout) and moments (zeros where null).
   Status initialize(size_t g, const float* master, const float* m = nullptr, const float* v = nullptr);
 
-  // One AdamW step over every sub-group, in order: grads[g] (host fp32, group layout, already reduced) updates
+  // One AdamW step over every sub-group, in order: grads[g] (host fp32, group layout, already reduced; null for
+  // a group with a grad_key, which is read with the group's state) updates
   // master, m, v in the store, and working[g] receives the new weights as `working_dtype` (2 bytes per element
   // for bf16/f16, 4 for fp32). hp.weight_decay is ignored: each segment has its own. hp.grad_scale carries the
   // unscale and clip coefficient, as in adamw_update. `working` may be empty: no working copies are written.
@@ -97,7 +100,8 @@ class OptimizerSwapper {
   SwapStore& store_;
   std::vector<OptimizerGroup> groups_;
   OptimizerSwapOptions options_;
-  size_t region_floats_ = 0;  // floats per region of a slot (master, m, v), padded to 4 KiB
+  size_t region_floats_ = 0;  // floats per region of a slot (master, m, v[, grads]), padded to 4 KiB
+  int regions_ = 3;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<bool> initialized_;
   OptimizerStepStats stats_;

@@ -21,6 +21,7 @@ struct Placement {
   const char* name;
   json zero;         // the zero_optimization section; nvme paths are filled in
   json checkpoints;  // the activation_checkpointing section (null: none)
+  json memory = json();  // the memory section (null: none)
 };
 
 class OffloadTrainTest : public TrainerTest {
@@ -36,6 +37,7 @@ class OffloadTrainTest : public TrainerTest {
   json config(const std::string& run, const Placement& p, int accum = 1) const {
     json j = config(run, p.zero, accum);
     if (!p.checkpoints.is_null()) j["activation_checkpointing"] = p.checkpoints;
+    if (!p.memory.is_null()) j["memory"] = p.memory;
     return j;
   }
   json fill_paths(json zero) const {
@@ -98,6 +100,14 @@ std::vector<Placement> placements() {
         {"stage3_param_persistence_threshold", 100}, {"sub_group_size", 3000},
         {"stage3_max_live_parameters", 20000}, {"stage3_prefetch_bucket_size", 15000}},
        on_host},
+      {"gradients_nvme_optimizer_cpu",
+       {{"stage", 3}, {"offload_param", {{"device", "nvme"}}}, {"offload_optimizer", opt_cpu},
+        {"stage3_param_persistence_threshold", 0}, {"sub_group_size", 3000}},
+       json(), {{"gradients", "nvme"}}},
+      {"gradients_nvme_optimizer_nvme",
+       {{"stage", 3}, {"offload_param", {{"device", "cpu"}}}, {"offload_optimizer", opt_nvme},
+        {"stage3_param_persistence_threshold", 0}, {"sub_group_size", 3000}, {"stage3_max_live_parameters", 20000}},
+       json(), {{"gradients", "nvme"}}},
   };
 }
 
@@ -127,7 +137,7 @@ TEST_F(OffloadTrainTest, EveryPlacementIsBitwiseThePlainRun) {
 
 TEST_F(OffloadTrainTest, GradientAccumulationIsExactWithOffloadedGradients) {
   run("plain", config("plain", json(), 2));
-  const Placement p = placements().back();  // everything off the device, with evictions
+  const Placement p = placements().back();  // gradients on NVMe, re-read for every micro-batch
   run(p.name, config(p.name, p, 2));
   expect_same_run("plain", p.name, 6);
 }

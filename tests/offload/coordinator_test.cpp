@@ -14,6 +14,7 @@
 
 #include "common/rng.h"
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/fast.h"
 #include "storage/fault_engine.h"
 #include "storage/io_queue.h"
 #include "storage/memory_engine.h"
@@ -86,7 +87,18 @@ struct Rig {
   void check_grads_and_update(int n) {
     ASSERT_OK(coord->flush_grads());
     for (int u = 0; u < kUnits; ++u) {
-      ASSERT_EQ(std::memcmp(coord->host_grads(u), grads[u].data(), numel_of(u) * 4), 0) << "gradients of unit " << u;
+      std::vector<float> got(numel_of(u));
+      if (coord->options().grad_home == Tier::kNvme) {  // chunks of nvme_chunk_elements in the store
+        const auto& keys = coord->grad_keys(u);
+        for (size_t k = 0; k < keys.size(); ++k) {
+          const size_t off = k * 2048, len = std::min<size_t>(2048, numel_of(u) - off);
+          ASSERT_OK(store->read(keys[k], got.data() + off, len * 4));
+        }
+      } else {
+        std::memcpy(got.data(), coord->host_grads(u), numel_of(u) * 4);
+      }
+      ASSERT_EQ(std::memcmp(got.data(), grads[u].data(), numel_of(u) * 4), 0) << "gradients of unit " << u;
+      EXPECT_EQ(coord->grad_sum_squares(u), kernels::cpu::fast::add_sum_squares(0.0, grads[u].data(), numel_of(u)));
       for (size_t i = 0; i < numel_of(u); ++i) params[u][i] += 0.001f * static_cast<float>(n + 1);
       ASSERT_OK(coord->write_params(u, params[u].data()));
     }
@@ -149,6 +161,20 @@ TEST(CoordinatorTest, ADeviceBudgetBelowTheModelEvictsWithoutStaleDataAndAccumul
   EXPECT_GT(s.evictions, 0u);
   EXPECT_GT(s.prefetch_hits, 0u) << "replayed steps should find prefetched units";
   EXPECT_EQ(s.retraces, 0u);
+}
+
+TEST(CoordinatorTest, GradientsOnNvmeAccumulateExactlyUnderADeviceBudget) {
+  CoordinatorOptions o;
+  o.grad_home = Tier::kNvme;
+  Rig rig(Tier::kHost, 3 * numel_of(1) * 4, o);
+  for (int n = 0; n < 3; ++n) {
+    rig.zero_grads();
+    rig.step(all_units(), n);
+    rig.step(all_units(), n + 100);  // accumulated gradients come back from the store
+    rig.check_grads_and_update(n);
+  }
+  EXPECT_EQ(rig.coord->residency(0, StateClass::kGrads).home, Tier::kNvme);
+  EXPECT_GT(rig.coord->take_stats().nvme_write_bytes, 0u);
 }
 
 TEST(CoordinatorTest, AChangedAccessOrderReRecordsTheTraceAndStaysCorrect) {

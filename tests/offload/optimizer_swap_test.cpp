@@ -27,9 +27,9 @@ namespace fs = std::filesystem;
 
 std::vector<OptimizerGroup> test_groups() {
   // Odd sizes, a group larger than a checksum chunk, segments with and without decay.
-  return {{"wte", 4099, {{0, 4000, 0.1f}, {4000, 99, 0.0f}}},
-          {"h.0", 70001, {{0, 33, 0.0f}, {33, 69000, 0.1f}, {69033, 968, 0.0f}}},
-          {"ln_f", 37, {{0, 37, 0.0f}}}};
+  return {{"wte", 4099, {{0, 4000, 0.1f}, {4000, 99, 0.0f}}, {}},
+          {"h.0", 70001, {{0, 33, 0.0f}, {33, 69000, 0.1f}, {69033, 968, 0.0f}}, {}},
+          {"ln_f", 37, {{0, 37, 0.0f}}, {}}};
 }
 
 struct Harness {
@@ -111,10 +111,14 @@ kernels::AdamWParams hyper(int step) {
 }
 
 // Four steps through the swapper against the same fused Adam on host arrays: bitwise equal state and copies.
-void check_bitwise(const char* engine, int slots, DType dt) {
-  SCOPED_TRACE(fmt::format("engine={} slots={} working={}", engine, slots, dtype_name(dt)));
+void check_bitwise(const char* engine, int slots, DType dt, bool grads_in_store = false) {
+  SCOPED_TRACE(fmt::format("engine={} slots={} working={} grads_in_store={}", engine, slots, dtype_name(dt),
+                           grads_in_store));
   Harness h(engine);
-  const auto groups = test_groups();
+  auto groups = test_groups();
+  if (grads_in_store) {
+    for (auto& g : groups) g.grad_key = "grad." + g.name;
+  }
   auto swapper = OptimizerSwapper::create(*h.store, *h.pool, groups, OptimizerSwapOptions{.slots = slots});
   ASSERT_TRUE(swapper.is_ok()) << swapper.status().to_string();
   OptimizerSwapper& s = *swapper.value();
@@ -133,7 +137,12 @@ void check_bitwise(const char* engine, int slots, DType dt) {
     std::vector<const float*> grads;
     std::vector<void*> working;
     for (size_t g = 0; g < groups.size(); ++g) {
-      grads.push_back(want.grads[g].data());
+      if (grads_in_store) {  // the swapper reads them with the group's state
+        ASSERT_TRUE(h.store->write(groups[g].grad_key, want.grads[g].data(), groups[g].numel * 4).is_ok());
+        grads.push_back(nullptr);
+      } else {
+        grads.push_back(want.grads[g].data());
+      }
       working.push_back(got_working[g].data());
       for (const auto& seg : groups[g].segments) {
         kernels::AdamWParams p = hyper(step);
@@ -151,7 +160,7 @@ void check_bitwise(const char* engine, int slots, DType dt) {
     const auto& stats = s.last_step_stats();
     size_t total = 0;
     for (const auto& g : groups) total += g.numel;
-    EXPECT_EQ(stats.bytes_read, 12 * total);
+    EXPECT_EQ(stats.bytes_read, (grads_in_store ? 16 : 12) * total);
     EXPECT_EQ(stats.bytes_written, 12 * total);
   }
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -169,6 +178,11 @@ class OptimizerSwapTest : public ::testing::TestWithParam<const char*> {};
 TEST_P(OptimizerSwapTest, StepsAreBitwiseTheInMemoryOptimizer) {
   for (int slots : {2, 3})
     for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) check_bitwise(GetParam(), slots, dt);
+}
+
+// Gradients read from the store with each sub-group's state (gradients on NVMe) give the same bits.
+TEST_P(OptimizerSwapTest, GradientsReadFromTheStoreAreBitwiseTheInMemoryOptimizer) {
+  for (int slots : {2, 3}) check_bitwise(GetParam(), slots, DType::kF32, /*grads_in_store=*/true);
 }
 
 // The same with every Adam pass on the calling thread: the swapper's own hand-offs between the engine threads
@@ -242,12 +256,12 @@ TEST(OptimizerSwapConfigTest, BadGroupsAreRejectedByName) {
     ASSERT_FALSE(s.is_ok());
     EXPECT_NE(s.status().message().find(needle), std::string::npos) << s.status().message();
   };
-  expect_bad({{"a", 10, {{0, 5, 0.f}}}}, "cover 5 of 10");
-  expect_bad({{"a", 10, {{0, 5, 0.f}, {6, 4, 0.f}}}}, "starts at 6");
-  expect_bad({{"a", 10, {{0, 10, 0.f}}}, {"a", 4, {{0, 4, 0.f}}}}, "two sub-groups are named 'a'");
+  expect_bad({{"a", 10, {{0, 5, 0.f}}, {}}}, "cover 5 of 10");
+  expect_bad({{"a", 10, {{0, 5, 0.f}, {6, 4, 0.f}}, {}}}, "starts at 6");
+  expect_bad({{"a", 10, {{0, 10, 0.f}}, {}}, {"a", 4, {{0, 4, 0.f}}, {}}}, "two sub-groups are named 'a'");
   expect_bad({}, "no sub-groups");
   // Staging slots come from the pool's budget: too large a group is refused, naming the budget.
-  auto big = OptimizerSwapper::create(*h.store, *h.pool, {{"big", 4 << 20, {{0, 4 << 20, 0.f}}}});
+  auto big = OptimizerSwapper::create(*h.store, *h.pool, {{"big", 4 << 20, {{0, 4 << 20, 0.f}}, {}}});
   ASSERT_FALSE(big.is_ok());
   EXPECT_EQ(big.status().code(), StatusCode::kOutOfMemory) << big.status().to_string();
 }
