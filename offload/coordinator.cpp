@@ -85,6 +85,7 @@ struct Coordinator::State {
     kernels::DeviceFence params_last_use;
     PinnedBuffer host_params;           // home host
     std::vector<std::string> nvme_keys;  // home nvme, one per chunk
+    std::vector<bool> nvme_written;      // which chunks have been written (keys are made by the first write)
     int in_use = 0;
     uint64_t last_access = 0;
     // Gradients.
@@ -183,6 +184,16 @@ struct Coordinator::State {
           return Status::ok();
         },
         bytes, std::move(after));
+  }
+
+  // Parameters on nvme exist once written: a read before that is the caller's ordering bug, named.
+  static Status check_written(const UnitRec& r) {
+    for (bool w : r.nvme_written) {
+      if (!w)
+        return Status::invalid_argument("offload: unit '{}' has no parameters on nvme yet (write_params first)",
+                                        r.info.name);
+    }
+    return Status::ok();
   }
 
   // A device copy whose load failed never arrived: forget it, so the next acquire loads the unit again.
@@ -324,6 +335,7 @@ struct Coordinator::State {
     UnitRec& r = units[u];
     const bool demand = sooner_than == 0;
     STRATA_ASSERT(r.dev_params.data() == nullptr && !r.persistent);
+    STRATA_RETURN_IF_ERROR(check_written(r));
     while (live_elements + r.info.numel > options.max_live_elements) {
       if (!evict_one(sooner_than)) break;  // demand loads go over the soft cap rather than fail
     }
@@ -467,6 +479,7 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
       STRATA_ASSIGN_OR_RETURN(r.host_params, pool->try_acquire(r.bytes, "offload.params " + r.info.name));
       std::memset(r.host_params.data(), 0, r.bytes);
     } else {
+      r.nvme_written.assign(chunks, false);
       for (size_t k = 0; k < chunks; ++k) r.nvme_keys.push_back(fmt::format("{}{}.{}", options.key_prefix, r.info.name, k));
     }
   }
@@ -486,15 +499,6 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
     }
   }
   std::unique_ptr<Coordinator> c(new Coordinator(std::move(s)));
-  // Parameters on nvme start as zeros too, so that every key exists before the first read.
-  for (size_t u = 0; u < c->num_units(); ++u) {
-    if (c->s_->units[u].home != Tier::kNvme) continue;
-    std::vector<float> zeros(std::min(c->unit(u).numel, options.nvme_chunk_elements), 0.0f);
-    for (size_t off = 0; off < c->unit(u).numel; off += options.nvme_chunk_elements) {
-      const size_t n = std::min(options.nvme_chunk_elements, c->unit(u).numel - off);
-      STRATA_RETURN_IF_ERROR(c->write_params(u, off, n, zeros.data()));
-    }
-  }
   return c;
 }
 
@@ -521,7 +525,9 @@ Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float*
                                       offset, offset + n, r.info.name, chunk);
     for (size_t off = 0; off < n; off += chunk) {
       const size_t len = std::min(chunk, n - off);
-      STRATA_RETURN_IF_ERROR(s_->store->write(r.nvme_keys[(offset + off) / chunk], host + off, len * sizeof(float)));
+      const size_t k = (offset + off) / chunk;
+      STRATA_RETURN_IF_ERROR(s_->store->write(r.nvme_keys[k], host + off, len * sizeof(float)));
+      r.nvme_written[k] = true;
     }
     s_->stats.nvme_write_bytes += bytes;
   }
@@ -543,6 +549,7 @@ Status Coordinator::read_params(size_t u, float* host) {
   if (r.home == Tier::kHost) {
     std::memcpy(host, r.host_params.data(), r.bytes);
   } else if (r.home == Tier::kNvme) {
+    STRATA_RETURN_IF_ERROR(State::check_written(r));
     const size_t chunk = s_->options.nvme_chunk_elements;
     for (size_t k = 0; k < r.nvme_keys.size(); ++k) {
       const size_t off = k * chunk, len = std::min(chunk, r.info.numel - off);

@@ -83,8 +83,8 @@ struct CoordinatorStats {  // since the last take_stats()
 class Coordinator {
  public:
   // `pool` holds the host tier's buffers; `store` is needed when param_home is nvme, `grad_store` (default:
-  // `store`) when grad_home is. Parameters start as zeros; call write_params for each unit before the first
-  // step.
+  // `store`) when grad_home is. Call write_params for each unit before the first step (parameters at home on
+  // the device or host start as zeros; on nvme a unit has none until written, and using it is an error).
   static Result<std::unique_ptr<Coordinator>> create(kernels::Device& device, CopyEngine& copies, PinnedPool* pool,
                                                      SwapStore* store, std::vector<CoordinatorUnit> units,
                                                      const CoordinatorOptions& options,

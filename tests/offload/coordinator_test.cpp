@@ -217,6 +217,30 @@ TEST(CoordinatorTest, AFailingDiskIsAnErrorNamingTheUnitNeverWrongData) {
   rig.coord->release(2, Pass::kForward);
 }
 
+TEST(CoordinatorTest, AUnitOnNvmeThatWasNeverWrittenIsAnErrorNamingIt) {
+  auto device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
+  MemoryEngine memory;
+  IoQueue queue(memory);
+  auto store = SwapStore::open(queue, SwapStoreOptions{.dir = "/swap", .file_bytes = 4 << 20, .direct = false});
+  ASSERT_TRUE(store.is_ok());
+  auto pool = PinnedPool::create(PinnedPoolOptions{.budget_bytes = 16 << 20, .lock = false});
+  ASSERT_TRUE(pool.is_ok());
+  CopyEngine copies;
+  CoordinatorOptions o;
+  o.param_home = Tier::kNvme;
+  o.nvme_chunk_elements = 2048;
+  auto c = Coordinator::create(*device, copies, pool->get(), store->get(), {{"blank", 5000}}, o);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  std::vector<float> half(2048, 1.0f);
+  ASSERT_OK(c.value()->write_params(0, 0, 2048, half.data()));  // one chunk of three
+  c.value()->begin_step();
+  auto v = c.value()->acquire(0, Pass::kForward);
+  ASSERT_FALSE(v.is_ok());
+  EXPECT_NE(v.status().to_string().find("'blank'"), std::string::npos) << v.status().to_string();
+  std::vector<float> back(5000);
+  EXPECT_FALSE(c.value()->read_params(0, back.data()).is_ok());
+}
+
 TEST(CoordinatorTest, PersistentUnitsStayOnTheDevice) {
   CoordinatorOptions o;
   o.persistence_threshold = 3000;  // the smaller units
