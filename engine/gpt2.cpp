@@ -178,8 +178,11 @@ Status GPT2::ensure_activations(int B, int T) {
   };
   size_t total = 0;
   for (size_t s : sizes) total += (s + 15) / 16 * 16;  // keep every array 64-byte aligned
+  // Until this succeeds the pointers below are stale: a failure must not leave a later same-shape forward
+  // skipping this function.
+  last_B_ = last_T_ = 0;
   if (total * sizeof(float) > act_buffer_.size()) {
-    act_buffer_.reset();
+    act_buffer_.reset();  // before the new one, so both never count against the device budget at once
     STRATA_ASSIGN_OR_RETURN(act_buffer_, device_->allocate(total * sizeof(float), "gpt2.activations"));
   }
   if (checkpointing_ == ActivationCheckpointing::kHost && config_.n_layer > 1) {

@@ -66,11 +66,18 @@ class StagingBuffers {
   std::vector<PinnedBuffer*> free_;
 };
 
-// A device buffer no unit holds, kept for reuse: usable once `after` has finished and `fence` has passed.
+// Waits for jobs that used a buffer before it is reused. Ordering only: a job's failure is reported by whoever
+// waits for its result, and must not fail the unrelated job that reuses its memory.
+static void wait_all(const std::vector<CopyTicket>& tickets) {
+  for (const CopyTicket& t : tickets) (void)t.wait();
+}
+
+// A device buffer no unit holds, kept for reuse: usable once the jobs in `after` have finished (whatever their
+// outcome) and `fence` has passed.
 struct Coordinator::Slot {
   kernels::DeviceBuffer buf;
   kernels::DeviceFence fence;
-  CopyTicket after;
+  std::vector<CopyTicket> after;
 };
 
 struct Coordinator::State {
@@ -82,6 +89,7 @@ struct Coordinator::State {
     // Parameters.
     kernels::DeviceBuffer dev_params;  // present: the unit is on the device (or on its way: params_ready)
     CopyTicket params_ready;
+    CopyTicket params_home_read;  // the last job reading the home copy (kept across evictions)
     kernels::DeviceFence params_last_use;
     PinnedBuffer host_params;           // home host
     std::vector<std::string> nvme_keys;  // home nvme, one per chunk
@@ -92,6 +100,7 @@ struct Coordinator::State {
     GradState grad_state = GradState::kZero;
     kernels::DeviceBuffer dev_grads;
     CopyTicket grads_ready;     // an upload of the host copy into dev_grads (prefetch)
+    CopyTicket grads_home_read; // the last job reading the home copy (kept across evictions)
     CopyTicket grads_download;  // kBoth: the download into host_grads
     kernels::DeviceFence grads_last_use;
     PinnedBuffer host_grads;             // grad_home host
@@ -132,7 +141,7 @@ struct Coordinator::State {
       (void)r.grads_ready.wait();
       (void)r.grads_download.wait();
     }
-    for (Slot& s : spares) (void)s.after.wait();
+    for (Slot& s : spares) wait_all(s.after);
   }
 
   // ---- device slots ----
@@ -158,7 +167,7 @@ struct Coordinator::State {
 
   void drop_spares() {
     for (Slot& s : spares) {
-      (void)s.after.wait();
+      wait_all(s.after);
       s.fence.wait();
       slot_bytes -= s.buf.size();
     }
@@ -168,17 +177,19 @@ struct Coordinator::State {
   // Keeps a freed buffer for reuse: new_slot takes it back by size, and drops every spare when an allocation
   // would not fit. (Trimming spares eagerly instead cost the demo a third of its step time in allocation and
   // page faults on the CPU backend.)
-  void to_spare(kernels::DeviceBuffer buf, kernels::DeviceFence fence, CopyTicket after) {
+  void to_spare(kernels::DeviceBuffer buf, kernels::DeviceFence fence, std::vector<CopyTicket> after) {
     spares.push_back(Slot{std::move(buf), std::move(fence), std::move(after)});
   }
 
-  // Queues dst <- src (host to device) once `fence` has passed and `after` have finished.
+  // Queues dst <- src (host to device) once the jobs that used dst before (`reuse`, ordering only) and `fence`
+  // have passed and the data prerequisites `after` have succeeded.
   CopyTicket upload(void* dst, const void* src, size_t bytes, kernels::DeviceFence fence,
-                    std::vector<CopyTicket> after = {}) {
+                    std::vector<CopyTicket> reuse = {}, std::vector<CopyTicket> after = {}) {
     kernels::Device* dev = &device;
     stats.h2d_bytes += bytes;
     return copies.h2d.submit(
-        [dev, dst, src, bytes, fence] {
+        [dev, dst, src, bytes, fence, reuse] {
+          wait_all(reuse);
           fence.wait();
           dev->upload(dst, src, bytes);
           return Status::ok();
@@ -231,7 +242,7 @@ struct Coordinator::State {
   // Frees one device buffer of a unit whose next use is farther than `sooner_than` accesses away (0: any unit
   // not in use): a parameter copy (clean, so only dropped) or a gradient copy that is already on its way home.
   // False when there is none.
-  bool evict_one(size_t sooner_than) {
+  bool evict_one(size_t sooner_than, bool params_only = false) {
     const std::vector<size_t> pd = next_use(false), gd = next_use(true);
     size_t best = SIZE_MAX, best_d = 0;
     bool best_grads = false;
@@ -243,7 +254,8 @@ struct Coordinator::State {
       }
       const bool grads_clean = r.grad_state == GradState::kBoth || r.grad_state == GradState::kZero ||
                                r.grad_state == GradState::kHost;
-      if (r.dev_grads.data() != nullptr && grads_clean && gd[u] > sooner_than && (best == SIZE_MAX || gd[u] > best_d)) {
+      if (!params_only && r.dev_grads.data() != nullptr && grads_clean && gd[u] > sooner_than &&
+          (best == SIZE_MAX || gd[u] > best_d)) {
         best = u, best_d = gd[u], best_grads = true;
       }
     }
@@ -251,13 +263,11 @@ struct Coordinator::State {
     UnitRec& r = units[best];
     ++stats.evictions;
     if (best_grads) {
-      // An upload into it waits for the download it follows, so the later ticket covers both.
-      CopyTicket after = r.grads_ready.valid() ? r.grads_ready : r.grads_download;
       if (r.grad_state == GradState::kBoth) r.grad_state = GradState::kHost;
-      to_spare(std::move(r.dev_grads), r.grads_last_use, after);
+      to_spare(std::move(r.dev_grads), r.grads_last_use, {r.grads_ready, r.grads_download});
       r.grads_ready = CopyTicket();
     } else {
-      to_spare(std::move(r.dev_params), r.params_last_use, r.params_ready);
+      to_spare(std::move(r.dev_params), r.params_last_use, {r.params_ready});
       r.params_ready = CopyTicket();
       live_elements -= r.info.numel;
     }
@@ -298,7 +308,8 @@ struct Coordinator::State {
   // Queues dst <- the swap keys `keys` (chunks of nvme_chunk_elements): an NVMe read into a read-staging
   // buffer, then the upload, once `fence` has passed and `after` have finished.
   CopyTicket fetch_from_nvme(SwapStore* st, const std::vector<std::string>& keys, size_t bytes, void* dst,
-                             kernels::DeviceFence fence, std::vector<CopyTicket> after) {
+                             kernels::DeviceFence fence, std::vector<CopyTicket> reuse,
+                             std::vector<CopyTicket> after) {
     auto staging = std::make_shared<Staging>();
     staging->from = &read_staging;
     const size_t chunk = options.nvme_chunk_elements * sizeof(float);
@@ -317,7 +328,8 @@ struct Coordinator::State {
     kernels::Device* dev = &device;
     stats.h2d_bytes += bytes;
     return copies.h2d.submit(
-        [dev, dst, staging, bytes, fence]() mutable {
+        [dev, dst, staging, bytes, fence, reuse]() mutable {
+          wait_all(reuse);
           fence.wait();
           dev->upload(dst, staging->buf->data(), bytes);
           staging.reset();
@@ -337,7 +349,7 @@ struct Coordinator::State {
     STRATA_ASSERT(r.dev_params.data() == nullptr && !r.persistent);
     STRATA_RETURN_IF_ERROR(check_written(r));
     while (live_elements + r.info.numel > options.max_live_elements) {
-      if (!evict_one(sooner_than)) break;  // demand loads go over the soft cap rather than fail
+      if (!evict_one(sooner_than, /*params_only=*/true)) break;  // demand loads go over the soft cap, not fail
     }
     if (!demand && live_elements + r.info.numel > options.max_live_elements) return false;
     auto slot = obtain(u, r.bytes, sooner_than, "parameters");
@@ -347,16 +359,13 @@ struct Coordinator::State {
     }
     Slot s = std::move(slot).value();
     void* dst = s.buf.data();
-    const size_t bytes = r.bytes;
-    const kernels::DeviceFence fence = s.fence;
-    std::vector<CopyTicket> after;
-    if (s.after.valid()) after.push_back(s.after);
     if (r.home == Tier::kHost) {
-      r.params_ready = upload(dst, r.host_params.data(), bytes, fence, std::move(after));
+      r.params_ready = upload(dst, r.host_params.data(), r.bytes, s.fence, std::move(s.after));
     } else {
       STRATA_ASSERT(r.home == Tier::kNvme);
-      r.params_ready = fetch_from_nvme(store, r.nvme_keys, bytes, dst, fence, std::move(after));
+      r.params_ready = fetch_from_nvme(store, r.nvme_keys, r.bytes, dst, s.fence, std::move(s.after), {});
     }
+    r.params_home_read = r.params_ready;
     ++stats.fetches;
     r.dev_params = std::move(s.buf);
     live_elements += r.info.numel;
@@ -373,11 +382,13 @@ struct Coordinator::State {
       return slot.status();
     }
     Slot s = std::move(slot).value();
-    std::vector<CopyTicket> after{r.grads_download};
-    if (s.after.valid()) after.push_back(s.after);
-    r.grads_ready = options.grad_home == Tier::kNvme
-                        ? fetch_from_nvme(grad_store, r.grad_keys, r.bytes, s.buf.data(), s.fence, std::move(after))
-                        : upload(s.buf.data(), r.host_grads.data(), r.bytes, s.fence, std::move(after));
+    // The home copy is valid once its download (and write) succeeded: a data prerequisite.
+    r.grads_ready =
+        options.grad_home == Tier::kNvme
+            ? fetch_from_nvme(grad_store, r.grad_keys, r.bytes, s.buf.data(), s.fence, std::move(s.after),
+                              {r.grads_download})
+            : upload(s.buf.data(), r.host_grads.data(), r.bytes, s.fence, std::move(s.after), {r.grads_download});
+    r.grads_home_read = r.grads_ready;
     r.dev_grads = std::move(s.buf);
     return true;
   }
@@ -512,7 +523,9 @@ Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float*
     return Status::invalid_argument("offload: write of [{}, {}) is outside unit '{}' ({} elements)", offset,
                                     offset + n, r.info.name, r.info.numel);
   STRATA_ASSERT_MSG(r.in_use == 0, "write_params on a unit between acquire and release");
-  // Pending uploads may still read the home copy this overwrites. One that failed left no valid device copy.
+  // Jobs may still read the home copy this overwrites (also loads into slots since evicted). One that failed
+  // left no valid device copy.
+  (void)r.params_home_read.wait();
   if (!r.params_ready.wait().is_ok()) s_->drop_failed_params(r);
   const size_t bytes = n * sizeof(float);
   const kernels::DeviceFence fence = r.params_last_use;
@@ -536,6 +549,7 @@ Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float*
   float* dst = r.dev_params.as<float>() + offset;
   if (r.home == Tier::kHost) {
     r.params_ready = s_->upload(dst, r.host_params.as<float>() + offset, bytes, fence);
+    r.params_home_read = r.params_ready;
     return Status::ok();
   }
   // `host` is the caller's: the upload finishes before returning.
@@ -576,8 +590,12 @@ Result<UnitView> Coordinator::acquire(size_t u, Pass pass) {
   s.record(Access{u, pass});
   r.last_access = ++s.clock;
   ++r.in_use;  // protects it from the evictions below
+  const GradState grads_before = r.grad_state;
   auto fail = [&](Status st) {
     --r.in_use;
+    // The kernels never ran: the gradient is where it was (a device copy brought in stays valid for kZero and
+    // kBoth; kHost re-checks its upload next time).
+    if (r.grad_state == GradState::kDevice && grads_before != GradState::kDevice) r.grad_state = grads_before;
     return st;
   };
   UnitView view;
@@ -600,10 +618,12 @@ Result<UnitView> Coordinator::acquire(size_t u, Pass pass) {
         if (r.dev_grads.data() == nullptr) {
           auto slot = s.obtain(u, r.bytes, 0, "gradients");
           if (!slot.is_ok()) return fail(slot.status());
-          if (Status st = s.wait_ticket(slot->after, r, "a gradient slot"); !st.is_ok()) return fail(st);
+          Timer wait;
+          wait_all(slot->after);  // jobs that used the slot before
+          s.stats.stall_s += wait.seconds();
           r.dev_grads = std::move(slot->buf);
-        } else if (Status st = s.wait_ticket(r.grads_download, r, "gradients"); !st.is_ok()) {
-          return fail(st);
+        } else {
+          (void)r.grads_download.wait();  // the stale copy's last reader; the zeros replace it anyway
         }
         s.device.zero(r.dev_grads.data(), r.bytes);  // in order with the kernels
         r.grad_state = GradState::kDevice;
@@ -613,13 +633,20 @@ Result<UnitView> Coordinator::acquire(size_t u, Pass pass) {
         if (r.dev_grads.data() == nullptr) {
           if (auto loaded = s.load_grads(u, 0); !loaded.is_ok()) return fail(loaded.status());
         }
-        if (Status st = s.wait_ticket(r.grads_ready, r, "gradients"); !st.is_ok()) return fail(st);
+        if (Status st = s.wait_ticket(r.grads_ready, r, "gradients"); !st.is_ok()) {
+          // The copy never arrived: give the buffer back so the next acquire uploads again.
+          s.to_spare(std::move(r.dev_grads), r.grads_last_use, {r.grads_ready});
+          r.grads_ready = CopyTicket();
+          return fail(st);
+        }
+        r.grads_ready = CopyTicket();
         r.grad_state = GradState::kDevice;
         break;
     }
     view.grads = r.dev_grads.as<float>();
   }
-  if (Status st = s.prefetch(); !st.is_ok()) return fail(st);
+  // A prefetch that fails is reported by the acquire of the unit it was for, not this one.
+  if (Status st = s.prefetch(); !st.is_ok()) STRATA_LOG_DEBUG("offload: prefetch: {}", st.to_string());
   if (uses_params(pass)) {
     if (Status st = s.wait_ticket(r.params_ready, r, "parameters"); !st.is_ok()) {
       s.drop_failed_params(r);
@@ -691,7 +718,7 @@ void Coordinator::release(size_t u, Pass pass) {
   // Keep the device copy only when this step adds to it again (the tied embedding); otherwise its memory goes
   // back for reuse once the download has read it, so gradients never pile up on the device.
   if (s.next_use(true)[u] == kNever || !s.replaying()) {
-    s.to_spare(std::move(r.dev_grads), fence, downloaded);
+    s.to_spare(std::move(r.dev_grads), fence, {downloaded});
     r.grad_state = GradState::kHost;
   }
 }
@@ -712,6 +739,7 @@ Status Coordinator::flush_grads() {
     STRATA_ASSERT_MSG(r.in_use == 0, "flush_grads with a unit between acquire and release");
     switch (r.grad_state) {
       case GradState::kZero:
+        (void)r.grads_home_read.wait();  // a read of the home copy may still be in flight
         if (s_->options.grad_home == Tier::kHost) {
           std::memset(r.host_grads.data(), 0, r.bytes);
         } else {  // every key must hold this step's (zero) gradient for the optimizer to read

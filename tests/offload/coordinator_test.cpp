@@ -4,7 +4,9 @@
 // and failures (a budget below the working set, a failing disk) come back as errors naming the unit.
 #include "offload/coordinator.h"
 
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <memory>
 #include <string>
 #include <vector>
@@ -28,11 +30,43 @@ constexpr int kUnits = 6;
 
 size_t numel_of(int u) { return 3000 + 1024 * (u % 2); }  // two sizes, so freed slots are reused by size
 
+// The CPU device with device-to-host copies slowed down, so that anything that frees or reuses a buffer
+// while its download is still running shows up (as wrong gradients, or under ASan).
+class SlowDownloadDevice final : public kernels::Device {
+ public:
+  SlowDownloadDevice() : inner_(kernels::make_cpu_device(kernels::cpu_fast_kernels())) {}
+  const char* name() const override { return "cpu"; }
+  std::string description() const override { return "cpu with slow downloads"; }
+  const kernels::KernelSet& kernels() const override { return inner_->kernels(); }
+  bool host_accessible() const override { return true; }
+  void zero(void* dst, size_t bytes) override { inner_->zero(dst, bytes); }
+  void copy_to_device(void* dst, const void* src, size_t bytes) override { inner_->copy_to_device(dst, src, bytes); }
+  void copy_to_host(void* dst, const void* src, size_t bytes) override { inner_->copy_to_host(dst, src, bytes); }
+  void synchronize() override {}
+  void upload(void* dst, const void* src, size_t bytes) override { inner_->upload(dst, src, bytes); }
+  void download(void* dst, const void* src, size_t bytes) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    inner_->download(dst, src, bytes);
+  }
+  kernels::DeviceFence fence() override { return {}; }
+  double add_sum_squares(double acc, const float* x, size_t n) override { return inner_->add_sum_squares(acc, x, n); }
+
+ protected:
+  Result<kernels::DeviceBuffer> allocate_impl(size_t bytes, const std::string& purpose) override {
+    return inner_->allocate(bytes, purpose);
+  }
+
+ private:
+  std::unique_ptr<kernels::Device> inner_;
+};
+
 // A device, a swap store on an in-memory disk (optionally failing), a pool and a copy engine, with the
 // coordinator destroyed first.
 struct Rig {
-  explicit Rig(Tier home, uint64_t device_limit = 0, CoordinatorOptions o = {}, bool faulty = false) {
-    device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
+  explicit Rig(Tier home, uint64_t device_limit = 0, CoordinatorOptions o = {}, bool faulty = false,
+               bool slow_downloads = false) {
+    device = slow_downloads ? std::make_unique<SlowDownloadDevice>()
+                            : kernels::make_cpu_device(kernels::cpu_fast_kernels());
     device->set_memory_limit(device_limit);
     fault = std::make_unique<FaultEngine>(memory, FaultOptions{.seed = 3, .eio_rate = 1.0});
     fault->set_enabled(false);
@@ -80,6 +114,33 @@ struct Rig {
         grads[u][i] += add;
       }
       coord->release(u, Pass::kBackward);
+    }
+  }
+
+  // GPT-2's pattern: unit 0 is the tied embedding, used first and last in forward (encoder, LM head) and in
+  // backward (LM head with its parameters, then the encoder's gradient only).
+  void tied_step(int n) {
+    coord->begin_step();
+    std::vector<std::pair<int, Pass>> order;
+    for (int u = 0; u < kUnits; ++u) order.push_back({u, Pass::kForward});
+    order.push_back({0, Pass::kForward});
+    order.push_back({0, Pass::kBackward});
+    for (int u = kUnits - 1; u >= 1; --u) order.push_back({u, Pass::kBackward});
+    order.push_back({0, Pass::kGradients});
+    for (auto [u, pass] : order) {
+      auto v = coord->acquire(u, pass);
+      ASSERT_TRUE(v.is_ok()) << v.status().to_string();
+      if (pass != Pass::kGradients) {
+        ASSERT_EQ(std::memcmp(v->params, params[u].data(), numel_of(u) * 4), 0) << "stale parameters of " << u;
+      }
+      if (pass != Pass::kForward) {
+        for (size_t i = 0; i < numel_of(u); ++i) {
+          const float add = 0.5f * static_cast<float>((i + 3 * u + n + (pass == Pass::kGradients)) % 11) - 1.0f;
+          v->grads[i] += add;
+          grads[u][i] += add;
+        }
+      }
+      coord->release(u, pass);
     }
   }
 
@@ -176,6 +237,26 @@ TEST(CoordinatorTest, GradientsOnNvmeAccumulateExactlyUnderADeviceBudget) {
   EXPECT_EQ(rig.coord->residency(0, StateClass::kGrads).home, Tier::kNvme);
   EXPECT_GT(rig.coord->take_stats().nvme_write_bytes, 0u);
 }
+
+// Regression: the tied unit's gradient buffer, kept on the device between its two backward uses, was once
+// given back for reuse guarded by an upload that had already finished while its download was still running
+// (slow downloads make that window wide).
+class CoordinatorTiedTest : public ::testing::TestWithParam<Tier> {};
+
+TEST_P(CoordinatorTiedTest, TheTiedUnitsGradientsSurviveEvictionAcrossMicroBatches) {
+  CoordinatorOptions o;
+  o.grad_home = GetParam();
+  Rig rig(Tier::kNvme, 3 * numel_of(1) * 4, o, /*faulty=*/false, /*slow_downloads=*/true);
+  for (int n = 0; n < 3; ++n) {
+    rig.zero_grads();
+    for (int micro = 0; micro < 3; ++micro) rig.tied_step(10 * n + micro);
+    rig.check_grads_and_update(n);
+  }
+  EXPECT_GT(rig.coord->take_stats().evictions, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(GradHomes, CoordinatorTiedTest, ::testing::Values(Tier::kHost, Tier::kNvme),
+                         [](const auto& info) { return std::string(tier_name(info.param)); });
 
 TEST(CoordinatorTest, AChangedAccessOrderReRecordsTheTraceAndStaysCorrect) {
   Rig rig(Tier::kHost, 3 * numel_of(1) * 4);
