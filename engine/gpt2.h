@@ -83,6 +83,10 @@ class GPT2 {
     host_pool_ = host_pool;
   }
 
+  // Allocates the activations for (B, T) now rather than at the first forward, so a device budget too small
+  // for them fails before anything else is written (the trainer calls it before initialising the weights).
+  Status reserve_activations(int B, int T) { return ensure_activations(B, T); }
+
   // GPT-2 initialisation, seeded: weights N(0, 0.02), residual projections N(0, 0.02/sqrt(2L)), biases 0,
   // layernorm weights 1.
   Status init_gpt2(uint64_t seed);

@@ -103,6 +103,10 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     model->set_activation_checkpointing(
         acfg.cpu_checkpointing ? ActivationCheckpointing::kHost : ActivationCheckpointing::kDevice, pool);
   }
+  // Before the weights are written (minutes for a model on NVMe): a device budget too small for the
+  // activations fails now.
+  STRATA_RETURN_IF_ERROR(model->reserve_activations(B, T).with_context(
+      fmt::format("activations for training.batch_size {} x training.seq_len {}", B, T)));
 
   TrainState state;
   state.config = config.json;

@@ -171,6 +171,17 @@ TEST_F(OffloadTrainTest, AHostBudgetTooSmallForTheStateFailsAtStartNamingIt) {
   EXPECT_NE(r.status().to_string().find("offload."), std::string::npos) << r.status().to_string();
 }
 
+TEST_F(OffloadTrainTest, ADeviceBudgetTooSmallForTheActivationsFailsBeforeAnyWeightIsWritten) {
+  json j = config("tight", placements()[5]);  // parameters and optimizer on nvme: writing them is the slow part
+  j["memory"] = {{"device_memory_limit", "40K"}};
+  auto r = train(j);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kOutOfMemory) << r.status().to_string();
+  EXPECT_NE(r.status().to_string().find("activations for training.batch_size 2 x training.seq_len 16"),
+            std::string::npos)
+      << r.status().to_string();
+}
+
 // Checkpointing shrinks what forward keeps on the device: one block's activations plus one (B,T,C) input per
 // block on the device, or two in all with the inputs in host memory.
 TEST(ActivationCheckpointingTest, KeepsLessOnTheDevice) {
