@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <condition_variable>
-#include <mutex>
 
 #include <fmt/format.h>
 
@@ -12,6 +10,7 @@
 #include "common/log.h"
 #include "common/timer.h"
 #include "kernels/cpu/fast.h"
+#include "offload/staging_buffers.h"
 
 namespace strata::offload {
 namespace {
@@ -36,35 +35,6 @@ bool uses_params(Pass p) { return p != Pass::kGradients; }
 bool uses_grads(Pass p) { return p != Pass::kForward; }
 
 }  // namespace
-
-// Pinned buffers handed out one at a time, blocking while all are out (they come back when a job is done).
-class StagingBuffers {
- public:
-  void add(PinnedBuffer b) {
-    all_.push_back(std::make_unique<PinnedBuffer>(std::move(b)));
-    free_.push_back(all_.back().get());
-  }
-  PinnedBuffer* take() {
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return !free_.empty(); });
-    PinnedBuffer* b = free_.back();
-    free_.pop_back();
-    return b;
-  }
-  void give(PinnedBuffer* b) {
-    {
-      std::lock_guard lock(mu_);
-      free_.push_back(b);
-    }
-    cv_.notify_one();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<std::unique_ptr<PinnedBuffer>> all_;
-  std::vector<PinnedBuffer*> free_;
-};
 
 // Waits for jobs that used a buffer before it is reused. Ordering only: a job's failure is reported by whoever
 // waits for its result, and must not fail the unrelated job that reuses its memory.
@@ -296,26 +266,16 @@ struct Coordinator::State {
     return out.empty() ? "no" : out;
   }
 
-  // A staging buffer from a fixed set, returned when every job holding it is done (or failed).
-  struct Staging {
-    StagingBuffers* from = nullptr;
-    PinnedBuffer* buf = nullptr;
-    ~Staging() {
-      if (buf) from->give(buf);
-    }
-  };
-
   // Queues dst <- the swap keys `keys` (chunks of nvme_chunk_elements): an NVMe read into a read-staging
   // buffer, then the upload, once `fence` has passed and `after` have finished.
   CopyTicket fetch_from_nvme(SwapStore* st, const std::vector<std::string>& keys, size_t bytes, void* dst,
                              kernels::DeviceFence fence, std::vector<CopyTicket> reuse,
                              std::vector<CopyTicket> after) {
-    auto staging = std::make_shared<Staging>();
-    staging->from = &read_staging;
+    auto staging = std::make_shared<StagingLease>(&read_staging);
     const size_t chunk = options.nvme_chunk_elements * sizeof(float);
     CopyTicket read = copies.nvme.submit(
         [staging, st, keys, chunk, bytes] {
-          staging->buf = staging->from->take();
+          staging->take();
           for (size_t k = 0; k < keys.size(); ++k) {
             const size_t off = k * chunk, len = std::min(chunk, bytes - off);
             STRATA_RETURN_IF_ERROR(st->read(keys[k], staging->buf->as<char>() + off, len));
@@ -686,12 +646,11 @@ void Coordinator::release(size_t u, Pass pass) {
   } else {
     // Through a write-staging buffer to the swap store; the sum of squares for the norm is taken on the way,
     // from the same bytes the optimizer will read.
-    auto staging = std::make_shared<State::Staging>();
-    staging->from = &s.write_staging;
+    auto staging = std::make_shared<StagingLease>(&s.write_staging);
     double* sumsq = &r.grad_sumsq;
     downloaded = s.copies.d2h.submit(
         [dev, src, bytes, fence, staging, sumsq] {
-          staging->buf = staging->from->take();
+          staging->take();
           fence.wait();
           dev->download(staging->buf->data(), src, bytes);
           *sumsq = kernels::cpu::fast::add_sum_squares(0.0, staging->buf->as<float>(), bytes / sizeof(float));
