@@ -153,6 +153,7 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
   fs::create_directories(tmp_dir, ec);
   if (ec) return Status::io_error("cannot create checkpoint folder {}: {}", tmp_dir.string(), ec.message());
 
+  STRATA_RETURN_IF_ERROR(opt.finish());  // the parameters and moments of the last step, complete
   STRATA_RETURN_IF_ERROR(save_model(model, (tmp_dir / "model.safetensors").string()));
   UnitCache cache(model, [&](size_t u, float* m, float* v) { return opt.read_moments(u, m, v); }, true);
   std::vector<SafetensorsTensor> moments = tensors_of(model, {"m.", "v."}, cache);

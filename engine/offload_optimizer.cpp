@@ -103,14 +103,21 @@ Status OffloadedAdamW::load_unit(size_t unit, const float* m, const float* v) {
   return Status::ok();
 }
 
+OffloadedAdamW::~OffloadedAdamW() { (void)finish(); }
+
 Status OffloadedAdamW::adopt_params() {
+  STRATA_RETURN_IF_ERROR(finish());
   for (size_t u = 0; u < model_->units().size(); ++u) STRATA_RETURN_IF_ERROR(load_unit(u, nullptr, nullptr));
   return Status::ok();
 }
 
-Status OffloadedAdamW::write_moments(size_t unit, const float* m, const float* v) { return load_unit(unit, m, v); }
+Status OffloadedAdamW::write_moments(size_t unit, const float* m, const float* v) {
+  STRATA_RETURN_IF_ERROR(finish());
+  return load_unit(unit, m, v);
+}
 
 Status OffloadedAdamW::read_moments(size_t unit, float* m, float* v) {
+  STRATA_RETURN_IF_ERROR(finish());
   for (size_t i = 0; i < groups_.size(); ++i) {
     const Group& g = groups_[i];
     if (g.unit != unit) continue;
@@ -126,10 +133,10 @@ Status OffloadedAdamW::read_moments(size_t unit, float* m, float* v) {
 }
 
 Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
-  stats_ = OffloadedStepStats{};
+  STRATA_RETURN_IF_ERROR(finish());  // normally done already: the forward published it
   Timer wait;
   STRATA_RETURN_IF_ERROR(coordinator_->flush_grads());
-  stats_.grads_wait_s = wait.seconds();
+  const double grads_wait_s = wait.seconds();
   double sum = 0.0;
   for (size_t u = 0; u < model_->units().size(); ++u) sum += coordinator_->grad_sum_squares(u);
   const double norm = std::sqrt(sum);
@@ -138,7 +145,6 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
     return norm;
   }
   if (skipped) *skipped = false;
-  const float scale = clip_scale(norm, config_.grad_clip);
   ++t_;
   kernels::AdamWParams hp;
   hp.lr = lr;
@@ -146,46 +152,114 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   hp.beta2 = config_.beta2;
   hp.eps = config_.eps;
   hp.step = t_;
-  hp.grad_scale = scale;
-  Timer update;
+  hp.grad_scale = clip_scale(norm, config_.grad_clip);
+  handoff_ = std::make_unique<Handoff>();
+  handoff_->master.assign(groups_.size(), nullptr);
+  handoff_->stats.grads_wait_s = grads_wait_s;
+  next_publish_ = 0;
+  worker_ = std::thread([this, hp] {
+    Timer update;
+    Status st = run_update(hp);
+    std::lock_guard lock(handoff_->mu);
+    handoff_->stats.update_s = update.seconds();
+    handoff_->status = std::move(st);
+    handoff_->done = true;
+    handoff_->cv.notify_all();
+  });
+  return norm;
+}
+
+Status OffloadedAdamW::deliver(size_t group, const float* master) {
+  Handoff& h = *handoff_;
+  std::unique_lock lock(h.mu);
+  h.master[group] = master;
+  h.ready = group + 1;
+  h.cv.notify_all();
+  // The master weights live in the worker's buffers (a swap slot): hold them until published.
+  h.cv.wait(lock, [&] { return h.published > group || h.abandoned; });
+  if (h.abandoned) return Status::internal("optimizer step {}: abandoned by the training thread", t_);
+  return Status::ok();
+}
+
+Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp) {
   const bool grads_on_nvme = coordinator_->options().grad_home == offload::Tier::kNvme;
+  OffloadedStepStats& stats = handoff_->stats;  // the worker's own until done
   if (swapper_) {
     std::vector<const float*> grads;  // null where the swapper reads the group's gradient key
     for (const Group& g : groups_)
       grads.push_back(grads_on_nvme ? nullptr : coordinator_->host_grads(g.unit) + g.offset);
-    const Status st = swapper_->step(grads, {}, DType::kF32, hp, [&](size_t i, const float* master) {
-      const Group& g = groups_[i];
-      return coordinator_->write_params(g.unit, g.offset, g.spec.numel, master);
-    });
-    stats_.nvme_read_bytes = swapper_->last_step_stats().bytes_read;
-    stats_.nvme_write_bytes = swapper_->last_step_stats().bytes_written;
+    const Status st = swapper_->step(grads, {}, DType::kF32, hp,
+                                     [&](size_t i, const float* master) { return deliver(i, master); });
+    stats.nvme_read_bytes = swapper_->last_step_stats().bytes_read;
+    stats.nvme_write_bytes = swapper_->last_step_stats().bytes_written;
     // A failed step leaves some sub-groups updated (OptimizerSwapper's contract): the run must restart from a
     // checkpoint, which the error says.
-    if (!st.is_ok()) return st.with_context("optimizer step " + std::to_string(t_) + " (resume from a checkpoint)");
-  } else {
-    for (const Group& g : groups_) {
-      float* master = g.state.as<float>();
-      float* m = master + g.spec.numel;
-      float* v = m + g.spec.numel;
-      const float* grads = nullptr;
-      if (grads_on_nvme) {
-        STRATA_RETURN_IF_ERROR(grad_store_->read(g.spec.grad_key, grad_scratch_.data(), g.spec.numel * sizeof(float)));
-        stats_.nvme_read_bytes += g.spec.numel * sizeof(float);
-        grads = grad_scratch_.as<float>();
-      } else {
-        grads = coordinator_->host_grads(g.unit) + g.offset;
-      }
-      for (const offload::OptimizerSegment& s : g.spec.segments) {
-        kernels::AdamWParams p = hp;
-        p.weight_decay = s.weight_decay;
-        kernels::cpu::fast::adamw_update_mixed(master + s.offset, m + s.offset, v + s.offset, grads + s.offset,
-                                               nullptr, DType::kF32, s.numel, p);
-      }
-      STRATA_RETURN_IF_ERROR(coordinator_->write_params(g.unit, g.offset, g.spec.numel, master));
-    }
+    if (!st.is_ok()) return st.with_context("optimizer step " + std::to_string(hp.step) + " (resume from a checkpoint)");
+    return Status::ok();
   }
-  stats_.update_s = update.seconds();
-  return norm;
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    const Group& g = groups_[i];
+    float* master = g.state.as<float>();
+    float* m = master + g.spec.numel;
+    float* v = m + g.spec.numel;
+    const float* grads = nullptr;
+    if (grads_on_nvme) {
+      STRATA_RETURN_IF_ERROR(grad_store_->read(g.spec.grad_key, grad_scratch_.data(), g.spec.numel * sizeof(float)));
+      stats.nvme_read_bytes += g.spec.numel * sizeof(float);
+      grads = grad_scratch_.as<float>();
+    } else {
+      grads = coordinator_->host_grads(g.unit) + g.offset;
+    }
+    for (const offload::OptimizerSegment& s : g.spec.segments) {
+      kernels::AdamWParams p = hp;
+      p.weight_decay = s.weight_decay;
+      kernels::cpu::fast::adamw_update_mixed(master + s.offset, m + s.offset, v + s.offset, grads + s.offset,
+                                             nullptr, DType::kF32, s.numel, p);
+    }
+    STRATA_RETURN_IF_ERROR(deliver(i, master));
+  }
+  return Status::ok();
+}
+
+Status OffloadedAdamW::publish_through(size_t unit) {
+  if (!handoff_) return Status::ok();
+  Handoff& h = *handoff_;
+  Status status;
+  while (status.is_ok() && next_publish_ < groups_.size() && groups_[next_publish_].unit <= unit) {
+    const float* master = nullptr;
+    {
+      std::unique_lock lock(h.mu);
+      h.cv.wait(lock, [&] { return h.ready > next_publish_ || h.done; });
+      if (h.ready <= next_publish_) break;  // the worker ended (failed) before this group
+      master = h.master[next_publish_];
+    }
+    const Group& g = groups_[next_publish_];
+    status = coordinator_->write_params(g.unit, g.offset, g.spec.numel, master);
+    std::lock_guard lock(h.mu);
+    if (status.is_ok()) {
+      h.published = ++next_publish_;
+    } else {
+      h.abandoned = true;  // the worker must not wait for a publication that will not come
+    }
+    h.cv.notify_all();
+  }
+  bool ended = false;
+  {
+    std::lock_guard lock(h.mu);
+    ended = h.done;
+  }
+  // The worker goes on (with later sub-groups, or its last writes) unless it has ended, failed, or the caller
+  // needs all of it; a worker that ended before publishing everything failed, and its status says why.
+  if (status.is_ok() && !ended && unit != SIZE_MAX) return Status::ok();
+  worker_.join();
+  stats_ = h.stats;
+  const Status worker_status = h.status;
+  const bool complete = next_publish_ == groups_.size();
+  handoff_.reset();
+  if (!status.is_ok()) return status;
+  if (!worker_status.is_ok()) return worker_status;
+  if (!complete) return Status::internal("optimizer step {}: {} sub-groups were never published", t_, groups_.size());
+  return Status::ok();
 }
 
 }  // namespace strata::engine

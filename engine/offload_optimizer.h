@@ -10,10 +10,15 @@
 // add_sum_squares), and the update is the same AdamW: on the CPU backend a run with the optimizer offloaded is
 // bitwise the run that keeps it on the device.
 //
-// Threading: the training thread drives it; the update runs on TBB, NVMe I/O on the swap store's engine.
+// Threading: the training thread drives it; each step's update runs on a worker thread (its arithmetic on
+// TBB, NVMe I/O on the swap store's engine) overlapping the next forward; every call into the Coordinator
+// stays on the training thread.
 #pragma once
 
+#include <condition_variable>
 #include <cstddef>
+#include <mutex>
+#include <thread>
 #include <memory>
 #include <string>
 #include <vector>
@@ -52,13 +57,24 @@ class OffloadedAdamW final : public Optimizer {
                                                         const OffloadedAdamWOptions& options,
                                                         SwapStore* grad_store = nullptr);
 
+  ~OffloadedAdamW() override;
+
+  // Computes the norm and clip scale on this thread (so the result is exact), then runs the update of every
+  // sub-group on a worker thread and returns: the update overlaps the next forward. Each sub-group's new
+  // parameters are published on the training thread, in unit order, by publish_through() — the coordinator
+  // calls it before each use of a unit — so a unit is never computed with before its update has landed.
   Result<double> step(float lr, bool* skipped) override;
+  // Publishes the new parameters of every unit up to `unit` (SIZE_MAX: all, then waits for the update's
+  // writes) from the update in flight, if any. Training thread.
+  Status publish_through(size_t unit);
+  Status finish() override { return publish_through(SIZE_MAX); }
   int steps_taken() const override { return t_; }
   void set_steps_taken(int t) override { t_ = t; }
   Status adopt_params() override;
   Status read_moments(size_t unit, float* m, float* v) override;
   Status write_moments(size_t unit, const float* m, const float* v) override;
 
+  // Of the last completed update (step() returns before its update completes).
   const OffloadedStepStats& last_step_stats() const { return stats_; }
   size_t num_groups() const { return groups_.size(); }
 
@@ -69,6 +85,19 @@ class OffloadedAdamW final : public Optimizer {
     offload::PinnedBuffer state;  // kHost: master, m, v (3 x numel floats)
   };
   OffloadedAdamW() = default;
+  // The worker's side of an update in flight: sub-groups updated (with their new master weights, valid until
+  // published), sub-groups published, and how it ended.
+  struct Handoff {
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t ready = 0, published = 0;
+    std::vector<const float*> master;
+    bool done = false, abandoned = false;
+    Status status;
+    OffloadedStepStats stats;  // the worker's timings and bytes
+  };
+  Status run_update(const kernels::AdamWParams& hp);  // on the worker
+  Status deliver(size_t group, const float* master);  // on the worker: wait until published
   // Sets master from the unit's current parameters and the moments from m, v (zeros where null).
   Status load_unit(size_t unit, const float* m, const float* v);
 
@@ -82,6 +111,9 @@ class OffloadedAdamW final : public Optimizer {
   offload::PinnedBuffer grad_scratch_;                   // kHost with gradients on nvme: one sub-group's
   int t_ = 0;
   OffloadedStepStats stats_;
+  std::unique_ptr<Handoff> handoff_;  // an update in flight
+  std::thread worker_;
+  size_t next_publish_ = 0;
 };
 
 }  // namespace strata::engine

@@ -155,6 +155,9 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   oo.swap_slots = static_cast<int>(config.offload_optimizer.buffer_count);
   STRATA_ASSIGN_OR_RETURN(rt->optimizer_, OffloadedAdamW::create(model, *rt->coordinator_, *rt->pool_, opt_store,
                                                                  adam, oo, grad_store));
+  // Each step's update overlaps the next forward: a unit's new parameters are published before its first use.
+  OffloadedAdamW* opt = rt->optimizer_.get();
+  rt->coordinator_->set_before_use([opt](size_t unit) { return opt->publish_through(unit); });
   return rt;
 }
 

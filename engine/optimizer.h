@@ -45,6 +45,9 @@ class Optimizer {
   // master weights from the model's current parameters, so load those first.
   virtual Status read_moments(size_t unit, float* m, float* v) = 0;
   virtual Status write_moments(size_t unit, const float* m, const float* v) = 0;
+  // Completes an update still running in the background (OffloadedAdamW overlaps it with the next forward);
+  // call before reading the parameters other than through the model's own forward (checkpoints).
+  virtual Status finish() { return Status::ok(); }
 };
 
 class AdamW final : public Optimizer {

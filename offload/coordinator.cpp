@@ -545,6 +545,7 @@ void Coordinator::begin_step() {
 
 Result<UnitView> Coordinator::acquire(size_t u, Pass pass) {
   STRATA_ASSERT(u < s_->units.size());
+  if (before_use_) STRATA_RETURN_IF_ERROR(before_use_(uses_grads(pass) ? SIZE_MAX : u));
   State& s = *s_;
   State::UnitRec& r = s.units[u];
   s.record(Access{u, pass});

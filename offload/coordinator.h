@@ -30,6 +30,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -104,6 +105,11 @@ class Coordinator {
   // The current parameters of unit u into host[0..numel).
   Status read_params(size_t u, float* host);
 
+  // Called at the start of every acquire with the unit about to be used, or SIZE_MAX for a backward use (which
+  // will overwrite gradients): the offloaded optimizer publishes the new parameters of an update that runs in
+  // the background through it. Its error fails the acquire. Driving thread.
+  void set_before_use(std::function<Status(size_t unit)> fn) { before_use_ = std::move(fn); }
+
   // The step protocol. begin_step() marks the start of a forward pass (a step, or one micro-batch of it).
   void begin_step();
   Result<UnitView> acquire(size_t u, Pass pass);
@@ -130,6 +136,7 @@ class Coordinator {
   explicit Coordinator(std::unique_ptr<State> s);
   std::unique_ptr<State> s_;
   CoordinatorOptions options_;
+  std::function<Status(size_t)> before_use_;
 };
 
 }  // namespace strata::offload
