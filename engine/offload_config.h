@@ -1,11 +1,12 @@
 // offload_config.h — the ZeRO / offload sections of the run configuration, with DeepSpeed's key names and
 // meanings so a DeepSpeed user's settings carry over: "zero_optimization" (stage, offload_param,
-// offload_optimizer, sub_group_size, stage3_*), "aio", and Strata's own "memory" budgets.
+// offload_optimizer, sub_group_size, stage3_*), "aio", "activation_checkpointing", and Strata's own "memory"
+// budgets. engine/offload_runtime.cpp acts on them.
 //
 // Read strictly like every section (unknown keys are errors listing the valid ones; "auto" keeps a default, as
-// in configs written for the Hugging Face integration). The offload manager that acts on them is issue 4's work
-// in progress: until a key is acted on, parse_offload_config() lists it in `not_acted_on` when its value
-// differs from the default, and the trainer warns about each by name — never silently.
+// in configs written for the Hugging Face integration). A key nothing acts on yet is listed by
+// parse_offload_config() in `not_acted_on` when its value differs from the default, and the trainer warns about
+// each by name — never silently.
 #pragma once
 
 #include <cstdint>

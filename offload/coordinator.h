@@ -18,10 +18,12 @@
 // differs from the trace re-records it from that point: nothing waits for an access that will not come, and
 // nothing stale is used, because an acquire always waits for the unit's own latest copy.
 //
-// Device memory comes from Device::allocate (purpose "offload.params <unit>" / "offload.grads <unit>"), so the
+// Device memory comes from Device::allocate (purposes "offload.slots", and "offload.persistent <unit>"), so the
 // device budget (memory.device_memory_limit) bounds it; freed slots are kept for reuse by size and given back
-// when an allocation would not fit. Host buffers come from the PinnedPool (its budget is the host tier's);
-// NVMe copies are swap store keys "<key_prefix><unit>.<chunk>" of at most `nvme_chunk_elements` each.
+// when an allocation would not fit. Host buffers come from the PinnedPool (its budget is the host tier's),
+// including fixed sets of NVMe staging buffers taken at create (offload/staging_buffers.h). NVMe copies are
+// swap store keys "<key_prefix><unit>.<chunk>" (gradients: "grad.<unit>.<chunk>") of at most
+// `nvme_chunk_elements` elements each.
 //
 // Threading: one driving thread calls everything; copies run on the CopyEngine's queues. Destruction waits for
 // every job it queued. Errors (a failed read, a budget too small for the working set) come back as Status and
