@@ -59,6 +59,16 @@ void add_bench_step_command(CLI::App& bench, BenchStepOptions& o) {
       ->capture_default_str();
 }
 
+void random_batch(int B, int T, int vocab_size, uint64_t seed, std::vector<int32_t>* x, std::vector<int32_t>* y) {
+  x->resize(static_cast<size_t>(B) * T);
+  y->resize(x->size());
+  Rng rng(seed);
+  for (size_t i = 0; i < x->size(); ++i) {
+    (*x)[i] = static_cast<int32_t>(rng.below(vocab_size));
+    (*y)[i] = static_cast<int32_t>(rng.below(vocab_size));
+  }
+}
+
 int run_bench_step(const BenchStepOptions& o) {
   if (o.offload_param != "none" || o.offload_optimizer != "none" || o.checkpointing != "none")
     return run_bench_step_offload(o);
@@ -92,12 +102,8 @@ int run_bench_step(const BenchStepOptions& o) {
     return 1;
   }
   const int B = o.batch_size, T = o.seq_len;
-  std::vector<int32_t> x(static_cast<size_t>(B) * T), y(x.size());
-  Rng rng(o.seed);
-  for (size_t i = 0; i < x.size(); ++i) {
-    x[i] = static_cast<int32_t>(rng.below(mc.vocab_size));
-    y[i] = static_cast<int32_t>(rng.below(mc.vocab_size));
-  }
+  std::vector<int32_t> x, y;
+  random_batch(B, T, mc.vocab_size, o.seed, &x, &y);
   std::vector<double> times;
   float loss = 0;
   for (int s = 0; s < o.warmup + o.steps; ++s) {

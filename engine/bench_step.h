@@ -3,7 +3,9 @@
 // With --offload-param / --offload-optimizer it times the offloaded step against its bound instead.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace CLI {
 class App;
@@ -30,6 +32,10 @@ struct BenchStepOptions {
   int64_t max_live = 1'000'000'000;        // zero_optimization.stage3_max_live_parameters (elements)
   std::string checkpointing = "none";      // none | device | host
 };
+
+// A (B,T) batch of inputs and targets drawn uniformly from the vocabulary, seeded: what both step benchmarks
+// train on.
+void random_batch(int B, int T, int vocab_size, uint64_t seed, std::vector<int32_t>* x, std::vector<int32_t>* y);
 
 // The offloaded step (any offload option set): the same model plain and offloaded in one run, the offloaded
 // step's breakdown, and its ratio to max(compute, disk time for its NVMe bytes, CPU optimizer time).

@@ -114,12 +114,8 @@ int run_bench_step_offload(const BenchStepOptions& o) {
   auto device = kernels::make_device(o.device, *k);
   if (!device.is_ok()) return fail(device.status());
   const int B = o.batch_size, T = o.seq_len;
-  std::vector<int32_t> x(static_cast<size_t>(B) * T), y(x.size());
-  Rng rng(o.seed);
-  for (size_t i = 0; i < x.size(); ++i) {
-    x[i] = static_cast<int32_t>(rng.below(mc.vocab_size));
-    y[i] = static_cast<int32_t>(rng.below(mc.vocab_size));
-  }
+  std::vector<int32_t> x, y;
+  random_batch(B, T, mc.vocab_size, o.seed, &x, &y);
   std::string nvme_path = o.nvme_path;
   const bool temp_dir = nvme_path.empty();
   if (temp_dir) nvme_path = (fs::temp_directory_path() / fmt::format("strata-bench-step-{}", getpid())).string();
