@@ -157,9 +157,14 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   handoff_->master.assign(groups_.size(), nullptr);
   handoff_->stats.grads_wait_s = grads_wait_s;
   next_publish_ = 0;
-  worker_ = std::thread([this, hp] {
+  // Where each sub-group's gradient is (null: in its swap key), taken here so the worker reads only memory.
+  const bool grads_on_nvme = coordinator_->options().grad_home == offload::Tier::kNvme;
+  std::vector<const float*> grads;
+  for (const Group& g : groups_)
+    grads.push_back(grads_on_nvme ? nullptr : coordinator_->host_grads(g.unit) + g.offset);
+  worker_ = std::thread([this, hp, grads = std::move(grads)] {
     Timer update;
-    Status st = run_update(hp);
+    Status st = run_update(hp, grads);
     std::lock_guard lock(handoff_->mu);
     handoff_->stats.update_s = update.seconds();
     handoff_->status = std::move(st);
@@ -181,13 +186,9 @@ Status OffloadedAdamW::deliver(size_t group, const float* master) {
   return Status::ok();
 }
 
-Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp) {
-  const bool grads_on_nvme = coordinator_->options().grad_home == offload::Tier::kNvme;
+Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads) {
   OffloadedStepStats& stats = handoff_->stats;  // the worker's own until done
   if (swapper_) {
-    std::vector<const float*> grads;  // null where the swapper reads the group's gradient key
-    for (const Group& g : groups_)
-      grads.push_back(grads_on_nvme ? nullptr : coordinator_->host_grads(g.unit) + g.offset);
     const Status st = swapper_->step(grads, {}, DType::kF32, hp,
                                      [&](size_t i, const float* master) { return deliver(i, master); });
     stats.nvme_read_bytes = swapper_->last_step_stats().bytes_read;
@@ -202,18 +203,16 @@ Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp) {
     float* master = g.state.as<float>();
     float* m = master + g.spec.numel;
     float* v = m + g.spec.numel;
-    const float* grads = nullptr;
-    if (grads_on_nvme) {
+    const float* grad = grads[i];
+    if (grad == nullptr) {
       STRATA_RETURN_IF_ERROR(grad_store_->read(g.spec.grad_key, grad_scratch_.data(), g.spec.numel * sizeof(float)));
       stats.nvme_read_bytes += g.spec.numel * sizeof(float);
-      grads = grad_scratch_.as<float>();
-    } else {
-      grads = coordinator_->host_grads(g.unit) + g.offset;
+      grad = grad_scratch_.as<float>();
     }
     for (const offload::OptimizerSegment& s : g.spec.segments) {
       kernels::AdamWParams p = hp;
       p.weight_decay = s.weight_decay;
-      kernels::cpu::fast::adamw_update_mixed(master + s.offset, m + s.offset, v + s.offset, grads + s.offset,
+      kernels::cpu::fast::adamw_update_mixed(master + s.offset, m + s.offset, v + s.offset, grad + s.offset,
                                              nullptr, DType::kF32, s.numel, p);
     }
     STRATA_RETURN_IF_ERROR(deliver(i, master));
@@ -258,7 +257,9 @@ Status OffloadedAdamW::publish_through(size_t unit) {
   handoff_.reset();
   if (!status.is_ok()) return status;
   if (!worker_status.is_ok()) return worker_status;
-  if (!complete) return Status::internal("optimizer step {}: {} sub-groups were never published", t_, groups_.size());
+  if (!complete)
+    return Status::internal("optimizer step {}: {} of {} sub-groups were never published", t_,
+                            groups_.size() - next_publish_, groups_.size());
   return Status::ok();
 }
 

@@ -96,7 +96,8 @@ class OffloadedAdamW final : public Optimizer {
     Status status;
     OffloadedStepStats stats;  // the worker's timings and bytes
   };
-  Status run_update(const kernels::AdamWParams& hp);  // on the worker
+  // On the worker: grads[g] is sub-group g's gradient in host memory, or null to read its swap key.
+  Status run_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads);
   Status deliver(size_t group, const float* master);  // on the worker: wait until published
   // Sets master from the unit's current parameters and the moments from m, v (zeros where null).
   Status load_unit(size_t unit, const float* m, const float* v);

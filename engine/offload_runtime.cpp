@@ -82,28 +82,25 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   }
   std::unique_ptr<OffloadRuntime> rt(new OffloadRuntime());
   rt->device_ = &device;
-  rt->model_ = &model;
-  uint64_t grad_bytes = 0;
-  for (const Unit& u : model.units()) grad_bytes += u.numel() * sizeof(float);
-  const bool have_nvme = param_tier == offload::Tier::kNvme || opt_tier == offload::Tier::kNvme;
-  const offload::Tier grad_tier =
-      config.gradients == "nvme" ||
-              (config.gradients == "auto" && have_nvme && config.host_memory_limit > 0 &&
-               grad_bytes > config.host_memory_limit / 2)
-          ? offload::Tier::kNvme
-          : offload::Tier::kHost;
-  rt->placements_ = fmt::format("parameters on {}, optimizer state on {}, gradients to {}",
-                                offload::tier_name(param_tier), offload::tier_name(opt_tier),
-                                offload::tier_name(grad_tier));
-
-  // Sub-groups: optimizer state and nvme parameter chunks share one size, so an optimizer sub-group's new
-  // parameters are whole chunks.
+  // The sub-group size: optimizer state and nvme parameter chunks share it, so an optimizer sub-group's new
+  // parameters are whole chunks. `total`: bytes of one fp32 state class (parameters, gradients, ...).
   const size_t group = static_cast<size_t>((config.sub_group_size + 1023) / 1024 * 1024);
   size_t largest_key = 0, total = 0;
   for (const Unit& u : model.units()) {
     largest_key = std::max(largest_key, std::min(group, u.numel()) * sizeof(float));
     total += u.numel() * sizeof(float);
   }
+  const bool have_nvme = param_tier == offload::Tier::kNvme || opt_tier == offload::Tier::kNvme;
+  const offload::Tier grad_tier =
+      config.gradients == "nvme" ||
+              (config.gradients == "auto" && have_nvme && config.host_memory_limit > 0 &&
+               total > config.host_memory_limit / 2)
+          ? offload::Tier::kNvme
+          : offload::Tier::kHost;
+  rt->placements_ = fmt::format("parameters on {}, optimizer state on {}, gradients to {}",
+                                offload::tier_name(param_tier), offload::tier_name(opt_tier),
+                                offload::tier_name(grad_tier));
+
   // One file size that holds the largest key; files are preallocated, so no bigger than the state needs.
   const uint64_t file_bytes =
       (std::max<uint64_t>(largest_key + 4096, std::min<uint64_t>(uint64_t{1} << 30, 2 * 3 * total)) + 4095) / 4096 *

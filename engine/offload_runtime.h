@@ -68,7 +68,6 @@ class OffloadRuntime {
   Status open_store(const std::string& path, uint64_t file_bytes, uint32_t max_files);
 
   kernels::Device* device_ = nullptr;
-  GPT2* model_ = nullptr;
   std::string placements_;
   // Declared in construction order; destroyed in reverse, so nothing outlives what it uses.
   std::unique_ptr<IoEngine> io_engine_;

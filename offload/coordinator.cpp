@@ -34,6 +34,24 @@ struct Access {
 bool uses_params(Pass p) { return p != Pass::kGradients; }
 bool uses_grads(Pass p) { return p != Pass::kForward; }
 
+// A unit's `bytes` stored as swap keys of `chunk` bytes each (the last one shorter), read into or written from
+// one contiguous buffer.
+Status read_chunks(SwapStore& store, const std::vector<std::string>& keys, size_t chunk, void* dst, size_t bytes) {
+  for (size_t k = 0; k < keys.size(); ++k) {
+    const size_t off = k * chunk;
+    STRATA_RETURN_IF_ERROR(store.read(keys[k], static_cast<char*>(dst) + off, std::min(chunk, bytes - off)));
+  }
+  return Status::ok();
+}
+Status write_chunks(SwapStore& store, const std::vector<std::string>& keys, size_t chunk, const void* src,
+                    size_t bytes) {
+  for (size_t k = 0; k < keys.size(); ++k) {
+    const size_t off = k * chunk;
+    STRATA_RETURN_IF_ERROR(store.write(keys[k], static_cast<const char*>(src) + off, std::min(chunk, bytes - off)));
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 // Waits for jobs that used a buffer before it is reused. Ordering only: a job's failure is reported by whoever
@@ -86,7 +104,7 @@ struct Coordinator::State {
   CoordinatorOptions options;
   std::vector<UnitRec> units;
   std::vector<Slot> spares;
-  uint64_t slot_bytes = 0, slot_peak = 0;  // device bytes in units' buffers and spares
+  uint64_t slot_bytes = 0;  // device bytes in slots (units' buffers and spares), for error messages
   size_t live_elements = 0;                // non-persistent parameter elements on the device
   // offload_param.buffer_count pinned buffers of the largest nvme-homed unit, taken at create() so that a
   // host budget too small for them fails there instead of blocking a read forever.
@@ -131,7 +149,6 @@ struct Coordinator::State {
     }
     if (!got.is_ok()) return got.status().with_context(what);
     slot_bytes += bytes;
-    slot_peak = std::max(slot_peak, slot_bytes);
     return Slot{std::move(got).value(), {}, {}};
   }
 
@@ -276,11 +293,7 @@ struct Coordinator::State {
     CopyTicket read = copies.nvme.submit(
         [staging, st, keys, chunk, bytes] {
           staging->take();
-          for (size_t k = 0; k < keys.size(); ++k) {
-            const size_t off = k * chunk, len = std::min(chunk, bytes - off);
-            STRATA_RETURN_IF_ERROR(st->read(keys[k], staging->buf->as<char>() + off, len));
-          }
-          return Status::ok();
+          return read_chunks(*st, keys, chunk, staging->buf->data(), bytes);
         },
         bytes);
     stats.nvme_read_bytes += bytes;
@@ -397,13 +410,12 @@ struct Coordinator::State {
     pos = trace.size();
   }
 
+  // Waits for a unit's copy, counting the wait as a stall; the error names the unit.
   Status wait_ticket(const CopyTicket& t, const UnitRec& r, const char* what) {
-    if (t.done()) return t.wait().with_context(fmt::format("loading {} of unit '{}'", what, r.info.name));
     Timer timer;
-    Status s = t.wait();
+    const Status s = t.wait();
     stats.stall_s += timer.seconds();
-    if (!s.is_ok()) return s.with_context(fmt::format("loading {} of unit '{}' from {}", what, r.info.name,
-                                                      tier_name(r.home)));
+    if (!s.is_ok()) return s.with_context(fmt::format("loading {} of unit '{}'", what, r.info.name));
     return Status::ok();
   }
 };
@@ -524,11 +536,8 @@ Status Coordinator::read_params(size_t u, float* host) {
     std::memcpy(host, r.host_params.data(), r.bytes);
   } else if (r.home == Tier::kNvme) {
     STRATA_RETURN_IF_ERROR(State::check_written(r));
-    const size_t chunk = s_->options.nvme_chunk_elements;
-    for (size_t k = 0; k < r.nvme_keys.size(); ++k) {
-      const size_t off = k * chunk, len = std::min(chunk, r.info.numel - off);
-      STRATA_RETURN_IF_ERROR(s_->store->read(r.nvme_keys[k], host + off, len * sizeof(float)));
-    }
+    STRATA_RETURN_IF_ERROR(
+        read_chunks(*s_->store, r.nvme_keys, s_->options.nvme_chunk_elements * sizeof(float), host, r.bytes));
   } else {
     s_->device.fence().wait();
     s_->device.download(host, r.dev_params.data(), r.bytes);
@@ -663,12 +672,9 @@ void Coordinator::release(size_t u, Pass pass) {
     const size_t chunk = s.options.nvme_chunk_elements * sizeof(float);
     r.grads_download = s.copies.nvme.submit(
         [staging, st, keys, chunk, bytes]() mutable {
-          for (size_t k = 0; k < keys.size(); ++k) {
-            const size_t off = k * chunk, len = std::min(chunk, bytes - off);
-            STRATA_RETURN_IF_ERROR(st->write(keys[k], staging->buf->as<char>() + off, len));
-          }
+          const Status written = write_chunks(*st, keys, chunk, staging->buf->data(), bytes);
           staging.reset();
-          return Status::ok();
+          return written;
         },
         bytes, {downloaded});
     s.stats.nvme_write_bytes += bytes;
@@ -755,7 +761,6 @@ Residency Coordinator::residency(size_t u, StateClass what) const {
   return res;
 }
 
-TierUsage Coordinator::device_usage() const { return TierUsage{s_->slot_bytes, s_->slot_peak, 0}; }
 
 CoordinatorStats Coordinator::take_stats() {
   CoordinatorStats out = s_->stats;

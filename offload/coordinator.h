@@ -129,7 +129,6 @@ class Coordinator {
   double grad_sum_squares(size_t u) const;
 
   Residency residency(size_t u, StateClass what) const;  // kParams or kGrads
-  TierUsage device_usage() const;  // this coordinator's device slots (cached spares included)
   CoordinatorStats take_stats();   // the counters since the last call, then zeroes them
 
  private:
