@@ -140,10 +140,10 @@ int bench_swap(const BenchAdamOptions& o, uint64_t n, uint64_t sub, float* p, co
     IoBatch batch;
     Timer t;
     size_t offset = 0;
-    for (const auto& gr : groups) {
-      for (const char* what : {".master", ".m", ".v"}) {
-        const std::string key = "opt." + gr.name + what;
-        const size_t bytes = gr.numel * sizeof(float);
+    for (size_t g = 0; g < groups.size(); ++g) {
+      for (const char* what : {"master", "m", "v"}) {
+        const std::string key = s.state_key(g, what);
+        const size_t bytes = groups[g].numel * sizeof(float);
         STRATA_RETURN_IF_ERROR(store.value()->read(key, read_into + offset, bytes, &batch));
         if (write_from != nullptr) STRATA_RETURN_IF_ERROR(store.value()->write(key, write_from + offset, bytes, &batch));
         offset += bytes;

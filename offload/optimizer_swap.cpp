@@ -16,7 +16,7 @@ namespace strata::offload {
 struct OptimizerSwapper::Slot {
   PinnedBuffer buf;
   std::unique_ptr<IoBatch> reads, writes;
-  size_t group = SIZE_MAX;  // the sub-group its reads were issued for
+  size_t group = SIZE_MAX;  // the sub-group its reads were issued for (and its writes, once issued)
   float* region(size_t region_floats, int k) const { return buf.as<float>() + region_floats * k; }
 };
 
@@ -32,7 +32,13 @@ size_t OptimizerSwapper::staging_bytes(size_t largest, const OptimizerSwapOption
 
 OptimizerSwapper::OptimizerSwapper(SwapStore& store, std::vector<OptimizerGroup> groups,
                                    const OptimizerSwapOptions& options)
-    : store_(store), groups_(std::move(groups)), options_(options), initialized_(groups_.size(), false) {}
+    : store_(store),
+      groups_(std::move(groups)),
+      options_(options),
+      initialized_(groups_.size(), false),
+      version_(groups_.size(), 0),
+      pending_(groups_.size(), false),
+      in_step_(groups_.size(), false) {}
 
 Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(SwapStore& store, PinnedPool& pool,
                                                                    std::vector<OptimizerGroup> groups,
@@ -77,17 +83,47 @@ OptimizerSwapper::~OptimizerSwapper() {
     if (slot->writes) (void)slot->writes->wait();
   }
   for (size_t g = 0; g < groups_.size(); ++g) {
-    if (!initialized_[g]) continue;
-    for (const char* what : {"master", "m", "v"}) (void)store_.free(key(g, what));
+    free_version(g, 0);
+    free_version(g, 1);
   }
 }
 
-std::string OptimizerSwapper::key(size_t g, const char* what) const {
-  return options_.key_prefix + groups_[g].name + "." + what;
+std::string OptimizerSwapper::key(size_t g, const char* what, int version) const {
+  return fmt::format("{}{}.{}@{}", options_.key_prefix, groups_[g].name, what, version);
+}
+
+void OptimizerSwapper::free_version(size_t g, int version) {
+  for (const char* what : {"master", "m", "v"}) {
+    if (store_.contains(key(g, what, version))) (void)store_.free(key(g, what, version));
+  }
+}
+
+size_t OptimizerSwapper::pending() const { return static_cast<size_t>(std::count(pending_.begin(), pending_.end(), true)); }
+
+Status OptimizerSwapper::commit() {
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (!pending_[g]) continue;
+    free_version(g, version_[g]);
+    version_[g] ^= 1;
+    pending_[g] = false;
+  }
+  return Status::ok();
+}
+
+void OptimizerSwapper::rollback() {
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (!pending_[g]) continue;
+    free_version(g, version_[g] ^ 1);
+    pending_[g] = false;
+  }
 }
 
 Status OptimizerSwapper::initialize(size_t g, const float* master, const float* m, const float* v) {
   if (g >= groups_.size()) return Status::invalid_argument("optimizer swap: no sub-group {}", g);
+  if (pending_[g]) {  // new contents replace whatever a step left undecided
+    free_version(g, version_[g] ^ 1);
+    pending_[g] = false;
+  }
   const size_t bytes = groups_[g].numel * sizeof(float);
   Slot& slot = *slots_[0];
   if (slot.writes) STRATA_RETURN_IF_ERROR(slot.writes->wait());
@@ -108,17 +144,29 @@ Status OptimizerSwapper::initialize(size_t g, const float* master, const float* 
   return Status::ok();
 }
 
-Status OptimizerSwapper::issue_read(size_t g) {
-  Slot& slot = *slots_[g % slots_.size()];
-  if (slot.writes) {  // the slot's previous sub-group must be on disk before its memory is reused
-    Timer t;
-    const Status written = slot.writes->wait();
-    stats_.write_wait_s += t.seconds();
-    slot.writes.reset();
-    if (!written.is_ok())
-      return written.with_context(fmt::format("optimizer swap: writing sub-group '{}' ({})", groups_[slot.group].name,
-                                              key(slot.group, "{master,m,v}")));
+Status OptimizerSwapper::finish_writes(Slot& slot) {
+  if (!slot.writes) return Status::ok();
+  Timer t;
+  const Status written = slot.writes->wait();
+  stats_.write_wait_s += t.seconds();
+  slot.writes.reset();
+  const size_t g = slot.group;
+  if (!written.is_ok())
+    return written.with_context(fmt::format("optimizer swap: writing sub-group '{}' ({})", groups_[g].name,
+                                            key(g, "{master,m,v}", version_[g] ^ 1)));
+  if (keep_old_) {
+    pending_[g] = true;
+  } else {
+    free_version(g, version_[g]);
+    version_[g] ^= 1;
   }
+  return Status::ok();
+}
+
+Status OptimizerSwapper::issue_read(size_t g, size_t s) {
+  Slot& slot = *slots_[s];
+  // The slot's previous sub-group must be on disk before its memory is reused.
+  STRATA_RETURN_IF_ERROR(finish_writes(slot));
   const size_t bytes = groups_[g].numel * sizeof(float);
   slot.reads = std::make_unique<IoBatch>();
   slot.group = g;
@@ -134,7 +182,8 @@ Status OptimizerSwapper::issue_read(size_t g) {
 }
 
 Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std::vector<void*>& working,
-                              DType working_dtype, const kernels::AdamWParams& hp, const UpdatedFn& on_updated) {
+                              DType working_dtype, const kernels::AdamWParams& hp, const UpdatedFn& on_updated,
+                              const StepPlan& plan) {
   const size_t n = groups_.size();
   if (working.empty()) working_dtype = DType::kF32;  // no copies to write
   if (grads.size() != n || (working.size() != n && !working.empty()))
@@ -144,79 +193,102 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
     if (!initialized_[g])
       return Status::invalid_argument("optimizer swap: sub-group '{}' was never initialized", groups_[g].name);
   }
+  if (const size_t p = pending(); p > 0)
+    return Status::invalid_argument("optimizer swap: {} sub-group(s) still pending from the last step: commit() or "
+                                    "rollback() first",
+                                    p);
   stats_ = OptimizerStepStats{};
-  // Whatever happens, no batch may outlive the step with requests into the slots unaccounted for.
-  auto drain = [&] {
+  keep_old_ = plan.keep_old;
+  std::fill(in_step_.begin(), in_step_.end(), false);
+  size_t in_order = 0;
+  auto next = [&](bool wait) -> Result<size_t> {
+    size_t g = in_order < n ? in_order++ : kEnd;
+    if (plan.next) {
+      STRATA_ASSIGN_OR_RETURN(g, plan.next(wait));
+    }
+    if (g == kNotYet && wait) return Status::internal("optimizer swap: the step's plan did not wait for a sub-group");
+    if (g == kEnd || g == kNotYet) return g;
+    if (g >= n) return Status::invalid_argument("optimizer swap: the step's plan names sub-group {} of {}", g, n);
+    if (in_step_[g])
+      return Status::invalid_argument("optimizer swap: the step's plan names sub-group '{}' twice", groups_[g].name);
+    in_step_[g] = true;
+    return g;
+  };
+  // Whatever happens, no batch may outlive the step with requests into the slots unaccounted for; writes that
+  // completed count (committed, or pending with keep_old).
+  auto drain = [&](const Status& st) {
     for (auto& slot : slots_) {
       if (slot->reads) (void)slot->reads->wait();
       slot->reads.reset();
+      (void)finish_writes(*slot);
     }
-  };
-  if (Status st = issue_read(0); !st.is_ok()) {
-    drain();
     return st;
+  };
+  const size_t num_slots = slots_.size();
+  Result<size_t> first = next(true);
+  if (!first.is_ok()) return drain(first.status());
+  size_t cur = first.value();
+  if (cur != kEnd) {
+    if (Status st = issue_read(cur, 0); !st.is_ok()) return drain(st);
   }
   static const char* kWhat[] = {"master", "m", "v"};
-  for (size_t g = 0; g < n; ++g) {
-    if (g + 1 < n) {
-      if (Status st = issue_read(g + 1); !st.is_ok()) {
-        drain();
-        return st;
-      }
+  for (size_t pos = 0; cur != kEnd; ++pos) {
+    const size_t g = cur;
+    Slot& slot = *slots_[pos % num_slots];
+    // Read the next sub-group's state while this one is updated, as soon as the plan knows which it is.
+    Result<size_t> ahead = next(false);
+    if (!ahead.is_ok()) return drain(ahead.status());
+    if (ahead.value() != kNotYet && ahead.value() != kEnd) {
+      if (Status st = issue_read(ahead.value(), (pos + 1) % num_slots); !st.is_ok()) return drain(st);
     }
-    Slot& slot = *slots_[g % slots_.size()];
     Timer wait;
     const Status arrived = slot.reads->wait();
     stats_.read_wait_s += wait.seconds();
     slot.reads.reset();
-    if (!arrived.is_ok()) {
-      drain();
-      return arrived.with_context(fmt::format("optimizer swap: reading sub-group '{}' ({})", groups_[g].name,
-                                              key(g, "{master,m,v}")));
-    }
+    if (!arrived.is_ok())
+      return drain(arrived.with_context(
+          fmt::format("optimizer swap: reading sub-group '{}' ({})", groups_[g].name, key(g, "{master,m,v}"))));
     float* master = slot.region(region_floats_, 0);
     float* m = slot.region(region_floats_, 1);
     float* v = slot.region(region_floats_, 2);
     const float* grad = groups_[g].grad_key.empty() ? grads[g] : slot.region(region_floats_, 3);
     Timer update;
-    for (const OptimizerSegment& s : groups_[g].segments) {
+    for (const OptimizerSegment& sg : groups_[g].segments) {
       kernels::AdamWParams p = hp;
-      p.weight_decay = s.weight_decay;
-      uint16_t* w16 = working_dtype == DType::kF32 ? nullptr : static_cast<uint16_t*>(working[g]) + s.offset;
-      kernels::cpu::fast::adamw_update_mixed(master + s.offset, m + s.offset, v + s.offset, grad + s.offset, w16,
-                                             working_dtype, s.numel, p);
+      p.weight_decay = sg.weight_decay;
+      uint16_t* w16 = working_dtype == DType::kF32 ? nullptr : static_cast<uint16_t*>(working[g]) + sg.offset;
+      kernels::cpu::fast::adamw_update_mixed(master + sg.offset, m + sg.offset, v + sg.offset, grad + sg.offset, w16,
+                                             working_dtype, sg.numel, p);
     }
     if (working_dtype == DType::kF32 && !working.empty())
       std::memcpy(working[g], master, groups_[g].numel * sizeof(float));
     stats_.update_s += update.seconds();
     if (on_updated) {
-      if (Status st = on_updated(g, master); !st.is_ok()) {
-        drain();
-        return st;
-      }
+      if (Status st = on_updated(g, master); !st.is_ok()) return drain(st);
     }
     const size_t bytes = groups_[g].numel * sizeof(float);
     slot.writes = std::make_unique<IoBatch>();
     for (int k = 0; k < 3; ++k) {
-      if (Status st = store_.write(key(g, kWhat[k]), slot.region(region_floats_, k), bytes, slot.writes.get());
-          !st.is_ok()) {
-        drain();
-        return st;
-      }
+      if (Status st = store_.write(key(g, kWhat[k], version_[g] ^ 1), slot.region(region_floats_, k), bytes,
+                                   slot.writes.get());
+          !st.is_ok())
+        return drain(st);
     }
     stats_.bytes_written += 3 * bytes;
+    if (ahead.value() == kNotYet) {  // the plan did not know the next one yet: wait for it
+      ahead = next(true);
+      if (!ahead.is_ok()) return drain(ahead.status());
+      if (ahead.value() != kEnd) {
+        if (Status st = issue_read(ahead.value(), (pos + 1) % num_slots); !st.is_ok()) return drain(st);
+      }
+    }
+    cur = ahead.value();
   }
   Status result;
-  Timer tail;
   for (auto& slot : slots_) {
-    if (!slot->writes) continue;
-    const Status written = slot->writes->wait();
-    slot->writes.reset();
-    if (result.is_ok() && !written.is_ok())
-      result = written.with_context(fmt::format("optimizer swap: writing sub-group '{}' ({})", groups_[slot->group].name,
-                                                key(slot->group, "{master,m,v}")));
+    const Status written = finish_writes(*slot);
+    if (result.is_ok() && !written.is_ok()) result = written;
   }
-  stats_.write_wait_s += tail.seconds();
   return result;
 }
 
@@ -230,6 +302,16 @@ Status OptimizerSwapper::read_state(size_t g, float* master, float* m, float* v)
     if (outs[k] != nullptr) STRATA_RETURN_IF_ERROR(store_.read(key(g, kWhat[k]), outs[k], bytes));
   }
   return Status::ok();
+}
+
+Status OptimizerSwapper::with_master(size_t g, const std::function<Status(const float* master)>& fn) {
+  if (g >= groups_.size() || !initialized_[g])
+    return Status::invalid_argument("optimizer swap: no initialized sub-group {}", g);
+  Slot& slot = *slots_[0];
+  STRATA_RETURN_IF_ERROR(finish_writes(slot));
+  float* master = slot.region(region_floats_, 0);
+  STRATA_RETURN_IF_ERROR(store_.read(key(g, "master"), master, groups_[g].numel * sizeof(float)));
+  return fn(master);
 }
 
 }  // namespace strata::offload

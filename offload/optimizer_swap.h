@@ -4,14 +4,22 @@
 // sub-group i−1 while the fused CPU Adam (kernels/cpu/fast.h adamw_update_mixed) updates sub-group i — and
 // hands back each sub-group's new working copy (bf16/f16, or fp32) for the device.
 //
-// Owns: its staging slots (pinned buffers from the pool, 12 bytes per element of the largest sub-group each)
-// and its keys in the store ("<prefix><group>.master", ".m", ".v"), freed on destruction. Does not own the
-// store or the pool (they must outlive it) nor the callers' gradient and working-copy buffers.
+// Versions: a sub-group's state has two sets of keys ("<prefix><group>.master@0", ".m@0", ".v@0" and the same
+// with @1); a step reads the current set and writes the other, which becomes current once written (the old set
+// is then freed). A step with keep_old leaves its new versions pending instead, so that the caller can still
+// decide: commit() makes them current, rollback() frees them and the state is what it was before the step.
+// This is what lets the offloaded optimizer start a sub-group's update before the global gradient norm is
+// known and redo it exactly when clipping changes it.
 //
-// Failure: a read or write error stops the step and is returned, naming the key. Writes go through the store's
-// copy-on-write, so every key keeps either its old or its new version: a failed step can leave some sub-groups
-// updated and others not, and the caller must treat the optimizer state as that of an unfinished step (retry
-// the step from a checkpoint). A checksum mismatch is a Corruption status, never a wrong update.
+// Owns: its staging slots (pinned buffers from the pool, 12 bytes per element of the largest sub-group each)
+// and its keys in the store, freed on destruction. Does not own the store or the pool (they must outlive it)
+// nor the callers' gradient and working-copy buffers.
+//
+// Failure: a read or write error stops the step and is returned, naming the key. A failed step can leave some
+// sub-groups updated (without keep_old: those whose writes completed) and others not, and the caller must
+// treat the optimizer state as that of an unfinished step (retry the step from a checkpoint); with keep_old
+// nothing is committed and rollback() restores the state of before the step. A checksum mismatch is a
+// Corruption status, never a wrong update.
 //
 // Threading: one thread drives a swapper; the I/O runs on the store's engine threads and the update on TBB.
 #pragma once
@@ -56,6 +64,17 @@ struct OptimizerStepStats {
   uint64_t bytes_read = 0, bytes_written = 0;
 };
 
+// Which sub-groups a step updates, in what order, and whether it keeps the old state.
+struct OptimizerStepPlan {
+  // The sub-group to update next, in the order the caller's gradients become final: a group index, kEnd when
+  // there are no more, kNotYet (only when `wait` is false) when the next is not known yet; an error stops the
+  // step with it. Called on the stepping thread; the step reads a group's state ahead of its update only as
+  // far as this says.
+  static constexpr size_t kEnd = SIZE_MAX, kNotYet = SIZE_MAX - 1;
+  std::function<Result<size_t>(bool wait)> next;  // null: every sub-group once, in index order
+  bool keep_old = false;                          // leave the new versions pending for commit() / rollback()
+};
+
 class OptimizerSwapper {
  public:
   // Checks the groups (unique names, segments tiling each group) and takes `options.slots` staging buffers of
@@ -71,31 +90,48 @@ class OptimizerSwapper {
   OptimizerSwapper& operator=(const OptimizerSwapper&) = delete;
 
   const std::vector<OptimizerGroup>& groups() const { return groups_; }
+  // The swap key holding sub-group g's current `what` ("master", "m" or "v").
+  std::string state_key(size_t g, const char* what) const { return key(g, what); }
 
   // Stores sub-group g's fp32 master weights (`master`, group layout) and moments (zeros where null).
   Status initialize(size_t g, const float* master, const float* m = nullptr, const float* v = nullptr);
 
-  // One AdamW step over every sub-group, in order: grads[g] (host fp32, group layout, already reduced; null for
-  // a group with a grad_key, which is read with the group's state) updates
+  // One AdamW step over every sub-group (in index order, or the order plan.next gives; a plan that ends early
+  // leaves the rest as they were): grads[g] (host fp32, group layout, already reduced; null for a group with a
+  // grad_key, which is read with the group's state) updates
   // master, m, v in the store, and working[g] receives the new weights as `working_dtype` (2 bytes per element
   // for bf16/f16, 4 for fp32). hp.weight_decay is ignored: each segment has its own. hp.grad_scale carries the
   // unscale and clip coefficient, as in adamw_update. `working` may be empty: no working copies are written.
   // `on_updated(g, master)`, when set, runs on this thread after sub-group g's update with its new fp32 master
   // weights (valid during the call), while the writes of earlier sub-groups proceed; an error stops the step.
   using UpdatedFn = std::function<Status(size_t group, const float* master)>;
+  static constexpr size_t kEnd = OptimizerStepPlan::kEnd, kNotYet = OptimizerStepPlan::kNotYet;
+  using StepPlan = OptimizerStepPlan;
   Status step(const std::vector<const float*>& grads, const std::vector<void*>& working, DType working_dtype,
-              const kernels::AdamWParams& hp, const UpdatedFn& on_updated = nullptr);
+              const kernels::AdamWParams& hp, const UpdatedFn& on_updated = nullptr, const StepPlan& plan = StepPlan());
+
+  // The new versions a keep_old step left pending (of the groups whose writes completed) become the state, or
+  // are dropped. Not while a step runs.
+  Status commit();
+  void rollback();
+  size_t pending() const;
 
   // Reads sub-group g's state back (for checkpoints and tests); any pointer may be null.
   Status read_state(size_t g, float* master, float* m, float* v);
+  // Reads sub-group g's master weights into a staging slot and calls fn with them (valid during the call):
+  // for putting back parameters without a buffer of the caller's. Not while a step runs.
+  Status with_master(size_t g, const std::function<Status(const float* master)>& fn);
 
   const OptimizerStepStats& last_step_stats() const { return stats_; }
 
  private:
   struct Slot;
   OptimizerSwapper(SwapStore& store, std::vector<OptimizerGroup> groups, const OptimizerSwapOptions& options);
-  std::string key(size_t g, const char* what) const;
-  Status issue_read(size_t g);
+  std::string key(size_t g, const char* what, int version) const;
+  std::string key(size_t g, const char* what) const { return key(g, what, version_[g]); }
+  void free_version(size_t g, int version);
+  Status issue_read(size_t g, size_t slot);
+  Status finish_writes(Slot& slot);  // waits for the slot's writes; the group's new version then is written
 
   SwapStore& store_;
   std::vector<OptimizerGroup> groups_;
@@ -104,6 +140,10 @@ class OptimizerSwapper {
   int regions_ = 3;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<bool> initialized_;
+  std::vector<int> version_;        // the current set of keys, 0 or 1
+  std::vector<bool> pending_;       // the other set holds a new version waiting for commit()
+  std::vector<bool> in_step_;       // groups the running step has taken
+  bool keep_old_ = false;           // of the running step
   OptimizerStepStats stats_;
 };
 

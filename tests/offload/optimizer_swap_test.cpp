@@ -193,6 +193,92 @@ TEST(OptimizerSwapThreadsTest, SingleThreadedUpdatesUnderTheEngineThreads) {
   one.execute([] { check_bitwise("posix", 3, DType::kBF16); });
 }
 
+// A step that keeps the old state (keep_old) in the order a plan gives, sometimes not knowing the next group
+// yet: rolled back it leaves the state and the store's bytes exactly as before; redone and committed it is
+// bitwise the plain step, and a plain step after it goes on from there. A plan that fails midway or names a
+// group twice stops the step, and the rollback again restores everything.
+TEST(OptimizerSwapPlanTest, KeptStepsCommitOrRollBackExactly) {
+  Harness h("posix");
+  const auto groups = test_groups();
+  auto swapper = OptimizerSwapper::create(*h.store, *h.pool, groups, OptimizerSwapOptions{.slots = 2});
+  ASSERT_TRUE(swapper.is_ok()) << swapper.status().to_string();
+  OptimizerSwapper& s = *swapper.value();
+  HostState want(groups, 3);
+  for (size_t g = 0; g < groups.size(); ++g) ASSERT_TRUE(s.initialize(g, want.master[g].data()).is_ok());
+  const uint64_t used_before = h.store->stats().used_bytes;
+  auto read_all = [&] {
+    std::vector<std::vector<float>> out;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      std::vector<float> st(3 * groups[g].numel);
+      EXPECT_TRUE(s.read_state(g, st.data(), st.data() + groups[g].numel, st.data() + 2 * groups[g].numel).is_ok());
+      out.push_back(std::move(st));
+    }
+    return out;
+  };
+  const auto initial = read_all();
+  Rng rng(5);
+  want.new_grads(rng);
+  std::vector<const float*> grads;
+  for (const auto& g : want.grads) grads.push_back(g.data());
+  // Reverse order; every other question without waiting is answered "not yet".
+  auto reversed = [&](std::vector<size_t> order, int fail_after = -1) {
+    auto at = std::make_shared<size_t>(0);
+    auto asks = std::make_shared<int>(0);
+    return [=](bool wait) -> Result<size_t> {
+      if (!wait && (*asks)++ % 2 == 0) return OptimizerSwapper::kNotYet;
+      if (static_cast<int>(*at) == fail_after) return Status::internal("the plan gave up");
+      return *at < order.size() ? order[(*at)++] : OptimizerSwapper::kEnd;
+    };
+  };
+  OptimizerStepPlan plan{.next = reversed({2, 1, 0}), .keep_old = true};
+  ASSERT_TRUE(s.step(grads, {}, DType::kF32, hyper(1), nullptr, plan).is_ok());
+  EXPECT_EQ(s.pending(), groups.size());
+  EXPECT_FALSE(s.step(grads, {}, DType::kF32, hyper(1)).is_ok()) << "a step while new versions are pending";
+  s.rollback();
+  EXPECT_EQ(s.pending(), 0u);
+  EXPECT_EQ(read_all(), initial) << "rolled back";
+  EXPECT_EQ(h.store->stats().used_bytes, used_before) << "the new versions' extents are freed";
+
+  // Failing midway, and naming a group twice: errors, and the rollback restores everything again.
+  plan.next = reversed({2, 1, 0}, /*fail_after=*/2);
+  const Status failed = s.step(grads, {}, DType::kF32, hyper(1), nullptr, plan);
+  EXPECT_NE(failed.message().find("the plan gave up"), std::string::npos) << failed.to_string();
+  plan.next = reversed({1, 1});
+  s.rollback();
+  const Status twice = s.step(grads, {}, DType::kF32, hyper(1), nullptr, plan);
+  EXPECT_NE(twice.message().find("twice"), std::string::npos) << twice.to_string();
+  s.rollback();
+  EXPECT_EQ(read_all(), initial);
+
+  // Redone and committed: the plain step's bits, then a plain step continues from them.
+  plan.next = reversed({0, 2, 1});
+  ASSERT_TRUE(s.step(grads, {}, DType::kF32, hyper(1), nullptr, plan).is_ok());
+  ASSERT_TRUE(s.commit().is_ok());
+  for (int step = 1; step <= 2; ++step) {
+    if (step == 2) {
+      want.new_grads(rng);
+      ASSERT_TRUE(s.step(grads, {}, DType::kF32, hyper(2)).is_ok());
+    }
+    for (size_t g = 0; g < groups.size(); ++g) {
+      for (const auto& seg : groups[g].segments) {
+        kernels::AdamWParams p = hyper(step);
+        p.weight_decay = seg.weight_decay;
+        kernels::cpu::fast::adamw_update_mixed(want.master[g].data() + seg.offset, want.m[g].data() + seg.offset,
+                                               want.v[g].data() + seg.offset, want.grads[g].data() + seg.offset,
+                                               nullptr, DType::kF32, seg.numel, p);
+      }
+    }
+  }
+  const auto got = read_all();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const size_t n = groups[g].numel;
+    EXPECT_EQ(0, std::memcmp(got[g].data(), want.master[g].data(), n * 4)) << groups[g].name;
+    EXPECT_EQ(0, std::memcmp(got[g].data() + n, want.m[g].data(), n * 4)) << groups[g].name;
+    EXPECT_EQ(0, std::memcmp(got[g].data() + 2 * n, want.v[g].data(), n * 4)) << groups[g].name;
+  }
+  EXPECT_EQ(h.store->stats().used_bytes, used_before) << "one version of each key remains";
+}
+
 INSTANTIATE_TEST_SUITE_P(Engines, OptimizerSwapTest, ::testing::Values("memory", "posix"));
 
 // Flipped bits on reads are caught by the store's checksums: the step fails with Corruption naming an optimizer
