@@ -57,6 +57,9 @@ void add_bench_step_command(CLI::App& bench, BenchStepOptions& o) {
   cmd->add_option("--checkpointing", o.checkpointing, "Activation checkpoints: none, device or host")
       ->check(CLI::IsMember({"none", "device", "host"}))
       ->capture_default_str();
+  cmd->add_option("--grad-clip", o.grad_clip, "Global-norm gradient clip (0: none)")->capture_default_str();
+  cmd->add_flag("--no-overlap-backward", o.no_overlap_backward,
+                "Optimizer on nvme: do not start updates during backward (offload_optimizer.overlap_backward)");
 }
 
 void random_batch(int B, int T, int vocab_size, uint64_t seed, std::vector<int32_t>* x, std::vector<int32_t>* y) {

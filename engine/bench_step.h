@@ -31,6 +31,8 @@ struct BenchStepOptions {
   int64_t sub_group_size = 100'000'000;
   int64_t max_live = 1'000'000'000;        // zero_optimization.stage3_max_live_parameters (elements)
   std::string checkpointing = "none";      // none | device | host
+  float grad_clip = 1.0f;                  // global-norm clip (0: none); clipping steps redo early updates
+  bool no_overlap_backward = false;        // offload_optimizer.overlap_backward = false
 };
 
 // A (B,T) batch of inputs and targets drawn uniformly from the vocabulary, seeded: what both step benchmarks

@@ -167,6 +167,9 @@ int run_bench_step_offload(const BenchStepOptions& o) {
   oc.offload_param.nvme_path = nvme_path + "/param";
   oc.offload_optimizer.device = o.offload_optimizer;
   oc.offload_optimizer.nvme_path = nvme_path + "/optimizer";
+  oc.offload_optimizer.overlap_backward = !o.no_overlap_backward;
+  AdamWConfig adam;
+  adam.grad_clip = o.grad_clip;
   oc.sub_group_size = o.sub_group_size;
   oc.stage3_param_persistence_threshold = 0;
   oc.stage3_max_live_parameters = o.max_live;
@@ -183,12 +186,12 @@ int run_bench_step_offload(const BenchStepOptions& o) {
     std::optional<AdamW> plain_opt;
     Optimizer* opt = nullptr;
     if (offloaded) {
-      auto r = OffloadRuntime::create(oc, AdamWConfig{}, *device.value(), m);
+      auto r = OffloadRuntime::create(oc, adam, *device.value(), m);
       if (!r.is_ok()) return fail(r.status());
       rt = std::move(r).value();
       opt = &rt->optimizer();
     } else {
-      auto a = AdamW::create(m.units(), AdamWConfig{}, *device.value());
+      auto a = AdamW::create(m.units(), adam, *device.value());
       if (!a.is_ok()) return fail(a.status());
       plain_opt.emplace(std::move(a).value());
       opt = &*plain_opt;
@@ -202,6 +205,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
       auto l = m.forward(x.data(), y.data(), B, T);
       if (!l.is_ok()) return fail(l.status());
       loss = l.value();
+      if (Status st = opt->begin_last_backward(1e-4f); !st.is_ok()) return fail(st);
       if (Status st = m.backward(); !st.is_ok()) return fail(st);
       auto norm = opt->step(1e-4f, nullptr);
       if (!norm.is_ok()) return fail(norm.status());
@@ -238,6 +242,8 @@ int run_bench_step_offload(const BenchStepOptions& o) {
                         {"offload_param", o.offload_param},
                         {"offload_optimizer", o.offload_optimizer},
                         {"checkpointing", o.checkpointing},
+                        {"grad_clip", o.grad_clip},
+                        {"overlap_backward", !o.no_overlap_backward},
                         {"batch", B},
                         {"context", T},
                         {"step_ms", step_s * 1e3},
@@ -262,6 +268,16 @@ int run_bench_step_offload(const BenchStepOptions& o) {
               r.stall_s * 1e3, r.optimizer_s * 1e3, r.grads_wait_s * 1e3, r.h2d_bytes / 1e6, r.h2d_busy_s * 1e3,
               r.d2h_bytes / 1e6, r.d2h_busy_s * 1e3, r.nvme_read_bytes / 1e6, r.nvme_write_bytes / 1e6,
               r.nvme_busy_s * 1e3);
+  if (o.offload_optimizer == "nvme") {
+    int early = 0, redone = 0;
+    for (const OffloadStepReport& s : reports) {
+      early += s.early_start > 0;
+      redone += s.redone > 0;
+    }
+    std::printf("  updates started in backward: %d of %d measured steps, %d redone (grad clip %g)%s\n", early,
+                static_cast<int>(reports.size()), redone, o.grad_clip,
+                o.no_overlap_backward ? ", off by --no-overlap-backward" : "");
+  }
   std::printf("  memory: device %.1f MB (peak %.1f), host %.1f MB (peak %.1f), nvme %.1f MB\n", r.device.live / 1e6,
               r.device.peak / 1e6, r.host.live / 1e6, r.host.peak / 1e6, r.nvme.live / 1e6);
   std::printf("bound = max(compute %.1f ms, disk %.1f ms for its nvme bytes, CPU Adam %.1f ms in memory) = %.1f ms\n",

@@ -377,6 +377,7 @@ Status GPT2::backward(float loss_scale) {
     k_->layernorm_backward(grads_.dres, lnf.grads, lnf.grads + C, grads_.dln, last_residual, lnf.params,
                            acts_.lnf_mean, acts_.lnf_rstd, N, C);
     release(L + 1, Pass::kBackward);
+    if (on_grads_done_) on_grads_done_(L + 1);
   }
   for (int l = L - 1; l >= 0; --l) {
     const float* residual = l == 0 ? acts_.encoded : block_output(l - 1, BTC);
@@ -390,11 +391,13 @@ Status GPT2::backward(float loss_scale) {
     }
     block_backward(l, block, residual, grads_.dres, B, T);
     release(1 + l, Pass::kBackward);
+    if (on_grads_done_) on_grads_done_(1 + l);
   }
   STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kGradients));
   const size_t wpe_offset = units_[0].layout.specs()[1].offset;
   k_->encoder_backward(emb.grads, emb.grads + wpe_offset, grads_.dres, acts_.inputs, B, T, C);
   release(0, Pass::kGradients);
+  if (on_grads_done_) on_grads_done_(0);
   return Status::ok();
 }
 

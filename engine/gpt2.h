@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -73,6 +74,10 @@ class GPT2 {
   // For an offloaded model: the coordinator of its units (built from units(), same order; it must outlive
   // the model's use).
   void set_coordinator(offload::Coordinator* c) { coordinator_ = c; }
+  // Called in backward as soon as a unit's gradient is complete for this backward (after its last release):
+  // units L+1, L, ..., 1, then 0 (the tied embedding is added to last). The offloaded optimizer starts the
+  // unit's update from it in the step's last micro-batch.
+  void set_on_grads_done(std::function<void(size_t unit)> fn) { on_grads_done_ = std::move(fn); }
   offload::Coordinator* coordinator() const { return coordinator_; }
 
   // Before the first forward. kHost takes the checkpoints' host memory from `host_pool` (which must outlive
@@ -149,6 +154,7 @@ class GPT2 {
   std::vector<Unit> units_;  // wte, h.0 .. h.{L-1}, ln_f
   bool offloaded_ = false;
   offload::Coordinator* coordinator_ = nullptr;
+  std::function<void(size_t)> on_grads_done_;
 
   // Activations of the last forward, llm.c-style, per layer l where marked (L, ...).
   struct Activations {

@@ -18,6 +18,7 @@ Status read_target(JsonSection s, bool is_param, OffloadTargetConfig* t) {
   } else {
     STRATA_RETURN_IF_ERROR(s.get_bool("pipeline_read", &t->pipeline_read));
     STRATA_RETURN_IF_ERROR(s.get_bool("pipeline_write", &t->pipeline_write));
+    STRATA_RETURN_IF_ERROR(s.get_bool("overlap_backward", &t->overlap_backward));
   }
   STRATA_RETURN_IF_ERROR(s.finish());
   const std::string where = s.qualified("device");

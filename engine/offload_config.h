@@ -29,6 +29,9 @@ struct OffloadTargetConfig {
   int64_t buffer_size = 100'000'000;  // offload_param only: elements per staging buffer
   int64_t max_in_cpu = 1'000'000'000;  // offload_param only: elements kept in host memory with device nvme
   bool pipeline_read = false, pipeline_write = false;  // offload_optimizer only
+  // offload_optimizer only, ours (not DeepSpeed's): with device nvme, start each unit's update during the last
+  // backward, as soon as its gradient is final, and redo it exactly if the step clips (OffloadedAdamW).
+  bool overlap_backward = true;
 };
 
 // offload_optimizer's defaults: DeepSpeed's, which differ from offload_param's in buffer_count.

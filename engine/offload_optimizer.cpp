@@ -132,73 +132,185 @@ Status OffloadedAdamW::read_moments(size_t unit, float* m, float* v) {
   return Status::ok();
 }
 
-Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
-  STRATA_RETURN_IF_ERROR(finish());  // normally done already: the forward published it
-  Timer wait;
-  STRATA_RETURN_IF_ERROR(coordinator_->flush_grads());
-  const double grads_wait_s = wait.seconds();
-  double sum = 0.0;
-  for (size_t u = 0; u < model_->units().size(); ++u) sum += coordinator_->grad_sum_squares(u);
-  const double norm = std::sqrt(sum);
-  if (!std::isfinite(norm)) {
-    if (skipped) *skipped = true;
-    return norm;
-  }
-  if (skipped) *skipped = false;
-  ++t_;
+kernels::AdamWParams OffloadedAdamW::params_for(float lr, int step, float grad_scale) const {
   kernels::AdamWParams hp;
   hp.lr = lr;
   hp.beta1 = config_.beta1;
   hp.beta2 = config_.beta2;
   hp.eps = config_.eps;
-  hp.step = t_;
-  hp.grad_scale = clip_scale(norm, config_.grad_clip);
+  hp.step = step;
+  hp.grad_scale = grad_scale;
+  return hp;
+}
+
+void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculative) {
   handoff_ = std::make_unique<Handoff>();
-  handoff_->master.assign(groups_.size(), nullptr);
-  handoff_->stats.grads_wait_s = grads_wait_s;
+  Handoff& h = *handoff_;
+  h.speculative = speculative;
+  if (!speculative) {
+    for (size_t g = 0; g < groups_.size(); ++g) h.feed.push_back({g, offload::CopyTicket()});
+    h.closed = true;
+  }
   next_publish_ = 0;
   // Where each sub-group's gradient is (null: in its swap key), taken here so the worker reads only memory.
   const bool grads_on_nvme = coordinator_->options().grad_home == offload::Tier::kNvme;
   std::vector<const float*> grads;
   for (const Group& g : groups_)
     grads.push_back(grads_on_nvme ? nullptr : coordinator_->host_grads(g.unit) + g.offset);
-  worker_ = std::thread([this, hp, grads = std::move(grads)] {
+  worker_ = std::thread([this, hp, speculative, grads = std::move(grads)] {
     Timer update;
-    Status st = run_update(hp, grads);
+    Status st = run_update(hp, grads, speculative);
     std::lock_guard lock(handoff_->mu);
     handoff_->stats.update_s = update.seconds();
     handoff_->status = std::move(st);
     handoff_->done = true;
     handoff_->cv.notify_all();
   });
-  return norm;
 }
 
-Status OffloadedAdamW::deliver(size_t group, const float* master) {
-  Handoff& h = *handoff_;
-  std::unique_lock lock(h.mu);
-  h.master[group] = master;
-  h.ready = group + 1;
-  h.cv.notify_all();
-  // The master weights live in the worker's buffers (a swap slot): hold them until published.
-  h.cv.wait(lock, [&] { return h.published > group || h.abandoned; });
-  if (h.abandoned) return Status::internal("optimizer step {}: abandoned by the training thread", t_);
+Status OffloadedAdamW::begin_last_backward(float lr) {
+  STRATA_RETURN_IF_ERROR(finish());  // the last update: published by the forward, its writes done
+  if (!swapper_ || !options_.overlap_backward || !speculate_next_) return Status::ok();
+  speculated_hp_ = params_for(lr, t_ + 1, 1.0f);
+  fed_.assign(model_->units().size(), false);
+  start_update(speculated_hp_, /*speculative=*/true);
   return Status::ok();
 }
 
-Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads) {
+void OffloadedAdamW::grads_done(size_t unit) {
+  if (!handoff_ || unit >= fed_.size() || fed_[unit]) return;
+  Handoff& h = *handoff_;
+  std::lock_guard lock(h.mu);
+  if (!h.speculative || h.closed) return;
+  fed_[unit] = true;
+  const offload::CopyTicket home = coordinator_->grads_home_ticket(unit);
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (groups_[g].unit == unit) h.feed.push_back({g, home});
+  }
+  h.cv.notify_all();
+}
+
+Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
+  bool speculating = false;
+  if (handoff_) {
+    std::lock_guard lock(handoff_->mu);
+    speculating = handoff_->speculative;
+  }
+  if (!speculating) STRATA_RETURN_IF_ERROR(finish());  // normally done already: the forward published it
+  Timer wait;
+  STRATA_RETURN_IF_ERROR(coordinator_->flush_grads());
+  const double grads_wait_s = wait.seconds();
+  double sum = 0.0;
+  for (size_t u = 0; u < model_->units().size(); ++u) sum += coordinator_->grad_sum_squares(u);
+  const double norm = std::sqrt(sum);
+  const bool finite = std::isfinite(norm);
+  const kernels::AdamWParams hp = params_for(lr, t_ + 1, finite ? clip_scale(norm, config_.grad_clip) : 0.0f);
+  speculation_ = SpeculationStats{};
+  speculation_.started = speculating;
+  if (speculating) {
+    Handoff& h = *handoff_;
+    if (finite && hp.lr == speculated_hp_.lr && hp.grad_scale == speculated_hp_.grad_scale) {
+      // The guess was right: the updates done during backward stand, and the rest follows with the same
+      // parameters, overlapping the next forward.
+      ++t_;
+      if (skipped) *skipped = false;
+      speculate_next_ = true;
+      std::lock_guard lock(h.mu);
+      speculation_.early_groups = h.taken;
+      h.grads_wait_s = grads_wait_s;
+      for (size_t g = 0; g < groups_.size(); ++g) {
+        if (!fed_[groups_[g].unit]) h.feed.push_back({g, coordinator_->grads_home_ticket(groups_[g].unit)});
+      }
+      h.speculative = false;
+      h.closed = true;
+      h.cv.notify_all();
+      return norm;  // what the worker delivers is published from the next forward's hook on
+    }
+    {
+      std::lock_guard lock(h.mu);
+      speculation_.early_groups = h.taken;
+    }
+    STRATA_RETURN_IF_ERROR(abandon_speculation(/*restore=*/!finite));
+    speculation_.redone = true;
+  }
+  speculate_next_ = finite && hp.grad_scale == 1.0f;
+  if (!finite) {
+    if (skipped) *skipped = true;
+    return norm;
+  }
+  if (skipped) *skipped = false;
+  ++t_;
+  start_update(hp, /*speculative=*/false);
+  std::lock_guard lock(handoff_->mu);
+  handoff_->grads_wait_s = grads_wait_s;
+  return norm;
+}
+
+Result<size_t> OffloadedAdamW::take_next(bool wait) {
+  constexpr size_t kEnd = offload::OptimizerSwapper::kEnd, kNotYet = offload::OptimizerSwapper::kNotYet;
+  Handoff& h = *handoff_;
+  std::unique_lock lock(h.mu);
+  for (;;) {
+    if (h.abandoned) return Status::internal("optimizer step {}: abandoned by the training thread", t_ + 1);
+    if (h.taken < h.feed.size()) {
+      const Handoff::Item item = h.feed[h.taken];
+      if (!item.grads.done()) {
+        if (!wait) return kNotYet;
+        lock.unlock();
+        (void)item.grads.wait();
+        lock.lock();
+        continue;
+      }
+      if (Status st = item.grads.wait(); !st.is_ok())
+        return st.with_context("gradients of '" + model_->units()[groups_[item.group].unit].name + "'");
+      ++h.taken;
+      return item.group;
+    }
+    if (h.closed) return kEnd;
+    if (!wait) return kNotYet;
+    h.cv.wait(lock);
+  }
+}
+
+Status OffloadedAdamW::deliver(size_t group, const float* master) {
+  (void)group;
+  Handoff& h = *handoff_;
+  std::unique_lock lock(h.mu);
+  const size_t pos = h.master.size();
+  h.master.push_back(master);
+  h.ready = pos + 1;
+  h.cv.notify_all();
+  // The master weights live in the worker's buffers (a swap slot): hold them until published.
+  h.cv.wait(lock, [&] { return h.published > pos || h.abandoned; });
+  if (h.abandoned) return Status::internal("optimizer step {}: abandoned by the training thread", t_ + 1);
+  return Status::ok();
+}
+
+Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads,
+                                  bool keep_old) {
   OffloadedStepStats& stats = handoff_->stats;  // the worker's own until done
   if (swapper_) {
-    const Status st = swapper_->step(grads, {}, DType::kF32, hp,
-                                     [&](size_t i, const float* master) { return deliver(i, master); });
+    offload::OptimizerSwapper::StepPlan plan;
+    plan.next = [this](bool wait) { return take_next(wait); };
+    plan.keep_old = keep_old;
+    Status st = swapper_->step(grads, {}, DType::kF32, hp,
+                               [&](size_t i, const float* master) { return deliver(i, master); }, plan);
     stats.nvme_read_bytes = swapper_->last_step_stats().bytes_read;
     stats.nvme_write_bytes = swapper_->last_step_stats().bytes_written;
+    if (keep_old) {
+      // Reaching here ok means step() confirmed the guess (it closes the feed only then).
+      if (st.is_ok()) return swapper_->commit();
+      swapper_->rollback();
+      return st;
+    }
     // A failed step leaves some sub-groups updated (OptimizerSwapper's contract): the run must restart from a
     // checkpoint, which the error says.
     if (!st.is_ok()) return st.with_context("optimizer step " + std::to_string(hp.step) + " (resume from a checkpoint)");
     return Status::ok();
   }
-  for (size_t i = 0; i < groups_.size(); ++i) {
+  for (;;) {
+    STRATA_ASSIGN_OR_RETURN(const size_t i, take_next(true));
+    if (i == offload::OptimizerSwapper::kEnd) break;
     const Group& g = groups_[i];
     float* master = g.state.as<float>();
     float* m = master + g.spec.numel;
@@ -220,27 +332,106 @@ Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp, const std::vec
   return Status::ok();
 }
 
+Status OffloadedAdamW::publish_next() {
+  Handoff& h = *handoff_;
+  const float* master = nullptr;
+  size_t group = 0;
+  {
+    std::lock_guard lock(h.mu);
+    master = h.master[next_publish_];
+    group = h.feed[next_publish_].group;
+  }
+  const Group& g = groups_[group];
+  const Status status = coordinator_->write_params(g.unit, g.offset, g.spec.numel, master);
+  std::lock_guard lock(h.mu);
+  if (status.is_ok()) {
+    h.published = ++next_publish_;
+  } else {
+    h.abandoned = true;  // the worker must not wait for a publication that will not come
+  }
+  h.cv.notify_all();
+  return status;
+}
+
+Status OffloadedAdamW::join() {
+  Handoff& h = *handoff_;
+  worker_.join();
+  stats_ = h.stats;
+  stats_.grads_wait_s = h.grads_wait_s;
+  const Status status = h.status;
+  handoff_.reset();
+  return status;
+}
+
+Status OffloadedAdamW::abandon_speculation(bool restore) {
+  Handoff& h = *handoff_;
+  {
+    std::lock_guard lock(h.mu);
+    h.abandoned = true;
+    h.cv.notify_all();
+  }
+  // The worker rolls back whatever it wrote: every sub-group's state is again that of before the step.
+  std::vector<size_t> published;
+  for (size_t pos = 0; pos < next_publish_; ++pos) published.push_back(h.feed[pos].group);
+  (void)join();
+  if (!restore) return Status::ok();  // the redo publishes every sub-group again
+  for (const size_t i : published) {
+    const Group& g = groups_[i];
+    STRATA_RETURN_IF_ERROR(swapper_->with_master(
+        i, [&](const float* master) { return coordinator_->write_params(g.unit, g.offset, g.spec.numel, master); }));
+  }
+  return Status::ok();
+}
+
+Status OffloadedAdamW::finish() {
+  if (!handoff_) return Status::ok();
+  bool speculative = false;
+  {
+    std::lock_guard lock(handoff_->mu);
+    speculative = handoff_->speculative;
+  }
+  // An update started during a backward whose step() never came (an error in between): undone.
+  if (speculative) return abandon_speculation(/*restore=*/true);
+  return publish_through(SIZE_MAX);
+}
+
 Status OffloadedAdamW::publish_through(size_t unit) {
   if (!handoff_) return Status::ok();
   Handoff& h = *handoff_;
   Status status;
-  while (status.is_ok() && next_publish_ < groups_.size() && groups_[next_publish_].unit <= unit) {
-    const float* master = nullptr;
+  bool speculative = false;
+  {
+    std::lock_guard lock(h.mu);
+    speculative = h.speculative;
+  }
+  if (speculative) {
+    // During the backward that feeds it: publish what is ready, never wait (the norm is not known yet).
+    for (;;) {
+      {
+        std::lock_guard lock(h.mu);
+        if (h.ready <= next_publish_) break;
+      }
+      if (status = publish_next(); !status.is_ok()) break;
+    }
+    if (status.is_ok()) return Status::ok();
+    (void)abandon_speculation(/*restore=*/true);
+    return status;
+  }
+  // Publish in the worker's order until no sub-group of a unit <= `unit` is left unpublished.
+  auto needed = [&] {
+    std::lock_guard lock(h.mu);
+    for (size_t pos = next_publish_; pos < h.feed.size(); ++pos) {
+      if (groups_[h.feed[pos].group].unit <= unit) return true;
+    }
+    return false;
+  };
+  while (status.is_ok() && needed()) {
     {
       std::unique_lock lock(h.mu);
       h.cv.wait(lock, [&] { return h.ready > next_publish_ || h.done; });
       if (h.ready <= next_publish_) break;  // the worker ended (failed) before this group
-      master = h.master[next_publish_];
     }
-    const Group& g = groups_[next_publish_];
-    status = coordinator_->write_params(g.unit, g.offset, g.spec.numel, master);
-    std::lock_guard lock(h.mu);
-    if (status.is_ok()) {
-      h.published = ++next_publish_;
-    } else {
-      h.abandoned = true;  // the worker must not wait for a publication that will not come
-    }
-    h.cv.notify_all();
+    status = publish_next();
   }
   bool ended = false;
   {
@@ -250,11 +441,8 @@ Status OffloadedAdamW::publish_through(size_t unit) {
   // The worker goes on (with later sub-groups, or its last writes) unless it has ended, failed, or the caller
   // needs all of it; a worker that ended before publishing everything failed, and its status says why.
   if (status.is_ok() && !ended && unit != SIZE_MAX) return Status::ok();
-  worker_.join();
-  stats_ = h.stats;
-  const Status worker_status = h.status;
   const bool complete = next_publish_ == groups_.size();
-  handoff_.reset();
+  const Status worker_status = join();
   if (!status.is_ok()) return status;
   if (!worker_status.is_ok()) return worker_status;
   if (!complete)

@@ -10,9 +10,18 @@
 // add_sum_squares), and the update is the same AdamW: on the CPU backend a run with the optimizer offloaded is
 // bitwise the run that keeps it on the device.
 //
-// Threading: the training thread drives it; each step's update runs on a worker thread (its arithmetic on
-// TBB, NVMe I/O on the swap store's engine) overlapping the next forward; every call into the Coordinator
-// stays on the training thread.
+// Overlap: each step's update runs on a worker thread and overlaps the next forward; with "nvme" it also starts
+// during the step's last backward (begin_last_backward), a unit's sub-groups as soon as its gradient is home,
+// assuming the step will not clip. The swapper keeps the old state until step() knows the global norm: if the
+// guess was right (finite, no clipping, the same lr) the early updates stand, else they are rolled back and the
+// whole update is redone with the right scale, so the result is always that of the non-overlapped path. It
+// speculates only after a step that did not clip (a run that clips every step would redo every step). With
+// "cpu" it does not speculate: undoing an update in memory would need a second copy of the state (12 bytes
+// per parameter, what the placement exists to save), and its update runs at memory speed anyway.
+//
+// Threading: the training thread drives it; the update runs on a worker thread (its arithmetic on TBB, NVMe
+// I/O on the swap store's engine); every call into the Coordinator stays on the training thread, and new
+// parameters are published there (before each unit's use, from the Coordinator's before-use hook).
 #pragma once
 
 #include <condition_variable>
@@ -37,6 +46,7 @@ struct OffloadedAdamWOptions {
   offload::Tier placement = offload::Tier::kHost;  // kHost ("cpu") or kNvme
   size_t sub_group_size = 1'000'000'000;           // elements; rounded up to a multiple of 1024
   int swap_slots = 3;                              // nvme: staging slots (offload_optimizer.buffer_count)
+  bool overlap_backward = true;                    // nvme: start updates during the last backward
 };
 
 // Where the last step's time went (seconds) and what it moved.
@@ -44,6 +54,13 @@ struct OffloadedStepStats {
   double grads_wait_s = 0;  // waiting for gradients to arrive in host memory
   double update_s = 0;      // the fused Adam passes (with nvme: the whole swap pipeline)
   uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;
+};
+
+// What the last step() decided about the updates started during its backward.
+struct SpeculationStats {
+  bool started = false;     // the update started during backward (assuming no clipping)
+  size_t early_groups = 0;  // sub-groups it took before the norm was known (kept, or rolled back)
+  bool redone = false;      // they were rolled back: clipping, another lr, or a non-finite norm
 };
 
 class OffloadedAdamW final : public Optimizer {
@@ -67,7 +84,10 @@ class OffloadedAdamW final : public Optimizer {
   // Publishes the new parameters of every unit up to `unit` (SIZE_MAX: all, then waits for the update's
   // writes) from the update in flight, if any. Training thread.
   Status publish_through(size_t unit);
-  Status finish() override { return publish_through(SIZE_MAX); }
+  Status finish() override;
+  Status begin_last_backward(float lr) override;
+  // The model's hook: unit's gradient is complete for this backward (GPT2::set_on_grads_done). Training thread.
+  void grads_done(size_t unit);
   int steps_taken() const override { return t_; }
   void set_steps_taken(int t) override { t_ = t; }
   Status adopt_params() override;
@@ -76,6 +96,7 @@ class OffloadedAdamW final : public Optimizer {
 
   // Of the last completed update (step() returns before its update completes).
   const OffloadedStepStats& last_step_stats() const { return stats_; }
+  const SpeculationStats& last_speculation() const { return speculation_; }
   size_t num_groups() const { return groups_.size(); }
 
  private:
@@ -85,20 +106,38 @@ class OffloadedAdamW final : public Optimizer {
     offload::PinnedBuffer state;  // kHost: master, m, v (3 x numel floats)
   };
   OffloadedAdamW() = default;
-  // The worker's side of an update in flight: sub-groups updated (with their new master weights, valid until
-  // published), sub-groups published, and how it ended.
+  // An update in flight, between the training thread and the worker: the sub-groups fed to it in the order it
+  // takes them (each with the job bringing its gradient home), how far it got (with the new master weights,
+  // valid until published), how far publication got (positions in `feed`), and how it ended.
   struct Handoff {
+    struct Item {
+      size_t group = 0;
+      offload::CopyTicket grads;
+    };
     std::mutex mu;
     std::condition_variable cv;
-    size_t ready = 0, published = 0;
-    std::vector<const float*> master;
+    std::vector<Item> feed;
+    bool closed = false;       // nothing more will be fed
+    bool speculative = false;  // started before the norm was known (scale 1 assumed); cleared when confirmed
+    size_t taken = 0, ready = 0, published = 0;
+    std::vector<const float*> master;  // by position
     bool done = false, abandoned = false;
     Status status;
     OffloadedStepStats stats;  // the worker's timings and bytes
+    double grads_wait_s = 0;   // the training thread's
   };
+  kernels::AdamWParams params_for(float lr, int step, float grad_scale) const;
+  // Starts the worker on a new handoff: every sub-group in order when not speculative.
+  void start_update(const kernels::AdamWParams& hp, bool speculative);
   // On the worker: grads[g] is sub-group g's gradient in host memory, or null to read its swap key.
-  Status run_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads);
+  Status run_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads, bool keep_old);
+  Result<size_t> take_next(bool wait);                // on the worker: the next fed sub-group
   Status deliver(size_t group, const float* master);  // on the worker: wait until published
+  Status publish_next();                              // the next position (delivered) to its home
+  // Stops a speculative update; the worker rolls its writes back. With `restore`, parameters it published
+  // go back to their old values (the update will not be redone).
+  Status abandon_speculation(bool restore);
+  Status join();  // waits for the worker, keeps its stats, ends the handoff; the worker's status
   // Sets master from the unit's current parameters and the moments from m, v (zeros where null).
   Status load_unit(size_t unit, const float* m, const float* v);
 
@@ -112,9 +151,13 @@ class OffloadedAdamW final : public Optimizer {
   offload::PinnedBuffer grad_scratch_;                   // kHost with gradients on nvme: one sub-group's
   int t_ = 0;
   OffloadedStepStats stats_;
+  SpeculationStats speculation_;
   std::unique_ptr<Handoff> handoff_;  // an update in flight
   std::thread worker_;
   size_t next_publish_ = 0;
+  kernels::AdamWParams speculated_hp_;  // what a speculative update assumed
+  bool speculate_next_ = true;          // the last step did not clip (or there was none)
+  std::vector<bool> fed_;               // units fed to the speculative update
 };
 
 }  // namespace strata::engine

@@ -40,6 +40,9 @@ nlohmann::json OffloadStepReport::to_json() const {
           {"prefetch_hits", prefetch_hits},
           {"evictions", evictions},
           {"retraces", retraces},
+          {"early_start", early_start},
+          {"early_groups", early_groups},
+          {"redone", redone},
           {"device_bytes", device.live},
           {"device_peak_bytes", device.peak},
           {"host_bytes", host.live},
@@ -49,8 +52,10 @@ nlohmann::json OffloadStepReport::to_json() const {
 }
 
 std::string OffloadStepReport::summary() const {
-  return fmt::format("dev {} host {} nvme {} | stall {:.0f} ms opt {:.0f} ms", short_bytes(device.live),
-                     short_bytes(host.live), short_bytes(nvme.live), stall_s * 1e3, optimizer_s * 1e3);
+  std::string s = fmt::format("dev {} host {} nvme {} | stall {:.0f} ms opt {:.0f} ms", short_bytes(device.live),
+                              short_bytes(host.live), short_bytes(nvme.live), stall_s * 1e3, optimizer_s * 1e3);
+  if (early_start > 0) s += fmt::format(" ({} in backward{})", early_groups, redone ? ", redone" : "");
+  return s;
 }
 
 OffloadRuntime::~OffloadRuntime() = default;
@@ -150,11 +155,14 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   oo.placement = opt_tier;
   oo.sub_group_size = group;
   oo.swap_slots = static_cast<int>(config.offload_optimizer.buffer_count);
+  oo.overlap_backward = config.offload_optimizer.overlap_backward;
   STRATA_ASSIGN_OR_RETURN(rt->optimizer_, OffloadedAdamW::create(model, *rt->coordinator_, *rt->pool_, opt_store,
                                                                  adam, oo, grad_store));
   // Each step's update overlaps the next forward: a unit's new parameters are published before its first use.
   OffloadedAdamW* opt = rt->optimizer_.get();
   rt->coordinator_->set_before_use([opt](size_t unit) { return opt->publish_through(unit); });
+  // And with the optimizer on nvme, updates start in the last backward as units' gradients are complete.
+  model.set_on_grads_done([opt](size_t unit) { opt->grads_done(unit); });
   return rt;
 }
 
@@ -175,6 +183,9 @@ OffloadStepReport OffloadRuntime::take_report() {
   r.grads_wait_s = os.grads_wait_s;
   r.nvme_read_bytes += os.nvme_read_bytes;
   r.nvme_write_bytes += os.nvme_write_bytes;
+  r.early_start = optimizer_->last_speculation().started ? 1 : 0;
+  r.early_groups = optimizer_->last_speculation().early_groups;
+  r.redone = optimizer_->last_speculation().redone ? 1 : 0;
   auto delta = [](const offload::CopyQueueStats& now, offload::CopyQueueStats* last) {
     const double d = now.busy_s - last->busy_s;
     *last = now;

@@ -42,6 +42,9 @@ struct OffloadStepReport {
   double h2d_busy_s = 0, d2h_busy_s = 0, nvme_busy_s = 0;  // copy queues' busy time
   uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_write_bytes = 0;
   uint64_t fetches = 0, prefetch_hits = 0, evictions = 0, retraces = 0;
+  uint64_t early_start = 0;   // 1 when the optimizer's update started during backward (nvme)
+  uint64_t early_groups = 0;  // sub-groups it updated before the norm was known
+  uint64_t redone = 0;        // 1 when those updates were rolled back and the step redone
   offload::TierUsage device, host, nvme;
   nlohmann::json to_json() const;
   std::string summary() const;  // "dev 12.0M host 1.2G nvme 3.4G | stall 3 ms opt 40 ms"

@@ -48,6 +48,13 @@ class Optimizer {
   // Completes an update still running in the background (OffloadedAdamW overlaps it with the next forward);
   // call before reading the parameters other than through the model's own forward (checkpoints).
   virtual Status finish() { return Status::ok(); }
+  // The next backward is the step's last micro-batch, and `lr` the learning rate step() will most likely get:
+  // OffloadedAdamW may start updating units as their gradients become final (redoing them exactly if step()
+  // finds the guess wrong). Optional to call.
+  virtual Status begin_last_backward(float lr) {
+    (void)lr;
+    return Status::ok();
+  }
 };
 
 class AdamW final : public Optimizer {

@@ -190,14 +190,15 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     Timer step_timer;
     STRATA_RETURN_IF_ERROR(model->zero_grads());
     double loss_sum = 0.0;
+    const double lr = lr_at(state.step, tc.lr, tc.min_lr, tc.warmup_steps, tc.max_steps);
     for (int micro = 0; micro < tc.grad_accum_steps; ++micro) {
       STRATA_RETURN_IF_ERROR(train.next_batch(x.data(), y.data()));
       STRATA_ASSIGN_OR_RETURN(float loss, model->forward(x.data(), y.data(), B, T));
       loss_sum += loss;
+      if (micro + 1 == tc.grad_accum_steps) STRATA_RETURN_IF_ERROR(opt->begin_last_backward(static_cast<float>(lr)));
       STRATA_RETURN_IF_ERROR(model->backward(1.0f / static_cast<float>(tc.grad_accum_steps)));
     }
     const float loss = static_cast<float>(loss_sum / tc.grad_accum_steps);
-    const double lr = lr_at(state.step, tc.lr, tc.min_lr, tc.warmup_steps, tc.max_steps);
     bool skipped = false;
     STRATA_ASSIGN_OR_RETURN(const double norm, opt->step(static_cast<float>(lr), &skipped));
     if (state.step == first_step) STRATA_LOG_INFO("{} memory: {}", device->name(), device->memory_report());

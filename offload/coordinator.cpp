@@ -736,6 +736,8 @@ const float* Coordinator::host_grads(size_t u) const { return s_->units[u].host_
 
 const std::vector<std::string>& Coordinator::grad_keys(size_t u) const { return s_->units[u].grad_keys; }
 
+CopyTicket Coordinator::grads_home_ticket(size_t u) const { return s_->units[u].grads_download; }
+
 double Coordinator::grad_sum_squares(size_t u) const {
   const State::UnitRec& r = s_->units[u];
   if (s_->options.grad_home == Tier::kNvme) return r.grad_sumsq;

@@ -127,6 +127,9 @@ class Coordinator {
   const float* host_grads(size_t u) const;
   const std::vector<std::string>& grad_keys(size_t u) const;
   double grad_sum_squares(size_t u) const;
+  // The job that brings unit u's gradient home after its last release (host memory, or its nvme keys written):
+  // any thread may wait for it; until it is done the home copy must not be read. Driving thread.
+  CopyTicket grads_home_ticket(size_t u) const;
 
   Residency residency(size_t u, StateClass what) const;  // kParams or kGrads
   CoordinatorStats take_stats();   // the counters since the last call, then zeroes them
