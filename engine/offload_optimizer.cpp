@@ -280,8 +280,11 @@ Status OffloadedAdamW::deliver(size_t group, const float* master) {
   h.master.push_back(master);
   h.ready = pos + 1;
   h.cv.notify_all();
-  // The master weights live in the worker's buffers (a swap slot): hold them until published.
-  h.cv.wait(lock, [&] { return h.published > pos || h.abandoned; });
+  // The master weights live in the worker's buffers: a swap slot (nvme), which the swapper reuses for the
+  // position `slots` later, whose read it issues `slots - 2` positions from now — so this waits until the
+  // position that far back is published; or the sub-group's own state (cpu), untouched until the next update.
+  const size_t lag = swapper_ ? static_cast<size_t>(std::max(2, options_.swap_slots)) - 2 : groups_.size();
+  h.cv.wait(lock, [&] { return h.published + lag > pos || h.abandoned; });
   if (h.abandoned) return Status::internal("optimizer step {}: abandoned by the training thread", t_ + 1);
   return Status::ok();
 }
@@ -433,14 +436,14 @@ Status OffloadedAdamW::publish_through(size_t unit) {
     }
     status = publish_next();
   }
-  bool ended = false;
+  bool failed = false;
   {
     std::lock_guard lock(h.mu);
-    ended = h.done;
+    failed = h.done && !h.status.is_ok();
   }
-  // The worker goes on (with later sub-groups, or its last writes) unless it has ended, failed, or the caller
-  // needs all of it; a worker that ended before publishing everything failed, and its status says why.
-  if (status.is_ok() && !ended && unit != SIZE_MAX) return Status::ok();
+  // The worker goes on (with later sub-groups, or its last writes; or it ended with the last sub-groups still
+  // to publish) unless it failed or the caller needs all of it.
+  if (status.is_ok() && !failed && unit != SIZE_MAX) return Status::ok();
   const bool complete = next_publish_ == groups_.size();
   const Status worker_status = join();
   if (!status.is_ok()) return status;
