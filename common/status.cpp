@@ -12,6 +12,7 @@ const char* status_code_name(StatusCode code) {
     case StatusCode::kOutOfMemory: return "OutOfMemory";
     case StatusCode::kUnimplemented: return "Unimplemented";
     case StatusCode::kInternal: return "Internal";
+    case StatusCode::kDeadlineExceeded: return "DeadlineExceeded";
   }
   return "Unknown";
 }

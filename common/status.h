@@ -22,6 +22,7 @@ enum class StatusCode {
   kOutOfMemory,      // a budget or allocation that cannot be met
   kUnimplemented,    // a configuration that is accepted by name but not built yet
   kInternal,         // a foreign library returned an error we cannot attribute to input
+  kDeadlineExceeded, // a peer (another rank) did not answer within the timeout
 };
 
 const char* status_code_name(StatusCode code);
@@ -59,6 +60,10 @@ class [[nodiscard]] Status {
   template <typename... Args>
   static Status internal(fmt::format_string<Args...> f, Args&&... args) {
     return Status(StatusCode::kInternal, fmt::format(f, std::forward<Args>(args)...));
+  }
+  template <typename... Args>
+  static Status deadline_exceeded(fmt::format_string<Args...> f, Args&&... args) {
+    return Status(StatusCode::kDeadlineExceeded, fmt::format(f, std::forward<Args>(args)...));
   }
 
   bool is_ok() const { return code_ == StatusCode::kOk; }

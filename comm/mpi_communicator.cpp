@@ -1,0 +1,206 @@
+#include "comm/mpi_communicator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "common/timer.h"
+
+namespace strata::comm {
+namespace {
+
+MPI_Datatype mpi_type(DType t) { return t == DType::kF32 ? MPI_FLOAT : MPI_UINT16_T; }
+MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kSum ? MPI_SUM : MPI_MAX; }
+
+}  // namespace
+
+Status mpi_init(int* argc, char*** argv) {
+  if (mpi_initialized()) return Status::ok();
+  int provided = 0;
+  const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
+  if (rc != MPI_SUCCESS) return Status::internal("MPI_Init_thread failed (error {})", rc);
+  if (provided < MPI_THREAD_SERIALIZED)
+    return Status::internal("the MPI library gives thread level {}; strata needs MPI_THREAD_SERIALIZED or more",
+                            provided);
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  return Status::ok();
+}
+
+bool mpi_initialized() {
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  return init && !fin;
+}
+
+void mpi_finalize() {
+  if (mpi_initialized()) MPI_Finalize();
+}
+
+void mpi_abort(const Status& why) {
+  int rank = 0;
+  if (mpi_initialized()) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  std::fprintf(stderr, "strata: rank %d: %s; stopping every rank\n", rank, why.to_string().c_str());
+  std::fflush(stderr);
+  if (mpi_initialized()) MPI_Abort(MPI_COMM_WORLD, 1);
+  std::_Exit(1);
+}
+
+bool launched_by_mpi() {
+  return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr ||
+         std::getenv("PMIX_RANK") != nullptr;
+}
+
+Result<std::unique_ptr<MpiCommunicator>> MpiCommunicator::world(const MpiOptions& options) {
+  if (!mpi_initialized()) return Status::internal("MPI is not initialized (mpi_init first)");
+  MPI_Comm dup;
+  if (int rc = MPI_Comm_dup(MPI_COMM_WORLD, &dup); rc != MPI_SUCCESS)
+    return Status::internal("MPI_Comm_dup of the world failed (error {})", rc);
+  return std::unique_ptr<MpiCommunicator>(new MpiCommunicator(dup, "world", options));
+}
+
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name, const MpiOptions& options)
+    : comm_(comm), name_(std::move(name)), options_(options) {
+  MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(comm_, &rank_);
+  MPI_Comm_size(comm_, &size_);
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
+}
+
+MpiCommunicator::~MpiCommunicator() {
+  // Requests given up on complete if the late ranks arrive after all; wait for that a bounded time, and leave
+  // the communicator to the job's end otherwise (freeing it under an active request is not allowed).
+  Timer t;
+  const double patience = std::max(options_.timeout_s, 10.0);
+  for (MPI_Request& r : abandoned_) {
+    int done = 0;
+    while (!done && t.seconds() < patience) {
+      MPI_Test(&r, &done, MPI_STATUS_IGNORE);
+      if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (!done) return;
+  }
+  MPI_Comm_free(&comm_);
+}
+
+Status MpiCommunicator::mpi_error(int code, const char* what) const {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(code, text, &len);
+  return Status::internal("{} on group '{}' (rank {} of {}, world rank {}): {}", what, name_, rank_, size_,
+                          world_rank_, std::string(text, len));
+}
+
+Status MpiCommunicator::check(int count_ok, const char* what) const {
+  if (poisoned_)
+    return Status::deadline_exceeded("{} on group '{}': an earlier call timed out, so the group's state is unknown",
+                                     what, name_);
+  if (!count_ok)
+    return Status::invalid_argument("{} on group '{}': more than {} elements in one call", what, name_, INT_MAX);
+  return Status::ok();
+}
+
+Status MpiCommunicator::wait(MPI_Request* req, const char* what, size_t count) {
+  ++calls_;
+  Timer t;
+  int done = 0;
+  for (int spins = 0;; ++spins) {
+    if (int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE); rc != MPI_SUCCESS) return mpi_error(rc, what);
+    if (done) return Status::ok();
+    if (t.seconds() > options_.timeout_s) break;
+    // Spin briefly (collectives usually finish in microseconds), then back off so a waiting rank leaves the
+    // cores to the ranks it waits for (the tests oversubscribe two cores).
+    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(spins > 10000 ? 1000 : 50));
+  }
+  poisoned_ = true;
+  abandoned_.push_back(*req);
+  return Status::deadline_exceeded(
+      "{} of {} elements (call {}) on group '{}' did not complete within {} s: a rank of the group died or hung "
+      "(this is rank {} of {}, world rank {})",
+      what, count, calls_, name_, options_.timeout_s, rank_, size_, world_rank_);
+}
+
+Status MpiCommunicator::all_reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) {
+  STRATA_RETURN_IF_ERROR(check(count <= INT_MAX, "all_reduce"));
+  if (dtype != DType::kF32)
+    return Status::invalid_argument("all_reduce on group '{}': reductions are fp32 only, got {}", name_,
+                                    dtype_name(dtype));
+  MPI_Request req;
+  const void* in = send == recv ? MPI_IN_PLACE : send;
+  if (int rc = MPI_Iallreduce(in, recv, static_cast<int>(count), MPI_FLOAT, mpi_op(op), comm_, &req);
+      rc != MPI_SUCCESS)
+    return mpi_error(rc, "all_reduce");
+  return wait(&req, op == ReduceOp::kSum ? "all_reduce(sum)" : "all_reduce(max)", count);
+}
+
+Status MpiCommunicator::all_gather(const void* send, void* recv, size_t count, DType dtype) {
+  STRATA_RETURN_IF_ERROR(check(count <= INT_MAX, "all_gather"));
+  MPI_Request req;
+  const int n = static_cast<int>(count);
+  if (int rc = MPI_Iallgather(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_, &req); rc != MPI_SUCCESS)
+    return mpi_error(rc, "all_gather");
+  return wait(&req, "all_gather", count);
+}
+
+Status MpiCommunicator::reduce_scatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) {
+  STRATA_RETURN_IF_ERROR(check(count <= INT_MAX, "reduce_scatter"));
+  if (dtype != DType::kF32)
+    return Status::invalid_argument("reduce_scatter on group '{}': reductions are fp32 only, got {}", name_,
+                                    dtype_name(dtype));
+  MPI_Request req;
+  if (int rc = MPI_Ireduce_scatter_block(send, recv, static_cast<int>(count), MPI_FLOAT, mpi_op(op), comm_, &req);
+      rc != MPI_SUCCESS)
+    return mpi_error(rc, "reduce_scatter");
+  return wait(&req, "reduce_scatter", count);
+}
+
+Status MpiCommunicator::broadcast(void* buf, size_t count, DType dtype, int root) {
+  STRATA_RETURN_IF_ERROR(check(count <= INT_MAX, "broadcast"));
+  if (root < 0 || root >= size_)
+    return Status::invalid_argument("broadcast on group '{}': root {} is not one of its {} ranks", name_, root, size_);
+  MPI_Request req;
+  if (int rc = MPI_Ibcast(buf, static_cast<int>(count), mpi_type(dtype), root, comm_, &req); rc != MPI_SUCCESS)
+    return mpi_error(rc, "broadcast");
+  return wait(&req, "broadcast", count);
+}
+
+Status MpiCommunicator::send(const void* buf, size_t count, DType dtype, int peer, int tag) {
+  STRATA_RETURN_IF_ERROR(check(count <= INT_MAX, "send"));
+  if (peer < 0 || peer >= size_ || peer == rank_)
+    return Status::invalid_argument("send on group '{}': peer {} is not another of its {} ranks", name_, peer, size_);
+  MPI_Request req;
+  if (int rc = MPI_Isend(buf, static_cast<int>(count), mpi_type(dtype), peer, tag, comm_, &req); rc != MPI_SUCCESS)
+    return mpi_error(rc, "send");
+  return wait(&req, "send", count);
+}
+
+Status MpiCommunicator::recv(void* buf, size_t count, DType dtype, int peer, int tag) {
+  STRATA_RETURN_IF_ERROR(check(count <= INT_MAX, "recv"));
+  if (peer < 0 || peer >= size_ || peer == rank_)
+    return Status::invalid_argument("recv on group '{}': peer {} is not another of its {} ranks", name_, peer, size_);
+  MPI_Request req;
+  if (int rc = MPI_Irecv(buf, static_cast<int>(count), mpi_type(dtype), peer, tag, comm_, &req); rc != MPI_SUCCESS)
+    return mpi_error(rc, "recv");
+  return wait(&req, "recv", count);
+}
+
+Status MpiCommunicator::barrier() {
+  STRATA_RETURN_IF_ERROR(check(1, "barrier"));
+  MPI_Request req;
+  if (int rc = MPI_Ibarrier(comm_, &req); rc != MPI_SUCCESS) return mpi_error(rc, "barrier");
+  return wait(&req, "barrier", 0);
+}
+
+Result<std::unique_ptr<Communicator>> MpiCommunicator::split(int color, int key, const std::string& name) {
+  STRATA_RETURN_IF_ERROR(check(1, "split"));
+  MPI_Comm out;
+  if (int rc = MPI_Comm_split(comm_, color, key, &out); rc != MPI_SUCCESS) return mpi_error(rc, "split");
+  return std::unique_ptr<Communicator>(new MpiCommunicator(out, name, options_));
+}
+
+}  // namespace strata::comm

@@ -1,0 +1,70 @@
+// mpi_communicator.h — the Communicator over MPI (Open MPI) on host buffers, and the process's MPI runtime.
+//
+// Jobs start with `mpirun -np N strata ...`; mpi_init() is called once at start-up (also in a process that was
+// not started by mpirun: a world of one). Collectives are issued non-blocking and polled, so a peer that died
+// or hung turns into a DeadlineExceeded status after `timeout_s` instead of a hang; the communicator is then
+// poisoned (every later call fails at once: the group's state is unknown) and the job must stop, normally by
+// mpi_abort(), which brings every rank down.
+//
+// Threading: MPI is initialized with MPI_THREAD_MULTIPLE where the library provides it (else SERIALIZED); a
+// communicator is used by one thread at a time.
+#pragma once
+
+#include <mpi.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+
+namespace strata::comm {
+
+struct MpiOptions {
+  double timeout_s = 300;  // a collective or message not complete by then is an error
+};
+
+// Initializes MPI once (later calls do nothing); true world size and rank from then on.
+Status mpi_init(int* argc, char*** argv);
+bool mpi_initialized();
+void mpi_finalize();
+// Prints `why` (naming this rank) and stops every rank of the job with exit code 1.
+[[noreturn]] void mpi_abort(const Status& why);
+// True when this process was started by an MPI launcher (Open MPI's or a PMI one).
+bool launched_by_mpi();
+
+class MpiCommunicator final : public Communicator {
+ public:
+  // MPI_COMM_WORLD (a duplicate: the library's own traffic stays apart). mpi_init() first.
+  static Result<std::unique_ptr<MpiCommunicator>> world(const MpiOptions& options = {});
+  ~MpiCommunicator() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& name() const override { return name_; }
+
+  Status all_reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) override;
+  Status all_gather(const void* send, void* recv, size_t count, DType dtype) override;
+  Status reduce_scatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) override;
+  Status broadcast(void* buf, size_t count, DType dtype, int root) override;
+  Status send(const void* buf, size_t count, DType dtype, int peer, int tag) override;
+  Status recv(void* buf, size_t count, DType dtype, int peer, int tag) override;
+  Status barrier() override;
+  Result<std::unique_ptr<Communicator>> split(int color, int key, const std::string& name) override;
+
+ private:
+  MpiCommunicator(MPI_Comm comm, std::string name, const MpiOptions& options);
+  Status check(int count_ok, const char* what) const;     // not poisoned, count fits an int
+  Status wait(MPI_Request* req, const char* what, size_t count);  // polls until done or the timeout
+  Status mpi_error(int code, const char* what) const;
+
+  MPI_Comm comm_;
+  std::string name_;
+  MpiOptions options_;
+  int rank_ = 0, size_ = 1, world_rank_ = 0;
+  uint64_t calls_ = 0;
+  bool poisoned_ = false;
+  std::vector<MPI_Request> abandoned_;  // requests a timeout gave up on; completed (bounded) at destruction
+};
+
+}  // namespace strata::comm
