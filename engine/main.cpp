@@ -1,9 +1,15 @@
 // main.cpp — `strata`, the one command: train, tokenize, bench.
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "comm/grid.h"
+#include "comm/mpi_communicator.h"
 
 #include "engine/bench_adam.h"
 #include "engine/bench_kernels.h"
@@ -28,6 +34,40 @@ struct TrainArgs {
   std::optional<std::string> checkpoint_dir, kernels, precision, init_from, device;
 };
 
+// Under an MPI launcher every rank checks that it runs the same config and binary as rank 0. More than one rank
+// is refused until data, tensor and pipeline parallelism are built (issue 5): N copies of one run would
+// train the same model N times and write one checkpoint folder N times over. Returns an exit code, or -1 to go on.
+int check_ranks(const std::string& config_path, const std::vector<std::string>& sets) {
+  namespace comm = strata::comm;
+  if (!comm::launched_by_mpi()) return -1;
+  auto fail = [](const strata::Status& st, int code) {
+    std::fprintf(stderr, "strata train: %s\n", st.to_string().c_str());
+    comm::mpi_finalize();
+    return code;
+  };
+  if (strata::Status st = comm::mpi_init(nullptr, nullptr); !st.is_ok()) return fail(st, 1);
+  auto world = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
+  if (!world.is_ok()) return fail(world.status(), 1);
+  std::string text;
+  if (std::ifstream in(config_path); in) text.assign(std::istreambuf_iterator<char>(in), {});
+  for (const std::string& s : sets) text += "\n--set " + s;
+  const int n = world.value()->size();
+  if (strata::Status st = comm::check_same_run(*world.value(), text); !st.is_ok()) {
+    world.value().reset();
+    return fail(st, 2);
+  }
+  world.value().reset();
+  if (n == 1) {
+    comm::mpi_finalize();
+    return -1;
+  }
+  return fail(strata::Status(strata::StatusCode::kUnimplemented,
+                             fmt::format("{} ranks: training over several processes (data, tensor and pipeline "
+                                         "parallelism) is not built yet; run one process",
+                                         n)),
+              2);
+}
+
 int run_train(TrainArgs& a) {
   using strata::engine::TrainOptions;
   std::vector<std::string> sets = a.sets;
@@ -50,6 +90,7 @@ int run_train(TrainArgs& a) {
     std::fprintf(stderr, "strata train: %s\n", cfg.status().to_string().c_str());
     return 2;
   }
+  if (const int rc = check_ranks(a.config, sets); rc >= 0) return rc;
   TrainOptions opts;
   opts.metrics_path = a.metrics;
   opts.progress = !a.quiet;
