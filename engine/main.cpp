@@ -34,38 +34,20 @@ struct TrainArgs {
   std::optional<std::string> checkpoint_dir, kernels, precision, init_from, device;
 };
 
-// Under an MPI launcher every rank checks that it runs the same config and binary as rank 0. More than one rank
-// is refused until data, tensor and pipeline parallelism are built (issue 5): N copies of one run would
-// train the same model N times and write one checkpoint folder N times over. Returns an exit code, or -1 to go on.
-int check_ranks(const std::string& config_path, const std::vector<std::string>& sets) {
+// Under an MPI launcher: MPI and the world communicator, after every rank checked that it runs the same config
+// (file and --set overrides) and binary as rank 0. The ranks form one data-parallel group (tensor and
+// pipeline parallelism are not built yet). Null when not launched by MPI.
+strata::Result<std::unique_ptr<strata::comm::MpiCommunicator>> join_ranks(const std::string& config_path,
+                                                                           const std::vector<std::string>& sets) {
   namespace comm = strata::comm;
-  if (!comm::launched_by_mpi()) return -1;
-  auto fail = [](const strata::Status& st, int code) {
-    std::fprintf(stderr, "strata train: %s\n", st.to_string().c_str());
-    comm::mpi_finalize();
-    return code;
-  };
-  if (strata::Status st = comm::mpi_init(nullptr, nullptr); !st.is_ok()) return fail(st, 1);
-  auto world = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
-  if (!world.is_ok()) return fail(world.status(), 1);
+  if (!comm::launched_by_mpi()) return std::unique_ptr<comm::MpiCommunicator>();
+  STRATA_RETURN_IF_ERROR(comm::mpi_init(nullptr, nullptr));
+  STRATA_ASSIGN_OR_RETURN(auto world, comm::MpiCommunicator::world());
   std::string text;
   if (std::ifstream in(config_path); in) text.assign(std::istreambuf_iterator<char>(in), {});
   for (const std::string& s : sets) text += "\n--set " + s;
-  const int n = world.value()->size();
-  if (strata::Status st = comm::check_same_run(*world.value(), text); !st.is_ok()) {
-    world.value().reset();
-    return fail(st, 2);
-  }
-  world.value().reset();
-  if (n == 1) {
-    comm::mpi_finalize();
-    return -1;
-  }
-  return fail(strata::Status(strata::StatusCode::kUnimplemented,
-                             fmt::format("{} ranks: training over several processes (data, tensor and pipeline "
-                                         "parallelism) is not built yet; run one process",
-                                         n)),
-              2);
+  STRATA_RETURN_IF_ERROR(comm::check_same_run(*world, text));
+  return world;
 }
 
 int run_train(TrainArgs& a) {
@@ -90,20 +72,35 @@ int run_train(TrainArgs& a) {
     std::fprintf(stderr, "strata train: %s\n", cfg.status().to_string().c_str());
     return 2;
   }
-  if (const int rc = check_ranks(a.config, sets); rc >= 0) return rc;
+  auto world = join_ranks(a.config, sets);
+  if (!world.is_ok()) {
+    std::fprintf(stderr, "strata train: %s\n", world.status().to_string().c_str());
+    strata::comm::mpi_finalize();
+    return 2;
+  }
   TrainOptions opts;
   opts.metrics_path = a.metrics;
   opts.progress = !a.quiet;
   if (a.resume_flag) opts.resume = a.resume.empty() ? cfg->training.checkpoint_dir : a.resume;
+  opts.data_parallel = world.value().get();
   auto summary = strata::engine::run_training(cfg.value(), opts);
+  const bool several = world.value() && world.value()->size() > 1;
+  const int rank = world.value() ? world.value()->rank() : 0;
   if (!summary.is_ok()) {
+    const strata::StatusCode code = summary.status().code();
+    const bool input = code == strata::StatusCode::kInvalidArgument || code == strata::StatusCode::kNotFound ||
+                       code == strata::StatusCode::kCorruption || code == strata::StatusCode::kUnimplemented;
+    // Bad input fails on every rank alike; anything else may have hit this rank alone, and the others would
+    // wait for it until their timeout: stop them all now.
+    if (several && !input) strata::comm::mpi_abort(summary.status());
     std::fprintf(stderr, "strata train: %s\n", summary.status().to_string().c_str());
-    return summary.status().code() == strata::StatusCode::kInvalidArgument ||
-                   summary.status().code() == strata::StatusCode::kNotFound ||
-                   summary.status().code() == strata::StatusCode::kCorruption
-               ? 2
-               : 1;
+    world.value().reset();
+    strata::comm::mpi_finalize();
+    return input ? 2 : 1;
   }
+  world.value().reset();
+  strata::comm::mpi_finalize();
+  if (rank != 0) return 0;  // rank 0 reports for the group
   const auto& s = summary.value();
   std::printf("done: %d steps, final loss %.4f", s.steps, s.last_loss);
   if (s.val_loss >= 0) std::printf(", validation loss %.4f", s.val_loss);

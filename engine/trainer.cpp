@@ -39,6 +39,23 @@ std::string hms(double seconds) {
 Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& options) {
   const TrainingConfig& tc = config.training;
   const int B = tc.batch_size, T = tc.seq_len;
+  comm::Communicator* dp =
+      options.data_parallel != nullptr && options.data_parallel->size() > 1 ? options.data_parallel : nullptr;
+  const int dp_size = dp ? dp->size() : 1, dp_rank = dp ? dp->rank() : 0;
+  const bool leader = dp_rank == 0;  // prints, writes metrics and checkpoints
+  if (dp) {
+    if (offload_enabled(config.offload))
+      return Status(StatusCode::kUnimplemented,
+                    fmt::format("{}: training over {} data-parallel ranks with offload_param/offload_optimizer is "
+                                "not built yet; run one process, or no offload",
+                                config.source, dp_size));
+    if (config.offload.stage > 0)
+      return Status(StatusCode::kUnimplemented,
+                    fmt::format("{}: zero_optimization.stage {} shards state over the {} data-parallel ranks, "
+                                "which is not built yet; use stage 0 (every rank keeps the whole state)",
+                                config.source, config.offload.stage, dp_size));
+    if (!leader) logger().set_level(spdlog::level::warn);
+  }
   std::optional<tbb::global_control> threads;
   if (config.compute.threads > 0)
     threads.emplace(tbb::global_control::max_allowed_parallelism, config.compute.threads);
@@ -46,7 +63,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   // Everything that can fail on input is checked before the first step.
   STRATA_RETURN_IF_ERROR(check_writable_dir(tc.checkpoint_dir, "training.checkpoint_dir"));
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> metrics(nullptr, &std::fclose);
-  if (!options.metrics_path.empty()) {
+  if (!options.metrics_path.empty() && leader) {
     metrics.reset(std::fopen(options.metrics_path.c_str(), options.resume.empty() ? "w" : "a"));
     if (!metrics) return Status::io_error("cannot open metrics file {}: {}", options.metrics_path, std::strerror(errno));
   }
@@ -64,6 +81,11 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   const std::string device_name = config.compute.kernels == "reference" ? "cpu" : config.compute.device;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Device> device, kernels::make_device(device_name, *k));
   device->set_memory_limit(config.offload.device_memory_limit);
+  if (dp && !device->host_accessible())
+    return Status(StatusCode::kUnimplemented,
+                  fmt::format("{}: data parallelism on the {} device needs the NCCL communicator, not built yet; use "
+                              "compute.device cpu",
+                              config.source, device->name()));
   const bool offloaded = offload_enabled(config.offload);
   // The offload stack and the host pool of activation checkpoints are declared before the model, so the
   // model (whose host checkpoints come from a pool) is destroyed first.
@@ -130,14 +152,14 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     STRATA_LOG_WARN("{}: {} is accepted but not acted on yet", config.source, key);
   }
   if (offload_stack) STRATA_LOG_INFO("{}", offload_stack->describe());
-  const int64_t tokens_per_step = static_cast<int64_t>(B) * T * tc.grad_accum_steps;
+  const int64_t tokens_per_step = static_cast<int64_t>(B) * T * tc.grad_accum_steps * dp_size;
   STRATA_LOG_INFO("model: GPT-2 {} layers, {} heads, width {}, vocab {}, context {}: {:.2f}M parameters",
                   config.model.n_layer, config.model.n_head, config.model.n_embd, config.model.vocab_size,
                   config.model.block_size, model->num_params() / 1e6);
-  STRATA_LOG_INFO("data: {} train tokens in {} shard(s){}; {} tokens per step ({} x {} x {} accum)",
+  STRATA_LOG_INFO("data: {} train tokens in {} shard(s){}; {} tokens per step ({} x {} x {} accum{})",
                   train.total_tokens(), train.paths().size(),
                   val ? fmt::format(", {} val tokens", val->total_tokens()) : std::string(), tokens_per_step, B, T,
-                  tc.grad_accum_steps);
+                  tc.grad_accum_steps, dp ? fmt::format(" x {} data-parallel ranks", dp_size) : std::string());
   STRATA_LOG_INFO("compute: {}, {} matmuls, {} threads; checkpoints to {}", device->description(),
                   config.compute.matmul_precision == kernels::MatmulPrecision::kBF16 ? "bf16" : "fp32",
                   config.compute.threads > 0 ? config.compute.threads : tbb::info::default_concurrency(),
@@ -157,7 +179,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   std::vector<int32_t> x(static_cast<size_t>(B) * T), y(static_cast<size_t>(B) * T);
   TrainSummary summary;
   auto validate = [&]() -> Status {
-    if (!val || tc.val_batches == 0) return Status::ok();
+    if (!val || tc.val_batches == 0 || !leader) return Status::ok();  // every rank has the same weights
     STRATA_RETURN_IF_ERROR(val->reset());
     const int n = static_cast<int>(std::min<uint64_t>(tc.val_batches, val->batches_per_epoch()));
     double sum = 0.0;
@@ -170,6 +192,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     return Status::ok();
   };
   auto checkpoint = [&]() -> Status {
+    if (!leader) return Status::ok();  // every rank has the same weights and optimizer state
     state.train_pos = train.position();
     STRATA_ASSIGN_OR_RETURN(summary.checkpoint,
                             save_checkpoint(tc.checkpoint_dir, *model, *opt, state, tc.keep_checkpoints));
@@ -191,14 +214,26 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     STRATA_RETURN_IF_ERROR(model->zero_grads());
     double loss_sum = 0.0;
     const double lr = lr_at(state.step, tc.lr, tc.min_lr, tc.warmup_steps, tc.max_steps);
-    for (int micro = 0; micro < tc.grad_accum_steps; ++micro) {
+    // The step's micro-batches: every rank reads all of them (so the data position stays the same everywhere)
+    // and computes every dp_size-th.
+    const int micro_batches = tc.grad_accum_steps * dp_size;
+    for (int g = 0; g < micro_batches; ++g) {
       STRATA_RETURN_IF_ERROR(train.next_batch(x.data(), y.data()));
+      if (g % dp_size != dp_rank) continue;
       STRATA_ASSIGN_OR_RETURN(float loss, model->forward(x.data(), y.data(), B, T));
       loss_sum += loss;
-      if (micro + 1 == tc.grad_accum_steps) STRATA_RETURN_IF_ERROR(opt->begin_last_backward(static_cast<float>(lr)));
-      STRATA_RETURN_IF_ERROR(model->backward(1.0f / static_cast<float>(tc.grad_accum_steps)));
+      if (g + dp_size >= micro_batches) STRATA_RETURN_IF_ERROR(opt->begin_last_backward(static_cast<float>(lr)));
+      STRATA_RETURN_IF_ERROR(model->backward(1.0f / static_cast<float>(micro_batches)));
     }
-    const float loss = static_cast<float>(loss_sum / tc.grad_accum_steps);
+    if (dp) {  // sum the gradients (and the losses) over the ranks: every rank then steps the same way
+      for (const Unit& u : model->units())
+        STRATA_RETURN_IF_ERROR(dp->all_reduce(u.g(), u.g(), u.numel(), DType::kF32, comm::ReduceOp::kSum)
+                                   .with_context("gradients of " + u.name));
+      float l = static_cast<float>(loss_sum);
+      STRATA_RETURN_IF_ERROR(dp->all_reduce(&l, &l, 1, DType::kF32, comm::ReduceOp::kSum));
+      loss_sum = l;
+    }
+    const float loss = static_cast<float>(loss_sum / micro_batches);
     bool skipped = false;
     STRATA_ASSIGN_OR_RETURN(const double norm, opt->step(static_cast<float>(lr), &skipped));
     if (state.step == first_step) STRATA_LOG_INFO("{} memory: {}", device->name(), device->memory_report());
@@ -225,7 +260,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
       STRATA_RETURN_IF_ERROR(validate());
       ran_val = val.has_value() && tc.val_batches > 0;
     }
-    if (options.progress && (done % tc.log_every == 0 || done == tc.max_steps || done == first_step + 1)) {
+    if (options.progress && leader && (done % tc.log_every == 0 || done == tc.max_steps || done == first_step + 1)) {
       const double elapsed = run_timer.seconds();
       const double eta = elapsed / (done - first_step) * (tc.max_steps - done);
       std::string line = fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:>7.0f} tok/s | "

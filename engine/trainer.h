@@ -8,6 +8,7 @@
 
 #include <string>
 
+#include "comm/communicator.h"
 #include "common/status.h"
 #include "engine/config.h"
 
@@ -17,6 +18,12 @@ struct TrainOptions {
   std::string metrics_path;  // JSON lines, one object per step (empty: none)
   std::string resume;        // checkpoint (step dir or checkpoint_dir) to continue from (empty: fresh)
   bool progress = true;      // the per-step progress line on stdout
+  // Data parallelism (ZeRO stage 0): each rank of this group runs its share of every step's micro-batches —
+  // of the step's data_parallel size x grad_accum_steps micro-batches, rank r takes every r-th — and the
+  // gradients are summed over the group before the (replicated) optimizer step, so every rank keeps the same
+  // weights; rank 0 alone prints, writes metrics and checkpoints. Null or a group of one: this process alone.
+  // CPU backend, no offload, zero_optimization.stage 0 for now (the rest is refused by name).
+  comm::Communicator* data_parallel = nullptr;
 };
 
 struct TrainSummary {

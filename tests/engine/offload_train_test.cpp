@@ -46,16 +46,6 @@ class OffloadTrainTest : public TrainerTest {
     }
     return zero;
   }
-  // Loss and grad_norm of every step, in order, from a metrics file.
-  static std::vector<std::pair<double, double>> losses(const fs::path& metrics) {
-    std::ifstream in(metrics);
-    std::vector<std::pair<double, double>> out;
-    for (std::string line; std::getline(in, line);) {
-      const json m = json::parse(line);
-      out.emplace_back(m.at("loss").get<double>(), m.at("grad_norm").get<double>());
-    }
-    return out;
-  }
   void expect_same_run(const std::string& want, const std::string& got, int step) const {
     const std::string dir = fmt::format("step_{:06d}", step);
     EXPECT_EQ(losses(dir_ / (want + ".jsonl")), losses(dir_ / (got + ".jsonl"))) << got << ": losses differ";

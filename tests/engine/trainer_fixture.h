@@ -52,14 +52,26 @@ class TrainerTest : public ::testing::Test {
                               {"val_every", 3}, {"val_batches", 2}, {"checkpoint_dir", (dir_ / ckpt).string()},
                               {"keep_checkpoints", 0}, {"seed", 5}}}};
   }
-  Result<TrainSummary> train(const json& j, const std::string& resume = "", const std::string& metrics = "") {
+  Result<TrainSummary> train(const json& j, const std::string& resume = "", const std::string& metrics = "",
+                             comm::Communicator* data_parallel = nullptr) {
     auto c = parse_run_config(j, "test");
     if (!c.is_ok()) return c.status();
     TrainOptions o;
     o.progress = false;
     o.resume = resume;
     o.metrics_path = metrics;
+    o.data_parallel = data_parallel;
     return run_training(c.value(), o);
+  }
+  // Loss and grad_norm of every step, in order, from a metrics file.
+  static std::vector<std::pair<double, double>> losses(const fs::path& metrics) {
+    std::ifstream in(metrics);
+    std::vector<std::pair<double, double>> out;
+    for (std::string line; std::getline(in, line);) {
+      const json m = json::parse(line);
+      out.emplace_back(m.at("loss").get<double>(), m.at("grad_norm").get<double>());
+    }
+    return out;
   }
   static std::vector<char> file_bytes(const fs::path& p) {
     std::ifstream in(p, std::ios::binary);
