@@ -12,6 +12,7 @@
 #include "comm/mpi_communicator.h"
 
 #include "engine/bench_adam.h"
+#include "engine/bench_comm.h"
 #include "engine/bench_kernels.h"
 #include "engine/bench_nvme.h"
 #include "engine/bench_step.h"
@@ -150,6 +151,8 @@ int main(int argc, char** argv) {
   strata::engine::add_bench_kernels_command(*bench, bk);
   strata::engine::BenchAdamOptions ba;
   strata::engine::add_bench_adam_command(*bench, ba);
+  strata::engine::BenchCommOptions bc;
+  strata::engine::add_bench_comm_command(*bench, bc);
 
   CLI11_PARSE(app, argc, argv);
   if (train->parsed()) return run_train(ta);
@@ -158,5 +161,6 @@ int main(int argc, char** argv) {
   if (bench->got_subcommand("nvme")) return strata::engine::run_bench_nvme(bn);
   if (bench->got_subcommand("kernels")) return strata::engine::run_bench_kernels(bk);
   if (bench->got_subcommand("adam")) return strata::engine::run_bench_adam(ba);
+  if (bench->got_subcommand("comm")) return strata::engine::run_bench_comm(bc);
   return 0;
 }

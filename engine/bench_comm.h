@@ -1,0 +1,25 @@
+// bench_comm.h — `strata bench comm`: all-reduce, all-gather and reduce-scatter over the communicator of the
+// run (under `mpirun -np N`: MPI on host buffers), timed over message sizes and reported the way nccl-tests
+// reports them: time per call, algorithm bandwidth (bytes / time) and bus bandwidth (algbw x 2(n-1)/n for
+// all-reduce, (n-1)/n for all-gather and reduce-scatter — what each link carried), rank 0 printing.
+#pragma once
+
+#include <string>
+
+namespace CLI {
+class App;
+}
+
+namespace strata::engine {
+
+struct BenchCommOptions {
+  std::string min_bytes = "4K", max_bytes = "64M";  // swept by factors of 4: bytes of the whole fp32 buffer
+  std::string ops = "all_reduce,all_gather,reduce_scatter";
+  int iters = 10, warmup = 2;
+  bool json = false;
+};
+
+void add_bench_comm_command(CLI::App& bench, BenchCommOptions& opts);
+int run_bench_comm(const BenchCommOptions& opts);
+
+}  // namespace strata::engine
