@@ -91,9 +91,9 @@ int run_train(TrainArgs& a) {
     const strata::StatusCode code = summary.status().code();
     const bool input = code == strata::StatusCode::kInvalidArgument || code == strata::StatusCode::kNotFound ||
                        code == strata::StatusCode::kCorruption || code == strata::StatusCode::kUnimplemented;
-    // Bad input fails on every rank alike; anything else may have hit this rank alone, and the others would
-    // wait for it until their timeout: stop them all now.
-    if (several && !input) strata::comm::mpi_abort(summary.status());
+    // Even bad input may have hit this rank alone (a checkpoint folder another rank cannot see), and the
+    // others would wait for it until their timeout: stop them all now.
+    if (several) strata::comm::mpi_abort(summary.status());
     std::fprintf(stderr, "strata train: %s\n", summary.status().to_string().c_str());
     world.value().reset();
     strata::comm::mpi_finalize();

@@ -132,17 +132,6 @@ Status OffloadedAdamW::read_moments(size_t unit, float* m, float* v) {
   return Status::ok();
 }
 
-kernels::AdamWParams OffloadedAdamW::params_for(float lr, int step, float grad_scale) const {
-  kernels::AdamWParams hp;
-  hp.lr = lr;
-  hp.beta1 = config_.beta1;
-  hp.beta2 = config_.beta2;
-  hp.eps = config_.eps;
-  hp.step = step;
-  hp.grad_scale = grad_scale;
-  return hp;
-}
-
 void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculative) {
   handoff_ = std::make_unique<Handoff>();
   Handoff& h = *handoff_;
@@ -171,7 +160,7 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
 Status OffloadedAdamW::begin_last_backward(float lr) {
   STRATA_RETURN_IF_ERROR(finish());  // the last update: published by the forward, its writes done
   if (!swapper_ || !options_.overlap_backward || !speculate_next_) return Status::ok();
-  speculated_hp_ = params_for(lr, t_ + 1, 1.0f);
+  speculated_hp_ = adamw_params(config_, lr, t_ + 1, 1.0f);
   fed_.assign(model_->units().size(), false);
   start_update(speculated_hp_, /*speculative=*/true);
   return Status::ok();
@@ -204,7 +193,7 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   for (size_t u = 0; u < model_->units().size(); ++u) sum += coordinator_->grad_sum_squares(u);
   const double norm = std::sqrt(sum);
   const bool finite = std::isfinite(norm);
-  const kernels::AdamWParams hp = params_for(lr, t_ + 1, finite ? clip_scale(norm, config_.grad_clip) : 0.0f);
+  const kernels::AdamWParams hp = adamw_params(config_, lr, t_ + 1, finite ? clip_scale(norm, config_.grad_clip) : 0.0f);
   speculation_ = SpeculationStats{};
   speculation_.started = speculating;
   if (speculating) {

@@ -126,7 +126,6 @@ class OffloadedAdamW final : public Optimizer {
     OffloadedStepStats stats;  // the worker's timings and bytes
     double grads_wait_s = 0;   // the training thread's
   };
-  kernels::AdamWParams params_for(float lr, int step, float grad_scale) const;
   // Starts the worker on a new handoff: every sub-group in order when not speculative.
   void start_update(const kernels::AdamWParams& hp, bool speculative);
   // On the worker: grads[g] is sub-group g's gradient in host memory, or null to read its swap key.

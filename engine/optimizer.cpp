@@ -10,6 +10,17 @@ float clip_scale(double norm, float clip) {
   return coef < 1.0 ? static_cast<float>(coef) : 1.0f;
 }
 
+kernels::AdamWParams adamw_params(const AdamWConfig& config, float lr, int step, float grad_scale) {
+  kernels::AdamWParams hp;
+  hp.lr = lr;
+  hp.beta1 = config.beta1;
+  hp.beta2 = config.beta2;
+  hp.eps = config.eps;
+  hp.step = step;
+  hp.grad_scale = grad_scale;
+  return hp;
+}
+
 double lr_at(int step, double lr, double min_lr, int warmup, int max_steps) {
   if (step < warmup) return lr * (step + 1) / warmup;
   if (max_steps <= warmup) return lr;
@@ -52,14 +63,8 @@ double AdamW::step(const std::vector<Unit>& units, float lr, bool* skipped) {
   for (size_t i = 0; i < units.size(); ++i) {
     const Unit& u = units[i];
     for (const TensorSpec& s : u.layout.specs()) {
-      kernels::AdamWParams hp;
-      hp.lr = lr;
-      hp.beta1 = config_.beta1;
-      hp.beta2 = config_.beta2;
-      hp.eps = config_.eps;
+      kernels::AdamWParams hp = adamw_params(config_, lr, t_, scale);
       hp.weight_decay = s.decay ? config_.weight_decay : 0.0f;
-      hp.step = t_;
-      hp.grad_scale = scale;
       k.adamw_update(u.p() + s.offset, m(i) + s.offset, v(i) + s.offset, u.g() + s.offset, s.numel(), hp);
     }
   }

@@ -23,6 +23,9 @@ struct AdamWConfig {
 // < 1, else 1; clip 0 turns clipping off. One definition, so every optimizer clips with the same bits.
 float clip_scale(double norm, float clip);
 
+// The fused update's parameters for one step of `config` (weight decay left 0: it is per tensor).
+kernels::AdamWParams adamw_params(const AdamWConfig& config, float lr, int step, float grad_scale);
+
 // Warmup + cosine: linear from lr/warmup to lr over `warmup` steps, then cosine down to min_lr at max_steps.
 // `step` is 0-based.
 double lr_at(int step, double lr, double min_lr, int warmup, int max_steps);

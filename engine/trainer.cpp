@@ -19,6 +19,7 @@
 #include "engine/gpt2.h"
 #include "engine/offload_runtime.h"
 #include "engine/optimizer.h"
+#include "engine/sharded_optimizer.h"
 #include "kernels/cpu/cpu_kernels.h"
 
 namespace strata::engine {
@@ -49,10 +50,10 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
                     fmt::format("{}: training over {} data-parallel ranks with offload_param/offload_optimizer is "
                                 "not built yet; run one process, or no offload",
                                 config.source, dp_size));
-    if (config.offload.stage > 0)
+    if (config.offload.stage > 2)
       return Status(StatusCode::kUnimplemented,
-                    fmt::format("{}: zero_optimization.stage {} shards state over the {} data-parallel ranks, "
-                                "which is not built yet; use stage 0 (every rank keeps the whole state)",
+                    fmt::format("{}: zero_optimization.stage {} shards the parameters over the {} data-parallel "
+                                "ranks, which is not built yet; use stage 0, 1 or 2",
                                 config.source, config.offload.stage, dp_size));
     if (!leader) logger().set_level(spdlog::level::warn);
   }
@@ -100,8 +101,14 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   ac.weight_decay = static_cast<float>(tc.weight_decay);
   ac.grad_clip = static_cast<float>(tc.grad_clip);
   std::optional<AdamW> device_opt;
+  std::unique_ptr<ShardedAdamW> sharded_opt;  // ZeRO stage 1 or 2 over the data-parallel ranks
   Optimizer* opt = nullptr;
-  if (offloaded) {
+  if (dp && config.offload.stage >= 1) {
+    STRATA_ASSIGN_OR_RETURN(sharded_opt, ShardedAdamW::create(model->units(), ac, *device, *dp, config.offload.stage));
+    opt = sharded_opt.get();
+    STRATA_LOG_INFO("zero_optimization.stage {}: Adam's moments sharded over {} ranks ({} of {} elements here)",
+                    config.offload.stage, dp_size, sharded_opt->shard_elements(), model->num_params());
+  } else if (offloaded) {
     auto rt = OffloadRuntime::create(config.offload, ac, *device, *model);
     if (!rt.is_ok()) return rt.status().with_context(config.source);
     offload_stack = std::move(rt).value();
@@ -191,11 +198,16 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     summary.val_loss = static_cast<float>(sum / n);
     return Status::ok();
   };
+  // Rank 0 writes; with sharded moments the others hand it their slices while it does.
   auto checkpoint = [&]() -> Status {
-    if (!leader) return Status::ok();  // every rank has the same weights and optimizer state
+    if (!leader) return sharded_opt ? sharded_opt->serve_checkpoint() : Status::ok();
     state.train_pos = train.position();
-    STRATA_ASSIGN_OR_RETURN(summary.checkpoint,
-                            save_checkpoint(tc.checkpoint_dir, *model, *opt, state, tc.keep_checkpoints));
+    auto saved = save_checkpoint(tc.checkpoint_dir, *model, *opt, state, tc.keep_checkpoints);
+    if (sharded_opt) {
+      const Status ended = sharded_opt->end_checkpoint();
+      if (saved.is_ok()) STRATA_RETURN_IF_ERROR(ended);
+    }
+    STRATA_ASSIGN_OR_RETURN(summary.checkpoint, std::move(saved));
     return Status::ok();
   };
 
@@ -225,10 +237,12 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
       if (g + dp_size >= micro_batches) STRATA_RETURN_IF_ERROR(opt->begin_last_backward(static_cast<float>(lr)));
       STRATA_RETURN_IF_ERROR(model->backward(1.0f / static_cast<float>(micro_batches)));
     }
-    if (dp) {  // sum the gradients (and the losses) over the ranks: every rank then steps the same way
-      for (const Unit& u : model->units())
+    if (dp) {  // sum the gradients (stage 0; a sharded optimizer reduces its own) and the losses over the ranks
+      for (size_t i = 0; !sharded_opt && i < model->units().size(); ++i) {
+        const Unit& u = model->units()[i];
         STRATA_RETURN_IF_ERROR(dp->all_reduce(u.g(), u.g(), u.numel(), DType::kF32, comm::ReduceOp::kSum)
                                    .with_context("gradients of " + u.name));
+      }
       float l = static_cast<float>(loss_sum);
       STRATA_RETURN_IF_ERROR(dp->all_reduce(&l, &l, 1, DType::kF32, comm::ReduceOp::kSum));
       loss_sum = l;

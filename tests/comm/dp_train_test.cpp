@@ -3,6 +3,8 @@
 // are the same sums in another association (each rank adds its own micro-batches, then the ranks are added),
 // so the runs agree within fp32 rounding, not bitwise: losses and gradient norms within 1e-5 relative, final
 // weights within 2e-5 absolute after 5 steps (the tiny model's weights are O(0.1)).
+#include <unistd.h>
+
 #include <cmath>
 #include <fstream>
 
@@ -67,14 +69,91 @@ TEST_F(DataParallelTest, TwoRanksMatchOneProcessAccumulatingTheirMicroBatches) {
 }
 
 // What is not built yet is refused by name on every rank, before any data is read.
+// Largest absolute difference between the same tensors of two safetensors files.
+double max_difference(const fs::path& a, const fs::path& b) {
+  auto fa = SafetensorsFile::open(a.string());
+  auto fb = SafetensorsFile::open(b.string());
+  EXPECT_TRUE(fa.is_ok() && fb.is_ok()) << a << " " << b;
+  if (!fa.is_ok() || !fb.is_ok()) return INFINITY;
+  EXPECT_EQ(fa->tensors().size(), fb->tensors().size());
+  double worst = 0;
+  for (const SafetensorsEntry& t : fa->tensors()) {
+    const SafetensorsEntry* u = fb->find(t.name);
+    if (u == nullptr || u->numel() != t.numel()) {
+      ADD_FAILURE() << t.name << " differs in shape or is missing";
+      return INFINITY;
+    }
+    const float* x = reinterpret_cast<const float*>(t.data);
+    const float* y = reinterpret_cast<const float*>(u->data);
+    for (size_t i = 0; i < t.numel(); ++i) worst = std::max(worst, static_cast<double>(std::abs(x[i] - y[i])));
+  }
+  return worst;
+}
+
+// ZeRO-1 keeps a slice of Adam's moments per rank and all-reduces the gradients: bitwise the stage-0 run, its
+// gathered checkpoint included. ZeRO-2 reduce-scatters the gradients and adds the ranks' sums of squares for
+// the norm in another order: within rounding of stage 0 (losses and norms 1e-5 relative, weights and moments
+// 2e-5 absolute). Resuming from a stage-1 checkpoint (moments gathered to rank 0, then sliced again) is
+// bitwise the straight run.
+TEST_F(DataParallelTest, ZeroStagesOneAndTwoShardTheMomentsExactly) {
+  auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
+  ASSERT_TRUE(w.is_ok());
+  comm::Communicator& world = *w.value();
+  // Ranks share the checkpoint folder, as they share a file system in a real job (a resume reads it on every
+  // rank): rank 0's, named by its pid.
+  float pid = static_cast<float>(::getpid());  // < 2^22: exact in fp32
+  ASSERT_TRUE(world.broadcast(&pid, 1, DType::kF32, 0).is_ok());
+  const fs::path shared = fs::temp_directory_path() / fmt::format("strata_zero_test_{}", static_cast<long>(pid));
+  struct Cleanup {
+    fs::path dir;
+    bool on;
+    ~Cleanup() {
+      if (on) fs::remove_all(dir);
+    }
+  } cleanup{shared, world.rank() == 0};
+  auto config = [&](const std::string& name, int stage, int steps) {
+    json j = base_config(name);
+    j["training"]["max_steps"] = steps;
+    j["training"]["checkpoint_dir"] = (shared / name).string();
+    j["zero_optimization"] = {{"stage", stage}};
+    return j;
+  };
+  for (int stage = 0; stage <= 2; ++stage) {
+    const std::string name = fmt::format("zero{}", stage);
+    ASSERT_TRUE(train(config(name, stage, 6), "", (dir_ / (name + ".jsonl")).string(), &world).is_ok()) << name;
+  }
+  // Stage 1 in two parts: 3 steps, then resumed to 6.
+  ASSERT_TRUE(train(config("zero1_resumed", 1, 3), "", "", &world).is_ok());
+  ASSERT_TRUE(world.barrier().is_ok());  // rank 0's checkpoint is written before anyone reads it
+  ASSERT_TRUE(train(config("zero1_resumed", 1, 6), (shared / "zero1_resumed").string(), "", &world).is_ok());
+  if (world.rank() == 0) {
+    const fs::path z0 = shared / "zero0" / "step_000006", z1 = shared / "zero1" / "step_000006",
+                   z2 = shared / "zero2" / "step_000006", r1 = shared / "zero1_resumed" / "step_000006";
+    EXPECT_EQ(losses(dir_ / "zero0.jsonl"), losses(dir_ / "zero1.jsonl"));
+    for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
+      EXPECT_TRUE(file_bytes(z0 / f) == file_bytes(z1 / f)) << "stage 1 vs 0: " << f;
+      EXPECT_TRUE(file_bytes(z1 / f) == file_bytes(r1 / f)) << "stage 1 resumed vs straight: " << f;
+    }
+    const auto a = losses(dir_ / "zero0.jsonl"), b = losses(dir_ / "zero2.jsonl");
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_NEAR(a[i].first, b[i].first, 1e-5 * std::abs(a[i].first)) << "loss of step " << i + 1;
+      EXPECT_NEAR(a[i].second, b[i].second, 1e-5 * std::abs(a[i].second)) << "norm of step " << i + 1;
+    }
+    EXPECT_LE(max_difference(z0 / "model.safetensors", z2 / "model.safetensors"), 2e-5);
+    EXPECT_LE(max_difference(z0 / "optimizer.safetensors", z2 / "optimizer.safetensors"), 2e-5);
+  }
+  ASSERT_TRUE(world.barrier().is_ok());
+}
+
 TEST_F(DataParallelTest, ShardingAndOffloadAreRefusedByName) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
   ASSERT_TRUE(w.is_ok());
   json j = base_config("refused");
-  j["zero_optimization"] = {{"stage", 2}};
+  j["zero_optimization"] = {{"stage", 3}};
   const Status stage = run_status(train(j, "", "", w.value().get()));
   EXPECT_EQ(stage.code(), StatusCode::kUnimplemented) << stage.to_string();
-  EXPECT_NE(stage.message().find("zero_optimization.stage 2"), std::string::npos) << stage.to_string();
+  EXPECT_NE(stage.message().find("zero_optimization.stage 3"), std::string::npos) << stage.to_string();
   j["zero_optimization"] = {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}};
   const Status off = run_status(train(j, "", "", w.value().get()));
   EXPECT_EQ(off.code(), StatusCode::kUnimplemented) << off.to_string();

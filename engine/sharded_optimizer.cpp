@@ -1,0 +1,196 @@
+#include "engine/sharded_optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+namespace strata::engine {
+namespace {
+
+constexpr size_t kPiece = size_t{1} << 20;  // elements per collective call (Open MPI's large reduce-scatter is slow)
+
+// Elements of rank q's slice of a tensor of n elements cut in slices of c.
+size_t slice_len(size_t n, size_t c, size_t q) { return q * c >= n ? 0 : std::min(c, n - q * c); }
+
+}  // namespace
+
+Result<std::unique_ptr<ShardedAdamW>> ShardedAdamW::create(const std::vector<Unit>& units, const AdamWConfig& config,
+                                                         kernels::Device& device, comm::Communicator& group,
+                                                         int stage) {
+  if (stage != 1 && stage != 2)
+    return Status::invalid_argument("ShardedAdamW: zero_optimization.stage must be 1 or 2, got {}", stage);
+  if (!device.host_accessible())
+    return Status(StatusCode::kUnimplemented,
+                  fmt::format("ZeRO stage {} over MPI needs host-accessible parameters; the {} device needs the NCCL "
+                              "communicator, not built yet",
+                              stage, device.name()));
+  std::unique_ptr<ShardedAdamW> opt(new ShardedAdamW());
+  opt->config_ = config;
+  opt->units_ = &units;
+  opt->device_ = &device;
+  opt->group_ = &group;
+  opt->stage_ = stage;
+  const size_t dp = static_cast<size_t>(group.size()), r = static_cast<size_t>(group.rank());
+  for (size_t u = 0; u < units.size(); ++u) {
+    for (const TensorSpec& t : units[u].layout.specs()) {
+      Slice s;
+      s.unit = u;
+      s.tensor_offset = t.offset;
+      s.tensor_numel = t.numel();
+      s.c = ((s.tensor_numel + dp - 1) / dp + 15) / 16 * 16;
+      s.lo = std::min(s.tensor_numel, r * s.c);
+      s.len = slice_len(s.tensor_numel, s.c, r);
+      s.shard_offset = opt->shard_numel_;
+      s.weight_decay = t.decay ? config.weight_decay : 0.0f;
+      opt->shard_numel_ += s.len;
+      opt->slices_.push_back(s);
+    }
+  }
+  const size_t bytes = std::max<size_t>(opt->shard_numel_, 1) * sizeof(float);
+  STRATA_ASSIGN_OR_RETURN(opt->m_, device.allocate(bytes, "adamw.m (zero shard)"));
+  STRATA_ASSIGN_OR_RETURN(opt->v_, device.allocate(bytes, "adamw.v (zero shard)"));
+  if (stage == 2) opt->grad_shard_.assign(opt->shard_numel_, 0.0f);
+  opt->send_.assign(kPiece, 0.0f);
+  opt->recv_.assign(dp * kPiece, 0.0f);
+  STRATA_RETURN_IF_ERROR(opt->adopt_params());
+  return opt;
+}
+
+Status ShardedAdamW::adopt_params() {
+  device_->zero(m_.data(), m_.size());
+  device_->zero(v_.data(), v_.size());
+  return Status::ok();
+}
+
+Status ShardedAdamW::all_gather_tensor(const Slice& s, const float* shard, float* whole) {
+  const size_t dp = static_cast<size_t>(group_->size());
+  for (size_t a = 0; a < s.c; a += kPiece) {
+    const size_t k = std::min(kPiece, s.c - a);
+    const size_t mine = s.len > a ? std::min(k, s.len - a) : 0;
+    std::memcpy(send_.data(), shard + a, mine * sizeof(float));
+    std::fill(send_.begin() + mine, send_.begin() + k, 0.0f);
+    STRATA_RETURN_IF_ERROR(group_->all_gather(send_.data(), recv_.data(), k, DType::kF32));
+    for (size_t q = 0; q < dp; ++q) {
+      const size_t len = slice_len(s.tensor_numel, s.c, q);
+      if (len > a) std::memcpy(whole + q * s.c + a, recv_.data() + q * k, std::min(k, len - a) * sizeof(float));
+    }
+  }
+  return Status::ok();
+}
+
+Status ShardedAdamW::reduce_scatter_tensor(const Slice& s, const float* whole, float* shard) {
+  const size_t dp = static_cast<size_t>(group_->size());
+  for (size_t a = 0; a < s.c; a += kPiece) {
+    const size_t k = std::min(kPiece, s.c - a);
+    for (size_t q = 0; q < dp; ++q) {  // rank q's part of this piece, padded with zeros
+      const size_t len = slice_len(s.tensor_numel, s.c, q);
+      const size_t have = len > a ? std::min(k, len - a) : 0;
+      float* dst = recv_.data() + q * k;
+      std::memcpy(dst, whole + q * s.c + a, have * sizeof(float));
+      std::fill(dst + have, dst + k, 0.0f);
+    }
+    STRATA_RETURN_IF_ERROR(group_->reduce_scatter(recv_.data(), send_.data(), k, DType::kF32, comm::ReduceOp::kSum));
+    if (s.len > a) std::memcpy(shard + a, send_.data(), std::min(k, s.len - a) * sizeof(float));
+  }
+  return Status::ok();
+}
+
+Result<double> ShardedAdamW::step(float lr, bool* skipped) {
+  const std::vector<Unit>& units = *units_;
+  double norm = 0;
+  if (stage_ == 1) {
+    for (const Unit& u : units)
+      STRATA_RETURN_IF_ERROR(group_->all_reduce(u.g(), u.g(), u.numel(), DType::kF32, comm::ReduceOp::kSum)
+                                 .with_context("gradients of " + u.name));
+    norm = AdamW::grad_norm(units, *device_);  // the unsharded norm, bit for bit
+  } else {
+    double mine = 0.0;
+    for (const Slice& s : slices_) {
+      float* shard = grad_shard_.data() + s.shard_offset;
+      STRATA_RETURN_IF_ERROR(reduce_scatter_tensor(s, units[s.unit].g() + s.tensor_offset, shard)
+                                 .with_context("gradients of " + units[s.unit].name));
+      mine = device_->add_sum_squares(mine, shard, s.len);
+    }
+    // Every rank's sum of squares, added in rank order (the doubles travel as pairs of fp32 words: bits are
+    // copied, never converted).
+    std::vector<double> sums(static_cast<size_t>(group_->size()));
+    STRATA_RETURN_IF_ERROR(group_->all_gather(&mine, sums.data(), 2, DType::kF32));
+    double total = 0.0;
+    for (const double x : sums) total += x;
+    norm = std::sqrt(total);
+  }
+  if (!std::isfinite(norm)) {
+    if (skipped) *skipped = true;
+    return norm;
+  }
+  if (skipped) *skipped = false;
+  const float scale = clip_scale(norm, config_.grad_clip);
+  ++t_;
+  const kernels::KernelSet& k = device_->kernels();
+  for (const Slice& s : slices_) {
+    if (s.len == 0) continue;
+    kernels::AdamWParams hp = adamw_params(config_, lr, t_, scale);
+    hp.weight_decay = s.weight_decay;
+    const Unit& u = units[s.unit];
+    const float* g = stage_ == 1 ? u.g() + s.tensor_offset + s.lo : grad_shard_.data() + s.shard_offset;
+    k.adamw_update(u.p() + s.tensor_offset + s.lo, m_.as<float>() + s.shard_offset,
+                   v_.as<float>() + s.shard_offset, g, s.len, hp);
+  }
+  // Every rank's new slices to every rank.
+  std::vector<float> mine;
+  for (const Slice& s : slices_) {
+    float* whole = units[s.unit].p() + s.tensor_offset;
+    mine.assign(whole + s.lo, whole + s.lo + s.len);
+    STRATA_RETURN_IF_ERROR(all_gather_tensor(s, mine.data(), whole).with_context("parameters of " + units[s.unit].name));
+  }
+  return norm;
+}
+
+Status ShardedAdamW::gather_moments(size_t unit, float* m, float* v) {
+  for (const Slice& s : slices_) {
+    if (s.unit != unit) continue;
+    STRATA_RETURN_IF_ERROR(all_gather_tensor(s, m_.as<float>() + s.shard_offset, m + s.tensor_offset));
+    STRATA_RETURN_IF_ERROR(all_gather_tensor(s, v_.as<float>() + s.shard_offset, v + s.tensor_offset));
+  }
+  return Status::ok();
+}
+
+Status ShardedAdamW::read_moments(size_t unit, float* m, float* v) {
+  if (group_->rank() != 0)
+    return Status::internal("ShardedAdamW::read_moments is rank 0's; the others serve_checkpoint()");
+  float request = static_cast<float>(unit);
+  STRATA_RETURN_IF_ERROR(group_->broadcast(&request, 1, DType::kF32, 0));
+  return gather_moments(unit, m, v);
+}
+
+Status ShardedAdamW::end_checkpoint() {
+  float request = -1.0f;
+  return group_->broadcast(&request, 1, DType::kF32, 0);
+}
+
+Status ShardedAdamW::serve_checkpoint() {
+  std::vector<float> m, v;
+  for (;;) {
+    float request = 0;
+    STRATA_RETURN_IF_ERROR(group_->broadcast(&request, 1, DType::kF32, 0));
+    if (request < 0) return Status::ok();
+    const size_t unit = static_cast<size_t>(request);
+    if (unit >= units_->size()) return Status::internal("checkpoint: rank 0 asked for unit {} of {}", unit, units_->size());
+    m.resize((*units_)[unit].numel());
+    v.resize(m.size());
+    STRATA_RETURN_IF_ERROR(gather_moments(unit, m.data(), v.data()));
+  }
+}
+
+Status ShardedAdamW::write_moments(size_t unit, const float* m, const float* v) {
+  for (const Slice& s : slices_) {
+    if (s.unit != unit) continue;
+    std::memcpy(m_.as<float>() + s.shard_offset, m + s.tensor_offset + s.lo, s.len * sizeof(float));
+    std::memcpy(v_.as<float>() + s.shard_offset, v + s.tensor_offset + s.lo, s.len * sizeof(float));
+  }
+  return Status::ok();
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,79 @@
+// sharded_optimizer.h — AdamW under ZeRO stages 1 and 2 over a data-parallel group (DeepSpeed's
+// zero_optimization.stage 1 and 2), for models whose units live in host-addressable memory (the CPU backend).
+//
+// Every tensor of every unit is cut into `dp` contiguous slices of c = ceil(numel / dp) elements rounded up to
+// 16 (so the fused Adam's vector blocks fall where they fall in the unsharded update; the last slices are
+// shorter or empty), and rank r keeps Adam's moments for its slices only: 8 bytes per parameter / dp.
+//  - stage 1: the gradients are all-reduced (every rank holds the sum) and the norm is the unsharded one, so a
+//    stage-1 run is bitwise a stage-0 run;
+//  - stage 2: the gradients are reduce-scattered (each rank receives the sums of its own slices: half the bytes
+//    of an all-reduce), in pieces of at most 1M elements; the norm adds every rank's sums of squares in rank
+//    order, another association than stage 0's, so a stage-2 run matches within rounding.
+// Each rank then updates its slices, and the new parameters are all-gathered so every rank holds all of them.
+// The model's own gradient buffers stay whole on every rank (its kernels write whole units), so stage 2 saves
+// communication here, not gradient memory.
+//
+// Checkpoints: the moments are gathered to rank 0 while it writes them: rank 0's read_moments() asks the other
+// ranks for a unit through the group (they answer inside serve_checkpoint(), which rank 0's end_checkpoint()
+// ends), so the order is whatever the checkpoint writer needs.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "engine/gpt2.h"
+#include "engine/optimizer.h"
+
+namespace strata::engine {
+
+class ShardedAdamW final : public Optimizer {
+ public:
+  // `units` (host-accessible device memory), `device` and `group` must outlive the optimizer. Stage 1 or 2.
+  static Result<std::unique_ptr<ShardedAdamW>> create(const std::vector<Unit>& units, const AdamWConfig& config,
+                                                      kernels::Device& device, comm::Communicator& group, int stage);
+
+  // Reduces the gradients over the group (all-reduce or reduce-scatter by stage), then as AdamW::step.
+  // Collective.
+  Result<double> step(float lr, bool* skipped) override;
+  int steps_taken() const override { return t_; }
+  void set_steps_taken(int t) override { t_ = t; }
+  Status adopt_params() override;
+  // Rank 0 only (it asks the others, who must be in serve_checkpoint()); the unit's whole moments.
+  Status read_moments(size_t unit, float* m, float* v) override;
+  // Any rank: keeps its own slices of the unit's whole moments (no communication).
+  Status write_moments(size_t unit, const float* m, const float* v) override;
+  // Ranks other than 0, while rank 0 writes a checkpoint: answers its read_moments() until end_checkpoint().
+  Status serve_checkpoint();
+  Status end_checkpoint();  // rank 0, after the checkpoint is written (or failed)
+
+  size_t shard_elements() const { return shard_numel_; }  // this rank's slices, all tensors
+
+ private:
+  struct Slice {
+    size_t unit, tensor_offset, tensor_numel;  // the tensor within its unit
+    size_t c;                                  // elements per rank's slice (padded count)
+    size_t lo, len;                            // this rank's slice: [tensor_offset + lo, + len)
+    size_t shard_offset;                       // where it starts in this rank's m, v, grad shards
+    float weight_decay;
+  };
+  ShardedAdamW() = default;
+  Status gather_moments(size_t unit, float* m, float* v);  // collective over the group
+  // Every rank's slice of one tensor from `shard` (this rank's, at the slice's shard offset) into `whole`
+  // (the tensor's first element), in pieces. Collective.
+  Status all_gather_tensor(const Slice& s, const float* shard, float* whole);
+  Status reduce_scatter_tensor(const Slice& s, const float* whole, float* shard);
+
+  AdamWConfig config_;
+  const std::vector<Unit>* units_ = nullptr;
+  kernels::Device* device_ = nullptr;
+  comm::Communicator* group_ = nullptr;
+  int stage_ = 1, t_ = 0;
+  std::vector<Slice> slices_;
+  size_t shard_numel_ = 0;
+  kernels::DeviceBuffer m_, v_;      // this rank's slices of the moments
+  std::vector<float> grad_shard_;    // stage 2: the summed gradient of this rank's slices
+  std::vector<float> send_, recv_;   // one piece of a padded collective: kPiece and dp x kPiece
+};
+
+}  // namespace strata::engine
