@@ -133,6 +133,15 @@ Result<RunConfig> parse_run_config(const nlohmann::json& j, const std::string& s
   }
   if (c.compute.threads < 0) return Status::invalid_argument("{}: compute.threads must be >= 0", source);
 
+  JsonSection pa = root.section("parallel");
+  STRATA_RETURN_IF_ERROR(pa.get_int("tensor_parallel_size", &c.parallel.tensor_parallel_size));
+  STRATA_RETURN_IF_ERROR(pa.get_int("pipeline_parallel_size", &c.parallel.pipeline_parallel_size));
+  STRATA_RETURN_IF_ERROR(pa.finish());
+  if (c.parallel.tensor_parallel_size < 1 || c.parallel.pipeline_parallel_size < 1)
+    return Status::invalid_argument("{}: parallel.tensor_parallel_size and pipeline_parallel_size must be >= 1, got "
+                                    "{} and {}",
+                                    source, c.parallel.tensor_parallel_size, c.parallel.pipeline_parallel_size);
+
   STRATA_RETURN_IF_ERROR(parse_offload_config(root, source, &c.offload));
   STRATA_RETURN_IF_ERROR(root.finish());
   return c;

@@ -54,11 +54,18 @@ struct ComputeConfig {
   int threads = 0;  // 0: all cores the process may use
 };
 
+// How the ranks of `mpirun -np N` are split (comm/grid.h): N / (tensor x pipeline) data-parallel replicas.
+struct ParallelConfig {
+  int tensor_parallel_size = 1;    // ranks sharing each layer (innermost); > 1 is not built yet
+  int pipeline_parallel_size = 1;  // pipeline stages; > 1 is not built yet
+};
+
 struct RunConfig {
   GPT2Config model;
   DataConfig data;
   TrainingConfig training;
   ComputeConfig compute;
+  ParallelConfig parallel;
   OffloadConfig offload;  // "zero_optimization", "aio", "memory" (engine/offload_config.h)
   std::string source;  // where it was read from
   nlohmann::json json;  // the effective JSON (after overrides), saved with checkpoints

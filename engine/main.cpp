@@ -35,20 +35,34 @@ struct TrainArgs {
   std::optional<std::string> checkpoint_dir, kernels, precision, init_from, device;
 };
 
-// Under an MPI launcher: MPI and the world communicator, after every rank checked that it runs the same config
-// (file and --set overrides) and binary as rank 0. The ranks form one data-parallel group (tensor and
-// pipeline parallelism are not built yet). Null when not launched by MPI.
-strata::Result<std::unique_ptr<strata::comm::MpiCommunicator>> join_ranks(const std::string& config_path,
-                                                                           const std::vector<std::string>& sets) {
+// Under an MPI launcher: MPI, the world communicator and the rank grid of parallel.tensor_parallel_size x
+// data x parallel.pipeline_parallel_size, after every rank checked that it runs the same config (file and --set
+// overrides) and binary as rank 0. Empty when not launched by MPI.
+struct Ranks {
+  std::unique_ptr<strata::comm::MpiCommunicator> world;
+  std::unique_ptr<strata::comm::RankGrid> grid;
+};
+strata::Result<Ranks> join_ranks(const std::string& config_path, const std::vector<std::string>& sets,
+                                 const strata::engine::ParallelConfig& parallel) {
   namespace comm = strata::comm;
-  if (!comm::launched_by_mpi()) return std::unique_ptr<comm::MpiCommunicator>();
+  Ranks r;
+  if (!comm::launched_by_mpi()) return r;
   STRATA_RETURN_IF_ERROR(comm::mpi_init(nullptr, nullptr));
-  STRATA_ASSIGN_OR_RETURN(auto world, comm::MpiCommunicator::world());
+  STRATA_ASSIGN_OR_RETURN(r.world, comm::MpiCommunicator::world());
   std::string text;
   if (std::ifstream in(config_path); in) text.assign(std::istreambuf_iterator<char>(in), {});
   for (const std::string& s : sets) text += "\n--set " + s;
-  STRATA_RETURN_IF_ERROR(comm::check_same_run(*world, text));
-  return world;
+  STRATA_RETURN_IF_ERROR(comm::check_same_run(*r.world, text));
+  STRATA_ASSIGN_OR_RETURN(r.grid, comm::RankGrid::create(*r.world, parallel.tensor_parallel_size,
+                                                         parallel.pipeline_parallel_size));
+  if (parallel.tensor_parallel_size > 1 || parallel.pipeline_parallel_size > 1)
+    return strata::Status(strata::StatusCode::kUnimplemented,
+                          fmt::format("{}: tensor and pipeline parallelism are not built yet (parallel."
+                                      "tensor_parallel_size {}, pipeline_parallel_size {}); only data "
+                                      "parallelism runs over several ranks",
+                                      r.grid->describe(), parallel.tensor_parallel_size,
+                                      parallel.pipeline_parallel_size));
+  return r;
 }
 
 int run_train(TrainArgs& a) {
@@ -73,20 +87,22 @@ int run_train(TrainArgs& a) {
     std::fprintf(stderr, "strata train: %s\n", cfg.status().to_string().c_str());
     return 2;
   }
-  auto world = join_ranks(a.config, sets);
-  if (!world.is_ok()) {
-    std::fprintf(stderr, "strata train: %s\n", world.status().to_string().c_str());
+  auto ranks = join_ranks(a.config, sets, cfg->parallel);
+  if (!ranks.is_ok()) {
+    std::fprintf(stderr, "strata train: %s\n", ranks.status().to_string().c_str());
     strata::comm::mpi_finalize();
     return 2;
   }
+  auto& world = ranks.value().world;
+  strata::comm::Communicator* dp_group = ranks.value().grid ? &ranks.value().grid->dp() : nullptr;
   TrainOptions opts;
   opts.metrics_path = a.metrics;
   opts.progress = !a.quiet;
   if (a.resume_flag) opts.resume = a.resume.empty() ? cfg->training.checkpoint_dir : a.resume;
-  opts.data_parallel = world.value().get();
+  opts.data_parallel = dp_group;
   auto summary = strata::engine::run_training(cfg.value(), opts);
-  const bool several = world.value() && world.value()->size() > 1;
-  const int rank = world.value() ? world.value()->rank() : 0;
+  const bool several = world && world->size() > 1;
+  const int rank = world ? world->rank() : 0;
   if (!summary.is_ok()) {
     const strata::StatusCode code = summary.status().code();
     const bool input = code == strata::StatusCode::kInvalidArgument || code == strata::StatusCode::kNotFound ||
@@ -95,11 +111,13 @@ int run_train(TrainArgs& a) {
     // others would wait for it until their timeout: stop them all now.
     if (several) strata::comm::mpi_abort(summary.status());
     std::fprintf(stderr, "strata train: %s\n", summary.status().to_string().c_str());
-    world.value().reset();
+    ranks.value().grid.reset();
+    ranks.value().world.reset();
     strata::comm::mpi_finalize();
     return input ? 2 : 1;
   }
-  world.value().reset();
+  ranks.value().grid.reset();
+  ranks.value().world.reset();
   strata::comm::mpi_finalize();
   if (rank != 0) return 0;  // rank 0 reports for the group
   const auto& s = summary.value();

@@ -56,7 +56,9 @@ TEST(ConfigTest, BadValuesAreRejectedByName) {
            {"compute.matmul_precision=\"fp8\"", "matmul_precision"},
            {"compute.kernels=\"gpu\"", "compute.kernels"},
            {"training.beta2=1.5", "beta2"},
-           {"training.batch_size=0", "batch_size"}}) {
+           {"training.batch_size=0", "batch_size"},
+           {"parallel.tensor_parallel_size=0", "parallel.tensor_parallel_size"},
+           {"parallel.pipeline_parallel_size=-1", "pipeline_parallel_size"}}) {
     json j = json::object();
     ASSERT_TRUE(apply_overrides(&j, {over}).is_ok());
     auto c = parse_run_config(j, "cfg.json");
