@@ -157,9 +157,17 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
   });
 }
 
+Status OffloadedAdamW::set_gradient_reducer(comm::Communicator* group) {
+  if (group != nullptr && coordinator_->options().grad_home != offload::Tier::kHost)
+    return Status(StatusCode::kUnimplemented,
+                  "data parallelism with gradients on nvme (memory.gradients) is not built yet; use host");
+  reducer_ = group;
+  return Status::ok();
+}
+
 Status OffloadedAdamW::begin_last_backward(float lr) {
   STRATA_RETURN_IF_ERROR(finish());  // the last update: published by the forward, its writes done
-  if (!swapper_ || !options_.overlap_backward || !speculate_next_) return Status::ok();
+  if (!swapper_ || !options_.overlap_backward || !speculate_next_ || reducer_ != nullptr) return Status::ok();
   speculated_hp_ = adamw_params(config_, lr, t_ + 1, 1.0f);
   fed_.assign(model_->units().size(), false);
   start_update(speculated_hp_, /*speculative=*/true);
@@ -188,6 +196,13 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   if (!speculating) STRATA_RETURN_IF_ERROR(finish());  // normally done already: the forward published it
   Timer wait;
   STRATA_RETURN_IF_ERROR(coordinator_->flush_grads());
+  if (reducer_ != nullptr) {  // the step's gradient is the sum over the data-parallel ranks
+    for (size_t u = 0; u < model_->units().size(); ++u) {
+      float* g = coordinator_->host_grads_for_update(u);
+      STRATA_RETURN_IF_ERROR(reducer_->all_reduce(g, g, model_->units()[u].numel(), DType::kF32, comm::ReduceOp::kSum)
+                                 .with_context("gradients of " + model_->units()[u].name));
+    }
+  }
   const double grads_wait_s = wait.seconds();
   double sum = 0.0;
   for (size_t u = 0; u < model_->units().size(); ++u) sum += coordinator_->grad_sum_squares(u);

@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "common/status.h"
 #include "engine/gpt2.h"
 #include "engine/optimizer.h"
@@ -88,6 +89,10 @@ class OffloadedAdamW final : public Optimizer {
   Status begin_last_backward(float lr) override;
   // The model's hook: unit's gradient is complete for this backward (GPT2::set_on_grads_done). Training thread.
   void grads_done(size_t unit);
+  // Data parallelism: step() sums every unit's gradient over `group` (in host memory, before the norm); the
+  // updates then no longer start during backward (a local gradient is not the step's). Gradients must go home
+  // to host memory. Null: none.
+  Status set_gradient_reducer(comm::Communicator* group);
   int steps_taken() const override { return t_; }
   void set_steps_taken(int t) override { t_ = t; }
   Status adopt_params() override;
@@ -156,6 +161,7 @@ class OffloadedAdamW final : public Optimizer {
   size_t next_publish_ = 0;
   kernels::AdamWParams speculated_hp_;  // what a speculative update assumed
   bool speculate_next_ = true;          // the last step did not clip (or there was none)
+  comm::Communicator* reducer_ = nullptr;  // data-parallel group the gradients are summed over
   std::vector<bool> fed_;               // units fed to the speculative update
 };
 

@@ -59,6 +59,7 @@ class OffloadRuntime {
   ~OffloadRuntime();
 
   Optimizer& optimizer() { return *optimizer_; }
+  OffloadedAdamW& offloaded_optimizer() { return *optimizer_; }
   offload::Coordinator& coordinator() { return *coordinator_; }
   offload::PinnedPool& pool() { return *pool_; }  // the host tier
   // The counters since the last call, with each tier's live and peak bytes now.

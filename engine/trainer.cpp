@@ -45,11 +45,12 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   const int dp_size = dp ? dp->size() : 1, dp_rank = dp ? dp->rank() : 0;
   const bool leader = dp_rank == 0;  // prints, writes metrics and checkpoints
   if (dp) {
-    if (offload_enabled(config.offload))
+    if (offload_enabled(config.offload) && config.offload.stage != 0)
       return Status(StatusCode::kUnimplemented,
-                    fmt::format("{}: training over {} data-parallel ranks with offload_param/offload_optimizer is "
-                                "not built yet; run one process, or no offload",
-                                config.source, dp_size));
+                    fmt::format("{}: zero_optimization.stage {} over {} data-parallel ranks with offload_param/"
+                                "offload_optimizer is not built yet; with offload_optimizer alone, stage 0 works "
+                                "(every rank offloads the whole optimizer state)",
+                                config.source, config.offload.stage, dp_size));
     if (config.offload.stage > 2)
       return Status(StatusCode::kUnimplemented,
                     fmt::format("{}: zero_optimization.stage {} shards the parameters over the {} data-parallel "
@@ -113,6 +114,8 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     if (!rt.is_ok()) return rt.status().with_context(config.source);
     offload_stack = std::move(rt).value();
     opt = &offload_stack->optimizer();
+    // Over several ranks the offloaded optimizer sums the gradients where they are, in host memory.
+    if (dp) STRATA_RETURN_IF_ERROR(offload_stack->offloaded_optimizer().set_gradient_reducer(dp));
   } else {
     STRATA_ASSIGN_OR_RETURN(AdamW a, AdamW::create(model->units(), ac, *device));
     device_opt.emplace(std::move(a));
@@ -237,8 +240,8 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
       if (g + dp_size >= micro_batches) STRATA_RETURN_IF_ERROR(opt->begin_last_backward(static_cast<float>(lr)));
       STRATA_RETURN_IF_ERROR(model->backward(1.0f / static_cast<float>(micro_batches)));
     }
-    if (dp) {  // sum the gradients (stage 0; a sharded optimizer reduces its own) and the losses over the ranks
-      for (size_t i = 0; !sharded_opt && i < model->units().size(); ++i) {
+    if (dp) {  // sum the gradients (stage 0; sharded and offloaded optimizers reduce their own) and the losses
+      for (size_t i = 0; !sharded_opt && !offload_stack && i < model->units().size(); ++i) {
         const Unit& u = model->units()[i];
         STRATA_RETURN_IF_ERROR(dp->all_reduce(u.g(), u.g(), u.numel(), DType::kF32, comm::ReduceOp::kSum)
                                    .with_context("gradients of " + u.name));

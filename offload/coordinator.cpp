@@ -734,6 +734,19 @@ Status Coordinator::flush_grads() {
 
 const float* Coordinator::host_grads(size_t u) const { return s_->units[u].host_grads.as<float>(); }
 
+float* Coordinator::host_grads_for_update(size_t u) {
+  State::UnitRec& r = s_->units[u];
+  STRATA_ASSERT_MSG(s_->options.grad_home == Tier::kHost, "host_grads_for_update with gradients on nvme");
+  STRATA_ASSERT_MSG(r.grad_state == GradState::kHost || r.grad_state == GradState::kBoth,
+                    "host_grads_for_update before flush_grads");
+  if (r.dev_grads.data() != nullptr) {
+    s_->to_spare(std::move(r.dev_grads), r.grads_last_use, {r.grads_ready, r.grads_download});
+    r.grads_ready = CopyTicket();
+  }
+  r.grad_state = GradState::kHost;
+  return r.host_grads.as<float>();
+}
+
 const std::vector<std::string>& Coordinator::grad_keys(size_t u) const { return s_->units[u].grad_keys; }
 
 CopyTicket Coordinator::grads_home_ticket(size_t u) const { return s_->units[u].grads_download; }

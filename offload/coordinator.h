@@ -125,6 +125,9 @@ class Coordinator {
   // (kernels/cpu/fast.h add_sum_squares from 0 over the unit, whichever the home).
   Status flush_grads();
   const float* host_grads(size_t u) const;
+  // The same gradient for changing in place before the optimizer reads it (summing it over data-parallel
+  // ranks): any device copy of it is dropped, so nothing stale is used. grad_home host; after flush_grads().
+  float* host_grads_for_update(size_t u);
   const std::vector<std::string>& grad_keys(size_t u) const;
   double grad_sum_squares(size_t u) const;
   // The job that brings unit u's gradient home after its last release (host memory, or its nvme keys written):
