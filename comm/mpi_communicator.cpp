@@ -177,10 +177,15 @@ Status MpiCommunicator::broadcast(void* buf, size_t count, DType dtype, int root
   return wait(&req, "broadcast", count);
 }
 
-Status MpiCommunicator::send(const void* buf, size_t count, DType dtype, int peer, int tag) {
-  STRATA_RETURN_IF_ERROR(check(count <= INT_MAX, "send"));
+Status MpiCommunicator::check_peer(size_t count, int peer, const char* what) const {
+  STRATA_RETURN_IF_ERROR(check(count <= INT_MAX, what));
   if (peer < 0 || peer >= size_ || peer == rank_)
-    return Status::invalid_argument("send on group '{}': peer {} is not another of its {} ranks", name_, peer, size_);
+    return Status::invalid_argument("{} on group '{}': peer {} is not another of its {} ranks", what, name_, peer, size_);
+  return Status::ok();
+}
+
+Status MpiCommunicator::send(const void* buf, size_t count, DType dtype, int peer, int tag) {
+  STRATA_RETURN_IF_ERROR(check_peer(count, peer, "send"));
   MPI_Request req;
   if (int rc = MPI_Isend(buf, static_cast<int>(count), mpi_type(dtype), peer, tag, comm_, &req); rc != MPI_SUCCESS)
     return mpi_error(rc, "send");
@@ -188,9 +193,7 @@ Status MpiCommunicator::send(const void* buf, size_t count, DType dtype, int pee
 }
 
 Status MpiCommunicator::recv(void* buf, size_t count, DType dtype, int peer, int tag) {
-  STRATA_RETURN_IF_ERROR(check(count <= INT_MAX, "recv"));
-  if (peer < 0 || peer >= size_ || peer == rank_)
-    return Status::invalid_argument("recv on group '{}': peer {} is not another of its {} ranks", name_, peer, size_);
+  STRATA_RETURN_IF_ERROR(check_peer(count, peer, "recv"));
   MPI_Request req;
   if (int rc = MPI_Irecv(buf, static_cast<int>(count), mpi_type(dtype), peer, tag, comm_, &req); rc != MPI_SUCCESS)
     return mpi_error(rc, "recv");

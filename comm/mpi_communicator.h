@@ -55,6 +55,7 @@ class MpiCommunicator final : public Communicator {
  private:
   MpiCommunicator(MPI_Comm comm, std::string name, const MpiOptions& options);
   Status check(int count_ok, const char* what) const;     // not poisoned, count fits an int
+  Status check_peer(size_t count, int peer, const char* what) const;  // and peer is another rank
   Status wait(MPI_Request* req, const char* what, size_t count);  // polls until done or the timeout
   Status mpi_error(int code, const char* what) const;
 

@@ -207,8 +207,9 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   double sum = 0.0;
   for (size_t u = 0; u < model_->units().size(); ++u) sum += coordinator_->grad_sum_squares(u);
   const double norm = std::sqrt(sum);
-  const bool finite = std::isfinite(norm);
-  const kernels::AdamWParams hp = adamw_params(config_, lr, t_ + 1, finite ? clip_scale(norm, config_.grad_clip) : 0.0f);
+  const std::optional<float> scale = step_scale(norm, config_.grad_clip, skipped);
+  const bool finite = scale.has_value();
+  const kernels::AdamWParams hp = adamw_params(config_, lr, t_ + 1, scale.value_or(0.0f));
   speculation_ = SpeculationStats{};
   speculation_.started = speculating;
   if (speculating) {
@@ -217,7 +218,6 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
       // The guess was right: the updates done during backward stand, and the rest follows with the same
       // parameters, overlapping the next forward.
       ++t_;
-      if (skipped) *skipped = false;
       speculate_next_ = true;
       std::lock_guard lock(h.mu);
       speculation_.early_groups = h.taken;
@@ -238,11 +238,7 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
     speculation_.redone = true;
   }
   speculate_next_ = finite && hp.grad_scale == 1.0f;
-  if (!finite) {
-    if (skipped) *skipped = true;
-    return norm;
-  }
-  if (skipped) *skipped = false;
+  if (!finite) return norm;
   ++t_;
   start_update(hp, /*speculative=*/false);
   std::lock_guard lock(handoff_->mu);

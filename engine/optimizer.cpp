@@ -10,6 +10,13 @@ float clip_scale(double norm, float clip) {
   return coef < 1.0 ? static_cast<float>(coef) : 1.0f;
 }
 
+std::optional<float> step_scale(double norm, float clip, bool* skipped) {
+  const bool finite = std::isfinite(norm);
+  if (skipped) *skipped = !finite;
+  if (!finite) return std::nullopt;
+  return clip_scale(norm, clip);
+}
+
 kernels::AdamWParams adamw_params(const AdamWConfig& config, float lr, int step, float grad_scale) {
   kernels::AdamWParams hp;
   hp.lr = lr;
@@ -53,17 +60,13 @@ double AdamW::grad_norm(const std::vector<Unit>& units, kernels::Device& device)
 double AdamW::step(const std::vector<Unit>& units, float lr, bool* skipped) {
   const kernels::KernelSet& k = device_->kernels();
   const double norm = grad_norm(units, *device_);
-  if (!std::isfinite(norm)) {
-    if (skipped) *skipped = true;
-    return norm;
-  }
-  if (skipped) *skipped = false;
-  const float scale = clip_scale(norm, config_.grad_clip);
+  const std::optional<float> scale = step_scale(norm, config_.grad_clip, skipped);
+  if (!scale) return norm;
   ++t_;
   for (size_t i = 0; i < units.size(); ++i) {
     const Unit& u = units[i];
     for (const TensorSpec& s : u.layout.specs()) {
-      kernels::AdamWParams hp = adamw_params(config_, lr, t_, scale);
+      kernels::AdamWParams hp = adamw_params(config_, lr, t_, *scale);
       hp.weight_decay = s.decay ? config_.weight_decay : 0.0f;
       k.adamw_update(u.p() + s.offset, m(i) + s.offset, v(i) + s.offset, u.g() + s.offset, s.numel(), hp);
     }

@@ -5,6 +5,8 @@
 // kernels parallelise inside.
 #pragma once
 
+#include <optional>
+
 #include <vector>
 
 #include "common/status.h"
@@ -22,6 +24,9 @@ struct AdamWConfig {
 // The gradient scale of global-norm clipping (PyTorch's clip_grad_norm_): clip / (norm + 1e-6) when that is
 // < 1, else 1; clip 0 turns clipping off. One definition, so every optimizer clips with the same bits.
 float clip_scale(double norm, float clip);
+// The step's gradient scale from its norm: clip_scale for a finite norm, nothing for a non-finite one (the
+// update is skipped). Sets *skipped (when given) to which.
+std::optional<float> step_scale(double norm, float clip, bool* skipped);
 
 // The fused update's parameters for one step of `config` (weight decay left 0: it is per tensor).
 kernels::AdamWParams adamw_params(const AdamWConfig& config, float lr, int step, float grad_scale);

@@ -121,29 +121,24 @@ Result<double> ShardedAdamW::step(float lr, bool* skipped) {
     for (const double x : sums) total += x;
     norm = std::sqrt(total);
   }
-  if (!std::isfinite(norm)) {
-    if (skipped) *skipped = true;
-    return norm;
-  }
-  if (skipped) *skipped = false;
-  const float scale = clip_scale(norm, config_.grad_clip);
+  const std::optional<float> scale = step_scale(norm, config_.grad_clip, skipped);
+  if (!scale) return norm;
   ++t_;
   const kernels::KernelSet& k = device_->kernels();
   for (const Slice& s : slices_) {
     if (s.len == 0) continue;
-    kernels::AdamWParams hp = adamw_params(config_, lr, t_, scale);
+    kernels::AdamWParams hp = adamw_params(config_, lr, t_, *scale);
     hp.weight_decay = s.weight_decay;
     const Unit& u = units[s.unit];
     const float* g = stage_ == 1 ? u.g() + s.tensor_offset + s.lo : grad_shard_.data() + s.shard_offset;
     k.adamw_update(u.p() + s.tensor_offset + s.lo, m_.as<float>() + s.shard_offset,
                    v_.as<float>() + s.shard_offset, g, s.len, hp);
   }
-  // Every rank's new slices to every rank.
-  std::vector<float> mine;
+  // Every rank's new slices to every rank. The source may be `whole` itself: each piece of this rank's slice
+  // is staged in the send buffer before anything lands.
   for (const Slice& s : slices_) {
     float* whole = units[s.unit].p() + s.tensor_offset;
-    mine.assign(whole + s.lo, whole + s.lo + s.len);
-    STRATA_RETURN_IF_ERROR(all_gather_tensor(s, mine.data(), whole).with_context("parameters of " + units[s.unit].name));
+    STRATA_RETURN_IF_ERROR(all_gather_tensor(s, whole + s.lo, whole).with_context("parameters of " + units[s.unit].name));
   }
   return norm;
 }

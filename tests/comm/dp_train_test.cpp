@@ -21,6 +21,27 @@ using DataParallelTest = TrainerTest;
 
 Status run_status(const Result<TrainSummary>& r) { return r.status(); }
 
+// Largest absolute difference between the same tensors of two safetensors files.
+double max_difference(const fs::path& a, const fs::path& b) {
+  auto fa = SafetensorsFile::open(a.string());
+  auto fb = SafetensorsFile::open(b.string());
+  EXPECT_TRUE(fa.is_ok() && fb.is_ok()) << a << " " << b;
+  if (!fa.is_ok() || !fb.is_ok()) return INFINITY;
+  EXPECT_EQ(fa->tensors().size(), fb->tensors().size());
+  double worst = 0;
+  for (const SafetensorsEntry& t : fa->tensors()) {
+    const SafetensorsEntry* u = fb->find(t.name);
+    if (u == nullptr || u->numel() != t.numel()) {
+      ADD_FAILURE() << t.name << " differs in shape or is missing";
+      return INFINITY;
+    }
+    const float* x = reinterpret_cast<const float*>(t.data);
+    const float* y = reinterpret_cast<const float*>(u->data);
+    for (size_t i = 0; i < t.numel(); ++i) worst = std::max(worst, static_cast<double>(std::abs(x[i] - y[i])));
+  }
+  return worst;
+}
+
 TEST_F(DataParallelTest, TwoRanksMatchOneProcessAccumulatingTheirMicroBatches) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
   ASSERT_TRUE(w.is_ok()) << w.status().to_string();
@@ -46,21 +67,9 @@ TEST_F(DataParallelTest, TwoRanksMatchOneProcessAccumulatingTheirMicroBatches) {
         EXPECT_NEAR(a[i].first, b[i].first, 1e-5 * std::abs(b[i].first)) << "loss of step " << i + 1;
         EXPECT_NEAR(a[i].second, b[i].second, 1e-5 * std::abs(b[i].second)) << "norm of step " << i + 1;
       }
-      auto fa = SafetensorsFile::open((dir_ / dp_name / "step_000005" / "model.safetensors").string());
-      auto fb = SafetensorsFile::open((dir_ / one_name / "step_000005" / "model.safetensors").string());
-      ASSERT_TRUE(fa.is_ok() && fb.is_ok());
-      ASSERT_EQ(fa->tensors().size(), fb->tensors().size());
-      double worst = 0, moved = 0;
-      for (const SafetensorsEntry& t : fa->tensors()) {
-        const SafetensorsEntry* u = fb->find(t.name);
-        ASSERT_NE(u, nullptr) << t.name;
-        ASSERT_EQ(t.numel(), u->numel()) << t.name;
-        const float* x = reinterpret_cast<const float*>(t.data);
-        const float* y = reinterpret_cast<const float*>(u->data);
-        for (size_t i = 0; i < t.numel(); ++i) worst = std::max(worst, static_cast<double>(std::abs(x[i] - y[i])));
-        moved += t.numel();
-      }
-      EXPECT_LE(worst, 2e-5) << "largest weight difference over " << moved << " weights";
+      const double worst = max_difference(dir_ / dp_name / "step_000005" / "model.safetensors",
+                                          dir_ / one_name / "step_000005" / "model.safetensors");
+      EXPECT_LE(worst, 2e-5) << "largest weight difference";
     } else {
       EXPECT_FALSE(fs::exists(dir_ / dp_name / "step_000005")) << "only rank 0 writes checkpoints";
     }
@@ -69,27 +78,6 @@ TEST_F(DataParallelTest, TwoRanksMatchOneProcessAccumulatingTheirMicroBatches) {
 }
 
 // What is not built yet is refused by name on every rank, before any data is read.
-// Largest absolute difference between the same tensors of two safetensors files.
-double max_difference(const fs::path& a, const fs::path& b) {
-  auto fa = SafetensorsFile::open(a.string());
-  auto fb = SafetensorsFile::open(b.string());
-  EXPECT_TRUE(fa.is_ok() && fb.is_ok()) << a << " " << b;
-  if (!fa.is_ok() || !fb.is_ok()) return INFINITY;
-  EXPECT_EQ(fa->tensors().size(), fb->tensors().size());
-  double worst = 0;
-  for (const SafetensorsEntry& t : fa->tensors()) {
-    const SafetensorsEntry* u = fb->find(t.name);
-    if (u == nullptr || u->numel() != t.numel()) {
-      ADD_FAILURE() << t.name << " differs in shape or is missing";
-      return INFINITY;
-    }
-    const float* x = reinterpret_cast<const float*>(t.data);
-    const float* y = reinterpret_cast<const float*>(u->data);
-    for (size_t i = 0; i < t.numel(); ++i) worst = std::max(worst, static_cast<double>(std::abs(x[i] - y[i])));
-  }
-  return worst;
-}
-
 // ZeRO-1 keeps a slice of Adam's moments per rank and all-reduces the gradients: bitwise the stage-0 run, its
 // gathered checkpoint included. ZeRO-2 reduce-scatters the gradients and adds the ranks' sums of squares for
 // the norm in another order: within rounding of stage 0 (losses and norms 1e-5 relative, weights and moments
