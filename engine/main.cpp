@@ -1,7 +1,5 @@
 // main.cpp — `strata`, the one command: train, tokenize, bench.
 #include <cstdio>
-#include <fstream>
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -36,23 +34,20 @@ struct TrainArgs {
 };
 
 // Under an MPI launcher: MPI, the world communicator and the rank grid of parallel.tensor_parallel_size x
-// data x parallel.pipeline_parallel_size, after every rank checked that it runs the same config (file and --set
-// overrides) and binary as rank 0. Empty when not launched by MPI.
+// data x parallel.pipeline_parallel_size, after every rank checked that it runs the same config (the effective
+// one, --set overrides applied) and binary as rank 0. Empty when not launched by MPI.
 struct Ranks {
   std::unique_ptr<strata::comm::MpiCommunicator> world;
   std::unique_ptr<strata::comm::RankGrid> grid;
 };
-strata::Result<Ranks> join_ranks(const std::string& config_path, const std::vector<std::string>& sets,
-                                 const strata::engine::ParallelConfig& parallel) {
+strata::Result<Ranks> join_ranks(const strata::engine::RunConfig& config) {
+  const strata::engine::ParallelConfig& parallel = config.parallel;
   namespace comm = strata::comm;
   Ranks r;
   if (!comm::launched_by_mpi()) return r;
   STRATA_RETURN_IF_ERROR(comm::mpi_init(nullptr, nullptr));
   STRATA_ASSIGN_OR_RETURN(r.world, comm::MpiCommunicator::world());
-  std::string text;
-  if (std::ifstream in(config_path); in) text.assign(std::istreambuf_iterator<char>(in), {});
-  for (const std::string& s : sets) text += "\n--set " + s;
-  STRATA_RETURN_IF_ERROR(comm::check_same_run(*r.world, text));
+  STRATA_RETURN_IF_ERROR(comm::check_same_run(*r.world, config.json.dump()));
   STRATA_ASSIGN_OR_RETURN(r.grid, comm::RankGrid::create(*r.world, parallel.tensor_parallel_size,
                                                          parallel.pipeline_parallel_size));
   if (parallel.tensor_parallel_size > 1 || parallel.pipeline_parallel_size > 1)
@@ -87,7 +82,7 @@ int run_train(TrainArgs& a) {
     std::fprintf(stderr, "strata train: %s\n", cfg.status().to_string().c_str());
     return 2;
   }
-  auto ranks = join_ranks(a.config, sets, cfg->parallel);
+  auto ranks = join_ranks(cfg.value());
   if (!ranks.is_ok()) {
     std::fprintf(stderr, "strata train: %s\n", ranks.status().to_string().c_str());
     strata::comm::mpi_finalize();
