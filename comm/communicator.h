@@ -32,7 +32,8 @@ class Communicator {
 
   // recv[i] = op over ranks of send[i], on every rank; send may equal recv (in place).
   virtual Status all_reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) = 0;
-  // recv holds size() * count elements: rank r's `send` at r * count.
+  // recv holds size() * count elements: rank r's `send` at r * count. In place when send is this rank's part
+  // of recv (recv + rank() * count elements).
   virtual Status all_gather(const void* send, void* recv, size_t count, DType dtype) = 0;
   // send holds size() * count elements; recv[i] = op over ranks of send[rank() * count + i].
   virtual Status reduce_scatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) = 0;

@@ -150,7 +150,9 @@ Status MpiCommunicator::all_gather(const void* send, void* recv, size_t count, D
   STRATA_RETURN_IF_ERROR(check(count <= INT_MAX, "all_gather"));
   MPI_Request req;
   const int n = static_cast<int>(count);
-  if (int rc = MPI_Iallgather(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_, &req); rc != MPI_SUCCESS)
+  const void* mine = static_cast<const char*>(recv) + static_cast<size_t>(rank_) * count * dtype_size(dtype);
+  const void* in = send == mine ? MPI_IN_PLACE : send;
+  if (int rc = MPI_Iallgather(in, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_, &req); rc != MPI_SUCCESS)
     return mpi_error(rc, "all_gather");
   return wait(&req, "all_gather", count);
 }

@@ -41,6 +41,10 @@ Status load_model(GPT2& model, const std::string& path);
 Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT2& model, Optimizer& opt,
                                     const TrainState& state, int keep);
 
+// Under ZeRO-3, what the ranks other than the writer do while it runs save_checkpoint: the same collective
+// reads of every unit's parameters and moments, in the same order, with nothing written.
+Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt);
+
 // Resolves `path` (a step directory, or a checkpoint_dir containing `latest`) and restores model, optimizer
 // and state. The model config in the checkpoint must equal the model's; the error names the field.
 Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimizer& opt);

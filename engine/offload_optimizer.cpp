@@ -32,12 +32,14 @@ Result<std::unique_ptr<OffloadedAdamW>> OffloadedAdamW::create(const GPT2& model
   const size_t group_size = (options.sub_group_size + 1023) / 1024 * 1024;
   for (size_t u = 0; u < model.units().size(); ++u) {
     const Unit& unit = model.units()[u];
-    for (size_t off = 0, k = 0; off < unit.numel(); off += group_size, ++k) {
+    const offload::ShardRange sh = coordinator.shard(u);  // the whole unit unless ZeRO-3
+    for (size_t off = sh.lo, k = 0; off < sh.lo + sh.len; off += group_size, ++k) {
       Group g;
       g.unit = u;
       g.offset = off;
+      g.shard_offset = off - sh.lo;
       g.spec.name = fmt::format("{}.{}", unit.name, k);
-      g.spec.numel = std::min(group_size, unit.numel() - off);
+      g.spec.numel = std::min(group_size, sh.lo + sh.len - off);
       // The weight decay runs of the range: each tensor's part of it.
       for (const TensorSpec& s : unit.layout.specs()) {
         const size_t lo = std::max(off, s.offset), hi = std::min(off + g.spec.numel, s.offset + s.numel());
@@ -82,13 +84,13 @@ Result<std::unique_ptr<OffloadedAdamW>> OffloadedAdamW::create(const GPT2& model
 }
 
 Status OffloadedAdamW::load_unit(size_t unit, const float* m, const float* v) {
-  std::vector<float> params(model_->units()[unit].numel());
-  STRATA_RETURN_IF_ERROR(coordinator_->read_params(unit, params.data()));
+  std::vector<float> params(coordinator_->shard(unit).len);
+  STRATA_RETURN_IF_ERROR(coordinator_->read_shard(unit, params.data()));
   for (size_t i = 0; i < groups_.size(); ++i) {
     Group& g = groups_[i];
     if (g.unit != unit) continue;
     const size_t n = g.spec.numel;
-    const float* master = params.data() + g.offset;
+    const float* master = params.data() + g.shard_offset;
     const float* gm = m ? m + g.offset : nullptr;
     const float* gv = v ? v + g.offset : nullptr;
     if (swapper_) {
@@ -118,6 +120,7 @@ Status OffloadedAdamW::write_moments(size_t unit, const float* m, const float* v
 
 Status OffloadedAdamW::read_moments(size_t unit, float* m, float* v) {
   STRATA_RETURN_IF_ERROR(finish());
+  if (coordinator_->sharded()) return gather_moments(unit, m, v);
   for (size_t i = 0; i < groups_.size(); ++i) {
     const Group& g = groups_[i];
     if (g.unit != unit) continue;
@@ -130,6 +133,66 @@ Status OffloadedAdamW::read_moments(size_t unit, float* m, float* v) {
     std::memcpy(v + g.offset, st + 2 * g.spec.numel, g.spec.numel * sizeof(float));
   }
   return Status::ok();
+}
+
+Status OffloadedAdamW::gather_moments(size_t unit, float* m, float* v) {
+  if (reducer_ == nullptr) return Status::internal("ZeRO-3: the offloaded optimizer has no data-parallel group");
+  const offload::ShardRange sh = coordinator_->shard(unit);
+  const size_t ranks = static_cast<size_t>(reducer_->size()), numel = model_->units()[unit].numel();
+  // This rank's m then v, each padded to the shard stride; every rank's pair gathered in rank order.
+  std::vector<float> mine(2 * sh.stride, 0.0f), all(ranks * 2 * sh.stride);
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    const Group& g = groups_[i];
+    if (g.unit != unit) continue;
+    float* gm = mine.data() + g.shard_offset;
+    float* gv = mine.data() + sh.stride + g.shard_offset;
+    if (swapper_) {
+      STRATA_RETURN_IF_ERROR(swapper_->read_state(i, nullptr, gm, gv));
+      continue;
+    }
+    const float* st = g.state.as<float>();
+    std::memcpy(gm, st + g.spec.numel, g.spec.numel * sizeof(float));
+    std::memcpy(gv, st + 2 * g.spec.numel, g.spec.numel * sizeof(float));
+  }
+  STRATA_RETURN_IF_ERROR(reducer_->all_gather(mine.data(), all.data(), mine.size(), DType::kF32)
+                             .with_context("moments of " + model_->units()[unit].name));
+  for (size_t q = 0; q < ranks && q * sh.stride < numel; ++q) {
+    const size_t lo = q * sh.stride, len = std::min(sh.stride, numel - lo);
+    std::memcpy(m + lo, all.data() + q * 2 * sh.stride, len * sizeof(float));
+    std::memcpy(v + lo, all.data() + q * 2 * sh.stride + sh.stride, len * sizeof(float));
+  }
+  return Status::ok();
+}
+
+Result<double> OffloadedAdamW::step_sharded(float lr, bool* skipped) {
+  if (reducer_ == nullptr) return Status::internal("ZeRO-3: the offloaded optimizer has no data-parallel group");
+  STRATA_RETURN_IF_ERROR(finish());
+  Timer wait;
+  STRATA_RETURN_IF_ERROR(coordinator_->flush_grads());  // every reduce-scatter has landed in the shards
+  const double grads_wait_s = wait.seconds();
+  double mine = 0.0;
+  for (size_t u = 0; u < model_->units().size(); ++u) mine += coordinator_->grad_sum_squares(u);
+  // Every rank's sum of squares, added in rank order on every rank (the doubles travel as pairs of fp32
+  // words: bits are copied, never converted), so every rank takes the same decision.
+  std::vector<double> sums(static_cast<size_t>(reducer_->size()));
+  STRATA_RETURN_IF_ERROR(reducer_->all_gather(&mine, sums.data(), 2, DType::kF32).with_context("gradient norm"));
+  double total = 0.0;
+  for (const double x : sums) total += x;
+  const double norm = std::sqrt(total);
+  speculation_ = SpeculationStats{};
+  const std::optional<float> scale = step_scale(norm, config_.grad_clip, skipped);
+  if (!scale) return norm;
+  ++t_;
+  // The update completes here: the gathered copies of every unit are stale once any rank's shard changed,
+  // and the next forward gathers the new ones.
+  start_update(adamw_params(config_, lr, t_, *scale), /*speculative=*/false);
+  {
+    std::lock_guard lock(handoff_->mu);
+    handoff_->grads_wait_s = grads_wait_s;
+  }
+  STRATA_RETURN_IF_ERROR(finish());
+  coordinator_->drop_device_params();
+  return norm;
 }
 
 void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculative) {
@@ -145,7 +208,7 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
   const bool grads_on_nvme = coordinator_->options().grad_home == offload::Tier::kNvme;
   std::vector<const float*> grads;
   for (const Group& g : groups_)
-    grads.push_back(grads_on_nvme ? nullptr : coordinator_->host_grads(g.unit) + g.offset);
+    grads.push_back(grads_on_nvme ? nullptr : coordinator_->host_grads(g.unit) + g.shard_offset);
   worker_ = std::thread([this, hp, speculative, grads = std::move(grads)] {
     Timer update;
     Status st = run_update(hp, grads, speculative);
@@ -188,6 +251,7 @@ void OffloadedAdamW::grads_done(size_t unit) {
 }
 
 Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
+  if (coordinator_->sharded()) return step_sharded(lr, skipped);
   bool speculating = false;
   if (handoff_) {
     std::lock_guard lock(handoff_->mu);

@@ -91,7 +91,11 @@ class OffloadedAdamW final : public Optimizer {
   void grads_done(size_t unit);
   // Data parallelism: step() sums every unit's gradient over `group` (in host memory, before the norm); the
   // updates then no longer start during backward (a local gradient is not the step's). Gradients must go home
-  // to host memory. Null: none.
+  // to host memory. Null: none. Under ZeRO-3 (a sharded coordinator: each rank updates its shards, whose
+  // gradients the coordinator has reduced already) it is required: `group` (the data-parallel ranks, another
+  // communicator than the coordinator's) sums the norm, and read_moments gathers over it — a collective, so
+  // every rank calls read_moments for the same units in the same order. The update then completes inside
+  // step(), which drops the gathered parameter copies.
   Status set_gradient_reducer(comm::Communicator* group);
   int steps_taken() const override { return t_; }
   void set_steps_taken(int t) override { t_ = t; }
@@ -107,6 +111,7 @@ class OffloadedAdamW final : public Optimizer {
  private:
   struct Group {
     size_t unit = 0, offset = 0;  // the range [offset, offset + numel) of the unit
+    size_t shard_offset = 0;      // where it starts in this rank's shard of the unit (ZeRO-3; else = offset)
     offload::OptimizerGroup spec;
     offload::PinnedBuffer state;  // kHost: master, m, v (3 x numel floats)
   };
@@ -142,6 +147,8 @@ class OffloadedAdamW final : public Optimizer {
   // go back to their old values (the update will not be redone).
   Status abandon_speculation(bool restore);
   Status join();  // waits for the worker, keeps its stats, ends the handoff; the worker's status
+  Result<double> step_sharded(float lr, bool* skipped);        // ZeRO-3
+  Status gather_moments(size_t unit, float* m, float* v);      // ZeRO-3, collective over reducer_
   // Sets master from the unit's current parameters and the moments from m, v (zeros where null).
   Status load_unit(size_t unit, const float* m, const float* v);
 

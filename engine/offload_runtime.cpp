@@ -36,6 +36,9 @@ nlohmann::json OffloadStepReport::to_json() const {
           {"h2d_busy_ms", h2d_busy_s * 1e3},
           {"d2h_busy_ms", d2h_busy_s * 1e3},
           {"nvme_busy_ms", nvme_busy_s * 1e3},
+          {"gather_bytes", gather_bytes},
+          {"reduce_scatter_bytes", reduce_bytes},
+          {"collectives_busy_ms", collectives_busy_s * 1e3},
           {"fetches", fetches},
           {"prefetch_hits", prefetch_hits},
           {"evictions", evictions},
@@ -55,6 +58,9 @@ std::string OffloadStepReport::summary() const {
   std::string s = fmt::format("dev {} host {} nvme {} | stall {:.0f} ms opt {:.0f} ms", short_bytes(device.live),
                               short_bytes(host.live), short_bytes(nvme.live), stall_s * 1e3, optimizer_s * 1e3);
   if (early_start > 0) s += fmt::format(" ({} in backward{})", early_groups, redone ? ", redone" : "");
+  if (gather_bytes > 0)
+    s += fmt::format(" | gather {} reduce {} comm {:.0f} ms", short_bytes(gather_bytes), short_bytes(reduce_bytes),
+                     collectives_busy_s * 1e3);
   return s;
 }
 
@@ -76,9 +82,15 @@ Status OffloadRuntime::open_store(const std::string& path, uint64_t file_bytes, 
 }
 
 Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConfig& config, const AdamWConfig& adam,
-                                                              kernels::Device& device, GPT2& model) {
-  const offload::Tier opt_tier = tier_of(config.offload_optimizer.device);
-  const offload::Tier param_tier = tier_of(config.offload_param.device);
+                                                              kernels::Device& device, GPT2& model,
+                                                              comm::Communicator* dp) {
+  const bool zero3 = config.stage == 3 && dp != nullptr && dp->size() > 1;
+  offload::Tier opt_tier = tier_of(config.offload_optimizer.device);
+  offload::Tier param_tier = tier_of(config.offload_param.device);
+  if (zero3) {  // the shards live in host memory unless placed on nvme
+    if (opt_tier == offload::Tier::kDevice) opt_tier = offload::Tier::kHost;
+    if (param_tier == offload::Tier::kDevice) param_tier = offload::Tier::kHost;
+  }
   if (opt_tier == offload::Tier::kDevice) {
     return Status::invalid_argument(
         "zero_optimization.offload_param.device = {} needs zero_optimization.offload_optimizer.device = cpu or nvme: "
@@ -102,9 +114,23 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
                total > config.host_memory_limit / 2)
           ? offload::Tier::kNvme
           : offload::Tier::kHost;
-  rt->placements_ = fmt::format("parameters on {}, optimizer state on {}, gradients to {}",
+  rt->placements_ = fmt::format("{}parameters on {}, optimizer state on {}, gradients to {}",
+                                zero3 ? fmt::format("ZeRO-3 over {} ranks: shards of ", dp->size()) : "",
                                 offload::tier_name(param_tier), offload::tier_name(opt_tier),
                                 offload::tier_name(grad_tier));
+  if (zero3) {
+    if (grad_tier != offload::Tier::kHost)
+      return Status(StatusCode::kUnimplemented,
+                    "zero_optimization.stage 3 with gradients on nvme (memory.gradients) is not built yet; use host");
+    size_t small = 0;
+    for (const Unit& u : model.units()) small += u.numel() <= static_cast<size_t>(config.stage3_param_persistence_threshold);
+    if (small > 0)
+      STRATA_LOG_INFO("zero_optimization.stage 3: {} unit(s) under stage3_param_persistence_threshold are sharded and "
+                      "gathered like the others (persistent units are not built for stage 3 yet)",
+                      small);
+    // The coordinator issues its collectives from its own thread: on a communicator of its own.
+    STRATA_ASSIGN_OR_RETURN(rt->shard_group_, dp->split(0, dp->rank(), "dp.zero3"));
+  }
 
   // One file size that holds the largest key; files are preallocated, so no bigger than the state needs.
   const uint64_t file_bytes =
@@ -148,7 +174,7 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   co.nvme_buffers = static_cast<int>(config.offload_param.buffer_count);
   STRATA_ASSIGN_OR_RETURN(rt->coordinator_, offload::Coordinator::create(device, *rt->copies_, rt->pool_.get(),
                                                                          param_store, std::move(units), co,
-                                                                         grad_store));
+                                                                         grad_store, rt->shard_group_.get()));
   model.set_coordinator(rt->coordinator_.get());
 
   OffloadedAdamWOptions oo;
@@ -160,6 +186,7 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
                                                                  adam, oo, grad_store));
   // Each step's update overlaps the next forward: a unit's new parameters are published before its first use.
   OffloadedAdamW* opt = rt->optimizer_.get();
+  if (zero3) STRATA_RETURN_IF_ERROR(opt->set_gradient_reducer(dp));
   rt->coordinator_->set_before_use([opt](size_t unit) { return opt->publish_through(unit); });
   // And with the optimizer on nvme, updates start in the last backward as units' gradients are complete.
   model.set_on_grads_done([opt](size_t unit) { opt->grads_done(unit); });
@@ -194,6 +221,9 @@ OffloadStepReport OffloadRuntime::take_report() {
   r.h2d_busy_s = delta(copies_->h2d.stats(), &last_h2d_);
   r.d2h_busy_s = delta(copies_->d2h.stats(), &last_d2h_);
   r.nvme_busy_s = delta(copies_->nvme.stats(), &last_nvme_);
+  r.collectives_busy_s = delta(coordinator_->collective_stats(), &last_collectives_);
+  r.gather_bytes = cs.gather_bytes;
+  r.reduce_bytes = cs.reduce_bytes;
   r.device = offload::TierUsage{device_->live_bytes(), device_->peak_bytes(), device_->memory_limit()};
   r.host = offload::TierUsage{pool_->used_bytes(), pool_->peak_bytes(), pool_->budget_bytes()};
   uint64_t nvme = 0;

@@ -8,6 +8,11 @@
 // offload_optimizer (the fp32 master weights would otherwise have to stay on the device). Gradients go home to
 // host memory whenever the optimizer is offloaded.
 //
+// ZeRO-3 (zero_optimization.stage 3 over a data-parallel group of more than one rank): the coordinator keeps
+// only this rank's shard of every unit at home and gathers units for use, and the optimizer updates only the
+// shards. The shards live in host memory or on nvme; "none" for either target means host memory here (on the
+// CPU backend the device tier is host memory too).
+//
 // Threading: built and driven by the training thread; owns the copy and I/O threads.
 #pragma once
 
@@ -17,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "comm/communicator.h"
 #include "common/status.h"
 #include "engine/gpt2.h"
 #include "engine/offload_config.h"
@@ -42,6 +48,8 @@ struct OffloadStepReport {
   double h2d_busy_s = 0, d2h_busy_s = 0, nvme_busy_s = 0;  // copy queues' busy time
   uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_write_bytes = 0;
   uint64_t fetches = 0, prefetch_hits = 0, evictions = 0, retraces = 0;
+  uint64_t gather_bytes = 0, reduce_bytes = 0;  // ZeRO-3: units all-gathered, gradients reduce-scattered
+  double collectives_busy_s = 0;                // ZeRO-3: the coordinator's collectives (waiting for peers too)
   uint64_t early_start = 0;   // 1 when the optimizer's update started during backward (nvme)
   uint64_t early_groups = 0;  // sub-groups it updated before the norm was known
   uint64_t redone = 0;        // 1 when those updates were rolled back and the step redone
@@ -54,8 +62,10 @@ class OffloadRuntime {
  public:
   // Builds the stack for `model` (created offloaded, on `device`) and attaches the coordinator to it. The
   // model's parameters are zeros until written (init_gpt2, load_model); then call optimizer().adopt_params().
+  // `dp`: the data-parallel group (null: one rank); with stage 3 it must outlive the runtime.
   static Result<std::unique_ptr<OffloadRuntime>> create(const OffloadConfig& config, const AdamWConfig& adam,
-                                                        kernels::Device& device, GPT2& model);
+                                                        kernels::Device& device, GPT2& model,
+                                                        comm::Communicator* dp = nullptr);
   ~OffloadRuntime();
 
   Optimizer& optimizer() { return *optimizer_; }
@@ -81,7 +91,8 @@ class OffloadRuntime {
   std::unique_ptr<offload::CopyEngine> copies_;
   std::unique_ptr<offload::Coordinator> coordinator_;
   std::unique_ptr<OffloadedAdamW> optimizer_;
-  offload::CopyQueueStats last_h2d_, last_d2h_, last_nvme_;
+  std::unique_ptr<comm::Communicator> shard_group_;  // ZeRO-3: the coordinator's own copy of the dp group
+  offload::CopyQueueStats last_h2d_, last_d2h_, last_nvme_, last_collectives_;
   uint64_t nvme_peak_ = 0;
 };
 

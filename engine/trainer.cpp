@@ -44,17 +44,15 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
       options.data_parallel != nullptr && options.data_parallel->size() > 1 ? options.data_parallel : nullptr;
   const int dp_size = dp ? dp->size() : 1, dp_rank = dp ? dp->rank() : 0;
   const bool leader = dp_rank == 0;  // prints, writes metrics and checkpoints
+  // ZeRO-3: the offload stack's coordinator shards every unit over the ranks and gathers it for use, so every
+  // rank runs every forward (validation too) and takes part in checkpoints.
+  const bool zero3 = dp != nullptr && config.offload.stage == 3;
   if (dp) {
-    if (offload_enabled(config.offload) && config.offload.stage != 0)
+    if (offload_enabled(config.offload) && (config.offload.stage == 1 || config.offload.stage == 2))
       return Status(StatusCode::kUnimplemented,
                     fmt::format("{}: zero_optimization.stage {} over {} data-parallel ranks with offload_param/"
-                                "offload_optimizer is not built yet; with offload_optimizer alone, stage 0 works "
-                                "(every rank offloads the whole optimizer state)",
-                                config.source, config.offload.stage, dp_size));
-    if (config.offload.stage > 2)
-      return Status(StatusCode::kUnimplemented,
-                    fmt::format("{}: zero_optimization.stage {} shards the parameters over the {} data-parallel "
-                                "ranks, which is not built yet; use stage 0, 1 or 2",
+                                "offload_optimizer is not built yet; with offloading, use stage 3 (shards offloaded "
+                                "per rank) or stage 0 (every rank offloads the whole optimizer state)",
                                 config.source, config.offload.stage, dp_size));
     if (!leader) logger().set_level(spdlog::level::warn);
   }
@@ -88,7 +86,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
                   fmt::format("{}: data parallelism on the {} device needs the NCCL communicator, not built yet; use "
                               "compute.device cpu",
                               config.source, device->name()));
-  const bool offloaded = offload_enabled(config.offload);
+  const bool offloaded = offload_enabled(config.offload) || zero3;
   // The offload stack and the host pool of activation checkpoints are declared before the model, so the
   // model (whose host checkpoints come from a pool) is destroyed first.
   std::unique_ptr<OffloadRuntime> offload_stack;
@@ -104,18 +102,18 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   std::optional<AdamW> device_opt;
   std::unique_ptr<ShardedAdamW> sharded_opt;  // ZeRO stage 1 or 2 over the data-parallel ranks
   Optimizer* opt = nullptr;
-  if (dp && config.offload.stage >= 1) {
+  if (dp && (config.offload.stage == 1 || config.offload.stage == 2)) {
     STRATA_ASSIGN_OR_RETURN(sharded_opt, ShardedAdamW::create(model->units(), ac, *device, *dp, config.offload.stage));
     opt = sharded_opt.get();
     STRATA_LOG_INFO("zero_optimization.stage {}: Adam's moments sharded over {} ranks ({} of {} elements here)",
                     config.offload.stage, dp_size, sharded_opt->shard_elements(), model->num_params());
   } else if (offloaded) {
-    auto rt = OffloadRuntime::create(config.offload, ac, *device, *model);
+    auto rt = OffloadRuntime::create(config.offload, ac, *device, *model, dp);
     if (!rt.is_ok()) return rt.status().with_context(config.source);
     offload_stack = std::move(rt).value();
     opt = &offload_stack->optimizer();
-    // Over several ranks the offloaded optimizer sums the gradients where they are, in host memory.
-    if (dp) STRATA_RETURN_IF_ERROR(offload_stack->offloaded_optimizer().set_gradient_reducer(dp));
+    // Over several ranks (stage 0) the offloaded optimizer sums the gradients where they are, in host memory.
+    if (dp && !zero3) STRATA_RETURN_IF_ERROR(offload_stack->offloaded_optimizer().set_gradient_reducer(dp));
   } else {
     STRATA_ASSIGN_OR_RETURN(AdamW a, AdamW::create(model->units(), ac, *device));
     device_opt.emplace(std::move(a));
@@ -189,7 +187,8 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   std::vector<int32_t> x(static_cast<size_t>(B) * T), y(static_cast<size_t>(B) * T);
   TrainSummary summary;
   auto validate = [&]() -> Status {
-    if (!val || tc.val_batches == 0 || !leader) return Status::ok();  // every rank has the same weights
+    // Every rank has the same weights; under ZeRO-3 every rank takes part in gathering them.
+    if (!val || tc.val_batches == 0 || (!leader && !zero3)) return Status::ok();
     STRATA_RETURN_IF_ERROR(val->reset());
     const int n = static_cast<int>(std::min<uint64_t>(tc.val_batches, val->batches_per_epoch()));
     double sum = 0.0;
@@ -201,8 +200,10 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     summary.val_loss = static_cast<float>(sum / n);
     return Status::ok();
   };
-  // Rank 0 writes; with sharded moments the others hand it their slices while it does.
+  // Rank 0 writes; with sharded moments the others hand it their slices while it does (ZeRO-3: they make the
+  // same collective reads, in the same order).
   auto checkpoint = [&]() -> Status {
+    if (!leader && zero3) return take_part_in_checkpoint(*model, *opt);
     if (!leader) return sharded_opt ? sharded_opt->serve_checkpoint() : Status::ok();
     state.train_pos = train.position();
     auto saved = save_checkpoint(tc.checkpoint_dir, *model, *opt, state, tc.keep_checkpoints);

@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "comm/communicator.h"
 #include "common/check.h"
 #include "common/log.h"
 #include "common/timer.h"
@@ -71,7 +72,10 @@ struct Coordinator::Slot {
 struct Coordinator::State {
   struct UnitRec {
     CoordinatorUnit info;
-    size_t bytes = 0;
+    size_t bytes = 0;       // of the unit's parameters (or gradients)
+    size_t slot_bytes = 0;  // of a device copy: `bytes`, or under ZeRO-3 all ranks' padded shards
+    ShardRange shard;       // this rank's part (the whole unit unless sharded)
+    size_t home_bytes = 0;  // of this rank's part at home (len elements)
     bool persistent = false;
     Tier home = Tier::kHost;
     // Parameters.
@@ -94,6 +98,7 @@ struct Coordinator::State {
     PinnedBuffer host_grads;             // grad_home host
     std::vector<std::string> grad_keys;  // grad_home nvme, one per chunk
     double grad_sumsq = 0;               // grad_home nvme: sum of squares of the last download (on d2h thread)
+    bool grads_reduced = false;          // ZeRO-3: a reduce-scatter added to the home shard since zero_grads
   };
 
   kernels::Device& device;
@@ -119,9 +124,16 @@ struct Coordinator::State {
   size_t pos = 0;  // accesses of this step so far
   uint64_t clock = 0;
   CoordinatorStats stats;
+  // ZeRO-3: the group, one shard's worth of reduce-scatter output (used by one collective at a time), and the
+  // queue that runs every collective in order (declared last: destroyed first, while what its jobs use lives).
+  comm::Communicator* group = nullptr;
+  PinnedBuffer reduce_scratch;
+  std::unique_ptr<CopyQueue> collectives;
 
   State(kernels::Device& d, CopyEngine& c, PinnedPool* p, SwapStore* s, const CoordinatorOptions& o)
       : device(d), copies(c), pool(p), store(s), options(o) {}
+
+  bool sharded() const { return group != nullptr; }
 
   ~State() {
     for (UnitRec& r : units) {
@@ -325,14 +337,16 @@ struct Coordinator::State {
       if (!evict_one(sooner_than, /*params_only=*/true)) break;  // demand loads go over the soft cap, not fail
     }
     if (!demand && live_elements + r.info.numel > options.max_live_elements) return false;
-    auto slot = obtain(u, r.bytes, sooner_than, "parameters");
+    auto slot = obtain(u, r.slot_bytes, sooner_than, "parameters");
     if (!slot.is_ok()) {
       if (!demand && slot.status().code() == StatusCode::kOutOfMemory) return false;
       return slot.status();
     }
     Slot s = std::move(slot).value();
     void* dst = s.buf.data();
-    if (r.home == Tier::kHost) {
+    if (sharded()) {
+      r.params_ready = gather_params(r, s);
+    } else if (r.home == Tier::kHost) {
       r.params_ready = upload(dst, r.host_params.data(), r.bytes, s.fence, std::move(s.after));
     } else {
       STRATA_ASSERT(r.home == Tier::kNvme);
@@ -343,6 +357,65 @@ struct Coordinator::State {
     r.dev_params = std::move(s.buf);
     live_elements += r.info.numel;
     return true;
+  }
+
+  // ZeRO-3: queues the all-gather of every rank's shard of r's parameters into the slot (from the home copy,
+  // or through a read-staging buffer from nvme).
+  CopyTicket gather_params(UnitRec& r, Slot& s) {
+    std::shared_ptr<StagingLease> staging;
+    CopyTicket read;
+    if (r.home == Tier::kNvme) {
+      staging = std::make_shared<StagingLease>(&read_staging);
+      const size_t chunk = options.nvme_chunk_elements * sizeof(float);
+      read = copies.nvme.submit(
+          [staging, st = store, keys = r.nvme_keys, chunk, bytes = r.home_bytes] {
+            staging->take();
+            return read_chunks(*st, keys, chunk, staging->buf->data(), bytes);
+          },
+          r.home_bytes);
+      stats.nvme_read_bytes += r.home_bytes;
+    }
+    stats.gather_bytes += r.slot_bytes;
+    return collectives->submit(
+        [g = group, dst = s.buf.data(), home = r.host_params.data(), staging, read, stride = r.shard.stride,
+         fence = s.fence, reuse = std::move(s.after)]() mutable {
+          wait_all(reuse);
+          fence.wait();
+          // The collective runs whatever became of this rank's read, so the ranks stay in step; a failed read
+          // fails the job after it.
+          const Status got = read.wait();
+          const Status gathered = g->all_gather(staging ? staging->buf->data() : home, dst, stride, DType::kF32);
+          staging.reset();
+          return got.is_ok() ? gathered : got;
+        },
+        r.slot_bytes);
+  }
+
+  // ZeRO-3: queues the reduce-scatter of unit u's device gradient (after `fence`), adding this rank's part to
+  // its home shard (the first since zero_grads replaces it). The device copy is then consumed.
+  void reduce_grads(UnitRec& r, kernels::DeviceFence fence) {
+    const bool first = !r.grads_reduced;
+    r.grads_reduced = true;
+    stats.reduce_bytes += r.slot_bytes;
+    r.grads_download = collectives->submit(
+        [g = group, src = r.dev_grads.data(), home = r.host_grads.as<float>(), scratch = reduce_scratch.as<float>(),
+         stride = r.shard.stride, len = r.shard.len, first, fence] {
+          fence.wait();
+          STRATA_RETURN_IF_ERROR(g->reduce_scatter(src, first ? home : scratch, stride, DType::kF32,
+                                                   comm::ReduceOp::kSum));
+          if (!first) {
+            for (size_t i = 0; i < len; ++i) home[i] += scratch[i];
+          }
+          return Status::ok();
+        },
+        r.slot_bytes);
+  }
+
+  void drop_params(UnitRec& r) {
+    if (r.persistent || r.dev_params.data() == nullptr) return;
+    to_spare(std::move(r.dev_params), r.params_last_use, {r.params_ready});
+    r.params_ready = CopyTicket();
+    live_elements -= r.info.numel;
   }
 
   // Queues the upload of unit u's accumulated host gradient into a device buffer (sooner_than as load_params).
@@ -426,8 +499,24 @@ Coordinator::~Coordinator() = default;
 Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device, CopyEngine& copies,
                                                          PinnedPool* pool, SwapStore* store,
                                                          std::vector<CoordinatorUnit> units,
-                                                         const CoordinatorOptions& options, SwapStore* grad_store) {
+                                                         const CoordinatorOptions& options, SwapStore* grad_store,
+                                                         comm::Communicator* shard_group) {
   if (grad_store == nullptr) grad_store = store;
+  if (shard_group != nullptr && shard_group->size() < 2) shard_group = nullptr;  // one rank: nothing to shard
+  if (shard_group != nullptr) {
+    if (options.param_home != Tier::kHost && options.param_home != Tier::kNvme)
+      return Status::invalid_argument("offload: zero_optimization.stage 3 keeps each rank's parameter shard in host "
+                                      "memory or on nvme (offload_param.device cpu or nvme), not on the device");
+    if (options.grad_home != Tier::kHost)
+      return Status(StatusCode::kUnimplemented,
+                    "offload: zero_optimization.stage 3 with gradients on nvme (memory.gradients) is not built yet; "
+                    "use host");
+    if (!device.host_accessible())
+      return Status(StatusCode::kUnimplemented,
+                    fmt::format("offload: zero_optimization.stage 3 over MPI needs device memory the host can "
+                                "address; the {} device needs the NCCL communicator, not built yet",
+                                device.name()));
+  }
   if (options.nvme_chunk_elements == 0 || options.nvme_chunk_elements % 1024 != 0)
     return Status::invalid_argument("offload: nvme_chunk_elements must be a positive multiple of 1024, got {}",
                                     options.nvme_chunk_elements);
@@ -442,25 +531,42 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
     return Status::invalid_argument("offload_param.buffer_count must be >= 1, got {}", options.nvme_buffers);
   auto s = std::make_unique<State>(device, copies, pool, store, options);
   s->grad_store = grad_store;
+  s->group = shard_group;
+  const size_t ranks = shard_group ? static_cast<size_t>(shard_group->size()) : 1;
+  const size_t rank = shard_group ? static_cast<size_t>(shard_group->rank()) : 0;
+  size_t largest_stride = 0;
   s->units.resize(units.size());
   for (size_t u = 0; u < units.size(); ++u) {
     State::UnitRec& r = s->units[u];
     r.info = std::move(units[u]);
     if (r.info.numel == 0) return Status::invalid_argument("offload: unit '{}' has no parameters", r.info.name);
     r.bytes = r.info.numel * sizeof(float);
-    r.persistent = options.param_home == Tier::kDevice || r.info.numel <= options.persistence_threshold;
+    if (shard_group != nullptr) {
+      r.shard.stride = ((r.info.numel + ranks - 1) / ranks + 15) / 16 * 16;
+      r.shard.lo = std::min(r.info.numel, rank * r.shard.stride);
+      r.shard.len = std::min(r.info.numel, r.shard.lo + r.shard.stride) - r.shard.lo;
+      largest_stride = std::max(largest_stride, r.shard.stride);
+    } else {
+      r.shard = ShardRange{0, r.info.numel, r.info.numel};
+    }
+    r.slot_bytes = ranks * r.shard.stride * sizeof(float);
+    r.home_bytes = r.shard.len * sizeof(float);
+    const size_t home_capacity = r.shard.stride * sizeof(float);  // room for a padded shard
+    r.persistent = shard_group == nullptr &&
+                   (options.param_home == Tier::kDevice || r.info.numel <= options.persistence_threshold);
     r.home = r.persistent ? Tier::kDevice : options.param_home;
-    const size_t chunks = (r.info.numel + options.nvme_chunk_elements - 1) / options.nvme_chunk_elements;
+    const size_t chunks = (r.shard.len + options.nvme_chunk_elements - 1) / options.nvme_chunk_elements;
     if (options.grad_home == Tier::kNvme) {
       for (size_t k = 0; k < chunks; ++k) r.grad_keys.push_back(fmt::format("grad.{}.{}", r.info.name, k));
     } else {
-      STRATA_ASSIGN_OR_RETURN(r.host_grads, pool->try_acquire(r.bytes, "offload.grads " + r.info.name));
+      STRATA_ASSIGN_OR_RETURN(r.host_grads, pool->try_acquire(home_capacity, "offload.grads " + r.info.name));
+      std::memset(r.host_grads.data(), 0, home_capacity);
     }
     if (r.home == Tier::kDevice) {
       STRATA_ASSIGN_OR_RETURN(r.dev_params, device.allocate(r.bytes, "offload.persistent " + r.info.name));
     } else if (r.home == Tier::kHost) {
-      STRATA_ASSIGN_OR_RETURN(r.host_params, pool->try_acquire(r.bytes, "offload.params " + r.info.name));
-      std::memset(r.host_params.data(), 0, r.bytes);
+      STRATA_ASSIGN_OR_RETURN(r.host_params, pool->try_acquire(home_capacity, "offload.params " + r.info.name));
+      std::memset(r.host_params.data(), 0, home_capacity);
     } else {
       r.nvme_written.assign(chunks, false);
       for (size_t k = 0; k < chunks; ++k) r.nvme_keys.push_back(fmt::format("{}{}.{}", options.key_prefix, r.info.name, k));
@@ -468,8 +574,14 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
   }
   size_t largest_read = 0, largest_write = 0;
   for (const State::UnitRec& r : s->units) {
-    if (r.home == Tier::kNvme || options.grad_home == Tier::kNvme) largest_read = std::max(largest_read, r.bytes);
-    if (options.grad_home == Tier::kNvme) largest_write = std::max(largest_write, r.bytes);
+    const size_t capacity = r.shard.stride * sizeof(float);  // a gather sends a whole padded shard
+    if (r.home == Tier::kNvme || options.grad_home == Tier::kNvme) largest_read = std::max(largest_read, capacity);
+    if (options.grad_home == Tier::kNvme) largest_write = std::max(largest_write, capacity);
+  }
+  if (shard_group != nullptr) {
+    STRATA_ASSIGN_OR_RETURN(s->reduce_scratch,
+                            pool->try_acquire(largest_stride * sizeof(float), "offload.zero3 reduce-scatter"));
+    s->collectives = std::make_unique<CopyQueue>("collectives");
   }
   for (int i = 0; i < options.nvme_buffers; ++i) {
     if (largest_read > 0) {
@@ -499,6 +611,29 @@ Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float*
   // left no valid device copy.
   (void)r.params_home_read.wait();
   if (!r.params_ready.wait().is_ok()) s_->drop_failed_params(r);
+  if (s_->sharded()) {
+    s_->drop_params(r);  // other ranks' parts of it may change too
+    const size_t lo = std::max(offset, r.shard.lo), hi = std::min(offset + n, r.shard.lo + r.shard.len);
+    if (lo >= hi) return Status::ok();
+    const float* src = host + (lo - offset);
+    if (r.home == Tier::kHost) {
+      std::memcpy(r.host_params.as<float>() + (lo - r.shard.lo), src, (hi - lo) * sizeof(float));
+      return Status::ok();
+    }
+    const size_t chunk = s_->options.nvme_chunk_elements;
+    const size_t at = lo - r.shard.lo, len = hi - lo;
+    if (at % chunk != 0 || (len % chunk != 0 && hi != r.shard.lo + r.shard.len))
+      return Status::invalid_argument("offload: write of [{}, {}) of unit '{}' does not cover whole nvme chunks of {} "
+                                      "of this rank's shard [{}, {})",
+                                      offset, offset + n, r.info.name, chunk, r.shard.lo, r.shard.lo + r.shard.len);
+    for (size_t off = 0; off < len; off += chunk) {
+      const size_t k = (at + off) / chunk;
+      STRATA_RETURN_IF_ERROR(s_->store->write(r.nvme_keys[k], src + off, std::min(chunk, len - off) * sizeof(float)));
+      r.nvme_written[k] = true;
+    }
+    s_->stats.nvme_write_bytes += len * sizeof(float);
+    return Status::ok();
+  }
   const size_t bytes = n * sizeof(float);
   const kernels::DeviceFence fence = r.params_last_use;
   if (r.home == Tier::kHost) {
@@ -528,9 +663,44 @@ Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float*
   return s_->upload(dst, host, bytes, fence).wait();
 }
 
+Status Coordinator::read_shard(size_t u, float* host) {
+  STRATA_ASSERT(u < s_->units.size());
+  if (!s_->sharded()) return read_params(u, host);
+  State::UnitRec& r = s_->units[u];
+  if (r.home == Tier::kHost) {
+    std::memcpy(host, r.host_params.data(), r.home_bytes);
+    return Status::ok();
+  }
+  STRATA_RETURN_IF_ERROR(State::check_written(r));
+  return read_chunks(*s_->store, r.nvme_keys, s_->options.nvme_chunk_elements * sizeof(float), host, r.home_bytes);
+}
+
+bool Coordinator::sharded() const { return s_->sharded(); }
+
+ShardRange Coordinator::shard(size_t u) const { return s_->units[u].shard; }
+
+void Coordinator::drop_device_params() {
+  for (State::UnitRec& r : s_->units) {
+    STRATA_ASSERT_MSG(r.in_use == 0, "drop_device_params with a unit between acquire and release");
+    s_->drop_params(r);
+  }
+}
+
 Status Coordinator::read_params(size_t u, float* host) {
   STRATA_ASSERT(u < s_->units.size());
   State::UnitRec& r = s_->units[u];
+  if (s_->sharded()) {  // every rank's shard, gathered in order with the other collectives
+    const size_t ranks = static_cast<size_t>(s_->group->size());
+    std::vector<float> mine(r.shard.stride, 0.0f), all(ranks * r.shard.stride);
+    STRATA_RETURN_IF_ERROR(read_shard(u, mine.data()));
+    comm::Communicator* g = s_->group;
+    const Status gathered =
+        s_->collectives->submit([&] { return g->all_gather(mine.data(), all.data(), mine.size(), DType::kF32); })
+            .wait();
+    STRATA_RETURN_IF_ERROR(gathered.with_context("offload: gathering unit '" + r.info.name + "'"));
+    std::memcpy(host, all.data(), r.bytes);
+    return Status::ok();
+  }
   STRATA_RETURN_IF_ERROR(r.params_ready.wait().with_context("offload: loading unit '" + r.info.name + "'"));
   if (r.home == Tier::kHost) {
     std::memcpy(host, r.host_params.data(), r.bytes);
@@ -586,7 +756,7 @@ Result<UnitView> Coordinator::acquire(size_t u, Pass pass) {
         break;
       case GradState::kZero: {
         if (r.dev_grads.data() == nullptr) {
-          auto slot = s.obtain(u, r.bytes, 0, "gradients");
+          auto slot = s.obtain(u, r.slot_bytes, 0, "gradients");
           if (!slot.is_ok()) return fail(slot.status());
           Timer wait;
           wait_all(slot->after);  // jobs that used the slot before
@@ -595,7 +765,7 @@ Result<UnitView> Coordinator::acquire(size_t u, Pass pass) {
         } else {
           (void)r.grads_download.wait();  // the stale copy's last reader; the zeros replace it anyway
         }
-        s.device.zero(r.dev_grads.data(), r.bytes);  // in order with the kernels
+        s.device.zero(r.dev_grads.data(), r.slot_bytes);  // in order with the kernels (and a shard's padding)
         r.grad_state = GradState::kDevice;
         break;
       }
@@ -638,6 +808,12 @@ void Coordinator::release(size_t u, Pass pass) {
   if (!uses_grads(pass)) return;
   r.grads_last_use = fence;
   if (r.in_use > 0) return;  // still being added to
+  if (s.sharded()) {
+    s.reduce_grads(r, fence);
+    r.grad_state = GradState::kZero;  // consumed: a later use this step starts from zeros again
+    if (s.next_use(true)[u] == kNever || !s.replaying()) s.to_spare(std::move(r.dev_grads), fence, {r.grads_download});
+    return;
+  }
   // Send the gradient home now, overlapping the rest of backward; the device copy stays valid until evicted.
   kernels::Device* dev = &s.device;
   const void* src = r.dev_grads.data();
@@ -696,11 +872,22 @@ Status Coordinator::zero_grads() {
     r.grads_download = CopyTicket();
     r.grads_ready = CopyTicket();
     r.grad_state = GradState::kZero;
+    r.grads_reduced = false;
   }
   return Status::ok();
 }
 
 Status Coordinator::flush_grads() {
+  if (s_->sharded()) {
+    for (State::UnitRec& r : s_->units) {
+      STRATA_ASSERT_MSG(r.in_use == 0, "flush_grads with a unit between acquire and release");
+      STRATA_ASSERT_MSG(r.grad_state == GradState::kZero, "a device gradient without a release");
+      STRATA_RETURN_IF_ERROR(s_->wait_ticket(r.grads_download, r, "gradients"));
+      if (!r.grads_reduced) std::memset(r.host_grads.data(), 0, r.home_bytes);  // no backward used it
+      if (r.dev_grads.data() != nullptr) s_->to_spare(std::move(r.dev_grads), r.grads_last_use, {});
+    }
+    return Status::ok();
+  }
   for (State::UnitRec& r : s_->units) {
     STRATA_ASSERT_MSG(r.in_use == 0, "flush_grads with a unit between acquire and release");
     switch (r.grad_state) {
@@ -737,6 +924,7 @@ const float* Coordinator::host_grads(size_t u) const { return s_->units[u].host_
 float* Coordinator::host_grads_for_update(size_t u) {
   State::UnitRec& r = s_->units[u];
   STRATA_ASSERT_MSG(s_->options.grad_home == Tier::kHost, "host_grads_for_update with gradients on nvme");
+  STRATA_ASSERT_MSG(!s_->sharded(), "host_grads_for_update under ZeRO-3 (the gradients are reduced already)");
   STRATA_ASSERT_MSG(r.grad_state == GradState::kHost || r.grad_state == GradState::kBoth,
                     "host_grads_for_update before flush_grads");
   if (r.dev_grads.data() != nullptr) {
@@ -754,7 +942,7 @@ CopyTicket Coordinator::grads_home_ticket(size_t u) const { return s_->units[u].
 double Coordinator::grad_sum_squares(size_t u) const {
   const State::UnitRec& r = s_->units[u];
   if (s_->options.grad_home == Tier::kNvme) return r.grad_sumsq;
-  return kernels::cpu::fast::add_sum_squares(0.0, r.host_grads.as<float>(), r.info.numel);
+  return kernels::cpu::fast::add_sum_squares(0.0, r.host_grads.as<float>(), r.shard.len);
 }
 
 Residency Coordinator::residency(size_t u, StateClass what) const {
@@ -776,6 +964,10 @@ Residency Coordinator::residency(size_t u, StateClass what) const {
   return res;
 }
 
+
+CopyQueueStats Coordinator::collective_stats() const {
+  return s_->collectives ? s_->collectives->stats() : CopyQueueStats{};
+}
 
 CoordinatorStats Coordinator::take_stats() {
   CoordinatorStats out = s_->stats;

@@ -25,6 +25,19 @@
 // swap store keys "<key_prefix><unit>.<chunk>" (gradients: "grad.<unit>.<chunk>") of at most
 // `nvme_chunk_elements` elements each.
 //
+// ZeRO-3 (create with a `shard_group` of D > 1 ranks): every unit's flat buffer is padded to D equal shards of
+// `stride` elements (a multiple of 16) and this rank keeps only its own, [rank * stride, (rank + 1) * stride)
+// clipped to the unit, at home (host or nvme). Loading a unit onto the device all-gathers the shards into a
+// slot of D x stride elements; releasing it after a backward reduce-scatters the gradient and adds this rank's
+// part to its gradient shard at home (host), so gradients sum over the micro-batches as they go (another
+// association than one rank's local accumulation: equal within fp32 rounding). No unit is persistent. The
+// collectives run in order on a queue of their own ("collectives"), on `shard_group` only; every rank issues
+// the same ones in the same order because the coordinator's decisions depend only on the access sequence and
+// the budgets, which are the same on every rank. A collective runs even when its data failed to arrive here
+// (the error is reported after it), so the ranks' collectives never fall out of step. write_params and
+// read_shard address this rank's shard in unit coordinates; read_params gathers a whole unit (collective).
+// The optimizer calls drop_device_params() on every rank after it changed the shards.
+//
 // Threading: one driving thread calls everything; copies run on the CopyEngine's queues. Destruction waits for
 // every job it queued. Errors (a failed read, a budget too small for the working set) come back as Status and
 // name the unit and tier.
@@ -43,6 +56,10 @@
 #include "offload/pinned_pool.h"
 #include "offload/tiers.h"
 #include "storage/swap_store.h"
+
+namespace strata::comm {
+class Communicator;
+}
 
 namespace strata::offload {
 
@@ -69,6 +86,12 @@ enum class Pass : uint8_t {
   kGradients,  // adds to its gradients only (the embedding's backward)
 };
 
+// This rank's part of a unit under ZeRO-3 (the whole unit otherwise).
+struct ShardRange {
+  size_t lo = 0, len = 0;  // the unit's elements [lo, lo + len) (len may be 0 on the last ranks of a tiny unit)
+  size_t stride = 0;       // elements per rank's shard, padded: rank q's shard starts at q * stride
+};
+
 struct UnitView {
   float* params = nullptr;  // device memory, valid until release (null for kGradients)
   float* grads = nullptr;   // device memory holding the accumulated gradient (null for kForward)
@@ -81,6 +104,7 @@ struct CoordinatorStats {  // since the last take_stats()
   uint64_t prefetch_hits = 0;  // acquires whose parameters were already on the device or on their way
   uint64_t evictions = 0;
   uint64_t retraces = 0;   // times the access order differed from the trace
+  uint64_t gather_bytes = 0, reduce_bytes = 0;  // ZeRO-3: units all-gathered, gradients reduce-scattered
 };
 
 class Coordinator {
@@ -88,10 +112,13 @@ class Coordinator {
   // `pool` holds the host tier's buffers; `store` is needed when param_home is nvme, `grad_store` (default:
   // `store`) when grad_home is. Call write_params for each unit before the first step (parameters at home on
   // the device or host start as zeros; on nvme a unit has none until written, and using it is an error).
+  // `shard_group` (size > 1): ZeRO-3 over its ranks (param_home host or nvme, grad_home host, a device whose
+  // memory the communicator can address); the coordinator alone issues collectives on it, from its queue.
   static Result<std::unique_ptr<Coordinator>> create(kernels::Device& device, CopyEngine& copies, PinnedPool* pool,
                                                      SwapStore* store, std::vector<CoordinatorUnit> units,
                                                      const CoordinatorOptions& options,
-                                                     SwapStore* grad_store = nullptr);
+                                                     SwapStore* grad_store = nullptr,
+                                                     comm::Communicator* shard_group = nullptr);
   ~Coordinator();
   Coordinator(const Coordinator&) = delete;
   Coordinator& operator=(const Coordinator&) = delete;
@@ -101,11 +128,20 @@ class Coordinator {
   const CoordinatorOptions& options() const { return options_; }
 
   // Elements [offset, offset + n) of unit u's parameters become host[0..n) at home, and on the device when it
-  // has a copy. With home nvme, offset and n must cover whole chunks (or reach the unit's end).
+  // has a copy. With home nvme, offset and n must cover whole chunks (or reach the unit's end). ZeRO-3: only
+  // the part inside this rank's shard is kept (chunks count from the shard's start), and a device copy is
+  // dropped (the other ranks' parts of it may be stale).
   Status write_params(size_t u, size_t offset, size_t n, const float* host);
   Status write_params(size_t u, const float* host) { return write_params(u, 0, unit(u).numel, host); }
-  // The current parameters of unit u into host[0..numel).
+  // The current parameters of unit u into host[0..numel). ZeRO-3: gathered from every rank (collective).
   Status read_params(size_t u, float* host);
+  // This rank's part of unit u's parameters (shard(u): [lo, lo + len)) into host[0..len). No communication.
+  Status read_shard(size_t u, float* host);
+  bool sharded() const;
+  ShardRange shard(size_t u) const;
+  // ZeRO-3: every device copy of parameters is dropped (the next use gathers the new shards). Call on every
+  // rank at the same point, with no unit in use.
+  void drop_device_params();
 
   // Called at the start of every acquire with the unit about to be used, or SIZE_MAX for a backward use (which
   // will overwrite gradients): the offloaded optimizer publishes the new parameters of an update that runs in
@@ -122,7 +158,8 @@ class Coordinator {
   // Waits until every gradient is at its home (zeros for a unit no backward touched). Then, until the next
   // acquire: host_grads(u) is unit u's accumulated gradient (grad_home host; null with nvme, where the
   // optimizer reads grad_keys(u), chunks of nvme_chunk_elements), and grad_sum_squares(u) its sum of squares
-  // (kernels/cpu/fast.h add_sum_squares from 0 over the unit, whichever the home).
+  // (kernels/cpu/fast.h add_sum_squares from 0 over the unit, whichever the home). ZeRO-3: this rank's shard
+  // of the gradient summed over the group (shard(u).len elements) and its sum of squares.
   Status flush_grads();
   const float* host_grads(size_t u) const;
   // The same gradient for changing in place before the optimizer reads it (summing it over data-parallel
@@ -136,6 +173,7 @@ class Coordinator {
 
   Residency residency(size_t u, StateClass what) const;  // kParams or kGrads
   CoordinatorStats take_stats();   // the counters since the last call, then zeroes them
+  CopyQueueStats collective_stats() const;  // ZeRO-3's queue of collectives (zeros otherwise)
 
  private:
   struct Slot;
