@@ -5,6 +5,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 
 #include <fmt/format.h>
@@ -162,11 +163,28 @@ Status MpiCommunicator::reduce_scatter(const void* send, void* recv, size_t coun
   if (dtype != DType::kF32)
     return Status::invalid_argument("reduce_scatter on group '{}': reductions are fp32 only, got {}", name_,
                                     dtype_name(dtype));
+  const char* what = op == ReduceOp::kSum ? "reduce_scatter(sum)" : "reduce_scatter(max)";
   MPI_Request req;
-  if (int rc = MPI_Ireduce_scatter_block(send, recv, static_cast<int>(count), MPI_FLOAT, mpi_op(op), comm_, &req);
-      rc != MPI_SUCCESS)
-    return mpi_error(rc, "reduce_scatter");
-  return wait(&req, "reduce_scatter", count);
+  if (count <= kReducePiece) {
+    if (int rc = MPI_Ireduce_scatter_block(send, recv, static_cast<int>(count), MPI_FLOAT, mpi_op(op), comm_, &req);
+        rc != MPI_SUCCESS)
+      return mpi_error(rc, what);
+    return wait(&req, what, count);
+  }
+  // Piece by piece: rank q's part of piece [a, a + k) is send[q * count + a, + k).
+  const auto* in = static_cast<const float*>(send);
+  pack_.resize(static_cast<size_t>(size_) * kReducePiece);
+  for (size_t a = 0; a < count; a += kReducePiece) {
+    const size_t k = std::min(kReducePiece, count - a);
+    for (size_t q = 0; q < static_cast<size_t>(size_); ++q)
+      std::memcpy(pack_.data() + q * k, in + q * count + a, k * sizeof(float));
+    if (int rc = MPI_Ireduce_scatter_block(pack_.data(), static_cast<float*>(recv) + a, static_cast<int>(k), MPI_FLOAT,
+                                           mpi_op(op), comm_, &req);
+        rc != MPI_SUCCESS)
+      return mpi_error(rc, what);
+    STRATA_RETURN_IF_ERROR(wait(&req, what, k));
+  }
+  return Status::ok();
 }
 
 Status MpiCommunicator::broadcast(void* buf, size_t count, DType dtype, int root) {

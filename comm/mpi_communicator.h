@@ -6,6 +6,11 @@
 // poisoned (every later call fails at once: the group's state is unknown) and the job must stop, normally by
 // mpi_abort(), which brings every rank down.
 //
+// Large reductions: Open MPI's reduce-scatter of more than a few MiB per rank ran at 0.13 GB/s on the CI
+// machine (against 2.6-3.0 GB/s up to 4 MiB; `strata bench comm`), so reduce_scatter cuts a larger one into
+// pieces of kReducePiece elements per rank, each packed into a buffer of the communicator's (the copy costs a
+// memcpy of the input; the reduction is elementwise, so the result is the same).
+//
 // Threading: MPI is initialized with MPI_THREAD_MULTIPLE where the library provides it (else SERIALIZED); a
 // communicator is used by one thread at a time.
 #pragma once
@@ -66,6 +71,10 @@ class MpiCommunicator final : public Communicator {
   uint64_t calls_ = 0;
   bool poisoned_ = false;
   std::vector<MPI_Request> abandoned_;  // requests a timeout gave up on; completed (bounded) at destruction
+  std::vector<float> pack_;              // one piece of a large reduce-scatter: size() x kReducePiece
+
+ public:
+  static constexpr size_t kReducePiece = size_t{1} << 20;  // elements per rank per reduce-scatter call
 };
 
 }  // namespace strata::comm

@@ -84,6 +84,24 @@ TEST(MpiCommTest, CollectivesMatchTheirDefinitions) {
   EXPECT_EQ(w->send(mine.data(), 1, DType::kF32, n, 0).code(), StatusCode::kInvalidArgument);
 }
 
+// A reduce-scatter larger than one piece (cut into pieces of kReducePiece per rank, packed) and an all-gather in
+// place (send is this rank's part of recv) give what their definitions say.
+TEST(MpiCommTest, LargeReduceScatterAndInPlaceAllGather) {
+  auto w = world();
+  const int r = w->rank(), n = w->size();
+  const size_t count = 2 * MpiCommunicator::kReducePiece + 777;  // two whole pieces and a short one
+  std::vector<float> whole(count * n), shard(count);
+  for (size_t i = 0; i < whole.size(); ++i) whole[i] = static_cast<float>((i % 4093) * (r + 1));
+  ASSERT_TRUE(w->reduce_scatter(whole.data(), shard.data(), count, DType::kF32, ReduceOp::kSum).is_ok());
+  const float ranks = static_cast<float>(n * (n + 1) / 2);
+  for (size_t i = 0; i < count; ++i) ASSERT_EQ(shard[i], ranks * static_cast<float>((r * count + i) % 4093)) << i;
+
+  std::vector<float> gathered(count * n, -1.0f);
+  std::copy(shard.begin(), shard.end(), gathered.begin() + static_cast<std::ptrdiff_t>(r * count));
+  ASSERT_TRUE(w->all_gather(gathered.data() + r * count, gathered.data(), count, DType::kF32).is_ok());
+  for (size_t i = 0; i < gathered.size(); ++i) ASSERT_EQ(gathered[i], ranks * static_cast<float>(i % 4093)) << i;
+}
+
 // Every (tp, pp) that factors 4 ranks: coordinates round-trip, and a sum over each group adds exactly the world
 // ranks that share the other two coordinates.
 TEST(MpiCommTest, GridGroupsAreTheRanksSharingTheOtherCoordinates) {
