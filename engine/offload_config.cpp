@@ -66,6 +66,13 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   STRATA_RETURN_IF_ERROR(z.get_int_or_auto("stage3_max_reuse_distance", &c->stage3_max_reuse_distance));
   STRATA_RETURN_IF_ERROR(
       z.get_int_or_auto("stage3_param_persistence_threshold", &c->stage3_param_persistence_threshold));
+  STRATA_RETURN_IF_ERROR(z.get_int_or_auto("reduce_bucket_size", &c->reduce_bucket_size));
+  STRATA_RETURN_IF_ERROR(z.get_int_or_auto("allgather_bucket_size", &c->allgather_bucket_size));
+  c->overlap_comm = c->stage == 3;  // DeepSpeed's default by stage
+  STRATA_RETURN_IF_ERROR(z.get_bool("overlap_comm", &c->overlap_comm));
+  STRATA_RETURN_IF_ERROR(z.get_bool("contiguous_gradients", &c->contiguous_gradients));
+  STRATA_RETURN_IF_ERROR(z.get_bool("reduce_scatter", &c->reduce_scatter));
+  STRATA_RETURN_IF_ERROR(z.get_bool("allgather_partitions", &c->allgather_partitions));
   STRATA_RETURN_IF_ERROR(z.finish());
   if (c->stage < 0 || c->stage > 3)
     return Status::invalid_argument("{}: zero_optimization.stage must be 0, 1, 2 or 3, got {}", source, c->stage);
@@ -77,7 +84,9 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   for (auto [key, v] : {std::pair{"sub_group_size", c->sub_group_size},
                         std::pair{"stage3_prefetch_bucket_size", c->stage3_prefetch_bucket_size},
                         std::pair{"stage3_max_live_parameters", c->stage3_max_live_parameters},
-                        std::pair{"stage3_max_reuse_distance", c->stage3_max_reuse_distance}}) {
+                        std::pair{"stage3_max_reuse_distance", c->stage3_max_reuse_distance},
+                        std::pair{"reduce_bucket_size", c->reduce_bucket_size},
+                        std::pair{"allgather_bucket_size", c->allgather_bucket_size}}) {
     if (v <= 0) return Status::invalid_argument("{}: zero_optimization.{} must be positive, got {}", source, key, v);
   }
   if (c->stage3_param_persistence_threshold < 0)
@@ -145,6 +154,15 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   target("offload_param", c->offload_param, d.offload_param);
   target("offload_optimizer", c->offload_optimizer, d.offload_optimizer);
   note("zero_optimization.stage3_max_reuse_distance", c->stage3_max_reuse_distance, d.stage3_max_reuse_distance);
+  note("zero_optimization.reduce_bucket_size", c->reduce_bucket_size, d.reduce_bucket_size);
+  note("zero_optimization.allgather_bucket_size", c->allgather_bucket_size, d.allgather_bucket_size);
+  // What the engine does regardless; a setting that asks otherwise is not happening.
+  if (!c->overlap_comm && c->stage == 3) c->not_acted_on.push_back("zero_optimization.overlap_comm = false");
+  if (c->overlap_comm && (c->stage == 1 || c->stage == 2))
+    c->not_acted_on.push_back("zero_optimization.overlap_comm = true (stages 1 and 2 reduce after backward)");
+  note("zero_optimization.contiguous_gradients", c->contiguous_gradients, d.contiguous_gradients);
+  if (!c->reduce_scatter && c->stage == 2) c->not_acted_on.push_back("zero_optimization.reduce_scatter = false");
+  note("zero_optimization.allgather_partitions", c->allgather_partitions, d.allgather_partitions);
   note("aio.block_size", c->aio.block_size, d.aio.block_size);
   note("aio.queue_depth", c->aio.queue_depth, d.aio.queue_depth);
   note("aio.intra_op_parallelism", c->aio.intra_op_parallelism, d.aio.intra_op_parallelism);

@@ -67,6 +67,16 @@ struct OffloadConfig {
   int64_t stage3_max_live_parameters = 1'000'000'000;
   int64_t stage3_max_reuse_distance = 1'000'000'000;
   int64_t stage3_param_persistence_threshold = 100'000;
+  // Communication keys, DeepSpeed's names and defaults. Acted on as they stand: gradients are always contiguous
+  // (one flat buffer per unit), stage 2 reduce-scatters, stage 3's reduce-scatters overlap backward (its
+  // collectives run on the coordinator's queue). Collectives go per unit (or per tensor), large reductions in
+  // pieces of 1M elements per rank (comm/mpi_communicator.h), so the bucket sizes are not acted on yet.
+  int64_t reduce_bucket_size = 500'000'000;
+  int64_t allgather_bucket_size = 500'000'000;
+  bool overlap_comm = false;  // DeepSpeed's default by stage: true for stage 3, false otherwise
+  bool contiguous_gradients = true;
+  bool reduce_scatter = true;
+  bool allgather_partitions = true;
   AioConfig aio;
   ActivationCheckpointConfig activation_checkpointing;
   uint64_t device_memory_limit = 0;  // memory.device_memory_limit, bytes; 0: what the device has. Acted on: the

@@ -84,7 +84,14 @@ Status OffloadRuntime::open_store(const std::string& path, uint64_t file_bytes, 
 Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConfig& config, const AdamWConfig& adam,
                                                               kernels::Device& device, GPT2& model,
                                                               comm::Communicator* dp) {
-  const bool zero3 = config.stage == 3 && dp != nullptr && dp->size() > 1;
+  // Stages 1 and 2 shard the optimizer state, and an offloaded one is the coordinator's business: they run as
+  // stage 3, the parameters gathered at their first use after a step instead of all-gathered after it (the
+  // same bytes when the model fits on the device).
+  const bool zero3 = config.stage >= 1 && dp != nullptr && dp->size() > 1;
+  if (zero3 && config.stage < 3)
+    STRATA_LOG_INFO("zero_optimization.stage {} with offload_optimizer over {} ranks: each rank offloads its shard of "
+                    "the optimizer state, with the parameters sharded as in stage 3",
+                    config.stage, dp->size());
   offload::Tier opt_tier = tier_of(config.offload_optimizer.device);
   offload::Tier param_tier = tier_of(config.offload_param.device);
   if (zero3) {  // the shards live in host memory unless placed on nvme

@@ -11,7 +11,9 @@
 // ZeRO-3 (zero_optimization.stage 3 over a data-parallel group of more than one rank): the coordinator keeps
 // only this rank's shard of every unit at home and gathers units for use, and the optimizer updates only the
 // shards. The shards live in host memory or on nvme; "none" for either target means host memory here (on the
-// CPU backend the device tier is host memory too).
+// CPU backend the device tier is host memory too). Stages 1 and 2 with offload_optimizer (DeepSpeed's
+// ZeRO-Offload) run the same way: the parameters, which those stages all-gather after every update, are
+// gathered at their first use instead.
 //
 // Threading: built and driven by the training thread; owns the copy and I/O threads.
 #pragma once

@@ -45,17 +45,11 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   const int dp_size = dp ? dp->size() : 1, dp_rank = dp ? dp->rank() : 0;
   const bool leader = dp_rank == 0;  // prints, writes metrics and checkpoints
   // ZeRO-3: the offload stack's coordinator shards every unit over the ranks and gathers it for use, so every
-  // rank runs every forward (validation too) and takes part in checkpoints.
-  const bool zero3 = dp != nullptr && config.offload.stage == 3;
-  if (dp) {
-    if (offload_enabled(config.offload) && (config.offload.stage == 1 || config.offload.stage == 2))
-      return Status(StatusCode::kUnimplemented,
-                    fmt::format("{}: zero_optimization.stage {} over {} data-parallel ranks with offload_param/"
-                                "offload_optimizer is not built yet; with offloading, use stage 3 (shards offloaded "
-                                "per rank) or stage 0 (every rank offloads the whole optimizer state)",
-                                config.source, config.offload.stage, dp_size));
-    if (!leader) logger().set_level(spdlog::level::warn);
-  }
+  // rank runs every forward (validation too) and takes part in checkpoints. Stages 1 and 2 with an offloaded
+  // optimizer run the same way (see offload_runtime.h).
+  const bool zero3 = dp != nullptr && (config.offload.stage == 3 ||
+                                       (config.offload.stage >= 1 && offload_enabled(config.offload)));
+  if (dp && !leader) logger().set_level(spdlog::level::warn);
   std::optional<tbb::global_control> threads;
   if (config.compute.threads > 0)
     threads.emplace(tbb::global_control::max_allowed_parallelism, config.compute.threads);
@@ -102,7 +96,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   std::optional<AdamW> device_opt;
   std::unique_ptr<ShardedAdamW> sharded_opt;  // ZeRO stage 1 or 2 over the data-parallel ranks
   Optimizer* opt = nullptr;
-  if (dp && (config.offload.stage == 1 || config.offload.stage == 2)) {
+  if (dp && !zero3 && (config.offload.stage == 1 || config.offload.stage == 2)) {
     STRATA_ASSIGN_OR_RETURN(sharded_opt, ShardedAdamW::create(model->units(), ac, *device, *dp, config.offload.stage));
     opt = sharded_opt.get();
     STRATA_LOG_INFO("zero_optimization.stage {}: Adam's moments sharded over {} ranks ({} of {} elements here)",

@@ -203,6 +203,7 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
       {"z0acc", {{"stage", 0}}, 2, 6, ""},
       {"z3acc", {{"stage", 3}, {"offload_param", {{"device", "cpu"}}}, {"offload_optimizer", {{"device", "cpu"}}}}, 2,
        6, ""},
+      {"z2offload", {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}}, 1, 6, ""},
       {"z3resumed", nvme, 1, 3, ""},
       {"z3resumed", nvme, 1, 6, "z3resumed"},
   };
@@ -242,6 +243,7 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
     check("z0", "z3host");
     check("z0", "z3nvme");
     check("z0acc", "z3acc");
+    check("z0", "z2offload");  // ZeRO-Offload: stage 2 with the optimizer offloaded runs sharded as stage 3
     // Not bitwise stage 0: the checks above would pass for an unsharded run too, so the norms must differ
     // somewhere (they are summed per rank's shard, then over the ranks).
     EXPECT_NE(losses(dir_ / "z0.jsonl"), losses(dir_ / "z3host.jsonl"));
@@ -256,10 +258,12 @@ TEST_F(DataParallelTest, ShardingAndOffloadAreRefusedByName) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
   ASSERT_TRUE(w.is_ok());
   json j = base_config("refused");
-  j["zero_optimization"] = {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}};  // stages 0 and 3 only
+  j["zero_optimization"] = {{"stage", 3},
+                            {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}}};
+  j["memory"] = {{"gradients", "nvme"}};
   const Status off = run_status(train(j, "", "", w.value().get()));
   EXPECT_EQ(off.code(), StatusCode::kUnimplemented) << off.to_string();
-  EXPECT_NE(off.message().find("offload"), std::string::npos) << off.to_string();
+  EXPECT_NE(off.message().find("gradients on nvme"), std::string::npos) << off.to_string();
 }
 
 }  // namespace

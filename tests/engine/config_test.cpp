@@ -79,7 +79,9 @@ TEST(ConfigTest, DeepSpeedOffloadSectionsCarryOver) {
                         "buffer_size": 1e8, "max_in_cpu": 1e9},
       "offload_optimizer": {"device": "cpu", "pin_memory": true, "pipeline_read": true},
       "sub_group_size": 1e9, "stage3_prefetch_bucket_size": "auto", "stage3_max_live_parameters": 2e9,
-      "stage3_max_reuse_distance": 1e9, "stage3_param_persistence_threshold": "auto"
+      "stage3_max_reuse_distance": 1e9, "stage3_param_persistence_threshold": "auto",
+      "overlap_comm": true, "contiguous_gradients": true, "reduce_scatter": true, "allgather_partitions": true,
+      "reduce_bucket_size": 2e8, "allgather_bucket_size": "auto"
     },
     "aio": {"block_size": 262144, "queue_depth": 32, "intra_op_parallelism": 1, "single_submit": false,
             "overlap_events": true},
@@ -104,10 +106,14 @@ TEST(ConfigTest, DeepSpeedOffloadSectionsCarryOver) {
   std::string listed;
   for (const auto& k : o.not_acted_on) listed += k + "\n";
   // Set away from their defaults: the ones nothing acts on yet are listed, the acted-on ones are not.
-  for (const char* key : {"zero_optimization.offload_optimizer.pipeline_read = true", "aio.block_size = 262144"})
+  EXPECT_EQ(o.reduce_bucket_size, 200000000);
+  EXPECT_TRUE(o.overlap_comm);
+  for (const char* key : {"zero_optimization.offload_optimizer.pipeline_read = true", "aio.block_size = 262144",
+                          "zero_optimization.reduce_bucket_size = 200000000"})
     EXPECT_NE(listed.find(key), std::string::npos) << key << " not in:\n" << listed;
   for (const char* key : {"zero_optimization.stage", "offload_param.device", "offload_optimizer.device",
-                          "host_memory_limit", "device_memory_limit"})
+                          "host_memory_limit", "device_memory_limit", "overlap_comm", "contiguous_gradients",
+                          "reduce_scatter", "allgather"})
     EXPECT_EQ(listed.find(key), std::string::npos) << key << " is acted on, yet listed in:\n" << listed;
   EXPECT_EQ(listed.find("sub_group_size"), std::string::npos) << "a default value is not worth a warning";
 
