@@ -37,10 +37,15 @@ Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, const kerne
 }
 
 Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, kernels::Device& device,
-                                           MatmulPrecision precision, bool offloaded) {
+                                           MatmulPrecision precision, bool offloaded, PipelineStage stage) {
   STRATA_RETURN_IF_ERROR(config.validate());
+  if (stage.end < 0) stage.end = config.n_layer;
+  if (stage.first < 0 || stage.first >= stage.end || stage.end > config.n_layer)
+    return Status::invalid_argument("pipeline stage: blocks [{}, {}) are not a non-empty part of the {} layers",
+                                    stage.first, stage.end, config.n_layer);
   std::unique_ptr<GPT2> m(new GPT2(config, device, precision));
   m->offloaded_ = offloaded;
+  m->stage_ = stage;
   const int64_t C = config.n_embd, V = config.vocab_size, maxT = config.block_size;
 
   auto add_unit = [&](std::string name, FlatLayout layout) -> Status {
@@ -48,7 +53,7 @@ Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, kernels::De
     u.name = std::move(name);
     u.layout = std::move(layout);
     const size_t bytes = u.layout.numel() * sizeof(float);
-    if (!offloaded) {
+    if (!offloaded && m->holds(m->units_.size())) {
       STRATA_ASSIGN_OR_RETURN(u.params, device.allocate(bytes, "gpt2.params " + u.name));
       STRATA_ASSIGN_OR_RETURN(u.grads, device.allocate(bytes, "gpt2.grads " + u.name));
     }
@@ -84,6 +89,13 @@ Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, kernels::De
   return m;
 }
 
+bool GPT2::holds(size_t u) const {
+  const size_t L = static_cast<size_t>(config_.n_layer);
+  if (u == 0) return stage_.embedding || stage_.head;
+  if (u == L + 1) return stage_.head;
+  return static_cast<int>(u - 1) >= stage_.first && static_cast<int>(u - 1) < stage_.end;
+}
+
 size_t GPT2::num_params() const {
   size_t n = 0;
   for (const Unit& u : units_) n += u.numel();
@@ -117,6 +129,7 @@ Status GPT2::init_gpt2(uint64_t seed) {
 
 Status GPT2::read_params(size_t u, float* host) const {
   STRATA_ASSERT(u < units_.size());
+  if (!holds(u)) return Status::internal("unit '{}' belongs to another pipeline stage", units_[u].name);
   if (coordinator_ != nullptr) return coordinator_->read_params(u, host);
   STRATA_ASSERT_MSG(!offloaded_, "an offloaded model needs set_coordinator()");
   device_->copy_to_host(host, units_[u].p(), units_[u].numel() * sizeof(float));
@@ -125,6 +138,7 @@ Status GPT2::read_params(size_t u, float* host) const {
 
 Status GPT2::write_params(size_t u, const float* host) {
   STRATA_ASSERT(u < units_.size());
+  if (!holds(u)) return Status::ok();  // another stage's
   if (coordinator_ != nullptr) return coordinator_->write_params(u, host);
   STRATA_ASSERT_MSG(!offloaded_, "an offloaded model needs set_coordinator()");
   device_->copy_to_device(units_[u].p(), host, units_[u].numel() * sizeof(float));
@@ -153,11 +167,13 @@ GPT2::BlockParams GPT2::block_params(int l, const float* cbase) const {
 Status GPT2::ensure_activations(int B, int T) {
   if (B == last_B_ && T == last_T_) return Status::ok();
   const size_t C = config_.n_embd, V = config_.vocab_size;
-  // Per-layer activations: every layer's, or with checkpointing one layer's (recomputed in backward).
-  const size_t L = checkpointing_ == ActivationCheckpointing::kNone ? config_.n_layer : 1;
+  // Per-layer activations: every layer's of this stage, or with checkpointing one layer's (recomputed in
+  // backward).
+  const size_t layers = static_cast<size_t>(stage_.end - stage_.first);
+  const size_t L = checkpointing_ == ActivationCheckpointing::kNone ? layers : 1;
   // Block outputs: every layer's (they are the checkpoints), or two alternating ones when the checkpoints live
   // in host memory.
-  const size_t R = checkpointing_ == ActivationCheckpointing::kHost ? std::min(2, config_.n_layer) : config_.n_layer;
+  const size_t R = checkpointing_ == ActivationCheckpointing::kHost ? std::min<size_t>(2, layers) : layers;
   const size_t BT = static_cast<size_t>(B) * T;
   const size_t att_floats = k_->attention_saved_floats(B, T, config_.n_embd, config_.n_head, precision_);
   // Sizes in floats, in the order of the Activations struct, then the per-block gradient scratch.
@@ -176,8 +192,15 @@ Status GPT2::ensure_activations(int B, int T) {
       BT, BT,                                  // inputs, targets (int32, same size as float)
       BT * C, BT * C, BT * C, BT * 3 * C, BT * 4 * C, BT * 4 * C,  // dres, dln, datty, dqkv, dfch, dfch_gelu
   };
-  size_t total = 0;
-  for (size_t s : sizes) total += (s + 15) / 16 * 16;  // keep every array 64-byte aligned
+  // The first kPerSlot arrays are one micro-batch's activations (one set per slot); the block gradients after
+  // them are shared.
+  constexpr size_t kPerSlot = 25;
+  size_t per_slot = 0, total = 0;
+  for (size_t i = 0; i < std::size(sizes); ++i) {
+    const size_t floats = (sizes[i] + 15) / 16 * 16;  // keep every array 64-byte aligned
+    (i < kPerSlot ? per_slot : total) += floats;
+  }
+  total += per_slot * static_cast<size_t>(slots_);
   // Until this succeeds the pointers below are stale: a failure must not leave a later same-shape forward
   // skipping this function.
   last_B_ = last_T_ = 0;
@@ -201,10 +224,21 @@ Status GPT2::ensure_activations(int B, int T) {
                      reinterpret_cast<float**>(&acts_.inputs), reinterpret_cast<float**>(&acts_.targets),
                      &grads_.dres, &grads_.dln, &grads_.datty, &grads_.dqkv, &grads_.dfch, &grads_.dfch_gelu};
   static_assert(sizeof(slots) / sizeof(slots[0]) == sizeof(sizes) / sizeof(sizes[0]));
-  for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); ++i) {
+  slot_acts_.assign(static_cast<size_t>(slots_), Activations{});
+  for (int k = 0; k < slots_; ++k) {
+    for (size_t i = 0; i < kPerSlot; ++i) {
+      *slots[i] = p;
+      p += (sizes[i] + 15) / 16 * 16;
+    }
+    slot_acts_[k] = acts_;
+  }
+  for (size_t i = kPerSlot; i < std::size(sizes); ++i) {
     *slots[i] = p;
     p += (sizes[i] + 15) / 16 * 16;
   }
+  acts_ = slot_acts_[static_cast<size_t>(slot_)];
+  have_targets_.assign(static_cast<size_t>(slots_), 0);
+  num_counted_targets_.assign(static_cast<size_t>(slots_), 0);
   last_B_ = B;
   last_T_ = T;
   return Status::ok();
@@ -245,6 +279,16 @@ void GPT2::block_forward(int l, const float* params, const float* residual, int 
 }
 
 Result<float> GPT2::forward(const int32_t* inputs, const int32_t* targets, int B, int T) {
+  return forward_stage(inputs, targets, nullptr, B, T);
+}
+
+const float* GPT2::stage_output() const {
+  return block_output(stage_.end - 1, static_cast<size_t>(last_B_) * last_T_ * config_.n_embd);
+}
+
+const float* GPT2::stage_input_grad() const { return grads_.dres; }
+
+Result<float> GPT2::forward_stage(const int32_t* inputs, const int32_t* targets, const float* x_in, int B, int T) {
   if (B <= 0 || T <= 0) return Status::invalid_argument("forward: batch {}x{} is empty", B, T);
   if (T > config_.block_size) {
     return Status::invalid_argument("sequence length {} is longer than the model's context (model.block_size = {})",
@@ -253,18 +297,29 @@ Result<float> GPT2::forward(const int32_t* inputs, const int32_t* targets, int B
   STRATA_RETURN_IF_ERROR(ensure_activations(B, T));
   const int V = config_.vocab_size;
   const int N = B * T;
-  for (int i = 0; i < N; ++i) STRATA_ASSERT(inputs[i] >= 0 && inputs[i] < V);
-  device_->copy_to_device(acts_.inputs, inputs, sizeof(int32_t) * N);
+  if (stage_.embedding) {
+    for (int i = 0; i < N; ++i) STRATA_ASSERT(inputs[i] >= 0 && inputs[i] < V);
+    device_->copy_to_device(acts_.inputs, inputs, sizeof(int32_t) * N);
+  } else {
+    STRATA_ASSERT_MSG(x_in != nullptr, "a pipeline stage after the first needs its input activations");
+    device_->copy_to_device(acts_.encoded, x_in, sizeof(float) * N * config_.n_embd);
+  }
 
-  have_targets_ = false;  // until this forward has succeeded
+  char& ready = have_targets_[static_cast<size_t>(slot_)];
+  ready = 0;  // until this forward has succeeded
   STRATA_RETURN_IF_ERROR(forward_units(B, T));
 
-  have_targets_ = targets != nullptr;
-  if (!have_targets_) return 0.0f;
-  num_counted_targets_ = 0;
+  if (!stage_.head) {  // the next stage takes it from here; a backward may follow
+    ready = 1;
+    return 0.0f;
+  }
+  ready = targets != nullptr;
+  if (!ready) return 0.0f;
+  int& counted = num_counted_targets_[static_cast<size_t>(slot_)];
+  counted = 0;
   for (int i = 0; i < N; ++i) {
     STRATA_ASSERT(targets[i] < V);
-    if (targets[i] >= 0) ++num_counted_targets_;
+    if (targets[i] >= 0) ++counted;
   }
   device_->copy_to_device(acts_.targets, targets, sizeof(int32_t) * N);
   k_->softmax_crossentropy_forward(acts_.losses, acts_.lse, acts_.logits, acts_.targets, N, V);
@@ -273,7 +328,7 @@ Result<float> GPT2::forward(const int32_t* inputs, const int32_t* targets, int B
   device_->copy_to_host(host_scratch_.data(), acts_.losses, sizeof(float) * N);
   double sum = 0.0;
   for (int i = 0; i < N; ++i) sum += host_scratch_[i];
-  return num_counted_targets_ ? static_cast<float>(sum / num_counted_targets_) : 0.0f;
+  return counted ? static_cast<float>(sum / counted) : 0.0f;
 }
 
 Status GPT2::forward_units(int B, int T) {
@@ -283,13 +338,13 @@ Status GPT2::forward_units(int B, int T) {
   const size_t BTC = static_cast<size_t>(N) * C;
   if (coordinator_ != nullptr) coordinator_->begin_step();
   const size_t wpe_offset = units_[0].layout.specs()[1].offset;
-  {
+  if (stage_.embedding) {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kForward));
     k_->encoder_forward(acts_.encoded, acts_.inputs, emb.params, emb.params + wpe_offset, B, T, C);
     release(0, Pass::kForward);
   }
   const float* residual = acts_.encoded;
-  for (int l = 0; l < L; ++l) {
+  for (int l = stage_.first; l < stage_.end; ++l) {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView block, acquire(1 + l, Pass::kForward));
     block_forward(l, block.params, residual, B, T);
     release(1 + l, Pass::kForward);
@@ -297,6 +352,7 @@ Status GPT2::forward_units(int B, int T) {
     if (checkpointing_ == ActivationCheckpointing::kHost && l + 1 < L)
       device_->copy_to_host(host_checkpoints_.as<float>() + l * BTC, residual, BTC * sizeof(float));
   }
+  if (!stage_.head) return Status::ok();
   {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView lnf, acquire(L + 1, Pass::kForward));
     k_->layernorm_forward(acts_.lnf, acts_.lnf_mean, acts_.lnf_rstd, residual, lnf.params, lnf.params + C, N, C);
@@ -348,16 +404,25 @@ void GPT2::block_backward(int l, const offload::UnitView& unit, const float* res
   k_->layernorm_backward(dres, dw.ln1w, dw.ln1b, grads_.dln, residual, w.ln1w, ln1_mean, ln1_rstd, N, C);
 }
 
-Status GPT2::backward(float loss_scale) {
+Status GPT2::backward(float loss_scale) { return backward_stage(nullptr, loss_scale); }
+
+Status GPT2::backward_stage(const float* dy, float loss_scale) {
   using offload::Pass;
-  STRATA_ASSERT_MSG(have_targets_, "backward() needs a forward() with targets");
-  have_targets_ = false;  // the logits are overwritten below; a second backward would be wrong
+  char& ready = have_targets_[static_cast<size_t>(slot_)];
+  STRATA_ASSERT_MSG(ready, "backward() needs a forward() with targets (of this slot)");
+  ready = 0;  // the logits are overwritten below; a second backward would be wrong
   const int B = last_B_, T = last_T_;
   const int C = config_.n_embd, V = config_.vocab_size, L = config_.n_layer;
   const int N = B * T;
   const size_t BTC = static_cast<size_t>(N) * C;
-
-  const float dloss = num_counted_targets_ ? loss_scale / static_cast<float>(num_counted_targets_) : 0.0f;
+  if (!stage_.head) {
+    STRATA_ASSERT_MSG(dy != nullptr, "a pipeline stage before the last needs its output's gradient");
+    device_->copy_to_device(grads_.dres, dy, sizeof(float) * BTC);
+    STRATA_RETURN_IF_ERROR(backward_blocks(B, T));
+    return Status::ok();
+  }
+  const int counted = num_counted_targets_[static_cast<size_t>(slot_)];
+  const float dloss = counted ? loss_scale / static_cast<float>(counted) : 0.0f;
   host_scratch_.assign(N, dloss);
   device_->copy_to_device(acts_.dlosses, host_scratch_.data(), sizeof(float) * N);
   // In place: the logits become dlogits.
@@ -373,16 +438,25 @@ Status GPT2::backward(float loss_scale) {
   }
   {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView lnf, acquire(L + 1, Pass::kBackward));
-    const float* last_residual = block_output(L - 1, BTC);
+    const float* last_residual = block_output(stage_.end - 1, BTC);
     k_->layernorm_backward(grads_.dres, lnf.grads, lnf.grads + C, grads_.dln, last_residual, lnf.params,
                            acts_.lnf_mean, acts_.lnf_rstd, N, C);
     release(L + 1, Pass::kBackward);
     if (on_grads_done_) on_grads_done_(L + 1);
   }
-  for (int l = L - 1; l >= 0; --l) {
-    const float* residual = l == 0 ? acts_.encoded : block_output(l - 1, BTC);
+  return backward_blocks(B, T);
+}
+
+// The stage's blocks in reverse, from the residual stream's gradient in grads_.dres (left there as the
+// stage input's gradient), then the embedding on the first stage.
+Status GPT2::backward_blocks(int B, int T) {
+  using offload::Pass;
+  const int C = config_.n_embd;
+  const size_t BTC = static_cast<size_t>(B) * T * C;
+  for (int l = stage_.end - 1; l >= stage_.first; --l) {
+    const float* residual = l == stage_.first ? acts_.encoded : block_output(l - 1, BTC);
     STRATA_ASSIGN_OR_RETURN(offload::UnitView block, acquire(1 + l, Pass::kBackward));
-    if (checkpointing_ != ActivationCheckpointing::kNone && l + 1 < L) {
+    if (checkpointing_ != ActivationCheckpointing::kNone && l + 1 < stage_.end) {
       // Recompute the block from its checkpoint (the last block's activations are still those of forward).
       if (checkpointing_ == ActivationCheckpointing::kHost && l > 0)
         device_->copy_to_device(const_cast<float*>(residual), host_checkpoints_.as<float>() + (l - 1) * BTC,
@@ -393,6 +467,7 @@ Status GPT2::backward(float loss_scale) {
     release(1 + l, Pass::kBackward);
     if (on_grads_done_) on_grads_done_(1 + l);
   }
+  if (!stage_.embedding) return Status::ok();
   STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kGradients));
   const size_t wpe_offset = units_[0].layout.specs()[1].offset;
   k_->encoder_backward(emb.grads, emb.grads + wpe_offset, grads_.dres, acts_.inputs, B, T, C);
@@ -403,7 +478,8 @@ Status GPT2::backward(float loss_scale) {
 
 Status GPT2::zero_grads() {
   if (coordinator_ != nullptr) return coordinator_->zero_grads();
-  for (Unit& u : units_) device_->zero(u.g(), u.numel() * sizeof(float));
+  for (size_t i = 0; i < units_.size(); ++i)
+    if (holds(i)) device_->zero(units_[i].g(), units_[i].numel() * sizeof(float));
   return Status::ok();
 }
 

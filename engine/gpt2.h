@@ -14,6 +14,16 @@
 // offload::Coordinator places their parameters and gradients, and the model brackets each use of a unit with
 // its acquire/release. read_params/write_params and zero_grads work the same either way.
 //
+// Pipeline stages (create(..., stage)): the model runs blocks [first, end) only, with the embedding when
+// `embedding` (the first stage) and the final layernorm and tied LM head when `head` (the last stage); the
+// units of other stages hold no buffers (holds(u) is false: their reads and writes are skipped, so
+// init_gpt2 gives a stage exactly the full model's values for its units). forward_stage takes the stage's
+// input activations (B,T,C) from the previous stage and leaves stage_output(); backward_stage takes the
+// output's gradient from the next stage and leaves stage_input_grad(). Several micro-batches can be in flight
+// at once: set_activation_slots(n) keeps n sets of activations, use_slot(i) picks one (a micro-batch's
+// forward and backward use the same slot). Activation checkpointing and offload are not combined with
+// stages yet.
+//
 // Threading: a GPT2 is used by one thread at a time; kernels parallelise inside each op. Activations are sized
 // for (B, T) at the first forward and re-allocated only when B*T grows.
 #pragma once
@@ -56,6 +66,13 @@ struct Unit {
   size_t numel() const { return layout.numel(); }
 };
 
+// The part of the model one pipeline stage runs (the whole model by default).
+struct PipelineStage {
+  int first = 0, end = -1;  // blocks [first, end); end -1: n_layer
+  bool embedding = true;    // runs the token and position embedding (the first stage)
+  bool head = true;         // runs the final layernorm, the tied LM head and the loss (the last stage)
+};
+
 // Activation checkpointing per block: keep only each block's input and recompute the block in backward
 // (kDevice), with the inputs held in host memory between forward and backward (kHost). The recomputed
 // activations are bitwise the forward's, so training results do not change.
@@ -66,7 +83,8 @@ class GPT2 {
   // Builds the units (zeroed) in `device`'s memory; the device must outlive the model. Call init_gpt2() or
   // load weights afterwards.
   static Result<std::unique_ptr<GPT2>> create(const GPT2Config& config, kernels::Device& device,
-                                              kernels::MatmulPrecision precision, bool offloaded = false);
+                                              kernels::MatmulPrecision precision, bool offloaded = false,
+                                              PipelineStage stage = {});
   // The same on a "cpu" device with the given CPU KernelSet, owned by the model.
   static Result<std::unique_ptr<GPT2>> create(const GPT2Config& config, const kernels::KernelSet& cpu_kernels,
                                               kernels::MatmulPrecision precision);
@@ -110,6 +128,27 @@ class GPT2 {
   // Fails only when offloaded state cannot be brought in (an I/O error, a device budget below the working set).
   [[nodiscard]] Status backward(float loss_scale = 1.0f);
 
+  // Pipeline stages. forward_stage: `inputs` (B,T) token ids for the embedding stage (else unused), `x_in`
+  // (B,T,C) host activations for the others, `targets` for the head stage (whose loss it returns; 0
+  // elsewhere). backward_stage: `dy` (B,T,C) host gradient of stage_output() for stages without the head
+  // (ignored with it), in the current slot, after its forward_stage.
+  Result<float> forward_stage(const int32_t* inputs, const int32_t* targets, const float* x_in, int B, int T);
+  [[nodiscard]] Status backward_stage(const float* dy, float loss_scale);
+  const float* stage_output() const;      // (B,T,C) device memory, of the current slot's forward
+  const float* stage_input_grad() const;  // (B,T,C) device memory, of the last backward_stage
+  // Before the first forward: n >= 1 activation sets (micro-batches in flight).
+  void set_activation_slots(int n) {
+    STRATA_ASSERT(last_B_ == 0 && n >= 1);
+    slots_ = n;
+  }
+  void use_slot(int i) {
+    STRATA_ASSERT(i >= 0 && i < slots_);
+    slot_ = i;
+    if (!slot_acts_.empty()) acts_ = slot_acts_[i];
+  }
+  const PipelineStage& stage() const { return stage_; }
+  bool holds(size_t u) const;  // whether this stage runs (and stores) unit u
+
   [[nodiscard]] Status zero_grads();
 
   const GPT2Config& config() const { return config_; }
@@ -130,14 +169,15 @@ class GPT2 {
   Result<offload::UnitView> acquire(size_t u, offload::Pass pass);
   void release(size_t u, offload::Pass pass);
   Status forward_units(int B, int T);
+  Status backward_blocks(int B, int T);
   void block_forward(int l, const float* params, const float* residual, int B, int T);
   void block_backward(int l, const offload::UnitView& unit, const float* residual, float* dres, int B, int T);
 
   // Which layer slot of the per-layer activations block l uses, and where its output (the next block's
   // input) is, given B*T*C.
-  size_t act_layer(int l) const { return checkpointing_ == ActivationCheckpointing::kNone ? l : 0; }
+  size_t act_layer(int l) const { return checkpointing_ == ActivationCheckpointing::kNone ? l - stage_.first : 0; }
   float* block_output(int l, size_t BTC) const {
-    return acts_.residual3 + (checkpointing_ == ActivationCheckpointing::kHost ? l % 2 : l) * BTC;
+    return acts_.residual3 + (checkpointing_ == ActivationCheckpointing::kHost ? l % 2 : l - stage_.first) * BTC;
   }
 
   // Tensor views of block l, given its unit's parameter or gradient base.
@@ -153,6 +193,7 @@ class GPT2 {
   kernels::MatmulPrecision precision_;
   std::vector<Unit> units_;  // wte, h.0 .. h.{L-1}, ln_f
   bool offloaded_ = false;
+  PipelineStage stage_;
   offload::Coordinator* coordinator_ = nullptr;
   std::function<void(size_t)> on_grads_done_;
 
@@ -194,14 +235,17 @@ class GPT2 {
     float* dfch_gelu;  // (B,T,4C)
   } grads_{};
   kernels::DeviceBuffer act_buffer_;
+  int slots_ = 1, slot_ = 0;
+  std::vector<Activations> slot_acts_;  // one set per slot; acts_ is the current one
   ActivationCheckpointing checkpointing_ = ActivationCheckpointing::kNone;
   offload::PinnedPool* host_pool_ = nullptr;
   offload::PinnedBuffer host_checkpoints_;  // kHost: (L-1, B, T, C) block outputs 0..L-2
   std::vector<float> host_scratch_;  // losses read back, dlosses written, on their way across
   size_t act_capacity_bt_ = 0;  // B*T the buffer was sized for
   int last_B_ = 0, last_T_ = 0;
-  bool have_targets_ = false;
-  int num_counted_targets_ = 0;
+  // Per slot: whether its last forward had targets (a backward may follow), and how many counted.
+  std::vector<char> have_targets_ = std::vector<char>(1, 0);
+  std::vector<int> num_counted_targets_ = std::vector<int>(1, 0);
 };
 
 }  // namespace strata::engine
