@@ -40,6 +40,11 @@ class Communicator {
   virtual Status broadcast(void* buf, size_t count, DType dtype, int root) = 0;
   virtual Status send(const void* buf, size_t count, DType dtype, int peer, int tag) = 0;
   virtual Status recv(void* buf, size_t count, DType dtype, int peer, int tag) = 0;
+  // Sends `send` to `dest` while receiving from `src` (tag `tag` both ways), as one exchange: two ranks that
+  // each send to the other at once do not wait on each other (pipeline stages passing activations one way and
+  // gradients the other).
+  virtual Status send_recv(const void* send, size_t send_count, int dest, void* recv, size_t recv_count, int src,
+                           DType dtype, int tag) = 0;
   virtual Status barrier() = 0;
 
   // The ranks with the same `color` form a new communicator, ordered by `key` (then by rank here). Collective.

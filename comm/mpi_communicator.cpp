@@ -220,6 +220,28 @@ Status MpiCommunicator::recv(void* buf, size_t count, DType dtype, int peer, int
   return wait(&req, "recv", count);
 }
 
+Status MpiCommunicator::send_recv(const void* send, size_t send_count, int dest, void* recv, size_t recv_count,
+                                  int src, DType dtype, int tag) {
+  STRATA_RETURN_IF_ERROR(check_peer(send_count, dest, "send_recv"));
+  STRATA_RETURN_IF_ERROR(check_peer(recv_count, src, "send_recv"));
+  MPI_Request reqs[2];
+  if (int rc = MPI_Irecv(recv, static_cast<int>(recv_count), mpi_type(dtype), src, tag, comm_, &reqs[0]);
+      rc != MPI_SUCCESS)
+    return mpi_error(rc, "send_recv");
+  if (int rc = MPI_Isend(send, static_cast<int>(send_count), mpi_type(dtype), dest, tag, comm_, &reqs[1]);
+      rc != MPI_SUCCESS) {
+    // The receive is posted: it must complete (or be abandoned) before its buffer goes.
+    (void)wait(&reqs[0], "send_recv (receive)", recv_count);
+    return mpi_error(rc, "send_recv");
+  }
+  // Both advance while either is polled.
+  if (Status st = wait(&reqs[0], "send_recv (receive)", recv_count); !st.is_ok()) {
+    abandoned_.push_back(reqs[1]);  // completed (bounded) at destruction, like the receive
+    return st;
+  }
+  return wait(&reqs[1], "send_recv (send)", send_count);
+}
+
 Status MpiCommunicator::barrier() {
   STRATA_RETURN_IF_ERROR(check(1, "barrier"));
   MPI_Request req;

@@ -54,6 +54,8 @@ class MpiCommunicator final : public Communicator {
   Status broadcast(void* buf, size_t count, DType dtype, int root) override;
   Status send(const void* buf, size_t count, DType dtype, int peer, int tag) override;
   Status recv(void* buf, size_t count, DType dtype, int peer, int tag) override;
+  Status send_recv(const void* send, size_t send_count, int dest, void* recv, size_t recv_count, int src,
+                   DType dtype, int tag) override;
   Status barrier() override;
   Result<std::unique_ptr<Communicator>> split(int color, int key, const std::string& name) override;
 

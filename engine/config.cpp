@@ -136,7 +136,15 @@ Result<RunConfig> parse_run_config(const nlohmann::json& j, const std::string& s
   JsonSection pa = root.section("parallel");
   STRATA_RETURN_IF_ERROR(pa.get_int("tensor_parallel_size", &c.parallel.tensor_parallel_size));
   STRATA_RETURN_IF_ERROR(pa.get_int("pipeline_parallel_size", &c.parallel.pipeline_parallel_size));
+  STRATA_RETURN_IF_ERROR(pa.get_string("pipeline_schedule", &c.parallel.pipeline_schedule));
   STRATA_RETURN_IF_ERROR(pa.finish());
+  if (c.parallel.pipeline_schedule != "1f1b" && c.parallel.pipeline_schedule != "gpipe")
+    return Status::invalid_argument("{}: parallel.pipeline_schedule must be \"1f1b\" or \"gpipe\", got \"{}\"", source,
+                                    c.parallel.pipeline_schedule);
+  if (c.parallel.pipeline_parallel_size > c.model.n_layer)
+    return Status::invalid_argument("{}: parallel.pipeline_parallel_size {} is more stages than model.n_layer {} "
+                                    "blocks",
+                                    source, c.parallel.pipeline_parallel_size, c.model.n_layer);
   if (c.parallel.tensor_parallel_size < 1 || c.parallel.pipeline_parallel_size < 1)
     return Status::invalid_argument("{}: parallel.tensor_parallel_size and pipeline_parallel_size must be >= 1, got "
                                     "{} and {}",

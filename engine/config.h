@@ -57,7 +57,8 @@ struct ComputeConfig {
 // How the ranks of `mpirun -np N` are split (comm/grid.h): N / (tensor x pipeline) data-parallel replicas.
 struct ParallelConfig {
   int tensor_parallel_size = 1;    // ranks sharing each layer (innermost); > 1 is not built yet
-  int pipeline_parallel_size = 1;  // pipeline stages; > 1 is not built yet
+  int pipeline_parallel_size = 1;  // pipeline stages (engine/pipeline.h), at most model.n_layer
+  std::string pipeline_schedule = "1f1b";  // "1f1b" (Megatron-LM's) or "gpipe"
 };
 
 struct RunConfig {

@@ -129,7 +129,10 @@ Status GPT2::init_gpt2(uint64_t seed) {
 
 Status GPT2::read_params(size_t u, float* host) const {
   STRATA_ASSERT(u < units_.size());
-  if (!holds(u)) return Status::internal("unit '{}' belongs to another pipeline stage", units_[u].name);
+  if (!holds(u)) {
+    if (params_source_) return params_source_(u, host);
+    return Status::internal("unit '{}' belongs to another pipeline stage", units_[u].name);
+  }
   if (coordinator_ != nullptr) return coordinator_->read_params(u, host);
   STRATA_ASSERT_MSG(!offloaded_, "an offloaded model needs set_coordinator()");
   device_->copy_to_host(host, units_[u].p(), units_[u].numel() * sizeof(float));

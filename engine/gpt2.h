@@ -147,6 +147,9 @@ class GPT2 {
     if (!slot_acts_.empty()) acts_ = slot_acts_[i];
   }
   const PipelineStage& stage() const { return stage_; }
+  // Where read_params gets the units this stage does not hold (the first stage receives them from theirs
+  // while it writes a checkpoint: engine/pipeline.h). Unset: reading one is an error.
+  void set_params_source(std::function<Status(size_t unit, float* host)> fn) { params_source_ = std::move(fn); }
   bool holds(size_t u) const;  // whether this stage runs (and stores) unit u
 
   [[nodiscard]] Status zero_grads();
@@ -194,6 +197,7 @@ class GPT2 {
   std::vector<Unit> units_;  // wte, h.0 .. h.{L-1}, ln_f
   bool offloaded_ = false;
   PipelineStage stage_;
+  std::function<Status(size_t, float*)> params_source_;
   offload::Coordinator* coordinator_ = nullptr;
   std::function<void(size_t)> on_grads_done_;
 

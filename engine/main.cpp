@@ -50,13 +50,11 @@ strata::Result<Ranks> join_ranks(const strata::engine::RunConfig& config) {
   STRATA_RETURN_IF_ERROR(comm::check_same_run(*r.world, config.json.dump()));
   STRATA_ASSIGN_OR_RETURN(r.grid, comm::RankGrid::create(*r.world, parallel.tensor_parallel_size,
                                                          parallel.pipeline_parallel_size));
-  if (parallel.tensor_parallel_size > 1 || parallel.pipeline_parallel_size > 1)
+  if (parallel.tensor_parallel_size > 1)
     return strata::Status(strata::StatusCode::kUnimplemented,
-                          fmt::format("{}: tensor and pipeline parallelism are not built yet (parallel."
-                                      "tensor_parallel_size {}, pipeline_parallel_size {}); only data "
-                                      "parallelism runs over several ranks",
-                                      r.grid->describe(), parallel.tensor_parallel_size,
-                                      parallel.pipeline_parallel_size));
+                          fmt::format("{}: tensor parallelism is not built yet (parallel.tensor_parallel_size {}); "
+                                      "data and pipeline parallelism run over several ranks",
+                                      r.grid->describe(), parallel.tensor_parallel_size));
   return r;
 }
 
@@ -95,6 +93,7 @@ int run_train(TrainArgs& a) {
   opts.progress = !a.quiet;
   if (a.resume_flag) opts.resume = a.resume.empty() ? cfg->training.checkpoint_dir : a.resume;
   opts.data_parallel = dp_group;
+  opts.pipeline = ranks.value().grid ? &ranks.value().grid->pp() : nullptr;
   auto summary = strata::engine::run_training(cfg.value(), opts);
   const bool several = world && world->size() > 1;
   const int rank = world ? world->rank() : 0;

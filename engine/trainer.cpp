@@ -19,6 +19,7 @@
 #include "engine/gpt2.h"
 #include "engine/offload_runtime.h"
 #include "engine/optimizer.h"
+#include "engine/pipeline.h"
 #include "engine/sharded_optimizer.h"
 #include "kernels/cpu/cpu_kernels.h"
 
@@ -43,13 +44,26 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   comm::Communicator* dp =
       options.data_parallel != nullptr && options.data_parallel->size() > 1 ? options.data_parallel : nullptr;
   const int dp_size = dp ? dp->size() : 1, dp_rank = dp ? dp->rank() : 0;
-  const bool leader = dp_rank == 0;  // prints, writes metrics and checkpoints
+  comm::Communicator* pp =
+      options.pipeline != nullptr && options.pipeline->size() > 1 ? options.pipeline : nullptr;
+  const int pp_size = pp ? pp->size() : 1, pp_rank = pp ? pp->rank() : 0;
+  const bool leader = dp_rank == 0 && pp_rank == 0;  // prints, writes metrics and checkpoints
   // ZeRO-3: the offload stack's coordinator shards every unit over the ranks and gathers it for use, so every
   // rank runs every forward (validation too) and takes part in checkpoints. Stages 1 and 2 with an offloaded
   // optimizer run the same way (see offload_runtime.h).
   const bool zero3 = dp != nullptr && (config.offload.stage == 3 ||
                                        (config.offload.stage >= 1 && offload_enabled(config.offload)));
-  if (dp && !leader) logger().set_level(spdlog::level::warn);
+  if (pp) {
+    const char* what = offload_enabled(config.offload) || config.offload.stage > 0 ? "zero_optimization stage > 0 or offload"
+                       : config.offload.activation_checkpointing.enabled ? "activation_checkpointing"
+                                                                          : nullptr;
+    if (what != nullptr)
+      return Status(StatusCode::kUnimplemented,
+                    fmt::format("{}: pipeline parallelism with {} is not built yet; with "
+                                "parallel.pipeline_parallel_size {}, use stage 0 without offload",
+                                config.source, what, pp_size));
+  }
+  if ((dp || pp) && !leader) logger().set_level(spdlog::level::warn);
   std::optional<tbb::global_control> threads;
   if (config.compute.threads > 0)
     threads.emplace(tbb::global_control::max_allowed_parallelism, config.compute.threads);
@@ -75,18 +89,29 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   const std::string device_name = config.compute.kernels == "reference" ? "cpu" : config.compute.device;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Device> device, kernels::make_device(device_name, *k));
   device->set_memory_limit(config.offload.device_memory_limit);
-  if (dp && !device->host_accessible())
+  if ((dp || pp) && !device->host_accessible())
     return Status(StatusCode::kUnimplemented,
-                  fmt::format("{}: data parallelism on the {} device needs the NCCL communicator, not built yet; use "
-                              "compute.device cpu",
+                  fmt::format("{}: data and pipeline parallelism on the {} device need the NCCL communicator, not "
+                              "built yet; use compute.device cpu",
                               config.source, device->name()));
   const bool offloaded = offload_enabled(config.offload) || zero3;
   // The offload stack and the host pool of activation checkpoints are declared before the model, so the
   // model (whose host checkpoints come from a pool) is destroyed first.
   std::unique_ptr<OffloadRuntime> offload_stack;
   std::unique_ptr<offload::PinnedPool> checkpoint_pool;
+  const PipelineStage stage = pp ? pipeline_stage(config.model.n_layer, pp_size, pp_rank) : PipelineStage{};
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> model,
-                          GPT2::create(config.model, *device, config.compute.matmul_precision, offloaded));
+                          GPT2::create(config.model, *device, config.compute.matmul_precision, offloaded, stage));
+  std::optional<PipelineRunner> pipeline;
+  if (pp) {
+    pipeline.emplace(*model, *pp,
+                     config.parallel.pipeline_schedule == "gpipe" ? PipelineSchedule::kGPipe : PipelineSchedule::k1F1B,
+                     tc.grad_accum_steps, B, T);
+    if (pp_rank == 0) model->set_params_source(pipeline_params_source(*model, *pp));
+    STRATA_LOG_INFO("pipeline: {} stages ({} schedule, {} micro-batches per step); this is stage {}: blocks [{}, {}){}{}",
+                    pp_size, config.parallel.pipeline_schedule, tc.grad_accum_steps, pp_rank, stage.first, stage.end,
+                    stage.embedding ? " with the embedding" : "", stage.head ? " with the head" : "");
+  }
   AdamWConfig ac;
   ac.beta1 = static_cast<float>(tc.beta1);
   ac.beta2 = static_cast<float>(tc.beta2);
@@ -95,8 +120,12 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   ac.grad_clip = static_cast<float>(tc.grad_clip);
   std::optional<AdamW> device_opt;
   std::unique_ptr<ShardedAdamW> sharded_opt;  // ZeRO stage 1 or 2 over the data-parallel ranks
+  std::unique_ptr<PipelineAdamW> pipeline_opt;
   Optimizer* opt = nullptr;
-  if (dp && !zero3 && (config.offload.stage == 1 || config.offload.stage == 2)) {
+  if (pp) {
+    STRATA_ASSIGN_OR_RETURN(pipeline_opt, PipelineAdamW::create(*model, ac, *device, *pp));
+    opt = pipeline_opt.get();
+  } else if (dp && !zero3 && (config.offload.stage == 1 || config.offload.stage == 2)) {
     STRATA_ASSIGN_OR_RETURN(sharded_opt, ShardedAdamW::create(model->units(), ac, *device, *dp, config.offload.stage));
     opt = sharded_opt.get();
     STRATA_LOG_INFO("zero_optimization.stage {}: Adam's moments sharded over {} ranks ({} of {} elements here)",
@@ -179,18 +208,22 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   } restore{old_int, old_term};
 
   std::vector<int32_t> x(static_cast<size_t>(B) * T), y(static_cast<size_t>(B) * T);
+  std::vector<int32_t> xs, ys;  // pipeline: the step's micro-batches of this rank
   TrainSummary summary;
   auto validate = [&]() -> Status {
-    // Every rank has the same weights; under ZeRO-3 every rank takes part in gathering them.
-    if (!val || tc.val_batches == 0 || (!leader && !zero3)) return Status::ok();
+    // Every rank has the same weights; under ZeRO-3 every rank takes part in gathering them, and every stage
+    // of data-parallel rank 0's pipeline in running them.
+    if (!val || tc.val_batches == 0 || (!leader && !zero3 && !(pp && dp_rank == 0))) return Status::ok();
     STRATA_RETURN_IF_ERROR(val->reset());
     const int n = static_cast<int>(std::min<uint64_t>(tc.val_batches, val->batches_per_epoch()));
     double sum = 0.0;
     for (int i = 0; i < n; ++i) {
       STRATA_RETURN_IF_ERROR(val->next_batch(x.data(), y.data()));
-      STRATA_ASSIGN_OR_RETURN(float loss, model->forward(x.data(), y.data(), B, T));
+      STRATA_ASSIGN_OR_RETURN(float loss, pipeline ? pipeline->forward_only(x.data(), y.data())
+                                                   : model->forward(x.data(), y.data(), B, T));
       sum += loss;
     }
+    if (pp) STRATA_RETURN_IF_ERROR(pp->broadcast(&sum, 2, DType::kF32, pp_size - 1));  // the last stage's, bits
     summary.val_loss = static_cast<float>(sum / n);
     return Status::ok();
   };
@@ -198,6 +231,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   // same collective reads, in the same order).
   auto checkpoint = [&]() -> Status {
     if (!leader && zero3) return take_part_in_checkpoint(*model, *opt);
+    if (pp && dp_rank == 0 && pp_rank > 0) return take_part_in_pipeline_checkpoint(*model, *opt, *pp);
     if (!leader) return sharded_opt ? sharded_opt->serve_checkpoint() : Status::ok();
     state.train_pos = train.position();
     auto saved = save_checkpoint(tc.checkpoint_dir, *model, *opt, state, tc.keep_checkpoints);
@@ -223,11 +257,32 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     Timer step_timer;
     STRATA_RETURN_IF_ERROR(model->zero_grads());
     double loss_sum = 0.0;
+    double bubble = -1.0;  // pipeline: this stage's idle share of the schedule
     const double lr = lr_at(state.step, tc.lr, tc.min_lr, tc.warmup_steps, tc.max_steps);
     // The step's micro-batches: every rank reads all of them (so the data position stays the same everywhere)
     // and computes every dp_size-th.
     const int micro_batches = tc.grad_accum_steps * dp_size;
-    for (int g = 0; g < micro_batches; ++g) {
+    if (pipeline) {  // this rank's micro-batches, then the schedule over them
+      xs.resize(static_cast<size_t>(tc.grad_accum_steps) * B * T);
+      ys.resize(xs.size());
+      std::vector<const int32_t*> in, tgt;
+      for (int g = 0; g < micro_batches; ++g) {
+        int32_t* xi = xs.data() + in.size() * B * T;
+        int32_t* yi = ys.data() + in.size() * B * T;
+        STRATA_RETURN_IF_ERROR(train.next_batch(g % dp_size == dp_rank ? xi : x.data(),
+                                                g % dp_size == dp_rank ? yi : y.data()));
+        if (g % dp_size != dp_rank) continue;
+        in.push_back(xi);
+        tgt.push_back(yi);
+      }
+      STRATA_ASSIGN_OR_RETURN(const PipelineStepStats ps,
+                              pipeline->run(in, tgt, 1.0f / static_cast<float>(micro_batches)));
+      float l = static_cast<float>(ps.loss_sum);  // the last stage's; zero elsewhere
+      STRATA_RETURN_IF_ERROR(pp->all_reduce(&l, &l, 1, DType::kF32, comm::ReduceOp::kSum));
+      loss_sum = l;
+      bubble = ps.total_s > 0 ? 1.0 - ps.compute_s / ps.total_s : 0.0;
+    }
+    for (int g = 0; g < micro_batches && !pipeline; ++g) {
       STRATA_RETURN_IF_ERROR(train.next_batch(x.data(), y.data()));
       if (g % dp_size != dp_rank) continue;
       STRATA_ASSIGN_OR_RETURN(float loss, model->forward(x.data(), y.data(), B, T));
@@ -237,6 +292,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     }
     if (dp) {  // sum the gradients (stage 0; sharded and offloaded optimizers reduce their own) and the losses
       for (size_t i = 0; !sharded_opt && !offload_stack && i < model->units().size(); ++i) {
+        if (!model->holds(i)) continue;  // another pipeline stage's
         const Unit& u = model->units()[i];
         STRATA_RETURN_IF_ERROR(dp->all_reduce(u.g(), u.g(), u.numel(), DType::kF32, comm::ReduceOp::kSum)
                                    .with_context("gradients of " + u.name));
@@ -286,6 +342,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     if (metrics) {
       nlohmann::json m = {{"step", done},           {"loss", loss},           {"lr", lr},
                           {"grad_norm", norm},       {"tokens_per_s", tok_s},  {"step_ms", step_s * 1e3}};
+      if (bubble >= 0) m["pipeline_bubble"] = bubble;
       if (ran_val) m["val_loss"] = summary.val_loss;
       if (skipped) m["skipped"] = true;
       if (report) m["offload"] = report->to_json();

@@ -24,6 +24,10 @@ struct TrainOptions {
   // weights; rank 0 alone prints, writes metrics and checkpoints. Null or a group of one: this process alone.
   // CPU backend, no offload, zero_optimization.stage 0 for now (the rest is refused by name).
   comm::Communicator* data_parallel = nullptr;
+  // Pipeline parallelism (parallel.pipeline_parallel_size = its size): this rank runs stage pipeline->rank()
+  // of the model on parallel.pipeline_schedule (engine/pipeline.h), each data-parallel rank's micro-batches
+  // flowing through its pipeline. Not combined with offload or activation checkpointing yet.
+  comm::Communicator* pipeline = nullptr;
 };
 
 struct TrainSummary {

@@ -12,6 +12,7 @@
 
 #include "comm/mpi_communicator.h"
 #include "storage/safetensors.h"
+#include "tests/comm/multi_rank_helpers.h"
 #include "tests/engine/trainer_fixture.h"
 
 namespace strata::engine {
@@ -20,42 +21,6 @@ namespace {
 using DataParallelTest = TrainerTest;
 
 Status run_status(const Result<TrainSummary>& r) { return r.status(); }
-
-// Largest absolute difference between the same tensors of two safetensors files.
-double max_difference(const fs::path& a, const fs::path& b) {
-  auto fa = SafetensorsFile::open(a.string());
-  auto fb = SafetensorsFile::open(b.string());
-  EXPECT_TRUE(fa.is_ok() && fb.is_ok()) << a << " " << b;
-  if (!fa.is_ok() || !fb.is_ok()) return INFINITY;
-  EXPECT_EQ(fa->tensors().size(), fb->tensors().size());
-  double worst = 0;
-  for (const SafetensorsEntry& t : fa->tensors()) {
-    const SafetensorsEntry* u = fb->find(t.name);
-    if (u == nullptr || u->numel() != t.numel()) {
-      ADD_FAILURE() << t.name << " differs in shape or is missing";
-      return INFINITY;
-    }
-    const float* x = reinterpret_cast<const float*>(t.data);
-    const float* y = reinterpret_cast<const float*>(u->data);
-    for (size_t i = 0; i < t.numel(); ++i) worst = std::max(worst, static_cast<double>(std::abs(x[i] - y[i])));
-  }
-  return worst;
-}
-
-// A checkpoint folder the ranks share, as they share a file system in a real job (a resume reads it on every
-// rank): named by rank 0's pid, removed by rank 0. Empty path if the ranks could not agree on it.
-struct SharedDir {
-  SharedDir(comm::Communicator& world, const char* prefix) : rank0(world.rank() == 0) {
-    float pid = static_cast<float>(::getpid());  // < 2^22: exact in fp32
-    if (world.broadcast(&pid, 1, DType::kF32, 0).is_ok())
-      path = fs::temp_directory_path() / fmt::format("{}_{}", prefix, static_cast<long>(pid));
-  }
-  ~SharedDir() {
-    if (rank0 && !path.empty()) fs::remove_all(path);
-  }
-  fs::path path;
-  bool rank0;
-};
 
 TEST_F(DataParallelTest, TwoRanksMatchOneProcessAccumulatingTheirMicroBatches) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
@@ -223,15 +188,8 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
   if (world.rank() == 0) {
     const auto check = [&](const std::string& plain, const std::string& sharded) {
       SCOPED_TRACE(sharded + " vs " + plain);
-      const auto a = losses(dir_ / (plain + ".jsonl")), b = losses(dir_ / (sharded + ".jsonl"));
-      ASSERT_EQ(a.size(), 6u);
-      ASSERT_EQ(b.size(), 6u);
-      for (size_t i = 0; i < a.size(); ++i) {
-        EXPECT_NEAR(a[i].first, b[i].first, 1e-5 * std::abs(a[i].first)) << "loss of step " << i + 1;
-        EXPECT_NEAR(a[i].second, b[i].second, 1e-5 * std::abs(a[i].second)) << "norm of step " << i + 1;
-      }
-      for (const char* f : {"model.safetensors", "optimizer.safetensors"})
-        EXPECT_LE(max_difference(shared / plain / "step_000006" / f, shared / sharded / "step_000006" / f), 2e-5) << f;
+      expect_within_rounding(losses(dir_ / (plain + ".jsonl")), losses(dir_ / (sharded + ".jsonl")), 6,
+                             shared / plain / "step_000006", shared / sharded / "step_000006");
     };
     // The live-parameter cap made the NVMe run evict units and gather them again within each step.
     std::ifstream in(dir_ / "z3nvme.jsonl");

@@ -53,7 +53,7 @@ class TrainerTest : public ::testing::Test {
                               {"keep_checkpoints", 0}, {"seed", 5}}}};
   }
   Result<TrainSummary> train(const json& j, const std::string& resume = "", const std::string& metrics = "",
-                             comm::Communicator* data_parallel = nullptr) {
+                             comm::Communicator* data_parallel = nullptr, comm::Communicator* pipeline = nullptr) {
     auto c = parse_run_config(j, "test");
     if (!c.is_ok()) return c.status();
     TrainOptions o;
@@ -61,6 +61,7 @@ class TrainerTest : public ::testing::Test {
     o.resume = resume;
     o.metrics_path = metrics;
     o.data_parallel = data_parallel;
+    o.pipeline = pipeline;
     return run_training(c.value(), o);
   }
   // Loss and grad_norm of every step, in order, from a metrics file.

@@ -1,0 +1,278 @@
+#include "engine/pipeline.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "common/timer.h"
+
+namespace strata::engine {
+namespace {
+
+// Between neighbours, activations only go forward and gradients only back, and MPI keeps each direction's
+// messages in order: one tag serves both.
+constexpr int kTagStage = 11, kTagParams = 13, kTagMoments = 14;
+
+}  // namespace
+
+PipelineStage pipeline_stage(int n_layer, int stages, int s) {
+  STRATA_ASSERT(stages >= 1 && stages <= n_layer && s >= 0 && s < stages);
+  const int base = n_layer / stages, extra = n_layer % stages;
+  PipelineStage st;
+  st.first = s * base + std::min(s, extra);
+  st.end = st.first + base + (s < extra ? 1 : 0);
+  st.embedding = s == 0;
+  st.head = s == stages - 1;
+  return st;
+}
+
+int pipeline_owner(int n_layer, int stages, size_t u) {
+  if (u == 0) return 0;
+  if (u == static_cast<size_t>(n_layer) + 1) return stages - 1;
+  for (int s = 0; s < stages; ++s) {
+    const PipelineStage st = pipeline_stage(n_layer, stages, s);
+    if (static_cast<int>(u) - 1 >= st.first && static_cast<int>(u) - 1 < st.end) return s;
+  }
+  STRATA_ASSERT_MSG(false, "unit out of range");
+  return -1;
+}
+
+// ---- the schedule ----
+
+PipelineRunner::PipelineRunner(GPT2& model, comm::Communicator& pp, PipelineSchedule schedule, int micro_batches,
+                               int B, int T)
+    : model_(model), pp_(pp), schedule_(schedule), m_(micro_batches), B_(B), T_(T), stage_(pp.rank()),
+      stages_(pp.size()) {
+  slots_ = schedule == PipelineSchedule::kGPipe ? m_ : std::min(stages_ - stage_, m_);
+  model_.set_activation_slots(std::max(1, slots_));
+  btc_ = static_cast<size_t>(B) * T * model.config().n_embd;
+  x_in_.resize(btc_);
+  out_.resize(btc_);
+  dy_.resize(btc_);
+  dx_.resize(btc_);
+}
+
+Status PipelineRunner::forward(int i, const int32_t* inputs, const int32_t* targets, PipelineStepStats* st) {
+  Timer t;
+  model_.use_slot(i % slots_);
+  STRATA_ASSIGN_OR_RETURN(const float loss,
+                          model_.forward_stage(inputs, targets, stage_ > 0 ? x_in_.data() : nullptr, B_, T_));
+  if (stage_ + 1 < stages_) {
+    model_.device().copy_to_host(out_.data(), model_.stage_output(), btc_ * sizeof(float));
+  } else {
+    st->loss_sum += loss;
+  }
+  st->compute_s += t.seconds();
+  return Status::ok();
+}
+
+Status PipelineRunner::backward(int i, float loss_scale, PipelineStepStats* st) {
+  Timer t;
+  model_.use_slot(i % slots_);
+  STRATA_RETURN_IF_ERROR(model_.backward_stage(stage_ + 1 < stages_ ? dy_.data() : nullptr, loss_scale));
+  if (stage_ > 0) model_.device().copy_to_host(dx_.data(), model_.stage_input_grad(), btc_ * sizeof(float));
+  st->compute_s += t.seconds();
+  return Status::ok();
+}
+
+Status PipelineRunner::send_forward() {
+  if (stage_ + 1 == stages_) return Status::ok();
+  return pp_.send(out_.data(), btc_, DType::kF32, stage_ + 1, kTagStage);
+}
+Status PipelineRunner::recv_forward() {
+  if (stage_ == 0) return Status::ok();
+  return pp_.recv(x_in_.data(), btc_, DType::kF32, stage_ - 1, kTagStage);
+}
+Status PipelineRunner::send_backward() {
+  if (stage_ == 0) return Status::ok();
+  return pp_.send(dx_.data(), btc_, DType::kF32, stage_ - 1, kTagStage);
+}
+Status PipelineRunner::recv_backward() {
+  if (stage_ + 1 == stages_) return Status::ok();
+  return pp_.recv(dy_.data(), btc_, DType::kF32, stage_ + 1, kTagStage);
+}
+
+Result<PipelineStepStats> PipelineRunner::run(const std::vector<const int32_t*>& inputs,
+                                              const std::vector<const int32_t*>& targets, float loss_scale) {
+  STRATA_ASSERT(static_cast<int>(inputs.size()) == m_ && static_cast<int>(targets.size()) == m_);
+  PipelineStepStats st;
+  Timer total;
+  const bool last = stage_ + 1 == stages_;
+  if (schedule_ == PipelineSchedule::kGPipe) {
+    for (int i = 0; i < m_; ++i) {
+      STRATA_RETURN_IF_ERROR(recv_forward());
+      STRATA_RETURN_IF_ERROR(forward(i, inputs[i], targets[i], &st));
+      STRATA_RETURN_IF_ERROR(send_forward());
+    }
+    for (int i = 0; i < m_; ++i) {
+      STRATA_RETURN_IF_ERROR(recv_backward());
+      STRATA_RETURN_IF_ERROR(backward(i, loss_scale, &st));
+      STRATA_RETURN_IF_ERROR(send_backward());
+    }
+    st.total_s = total.seconds();
+    return st;
+  }
+  // 1F1B (Megatron-LM's schedule without interleaving).
+  const int warmup = std::min(stages_ - stage_ - 1, m_), remaining = m_ - warmup;
+  for (int i = 0; i < warmup; ++i) {
+    STRATA_RETURN_IF_ERROR(recv_forward());
+    STRATA_RETURN_IF_ERROR(forward(i, inputs[i], targets[i], &st));
+    STRATA_RETURN_IF_ERROR(send_forward());
+  }
+  if (remaining > 0) STRATA_RETURN_IF_ERROR(recv_forward());
+  for (int i = 0; i < remaining; ++i) {
+    const int f = warmup + i;
+    STRATA_RETURN_IF_ERROR(forward(f, inputs[f], targets[f], &st));
+    if (!last) {  // the activation forward, the oldest micro-batch's gradient back
+      STRATA_RETURN_IF_ERROR(pp_.send_recv(out_.data(), btc_, stage_ + 1, dy_.data(), btc_, stage_ + 1, DType::kF32,
+                                           kTagStage));
+    }
+    STRATA_RETURN_IF_ERROR(backward(i, loss_scale, &st));
+    if (i + 1 == remaining) {
+      STRATA_RETURN_IF_ERROR(send_backward());
+    } else if (stage_ > 0) {  // the gradient back, the next activation in
+      STRATA_RETURN_IF_ERROR(pp_.send_recv(dx_.data(), btc_, stage_ - 1, x_in_.data(), btc_, stage_ - 1, DType::kF32,
+                                           kTagStage));
+    }
+  }
+  for (int i = 0; i < warmup; ++i) {
+    STRATA_RETURN_IF_ERROR(recv_backward());
+    STRATA_RETURN_IF_ERROR(backward(remaining + i, loss_scale, &st));
+    STRATA_RETURN_IF_ERROR(send_backward());
+  }
+  st.total_s = total.seconds();
+  return st;
+}
+
+Result<float> PipelineRunner::forward_only(const int32_t* inputs, const int32_t* targets) {
+  PipelineStepStats st;
+  STRATA_RETURN_IF_ERROR(recv_forward());
+  STRATA_RETURN_IF_ERROR(forward(0, inputs, targets, &st));
+  STRATA_RETURN_IF_ERROR(send_forward());
+  return static_cast<float>(st.loss_sum);
+}
+
+// ---- the optimizer ----
+
+Result<std::unique_ptr<PipelineAdamW>> PipelineAdamW::create(GPT2& model, const AdamWConfig& config,
+                                                            kernels::Device& device, comm::Communicator& pp) {
+  std::unique_ptr<PipelineAdamW> opt(new PipelineAdamW());
+  opt->model_ = &model;
+  opt->config_ = config;
+  opt->device_ = &device;
+  opt->pp_ = &pp;
+  const int s = pp.rank(), P = pp.size();
+  // Collective: every stage splits; the ends share the tied embedding.
+  STRATA_ASSIGN_OR_RETURN(opt->tied_, pp.split(s == 0 || s == P - 1 ? 0 : 1, s, "pp.tied"));
+  for (size_t u = 0; u < model.units().size(); ++u) {
+    kernels::DeviceBuffer m, v;
+    if (model.holds(u)) {
+      const Unit& unit = model.units()[u];
+      STRATA_ASSIGN_OR_RETURN(m, device.allocate(unit.numel() * sizeof(float), "adamw.m " + unit.name));
+      STRATA_ASSIGN_OR_RETURN(v, device.allocate(unit.numel() * sizeof(float), "adamw.v " + unit.name));
+    }
+    opt->m_.push_back(std::move(m));
+    opt->v_.push_back(std::move(v));
+  }
+  return opt;
+}
+
+Status PipelineAdamW::adopt_params() {
+  for (size_t u = 0; u < m_.size(); ++u) {
+    if (m_[u].data() == nullptr) continue;
+    device_->zero(m_[u].data(), m_[u].size());
+    device_->zero(v_[u].data(), v_[u].size());
+  }
+  return Status::ok();
+}
+
+Result<double> PipelineAdamW::step(float lr, bool* skipped) {
+  const std::vector<Unit>& units = model_->units();
+  const int s = pp_->rank(), P = pp_->size();
+  if (P > 1 && (s == 0 || s == P - 1)) {  // the tied embedding: both halves of its gradient on both ends
+    const Unit& wte = units[0];
+    STRATA_RETURN_IF_ERROR(tied_->all_reduce(wte.g(), wte.g(), wte.numel(), DType::kF32, comm::ReduceOp::kSum)
+                               .with_context("the tied embedding's gradient"));
+  }
+  // Every unit's sum of squares from its owner (the embedding's from the first stage), added in unit order:
+  // the single process's norm, bit for bit, given the same gradients.
+  const size_t U = units.size();
+  std::vector<double> mine(U, 0.0), all(U * static_cast<size_t>(P));
+  const int L = model_->config().n_layer;
+  for (size_t u = 0; u < U; ++u) {
+    if (pipeline_owner(L, P, u) == s) mine[u] = device_->add_sum_squares(0.0, units[u].g(), units[u].numel());
+  }
+  STRATA_RETURN_IF_ERROR(pp_->all_gather(mine.data(), all.data(), 2 * U, DType::kF32).with_context("gradient norm"));
+  double sum = 0.0;
+  for (size_t u = 0; u < U; ++u) sum += all[static_cast<size_t>(pipeline_owner(L, P, u)) * U + u];
+  const double norm = std::sqrt(sum);
+  const std::optional<float> scale = step_scale(norm, config_.grad_clip, skipped);
+  if (!scale) return norm;
+  ++t_;
+  const kernels::KernelSet& k = device_->kernels();
+  for (size_t u = 0; u < U; ++u) {
+    if (!model_->holds(u)) continue;
+    const Unit& unit = units[u];
+    for (const TensorSpec& t : unit.layout.specs()) {
+      kernels::AdamWParams hp = adamw_params(config_, lr, t_, *scale);
+      hp.weight_decay = t.decay ? config_.weight_decay : 0.0f;
+      k.adamw_update(unit.p() + t.offset, m_[u].as<float>() + t.offset, v_[u].as<float>() + t.offset,
+                     unit.g() + t.offset, t.numel(), hp);
+    }
+  }
+  return norm;
+}
+
+Status PipelineAdamW::read_moments(size_t unit, float* m, float* v) {
+  const size_t n = model_->units()[unit].numel();
+  if (!model_->holds(unit)) {
+    const int owner = pipeline_owner(model_->config().n_layer, pp_->size(), unit);
+    STRATA_RETURN_IF_ERROR(pp_->recv(m, n, DType::kF32, owner, kTagMoments));
+    return pp_->recv(v, n, DType::kF32, owner, kTagMoments);
+  }
+  device_->copy_to_host(m, m_[unit].data(), n * sizeof(float));
+  device_->copy_to_host(v, v_[unit].data(), n * sizeof(float));
+  return Status::ok();
+}
+
+Status PipelineAdamW::write_moments(size_t unit, const float* m, const float* v) {
+  if (!model_->holds(unit)) return Status::ok();
+  const size_t n = model_->units()[unit].numel();
+  device_->copy_to_device(m_[unit].data(), m, n * sizeof(float));
+  device_->copy_to_device(v_[unit].data(), v, n * sizeof(float));
+  return Status::ok();
+}
+
+// ---- checkpoints ----
+
+std::function<Status(size_t, float*)> pipeline_params_source(const GPT2& model, comm::Communicator& pp) {
+  return [&model, &pp](size_t u, float* host) {
+    const int owner = pipeline_owner(model.config().n_layer, pp.size(), u);
+    return pp.recv(host, model.units()[u].numel(), DType::kF32, owner, kTagParams);
+  };
+}
+
+Status take_part_in_pipeline_checkpoint(const GPT2& model, Optimizer& opt, comm::Communicator& pp) {
+  STRATA_RETURN_IF_ERROR(opt.finish());
+  const int L = model.config().n_layer, P = pp.size(), s = pp.rank();
+  std::vector<float> a, b;
+  for (size_t u = 0; u < model.units().size(); ++u) {  // the first stage's save_model reads
+    if (s == 0 || pipeline_owner(L, P, u) != s) continue;
+    a.resize(model.units()[u].numel());
+    STRATA_RETURN_IF_ERROR(model.read_params(u, a.data()));
+    STRATA_RETURN_IF_ERROR(pp.send(a.data(), a.size(), DType::kF32, 0, kTagParams));
+  }
+  for (size_t u = 0; u < model.units().size(); ++u) {  // then its moments reads
+    if (s == 0 || pipeline_owner(L, P, u) != s) continue;
+    a.resize(model.units()[u].numel());
+    b.resize(a.size());
+    STRATA_RETURN_IF_ERROR(opt.read_moments(u, a.data(), b.data()));
+    STRATA_RETURN_IF_ERROR(pp.send(a.data(), a.size(), DType::kF32, 0, kTagMoments));
+    STRATA_RETURN_IF_ERROR(pp.send(b.data(), b.size(), DType::kF32, 0, kTagMoments));
+  }
+  return Status::ok();
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,115 @@
+// pipeline.h — pipeline parallelism (parallel.pipeline_parallel_size): the GPT-2 blocks split into stages, one
+// per rank of a pipeline group, with the micro-batches of a step flowing through them on Megatron-LM's 1F1B
+// schedule (or GPipe's, for comparison), activations passed forward and gradients backward with send/recv.
+//
+// Stages: the L blocks are cut into P consecutive ranges as evenly as possible (the first L mod P stages get
+// one more); the first stage also runs the embedding, the last the final layernorm, the tied LM head and the
+// loss. The tied embedding lives on both: after backward its two gradients are summed between the first and
+// the last stage, and both apply the same update to their copies, which therefore stay bitwise equal.
+//
+// Schedules over m micro-batches on stage s of P:
+//  - 1F1B: min(P - s - 1, m) forwards to fill the pipeline, then one forward and one backward in turn, then
+//    the remaining backwards; at most P - s micro-batches are in flight on stage s (one activation slot each).
+//    The steady state's two exchanges (send the activation forward and receive a gradient back; send a
+//    gradient back and receive the next activation) are single send_recv calls, so neighbours never wait on
+//    each other's sends.
+//  - GPipe: every forward, then every backward; m activation slots.
+// Backwards run in micro-batch order on every stage, so each unit's gradient accumulates in the order of one
+// process accumulating the same micro-batches: the only differences from the single-rank run are the tied
+// embedding's sum (its two halves accumulated apart) and nothing else — the norm is the single rank's bits
+// (every unit's sum of squares gathered, added in unit order).
+//
+// Threading: the training thread drives everything; the communicators are used from it alone.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "common/status.h"
+#include "engine/gpt2.h"
+#include "engine/optimizer.h"
+
+namespace strata::engine {
+
+enum class PipelineSchedule : uint8_t { k1F1B, kGPipe };
+
+// Stage s of `stages` over n_layer blocks (stages <= n_layer).
+PipelineStage pipeline_stage(int n_layer, int stages, int s);
+// The stage that holds unit u (the embedding: the first stage).
+int pipeline_owner(int n_layer, int stages, size_t u);
+
+struct PipelineStepStats {
+  double loss_sum = 0;   // the last stage's losses of its micro-batches, summed (0 elsewhere)
+  double compute_s = 0;  // this stage's forwards and backwards
+  double total_s = 0;    // the whole schedule; the rest is waiting for neighbours (the bubble) and messages
+};
+
+class PipelineRunner {
+ public:
+  // `model` is this stage's (created with pipeline_stage(...)), `pp` the pipeline group (rank = stage); B, T
+  // the micro-batch shape. Sets the model's activation slots.
+  PipelineRunner(GPT2& model, comm::Communicator& pp, PipelineSchedule schedule, int micro_batches, int B, int T);
+
+  // Forward and backward of the step's micro-batches: inputs[i], targets[i] are micro-batch i's (B,T) tokens
+  // (every stage gets them; the first stage reads the inputs, the last the targets). Gradients are added to
+  // the stage's units scaled by loss_scale.
+  Result<PipelineStepStats> run(const std::vector<const int32_t*>& inputs, const std::vector<const int32_t*>& targets,
+                                float loss_scale);
+  // A forward only (validation); the loss on the last stage, 0 elsewhere.
+  Result<float> forward_only(const int32_t* inputs, const int32_t* targets);
+
+ private:
+  Status forward(int i, const int32_t* inputs, const int32_t* targets, PipelineStepStats* st);
+  Status backward(int i, float loss_scale, PipelineStepStats* st);
+  Status send_forward();
+  Status recv_forward();
+  Status send_backward();
+  Status recv_backward();
+
+  GPT2& model_;
+  comm::Communicator& pp_;
+  PipelineSchedule schedule_;
+  int m_, B_, T_, slots_;
+  int stage_, stages_;
+  size_t btc_;
+  std::vector<float> x_in_, out_, dy_, dx_;  // host staging of what crosses to the neighbours
+};
+
+// AdamW over a pipeline stage's units, with the clip norm of the whole model and the tied embedding kept in
+// sync. Checkpoints: the first stage reads the other stages' units and moments (read_params through the
+// model's params source, read_moments here) while they run take_part_in_pipeline_checkpoint().
+class PipelineAdamW final : public Optimizer {
+ public:
+  // `model`, `device` and `pp` must outlive it.
+  static Result<std::unique_ptr<PipelineAdamW>> create(GPT2& model, const AdamWConfig& config, kernels::Device& device,
+                                                       comm::Communicator& pp);
+  // Sums the tied embedding's gradient between the first and last stage, then the update with the whole
+  // model's norm (every stage takes the same decision). Collective over the pipeline group.
+  Result<double> step(float lr, bool* skipped) override;
+  int steps_taken() const override { return t_; }
+  void set_steps_taken(int t) override { t_ = t; }
+  Status adopt_params() override;
+  // A unit of another stage: received from it (the first stage, while the others take part in a checkpoint).
+  Status read_moments(size_t unit, float* m, float* v) override;
+  Status write_moments(size_t unit, const float* m, const float* v) override;  // another stage's: ignored
+
+ private:
+  PipelineAdamW() = default;
+  GPT2* model_ = nullptr;
+  AdamWConfig config_;
+  kernels::Device* device_ = nullptr;
+  comm::Communicator* pp_ = nullptr;
+  std::unique_ptr<comm::Communicator> tied_;  // the first and last stage (others: a group of their own)
+  std::vector<kernels::DeviceBuffer> m_, v_;  // per unit; empty for other stages' units
+  int t_ = 0;
+};
+
+// The first stage's reads of other stages' units, for checkpoints: GPT2::set_params_source of the first stage.
+std::function<Status(size_t unit, float* host)> pipeline_params_source(const GPT2& model, comm::Communicator& pp);
+// What the other stages (of data-parallel rank 0) do while the first writes a checkpoint: send it their units'
+// parameters, then their moments, in the order it reads them.
+Status take_part_in_pipeline_checkpoint(const GPT2& model, Optimizer& opt, comm::Communicator& pp);
+
+}  // namespace strata::engine
