@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include <fmt/format.h>
 
@@ -17,26 +18,57 @@ constexpr int kTagStage = 11, kTagParams = 13, kTagMoments = 14;
 
 }  // namespace
 
-PipelineStage pipeline_stage(int n_layer, int stages, int s) {
-  STRATA_ASSERT(stages >= 1 && stages <= n_layer && s >= 0 && s < stages);
-  const int base = n_layer / stages, extra = n_layer % stages;
-  PipelineStage st;
-  st.first = s * base + std::min(s, extra);
-  st.end = st.first + base + (s < extra ? 1 : 0);
-  st.embedding = s == 0;
-  st.head = s == stages - 1;
-  return st;
+PipelinePlan plan_pipeline(const GPT2Config& c, int seq_len, int stages) {
+  const int L = c.n_layer;
+  STRATA_ASSERT(stages >= 1 && stages <= L);
+  const double C = c.n_embd;
+  const double block = 24.0 * C * C + 2.0 * C * (seq_len + 1.0), head = 2.0 * C * c.vocab_size;
+  // best[p][j]: the smallest largest stage cost splitting blocks [0, j) into p stages (the head on the last
+  // stage of the whole plan only, added at the end); cut[p][j]: where the last of those p stages starts.
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> best(stages + 1, std::vector<double>(L + 1, inf));
+  std::vector<std::vector<int>> cut(stages + 1, std::vector<int>(L + 1, 0));
+  best[0][0] = 0;
+  for (int p = 1; p <= stages; ++p) {
+    for (int j = p; j <= L; ++j) {
+      for (int i = p - 1; i < j; ++i) {  // the p-th stage runs blocks [i, j)
+        const double last = (j - i) * block + (p == stages && j == L ? head : 0.0);
+        const double worst = std::max(best[p - 1][i], last);
+        if (worst < best[p][j]) best[p][j] = worst, cut[p][j] = i;
+      }
+    }
+  }
+  PipelinePlan plan;
+  plan.stages.resize(static_cast<size_t>(stages));
+  plan.flops.resize(static_cast<size_t>(stages));
+  for (int p = stages, j = L; p >= 1; j = cut[p][j], --p) {
+    PipelineStage& st = plan.stages[static_cast<size_t>(p - 1)];
+    st.first = cut[p][j];
+    st.end = j;
+    st.embedding = p == 1;
+    st.head = p == stages;
+    plan.flops[static_cast<size_t>(p - 1)] = (j - cut[p][j]) * block + (st.head ? head : 0.0);
+  }
+  return plan;
 }
 
-int pipeline_owner(int n_layer, int stages, size_t u) {
+int PipelinePlan::owner(size_t u) const {
   if (u == 0) return 0;
-  if (u == static_cast<size_t>(n_layer) + 1) return stages - 1;
-  for (int s = 0; s < stages; ++s) {
-    const PipelineStage st = pipeline_stage(n_layer, stages, s);
-    if (static_cast<int>(u) - 1 >= st.first && static_cast<int>(u) - 1 < st.end) return s;
+  for (size_t s = 0; s < stages.size(); ++s) {
+    if (static_cast<int>(u) - 1 >= stages[s].first && static_cast<int>(u) - 1 < stages[s].end) return static_cast<int>(s);
   }
-  STRATA_ASSERT_MSG(false, "unit out of range");
-  return -1;
+  return static_cast<int>(stages.size()) - 1;  // ln_f, after the last block
+}
+
+std::string PipelinePlan::describe() const {
+  std::string blocks, cost;
+  for (size_t s = 0; s < stages.size(); ++s) {
+    const PipelineStage& st = stages[s];
+    blocks += fmt::format("{}[{}, {}){}{}", s ? " | " : "", st.first, st.end, st.embedding ? " + embedding" : "",
+                          st.head ? " + head" : "");
+    cost += fmt::format("{}{:.3g}", s ? " | " : "", flops[s] / 1e9);
+  }
+  return "blocks " + blocks + "; forward GFLOP/token " + cost;
 }
 
 // ---- the schedule ----
@@ -156,10 +188,12 @@ Result<float> PipelineRunner::forward_only(const int32_t* inputs, const int32_t*
 
 // ---- the optimizer ----
 
-Result<std::unique_ptr<PipelineAdamW>> PipelineAdamW::create(GPT2& model, const AdamWConfig& config,
-                                                            kernels::Device& device, comm::Communicator& pp) {
+Result<std::unique_ptr<PipelineAdamW>> PipelineAdamW::create(GPT2& model, const PipelinePlan& plan,
+                                                            const AdamWConfig& config, kernels::Device& device,
+                                                            comm::Communicator& pp) {
   std::unique_ptr<PipelineAdamW> opt(new PipelineAdamW());
   opt->model_ = &model;
+  opt->plan_ = plan;
   opt->config_ = config;
   opt->device_ = &device;
   opt->pp_ = &pp;
@@ -200,13 +234,12 @@ Result<double> PipelineAdamW::step(float lr, bool* skipped) {
   // the single process's norm, bit for bit, given the same gradients.
   const size_t U = units.size();
   std::vector<double> mine(U, 0.0), all(U * static_cast<size_t>(P));
-  const int L = model_->config().n_layer;
   for (size_t u = 0; u < U; ++u) {
-    if (pipeline_owner(L, P, u) == s) mine[u] = device_->add_sum_squares(0.0, units[u].g(), units[u].numel());
+    if (plan_.owner(u) == s) mine[u] = device_->add_sum_squares(0.0, units[u].g(), units[u].numel());
   }
   STRATA_RETURN_IF_ERROR(pp_->all_gather(mine.data(), all.data(), 2 * U, DType::kF32).with_context("gradient norm"));
   double sum = 0.0;
-  for (size_t u = 0; u < U; ++u) sum += all[static_cast<size_t>(pipeline_owner(L, P, u)) * U + u];
+  for (size_t u = 0; u < U; ++u) sum += all[static_cast<size_t>(plan_.owner(u)) * U + u];
   const double norm = std::sqrt(sum);
   const std::optional<float> scale = step_scale(norm, config_.grad_clip, skipped);
   if (!scale) return norm;
@@ -228,7 +261,7 @@ Result<double> PipelineAdamW::step(float lr, bool* skipped) {
 Status PipelineAdamW::read_moments(size_t unit, float* m, float* v) {
   const size_t n = model_->units()[unit].numel();
   if (!model_->holds(unit)) {
-    const int owner = pipeline_owner(model_->config().n_layer, pp_->size(), unit);
+    const int owner = plan_.owner(unit);
     STRATA_RETURN_IF_ERROR(pp_->recv(m, n, DType::kF32, owner, kTagMoments));
     return pp_->recv(v, n, DType::kF32, owner, kTagMoments);
   }
@@ -247,25 +280,26 @@ Status PipelineAdamW::write_moments(size_t unit, const float* m, const float* v)
 
 // ---- checkpoints ----
 
-std::function<Status(size_t, float*)> pipeline_params_source(const GPT2& model, comm::Communicator& pp) {
-  return [&model, &pp](size_t u, float* host) {
-    const int owner = pipeline_owner(model.config().n_layer, pp.size(), u);
-    return pp.recv(host, model.units()[u].numel(), DType::kF32, owner, kTagParams);
+std::function<Status(size_t, float*)> pipeline_params_source(const GPT2& model, const PipelinePlan& plan,
+                                                             comm::Communicator& pp) {
+  return [&model, plan, &pp](size_t u, float* host) {
+    return pp.recv(host, model.units()[u].numel(), DType::kF32, plan.owner(u), kTagParams);
   };
 }
 
-Status take_part_in_pipeline_checkpoint(const GPT2& model, Optimizer& opt, comm::Communicator& pp) {
+Status take_part_in_pipeline_checkpoint(const GPT2& model, const PipelinePlan& plan, Optimizer& opt,
+                                        comm::Communicator& pp) {
   STRATA_RETURN_IF_ERROR(opt.finish());
-  const int L = model.config().n_layer, P = pp.size(), s = pp.rank();
+  const int s = pp.rank();
   std::vector<float> a, b;
   for (size_t u = 0; u < model.units().size(); ++u) {  // the first stage's save_model reads
-    if (s == 0 || pipeline_owner(L, P, u) != s) continue;
+    if (s == 0 || plan.owner(u) != s) continue;
     a.resize(model.units()[u].numel());
     STRATA_RETURN_IF_ERROR(model.read_params(u, a.data()));
     STRATA_RETURN_IF_ERROR(pp.send(a.data(), a.size(), DType::kF32, 0, kTagParams));
   }
   for (size_t u = 0; u < model.units().size(); ++u) {  // then its moments reads
-    if (s == 0 || pipeline_owner(L, P, u) != s) continue;
+    if (s == 0 || plan.owner(u) != s) continue;
     a.resize(model.units()[u].numel());
     b.resize(a.size());
     STRATA_RETURN_IF_ERROR(opt.read_moments(u, a.data(), b.data()));

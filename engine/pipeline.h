@@ -2,9 +2,10 @@
 // per rank of a pipeline group, with the micro-batches of a step flowing through them on Megatron-LM's 1F1B
 // schedule (or GPipe's, for comparison), activations passed forward and gradients backward with send/recv.
 //
-// Stages: the L blocks are cut into P consecutive ranges as evenly as possible (the first L mod P stages get
-// one more); the first stage also runs the embedding, the last the final layernorm, the tied LM head and the
-// loss. The tied embedding lives on both: after backward its two gradients are summed between the first and
+// Stages: the L blocks are cut into P consecutive non-empty ranges that balance the stages' forward FLOPs per
+// token (a block 24C^2 + 2C(T+1), the head 2CV: with GPT-2's vocabulary the head weighs as much as ~10 blocks
+// of width 768, so the last stage gets fewer blocks); the first stage also runs the embedding, the last the
+// final layernorm, the tied LM head and the loss. The tied embedding lives on both: after backward its two gradients are summed between the first and
 // the last stage, and both apply the same update to their copies, which therefore stay bitwise equal.
 //
 // Schedules over m micro-batches on stage s of P:
@@ -24,6 +25,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -35,10 +37,15 @@ namespace strata::engine {
 
 enum class PipelineSchedule : uint8_t { k1F1B, kGPipe };
 
-// Stage s of `stages` over n_layer blocks (stages <= n_layer).
-PipelineStage pipeline_stage(int n_layer, int stages, int s);
-// The stage that holds unit u (the embedding: the first stage).
-int pipeline_owner(int n_layer, int stages, size_t u);
+// Which blocks each stage runs.
+struct PipelinePlan {
+  std::vector<PipelineStage> stages;
+  std::vector<double> flops;  // each stage's forward FLOPs per token
+  int owner(size_t unit) const;  // the stage that holds unit u (the embedding: the first)
+  std::string describe() const;  // "blocks [0, 5) + embedding | [5, 6) + head; forward GFLOP/token 0.02 | 0.04"
+};
+// The balanced plan of `stages` (<= n_layer) stages for sequences of `seq_len` tokens.
+PipelinePlan plan_pipeline(const GPT2Config& config, int seq_len, int stages);
 
 struct PipelineStepStats {
   double loss_sum = 0;   // the last stage's losses of its micro-batches, summed (0 elsewhere)
@@ -48,7 +55,7 @@ struct PipelineStepStats {
 
 class PipelineRunner {
  public:
-  // `model` is this stage's (created with pipeline_stage(...)), `pp` the pipeline group (rank = stage); B, T
+  // `model` is this stage's (created with plan.stages[pp.rank()]), `pp` the pipeline group (rank = stage); B, T
   // the micro-batch shape. Sets the model's activation slots.
   PipelineRunner(GPT2& model, comm::Communicator& pp, PipelineSchedule schedule, int micro_batches, int B, int T);
 
@@ -83,7 +90,8 @@ class PipelineRunner {
 class PipelineAdamW final : public Optimizer {
  public:
   // `model`, `device` and `pp` must outlive it.
-  static Result<std::unique_ptr<PipelineAdamW>> create(GPT2& model, const AdamWConfig& config, kernels::Device& device,
+  static Result<std::unique_ptr<PipelineAdamW>> create(GPT2& model, const PipelinePlan& plan,
+                                                       const AdamWConfig& config, kernels::Device& device,
                                                        comm::Communicator& pp);
   // Sums the tied embedding's gradient between the first and last stage, then the update with the whole
   // model's norm (every stage takes the same decision). Collective over the pipeline group.
@@ -98,6 +106,7 @@ class PipelineAdamW final : public Optimizer {
  private:
   PipelineAdamW() = default;
   GPT2* model_ = nullptr;
+  PipelinePlan plan_;
   AdamWConfig config_;
   kernels::Device* device_ = nullptr;
   comm::Communicator* pp_ = nullptr;
@@ -107,9 +116,11 @@ class PipelineAdamW final : public Optimizer {
 };
 
 // The first stage's reads of other stages' units, for checkpoints: GPT2::set_params_source of the first stage.
-std::function<Status(size_t unit, float* host)> pipeline_params_source(const GPT2& model, comm::Communicator& pp);
+std::function<Status(size_t unit, float* host)> pipeline_params_source(const GPT2& model, const PipelinePlan& plan,
+                                                                       comm::Communicator& pp);
 // What the other stages (of data-parallel rank 0) do while the first writes a checkpoint: send it their units'
 // parameters, then their moments, in the order it reads them.
-Status take_part_in_pipeline_checkpoint(const GPT2& model, Optimizer& opt, comm::Communicator& pp);
+Status take_part_in_pipeline_checkpoint(const GPT2& model, const PipelinePlan& plan, Optimizer& opt,
+                                        comm::Communicator& pp);
 
 }  // namespace strata::engine

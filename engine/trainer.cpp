@@ -99,7 +99,8 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   // model (whose host checkpoints come from a pool) is destroyed first.
   std::unique_ptr<OffloadRuntime> offload_stack;
   std::unique_ptr<offload::PinnedPool> checkpoint_pool;
-  const PipelineStage stage = pp ? pipeline_stage(config.model.n_layer, pp_size, pp_rank) : PipelineStage{};
+  const PipelinePlan plan = plan_pipeline(config.model, T, pp_size);
+  const PipelineStage stage = pp ? plan.stages[static_cast<size_t>(pp_rank)] : PipelineStage{};
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> model,
                           GPT2::create(config.model, *device, config.compute.matmul_precision, offloaded, stage));
   std::optional<PipelineRunner> pipeline;
@@ -107,10 +108,9 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     pipeline.emplace(*model, *pp,
                      config.parallel.pipeline_schedule == "gpipe" ? PipelineSchedule::kGPipe : PipelineSchedule::k1F1B,
                      tc.grad_accum_steps, B, T);
-    if (pp_rank == 0) model->set_params_source(pipeline_params_source(*model, *pp));
-    STRATA_LOG_INFO("pipeline: {} stages ({} schedule, {} micro-batches per step); this is stage {}: blocks [{}, {}){}{}",
-                    pp_size, config.parallel.pipeline_schedule, tc.grad_accum_steps, pp_rank, stage.first, stage.end,
-                    stage.embedding ? " with the embedding" : "", stage.head ? " with the head" : "");
+    if (pp_rank == 0) model->set_params_source(pipeline_params_source(*model, plan, *pp));
+    STRATA_LOG_INFO("pipeline: {} stages, {} schedule, {} micro-batches per step: {}", pp_size,
+                    config.parallel.pipeline_schedule, tc.grad_accum_steps, plan.describe());
   }
   AdamWConfig ac;
   ac.beta1 = static_cast<float>(tc.beta1);
@@ -123,7 +123,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   std::unique_ptr<PipelineAdamW> pipeline_opt;
   Optimizer* opt = nullptr;
   if (pp) {
-    STRATA_ASSIGN_OR_RETURN(pipeline_opt, PipelineAdamW::create(*model, ac, *device, *pp));
+    STRATA_ASSIGN_OR_RETURN(pipeline_opt, PipelineAdamW::create(*model, plan, ac, *device, *pp));
     opt = pipeline_opt.get();
   } else if (dp && !zero3 && (config.offload.stage == 1 || config.offload.stage == 2)) {
     STRATA_ASSIGN_OR_RETURN(sharded_opt, ShardedAdamW::create(model->units(), ac, *device, *dp, config.offload.stage));
@@ -231,7 +231,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   // same collective reads, in the same order).
   auto checkpoint = [&]() -> Status {
     if (!leader && zero3) return take_part_in_checkpoint(*model, *opt);
-    if (pp && dp_rank == 0 && pp_rank > 0) return take_part_in_pipeline_checkpoint(*model, *opt, *pp);
+    if (pp && dp_rank == 0 && pp_rank > 0) return take_part_in_pipeline_checkpoint(*model, plan, *opt, *pp);
     if (!leader) return sharded_opt ? sharded_opt->serve_checkpoint() : Status::ok();
     state.train_pos = train.position();
     auto saved = save_checkpoint(tc.checkpoint_dir, *model, *opt, state, tc.keep_checkpoints);
