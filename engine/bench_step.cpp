@@ -60,6 +60,10 @@ void add_bench_step_command(CLI::App& bench, BenchStepOptions& o) {
   cmd->add_option("--grad-clip", o.grad_clip, "Global-norm gradient clip (0: none)")->capture_default_str();
   cmd->add_flag("--no-overlap-backward", o.no_overlap_backward,
                 "Optimizer on nvme: do not start updates during backward (offload_optimizer.overlap_backward)");
+  cmd->add_flag("--pipeline", o.pipeline,
+                "Under mpirun -np P: one pipeline stage per rank; print the schedules' bubble against (p-1)/(m+p-1)");
+  cmd->add_option("--micro-batches", o.micro_batches, "With --pipeline: micro-batch counts m, comma-separated")
+      ->capture_default_str();
 }
 
 void random_batch(int B, int T, int vocab_size, uint64_t seed, std::vector<int32_t>* x, std::vector<int32_t>* y) {
@@ -73,6 +77,7 @@ void random_batch(int B, int T, int vocab_size, uint64_t seed, std::vector<int32
 }
 
 int run_bench_step(const BenchStepOptions& o) {
+  if (o.pipeline) return run_bench_pipeline(o);
   if (o.offload_param != "none" || o.offload_optimizer != "none" || o.checkpointing != "none")
     return run_bench_step_offload(o);
   std::optional<tbb::global_control> threads;

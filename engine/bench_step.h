@@ -1,6 +1,7 @@
 // bench_step.h — `strata bench step`: times full training steps (forward, backward, AdamW) of a GPT-2 config on
 // random tokens and reports tokens/s and achieved GFLOP/s. Compare with PyTorch via scripts/bench_step_torch.py.
-// With --offload-param / --offload-optimizer it times the offloaded step against its bound instead.
+// With --offload-param / --offload-optimizer it times the offloaded step against its bound instead; with
+// --pipeline (under mpirun) the pipeline schedules' bubble.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +34,10 @@ struct BenchStepOptions {
   std::string checkpointing = "none";      // none | device | host
   float grad_clip = 1.0f;                  // global-norm clip (0: none); clipping steps redo early updates
   bool no_overlap_backward = false;        // offload_optimizer.overlap_backward = false
+  // Pipeline (engine/bench_pipeline.cpp, under mpirun -np P): each rank one stage; the bubble of both
+  // schedules for each micro-batch count (comma-separated; --batch is the micro-batch size).
+  bool pipeline = false;
+  std::string micro_batches = "1,2,4,8";
 };
 
 // A (B,T) batch of inputs and targets drawn uniformly from the vocabulary, seeded: what both step benchmarks
@@ -42,6 +47,10 @@ void random_batch(int B, int T, int vocab_size, uint64_t seed, std::vector<int32
 // The offloaded step (any offload option set): the same model plain and offloaded in one run, the offloaded
 // step's breakdown, and its ratio to max(compute, disk time for its NVMe bytes, CPU optimizer time).
 int run_bench_step_offload(const BenchStepOptions& opts);
+
+// The pipeline schedules' bubble (--pipeline, under mpirun -np P): per stage, 1 - its compute / the schedule's
+// time, against (p - 1) / (m + p - 1). Forward and backward only (the optimizer is not in the schedule).
+int run_bench_pipeline(const BenchStepOptions& opts);
 
 void add_bench_step_command(CLI::App& bench, BenchStepOptions& opts);
 int run_bench_step(const BenchStepOptions& opts);
