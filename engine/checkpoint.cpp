@@ -187,14 +187,16 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
   return final_dir.string();
 }
 
-Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt) {
+Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt, const std::function<bool(size_t unit)>& include) {
   STRATA_RETURN_IF_ERROR(opt.finish());
   std::vector<float> a, b;
   for (size_t u = 0; u < model.units().size(); ++u) {  // save_model's reads
+    if (!include(u)) continue;
     a.resize(model.units()[u].numel());
     STRATA_RETURN_IF_ERROR(model.read_params(u, a.data()));
   }
   for (size_t u = 0; u < model.units().size(); ++u) {  // then the moments'
+    if (!include(u)) continue;
     a.resize(model.units()[u].numel());
     b.resize(a.size());
     STRATA_RETURN_IF_ERROR(opt.read_moments(u, a.data(), b.data()));

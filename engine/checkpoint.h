@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -41,9 +42,10 @@ Status load_model(GPT2& model, const std::string& path);
 Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT2& model, Optimizer& opt,
                                     const TrainState& state, int keep);
 
-// Under ZeRO-3, what the ranks other than the writer do while it runs save_checkpoint: the same collective
-// reads of every unit's parameters and moments, in the same order, with nothing written.
-Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt);
+// Under ZeRO-3, what the other ranks of a data-parallel group do while its rank 0 reads the units for a
+// checkpoint: the same collective reads of each unit's parameters and moments (the units `include` accepts:
+// with pipeline stages, the stage's own), in the same order, with nothing written.
+Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt, const std::function<bool(size_t unit)>& include);
 
 // Resolves `path` (a step directory, or a checkpoint_dir containing `latest`) and restores model, optimizer
 // and state. The model config in the checkpoint must equal the model's; the error names the field.

@@ -339,7 +339,7 @@ Status GPT2::forward_units(int B, int T) {
   const int C = config_.n_embd, V = config_.vocab_size, L = config_.n_layer;
   const int N = B * T;
   const size_t BTC = static_cast<size_t>(N) * C;
-  if (coordinator_ != nullptr) coordinator_->begin_step();
+  if (coordinator_ != nullptr && marks_steps_) coordinator_->begin_step();
   const size_t wpe_offset = units_[0].layout.specs()[1].offset;
   if (stage_.embedding) {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kForward));

@@ -147,6 +147,12 @@ class GPT2 {
     if (!slot_acts_.empty()) acts_ = slot_acts_[i];
   }
   const PipelineStage& stage() const { return stage_; }
+  // Each forward starts a step of the coordinator's access trace, unless the caller marks steps itself (a
+  // pipeline's step interleaves several micro-batches' forwards and backwards: the step is the schedule).
+  void set_marks_steps(bool on) { marks_steps_ = on; }
+  void begin_step() {
+    if (coordinator_ != nullptr) coordinator_->begin_step();
+  }
   // Where read_params gets the units this stage does not hold (the first stage receives them from theirs
   // while it writes a checkpoint: engine/pipeline.h). Unset: reading one is an error.
   void set_params_source(std::function<Status(size_t unit, float* host)> fn) { params_source_ = std::move(fn); }
@@ -197,6 +203,7 @@ class GPT2 {
   std::vector<Unit> units_;  // wte, h.0 .. h.{L-1}, ln_f
   bool offloaded_ = false;
   PipelineStage stage_;
+  bool marks_steps_ = true;
   std::function<Status(size_t, float*)> params_source_;
   offload::Coordinator* coordinator_ = nullptr;
   std::function<void(size_t)> on_grads_done_;

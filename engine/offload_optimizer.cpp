@@ -84,6 +84,7 @@ Result<std::unique_ptr<OffloadedAdamW>> OffloadedAdamW::create(const GPT2& model
 }
 
 Status OffloadedAdamW::load_unit(size_t unit, const float* m, const float* v) {
+  if (!model_->holds(unit)) return Status::ok();  // another pipeline stage's
   std::vector<float> params(coordinator_->shard(unit).len);
   STRATA_RETURN_IF_ERROR(coordinator_->read_shard(unit, params.data()));
   for (size_t i = 0; i < groups_.size(); ++i) {
@@ -120,6 +121,10 @@ Status OffloadedAdamW::write_moments(size_t unit, const float* m, const float* v
 
 Status OffloadedAdamW::read_moments(size_t unit, float* m, float* v) {
   STRATA_RETURN_IF_ERROR(finish());
+  if (!model_->holds(unit)) {  // the first stage, writing a checkpoint: from the stage that has it
+    if (pp_ == nullptr) return Status::internal("offload: unit {} is not here and there is no pipeline", unit);
+    return pipeline_recv_moments(plan_, *pp_, unit, model_->units()[unit].numel(), m, v);
+  }
   if (coordinator_->sharded()) return gather_moments(unit, m, v);
   for (size_t i = 0; i < groups_.size(); ++i) {
     const Group& g = groups_[i];
@@ -164,21 +169,56 @@ Status OffloadedAdamW::gather_moments(size_t unit, float* m, float* v) {
   return Status::ok();
 }
 
+Status OffloadedAdamW::set_pipeline(const PipelinePlan& plan, comm::Communicator& pp) {
+  plan_ = plan;
+  pp_ = &pp;
+  const int s = pp.rank(), P = pp.size();
+  STRATA_ASSIGN_OR_RETURN(tied_, pp.split(s == 0 || s == P - 1 ? 0 : 1, s, "pp.tied"));  // collective
+  return Status::ok();
+}
+
+Status OffloadedAdamW::sum_tied_embedding() {
+  if (pp_ == nullptr || pp_->size() < 2 || (pp_->rank() != 0 && pp_->rank() != pp_->size() - 1)) return Status::ok();
+  // Both ends hold the embedding (the same shard of it under ZeRO-3): each adds the other's half.
+  const size_t n = coordinator_->shard(0).len;
+  float* g = coordinator_->sharded() ? const_cast<float*>(coordinator_->host_grads(0))
+                                     : coordinator_->host_grads_for_update(0);
+  return tied_->all_reduce(g, g, n, DType::kF32, comm::ReduceOp::kSum).with_context("the tied embedding's gradient");
+}
+
+Result<double> OffloadedAdamW::global_norm() {
+  const size_t U = model_->units().size();
+  std::vector<double> per(U);
+  for (size_t u = 0; u < U; ++u) per[u] = coordinator_->grad_sum_squares(u);
+  // Doubles travel as pairs of fp32 words (bits copied, never converted), and every rank adds them in the
+  // same order, so every rank takes the same decision.
+  if (coordinator_->sharded()) {  // each unit's shards, added in rank order
+    const size_t D = static_cast<size_t>(reducer_->size());
+    std::vector<double> all(D * U);
+    STRATA_RETURN_IF_ERROR(reducer_->all_gather(per.data(), all.data(), 2 * U, DType::kF32).with_context("gradient norm"));
+    for (size_t u = 0; u < U; ++u) {
+      per[u] = 0.0;
+      for (size_t q = 0; q < D; ++q) per[u] += all[q * U + u];
+    }
+  }
+  if (pp_ != nullptr && pp_->size() > 1) {  // each unit's from the stage that owns it
+    std::vector<double> all(static_cast<size_t>(pp_->size()) * U);
+    STRATA_RETURN_IF_ERROR(pp_->all_gather(per.data(), all.data(), 2 * U, DType::kF32).with_context("gradient norm"));
+    for (size_t u = 0; u < U; ++u) per[u] = all[static_cast<size_t>(plan_.owner(u)) * U + u];
+  }
+  double sum = 0.0;
+  for (const double x : per) sum += x;
+  return std::sqrt(sum);
+}
+
 Result<double> OffloadedAdamW::step_sharded(float lr, bool* skipped) {
   if (reducer_ == nullptr) return Status::internal("ZeRO-3: the offloaded optimizer has no data-parallel group");
   STRATA_RETURN_IF_ERROR(finish());
   Timer wait;
   STRATA_RETURN_IF_ERROR(coordinator_->flush_grads());  // every reduce-scatter has landed in the shards
+  STRATA_RETURN_IF_ERROR(sum_tied_embedding());
   const double grads_wait_s = wait.seconds();
-  double mine = 0.0;
-  for (size_t u = 0; u < model_->units().size(); ++u) mine += coordinator_->grad_sum_squares(u);
-  // Every rank's sum of squares, added in rank order on every rank (the doubles travel as pairs of fp32
-  // words: bits are copied, never converted), so every rank takes the same decision.
-  std::vector<double> sums(static_cast<size_t>(reducer_->size()));
-  STRATA_RETURN_IF_ERROR(reducer_->all_gather(&mine, sums.data(), 2, DType::kF32).with_context("gradient norm"));
-  double total = 0.0;
-  for (const double x : sums) total += x;
-  const double norm = std::sqrt(total);
+  STRATA_ASSIGN_OR_RETURN(const double norm, global_norm());
   speculation_ = SpeculationStats{};
   const std::optional<float> scale = step_scale(norm, config_.grad_clip, skipped);
   if (!scale) return norm;
@@ -230,7 +270,8 @@ Status OffloadedAdamW::set_gradient_reducer(comm::Communicator* group) {
 
 Status OffloadedAdamW::begin_last_backward(float lr) {
   STRATA_RETURN_IF_ERROR(finish());  // the last update: published by the forward, its writes done
-  if (!swapper_ || !options_.overlap_backward || !speculate_next_ || reducer_ != nullptr) return Status::ok();
+  if (!swapper_ || !options_.overlap_backward || !speculate_next_ || reducer_ != nullptr || pp_ != nullptr)
+    return Status::ok();
   speculated_hp_ = adamw_params(config_, lr, t_ + 1, 1.0f);
   fed_.assign(model_->units().size(), false);
   start_update(speculated_hp_, /*speculative=*/true);
@@ -262,15 +303,15 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   STRATA_RETURN_IF_ERROR(coordinator_->flush_grads());
   if (reducer_ != nullptr) {  // the step's gradient is the sum over the data-parallel ranks
     for (size_t u = 0; u < model_->units().size(); ++u) {
+      if (!model_->holds(u)) continue;  // another pipeline stage's
       float* g = coordinator_->host_grads_for_update(u);
       STRATA_RETURN_IF_ERROR(reducer_->all_reduce(g, g, model_->units()[u].numel(), DType::kF32, comm::ReduceOp::kSum)
                                  .with_context("gradients of " + model_->units()[u].name));
     }
   }
+  STRATA_RETURN_IF_ERROR(sum_tied_embedding());
   const double grads_wait_s = wait.seconds();
-  double sum = 0.0;
-  for (size_t u = 0; u < model_->units().size(); ++u) sum += coordinator_->grad_sum_squares(u);
-  const double norm = std::sqrt(sum);
+  STRATA_ASSIGN_OR_RETURN(const double norm, global_norm());
   const std::optional<float> scale = step_scale(norm, config_.grad_clip, skipped);
   const bool finite = scale.has_value();
   const kernels::AdamWParams hp = adamw_params(config_, lr, t_ + 1, scale.value_or(0.0f));

@@ -36,6 +36,7 @@
 #include "common/status.h"
 #include "engine/gpt2.h"
 #include "engine/optimizer.h"
+#include "engine/pipeline.h"
 #include "offload/coordinator.h"
 #include "offload/optimizer_swap.h"
 #include "offload/pinned_pool.h"
@@ -97,6 +98,11 @@ class OffloadedAdamW final : public Optimizer {
   // every rank calls read_moments for the same units in the same order. The update then completes inside
   // step(), which drops the gathered parameter copies.
   Status set_gradient_reducer(comm::Communicator* group);
+  // Pipeline parallelism: this optimizer updates the stage's units (model.holds); step() adds the tied
+  // embedding's gradient halves between the first and last stage and takes the whole model's norm (every
+  // unit's sum of squares from its owner, in unit order); read_moments of another stage's unit receives it
+  // from that stage (engine/pipeline.h). Collective over `pp` (which must outlive the optimizer).
+  Status set_pipeline(const PipelinePlan& plan, comm::Communicator& pp);
   int steps_taken() const override { return t_; }
   void set_steps_taken(int t) override { t_ = t; }
   Status adopt_params() override;
@@ -148,6 +154,8 @@ class OffloadedAdamW final : public Optimizer {
   Status abandon_speculation(bool restore);
   Status join();  // waits for the worker, keeps its stats, ends the handoff; the worker's status
   Result<double> step_sharded(float lr, bool* skipped);        // ZeRO-3
+  Status sum_tied_embedding();                                 // pipeline: between the ends, after flush_grads
+  Result<double> global_norm();                                // after flush_grads (and the sums over ranks)
   Status gather_moments(size_t unit, float* m, float* v);      // ZeRO-3, collective over reducer_
   // Sets master from the unit's current parameters and the moments from m, v (zeros where null).
   Status load_unit(size_t unit, const float* m, const float* v);
@@ -169,6 +177,9 @@ class OffloadedAdamW final : public Optimizer {
   kernels::AdamWParams speculated_hp_;  // what a speculative update assumed
   bool speculate_next_ = true;          // the last step did not clip (or there was none)
   comm::Communicator* reducer_ = nullptr;  // data-parallel group the gradients are summed over
+  PipelinePlan plan_;                      // pipeline: which stage owns each unit
+  comm::Communicator* pp_ = nullptr;
+  std::unique_ptr<comm::Communicator> tied_;  // the first and last stage
   std::vector<bool> fed_;               // units fed to the speculative update
 };
 

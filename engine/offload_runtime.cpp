@@ -83,7 +83,8 @@ Status OffloadRuntime::open_store(const std::string& path, uint64_t file_bytes, 
 
 Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConfig& config, const AdamWConfig& adam,
                                                               kernels::Device& device, GPT2& model,
-                                                              comm::Communicator* dp) {
+                                                              comm::Communicator* dp, comm::Communicator* pp,
+                                                              const PipelinePlan* plan) {
   // Stages 1 and 2 shard the optimizer state, and an offloaded one is the coordinator's business: they run as
   // stage 3, the parameters gathered at their first use after a step instead of all-gathered after it (the
   // same bytes when the model fits on the device).
@@ -110,7 +111,9 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   // parameters are whole chunks. `total`: bytes of one fp32 state class (parameters, gradients, ...).
   const size_t group = static_cast<size_t>((config.sub_group_size + 1023) / 1024 * 1024);
   size_t largest_key = 0, total = 0;
-  for (const Unit& u : model.units()) {
+  for (size_t i = 0; i < model.units().size(); ++i) {
+    if (!model.holds(i)) continue;  // another pipeline stage's
+    const Unit& u = model.units()[i];
     largest_key = std::max(largest_key, std::min(group, u.numel()) * sizeof(float));
     total += u.numel() * sizeof(float);
   }
@@ -170,7 +173,8 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   rt->copies_ = std::make_unique<offload::CopyEngine>();
 
   std::vector<offload::CoordinatorUnit> units;
-  for (const Unit& u : model.units()) units.push_back({u.name, u.numel()});
+  for (size_t i = 0; i < model.units().size(); ++i)
+    units.push_back({model.units()[i].name, model.units()[i].numel(), model.holds(i)});
   offload::CoordinatorOptions co;
   co.param_home = param_tier;
   co.grad_home = grad_tier;
@@ -194,6 +198,10 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   // Each step's update overlaps the next forward: a unit's new parameters are published before its first use.
   OffloadedAdamW* opt = rt->optimizer_.get();
   if (zero3) STRATA_RETURN_IF_ERROR(opt->set_gradient_reducer(dp));
+  if (pp != nullptr && pp->size() > 1) {
+    if (plan == nullptr) return Status::internal("offload: a pipeline without its plan");
+    STRATA_RETURN_IF_ERROR(opt->set_pipeline(*plan, *pp));
+  }
   rt->coordinator_->set_before_use([opt](size_t unit) { return opt->publish_through(unit); });
   // And with the optimizer on nvme, updates start in the last backward as units' gradients are complete.
   model.set_on_grads_done([opt](size_t unit) { opt->grads_done(unit); });

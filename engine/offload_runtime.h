@@ -30,6 +30,7 @@
 #include "engine/offload_config.h"
 #include "engine/offload_optimizer.h"
 #include "engine/optimizer.h"
+#include "engine/pipeline.h"
 #include "offload/coordinator.h"
 #include "offload/copy_engine.h"
 #include "offload/pinned_pool.h"
@@ -64,10 +65,13 @@ class OffloadRuntime {
  public:
   // Builds the stack for `model` (created offloaded, on `device`) and attaches the coordinator to it. The
   // model's parameters are zeros until written (init_gpt2, load_model); then call optimizer().adopt_params().
-  // `dp`: the data-parallel group (null: one rank); with stage 3 it must outlive the runtime.
+  // `dp`: the data-parallel group (null: one rank); with stage 3 it must outlive the runtime. `pp` and `plan`:
+  // the pipeline this model is a stage of (null: none); the stack then holds only the stage's units.
   static Result<std::unique_ptr<OffloadRuntime>> create(const OffloadConfig& config, const AdamWConfig& adam,
                                                         kernels::Device& device, GPT2& model,
-                                                        comm::Communicator* dp = nullptr);
+                                                        comm::Communicator* dp = nullptr,
+                                                        comm::Communicator* pp = nullptr,
+                                                        const PipelinePlan* plan = nullptr);
   ~OffloadRuntime();
 
   Optimizer& optimizer() { return *optimizer_; }

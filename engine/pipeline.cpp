@@ -79,6 +79,7 @@ PipelineRunner::PipelineRunner(GPT2& model, comm::Communicator& pp, PipelineSche
       stages_(pp.size()) {
   slots_ = schedule == PipelineSchedule::kGPipe ? m_ : std::min(stages_ - stage_, m_);
   model_.set_activation_slots(std::max(1, slots_));
+  model_.set_marks_steps(false);  // a step of the offload trace is the whole schedule
   btc_ = static_cast<size_t>(B) * T * model.config().n_embd;
   x_in_.resize(btc_);
   out_.resize(btc_);
@@ -131,6 +132,7 @@ Result<PipelineStepStats> PipelineRunner::run(const std::vector<const int32_t*>&
   STRATA_ASSERT(static_cast<int>(inputs.size()) == m_ && static_cast<int>(targets.size()) == m_);
   PipelineStepStats st;
   Timer total;
+  model_.begin_step();
   const bool last = stage_ + 1 == stages_;
   if (schedule_ == PipelineSchedule::kGPipe) {
     for (int i = 0; i < m_; ++i) {
@@ -180,6 +182,7 @@ Result<PipelineStepStats> PipelineRunner::run(const std::vector<const int32_t*>&
 
 Result<float> PipelineRunner::forward_only(const int32_t* inputs, const int32_t* targets) {
   PipelineStepStats st;
+  model_.begin_step();
   STRATA_RETURN_IF_ERROR(recv_forward());
   STRATA_RETURN_IF_ERROR(forward(0, inputs, targets, &st));
   STRATA_RETURN_IF_ERROR(send_forward());
@@ -260,11 +263,7 @@ Result<double> PipelineAdamW::step(float lr, bool* skipped) {
 
 Status PipelineAdamW::read_moments(size_t unit, float* m, float* v) {
   const size_t n = model_->units()[unit].numel();
-  if (!model_->holds(unit)) {
-    const int owner = plan_.owner(unit);
-    STRATA_RETURN_IF_ERROR(pp_->recv(m, n, DType::kF32, owner, kTagMoments));
-    return pp_->recv(v, n, DType::kF32, owner, kTagMoments);
-  }
+  if (!model_->holds(unit)) return pipeline_recv_moments(plan_, *pp_, unit, n, m, v);
   device_->copy_to_host(m, m_[unit].data(), n * sizeof(float));
   device_->copy_to_host(v, v_[unit].data(), n * sizeof(float));
   return Status::ok();
@@ -279,6 +278,12 @@ Status PipelineAdamW::write_moments(size_t unit, const float* m, const float* v)
 }
 
 // ---- checkpoints ----
+
+Status pipeline_recv_moments(const PipelinePlan& plan, comm::Communicator& pp, size_t unit, size_t n, float* m,
+                             float* v) {
+  STRATA_RETURN_IF_ERROR(pp.recv(m, n, DType::kF32, plan.owner(unit), kTagMoments));
+  return pp.recv(v, n, DType::kF32, plan.owner(unit), kTagMoments);
+}
 
 std::function<Status(size_t, float*)> pipeline_params_source(const GPT2& model, const PipelinePlan& plan,
                                                              comm::Communicator& pp) {

@@ -115,6 +115,9 @@ class PipelineAdamW final : public Optimizer {
   int t_ = 0;
 };
 
+// The first stage's read of another stage's moments of `unit` (n elements each), for checkpoints.
+Status pipeline_recv_moments(const PipelinePlan& plan, comm::Communicator& pp, size_t unit, size_t n, float* m,
+                             float* v);
 // The first stage's reads of other stages' units, for checkpoints: GPT2::set_params_source of the first stage.
 std::function<Status(size_t unit, float* host)> pipeline_params_source(const GPT2& model, const PipelinePlan& plan,
                                                                        comm::Communicator& pp);

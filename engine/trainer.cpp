@@ -54,13 +54,14 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   const bool zero3 = dp != nullptr && (config.offload.stage == 3 ||
                                        (config.offload.stage >= 1 && offload_enabled(config.offload)));
   if (pp) {
-    const char* what = offload_enabled(config.offload) || config.offload.stage > 0 ? "zero_optimization stage > 0 or offload"
-                       : config.offload.activation_checkpointing.enabled ? "activation_checkpointing"
-                                                                          : nullptr;
+    const char* what = config.offload.activation_checkpointing.enabled ? "activation_checkpointing"
+                       : (config.offload.stage == 1 || config.offload.stage == 2) && !offload_enabled(config.offload)
+                           ? "zero_optimization stage 1 or 2 without offload"
+                           : nullptr;
     if (what != nullptr)
       return Status(StatusCode::kUnimplemented,
-                    fmt::format("{}: pipeline parallelism with {} is not built yet; with "
-                                "parallel.pipeline_parallel_size {}, use stage 0 without offload",
+                    fmt::format("{}: pipeline parallelism with {} is not built yet (parallel.pipeline_parallel_size "
+                                "{}); stage 0, stage 3 and offload work on every stage",
                                 config.source, what, pp_size));
   }
   if ((dp || pp) && !leader) logger().set_level(spdlog::level::warn);
@@ -122,7 +123,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   std::unique_ptr<ShardedAdamW> sharded_opt;  // ZeRO stage 1 or 2 over the data-parallel ranks
   std::unique_ptr<PipelineAdamW> pipeline_opt;
   Optimizer* opt = nullptr;
-  if (pp) {
+  if (pp && !offloaded) {
     STRATA_ASSIGN_OR_RETURN(pipeline_opt, PipelineAdamW::create(*model, plan, ac, *device, *pp));
     opt = pipeline_opt.get();
   } else if (dp && !zero3 && (config.offload.stage == 1 || config.offload.stage == 2)) {
@@ -131,7 +132,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     STRATA_LOG_INFO("zero_optimization.stage {}: Adam's moments sharded over {} ranks ({} of {} elements here)",
                     config.offload.stage, dp_size, sharded_opt->shard_elements(), model->num_params());
   } else if (offloaded) {
-    auto rt = OffloadRuntime::create(config.offload, ac, *device, *model, dp);
+    auto rt = OffloadRuntime::create(config.offload, ac, *device, *model, dp, pp, &plan);
     if (!rt.is_ok()) return rt.status().with_context(config.source);
     offload_stack = std::move(rt).value();
     opt = &offload_stack->optimizer();
@@ -230,7 +231,10 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   // Rank 0 writes; with sharded moments the others hand it their slices while it does (ZeRO-3: they make the
   // same collective reads, in the same order).
   auto checkpoint = [&]() -> Status {
-    if (!leader && zero3) return take_part_in_checkpoint(*model, *opt);
+    // Under ZeRO-3 the units a stage's data-parallel rank 0 reads (all of them on the first stage, which holds
+    // its own and receives the others'; its own on the others, to send them) are gathered over its group.
+    if (zero3 && dp_rank > 0)
+      return take_part_in_checkpoint(*model, *opt, [&](size_t u) { return !pp || plan.owner(u) == pp_rank; });
     if (pp && dp_rank == 0 && pp_rank > 0) return take_part_in_pipeline_checkpoint(*model, plan, *opt, *pp);
     if (!leader) return sharded_opt ? sharded_opt->serve_checkpoint() : Status::ok();
     state.train_pos = train.position();

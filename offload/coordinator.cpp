@@ -541,6 +541,7 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
     r.info = std::move(units[u]);
     if (r.info.numel == 0) return Status::invalid_argument("offload: unit '{}' has no parameters", r.info.name);
     r.bytes = r.info.numel * sizeof(float);
+    if (!r.info.present) continue;  // another pipeline stage's: no state, shard {0, 0, 0}
     if (shard_group != nullptr) {
       r.shard.stride = ((r.info.numel + ranks - 1) / ranks + 15) / 16 * 16;
       r.shard.lo = std::min(r.info.numel, rank * r.shard.stride);
@@ -607,6 +608,7 @@ Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float*
     return Status::invalid_argument("offload: write of [{}, {}) is outside unit '{}' ({} elements)", offset,
                                     offset + n, r.info.name, r.info.numel);
   STRATA_ASSERT_MSG(r.in_use == 0, "write_params on a unit between acquire and release");
+  if (!r.info.present) return Status::ok();  // another pipeline stage's
   // Jobs may still read the home copy this overwrites (also loads into slots since evicted). One that failed
   // left no valid device copy.
   (void)r.params_home_read.wait();
@@ -665,6 +667,8 @@ Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float*
 
 Status Coordinator::read_shard(size_t u, float* host) {
   STRATA_ASSERT(u < s_->units.size());
+  if (!s_->units[u].info.present)
+    return Status::internal("offload: unit '{}' belongs to another pipeline stage", s_->units[u].info.name);
   if (!s_->sharded()) return read_params(u, host);
   State::UnitRec& r = s_->units[u];
   if (r.home == Tier::kHost) {
@@ -689,6 +693,8 @@ void Coordinator::drop_device_params() {
 Status Coordinator::read_params(size_t u, float* host) {
   STRATA_ASSERT(u < s_->units.size());
   State::UnitRec& r = s_->units[u];
+  if (!r.info.present)
+    return Status::internal("offload: unit '{}' belongs to another pipeline stage", r.info.name);
   if (s_->sharded()) {  // every rank's shard, gathered in order with the other collectives
     const size_t ranks = static_cast<size_t>(s_->group->size());
     std::vector<float> mine(r.shard.stride, 0.0f), all(ranks * r.shard.stride);
@@ -724,6 +730,7 @@ void Coordinator::begin_step() {
 
 Result<UnitView> Coordinator::acquire(size_t u, Pass pass) {
   STRATA_ASSERT(u < s_->units.size());
+  STRATA_ASSERT_MSG(s_->units[u].info.present, "acquire of another pipeline stage's unit");
   if (before_use_) STRATA_RETURN_IF_ERROR(before_use_(uses_grads(pass) ? SIZE_MAX : u));
   State& s = *s_;
   State::UnitRec& r = s.units[u];
@@ -882,6 +889,7 @@ Status Coordinator::flush_grads() {
     for (State::UnitRec& r : s_->units) {
       STRATA_ASSERT_MSG(r.in_use == 0, "flush_grads with a unit between acquire and release");
       STRATA_ASSERT_MSG(r.grad_state == GradState::kZero, "a device gradient without a release");
+      if (!r.info.present) continue;
       STRATA_RETURN_IF_ERROR(s_->wait_ticket(r.grads_download, r, "gradients"));
       if (!r.grads_reduced) std::memset(r.host_grads.data(), 0, r.home_bytes);  // no backward used it
       if (r.dev_grads.data() != nullptr) s_->to_spare(std::move(r.dev_grads), r.grads_last_use, {});
@@ -890,6 +898,7 @@ Status Coordinator::flush_grads() {
   }
   for (State::UnitRec& r : s_->units) {
     STRATA_ASSERT_MSG(r.in_use == 0, "flush_grads with a unit between acquire and release");
+    if (!r.info.present) continue;
     switch (r.grad_state) {
       case GradState::kZero:
         (void)r.grads_home_read.wait();  // a read of the home copy may still be in flight
@@ -941,6 +950,7 @@ CopyTicket Coordinator::grads_home_ticket(size_t u) const { return s_->units[u].
 
 double Coordinator::grad_sum_squares(size_t u) const {
   const State::UnitRec& r = s_->units[u];
+  if (!r.info.present) return 0.0;
   if (s_->options.grad_home == Tier::kNvme) return r.grad_sumsq;
   return kernels::cpu::fast::add_sum_squares(0.0, r.host_grads.as<float>(), r.shard.len);
 }

@@ -65,7 +65,8 @@ namespace strata::offload {
 
 struct CoordinatorUnit {
   std::string name;
-  size_t numel = 0;  // fp32 elements of its parameters (and of its gradients)
+  size_t numel = 0;      // fp32 elements of its parameters (and of its gradients)
+  bool present = true;   // false: another pipeline stage's unit; it has no state here and is never acquired
 };
 
 struct CoordinatorOptions {

@@ -39,11 +39,27 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
     std::string schedule;
     int steps;
     bool resume;
+    json zero = json::object();
   };
+  // Each stage's parameters and optimizer state on NVMe (ZeRO-3 over the 2 data-parallel ranks of a stage in
+  // pp2z3), sub-groups, and a live-parameter cap that evicts within a step.
+  const json nvme = {{"stage", 3},
+                     {"offload_param", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
+                     {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
+                     {"sub_group_size", 3000},
+                     {"stage3_max_live_parameters", 20000}};
   // 4 micro-batches per data-parallel rank per step: 1F1B's warmup, steady state and cooldown all happen.
   const Run runs[] = {
-      {"pp4", 4, "1f1b", 6, false},   {"pp4gpipe", 4, "gpipe", 6, false}, {"pp2dp2", 2, "1f1b", 6, false},
-      {"pp2resumed", 2, "1f1b", 3, false}, {"pp2resumed", 2, "1f1b", 6, true},
+      {"pp4", 4, "1f1b", 6, false},
+      {"pp4gpipe", 4, "gpipe", 6, false},
+      {"pp2dp2", 2, "1f1b", 6, false},
+      {"pp2resumed", 2, "1f1b", 3, false},
+      {"pp2resumed", 2, "1f1b", 6, true},
+      {"pp4nvme", 4, "1f1b", 6, false, nvme},
+      {"pp2off", 2, "1f1b", 6, false, {{"stage", 0}, {"offload_optimizer", {{"device", "cpu"}}}}},
+      {"pp2z3", 2, "1f1b", 6, false, nvme},
+      {"pp2z3resumed", 2, "1f1b", 3, false, nvme},
+      {"pp2z3resumed", 2, "1f1b", 6, true, nvme},
   };
   for (const Run& r : runs) {
     SCOPED_TRACE(r.name);
@@ -55,6 +71,7 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
     j["training"]["grad_accum_steps"] = 4;
     j["training"]["checkpoint_dir"] = (shared / r.name).string();
     j["parallel"] = {{"pipeline_parallel_size", r.pp}, {"pipeline_schedule", r.schedule}};
+    if (!r.zero.empty()) j["zero_optimization"] = r.zero;
     const std::string metrics = r.resume ? "" : (dir_ / (r.name + ".jsonl")).string();
     const auto trained = train(j, r.resume ? (shared / r.name).string() : "", metrics, &grid.value()->dp(),
                                &grid.value()->pp());
@@ -79,6 +96,9 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
     };
     check("one4", "pp4");
     check("one8", "pp2dp2");
+    check("one4", "pp4nvme");  // offload on every stage
+    check("one8", "pp2off");   // the offloaded optimizer on every stage, gradients summed over 2 ranks
+    check("one8", "pp2z3");    // ZeRO-3 over each stage's 2 data-parallel ranks, shards on NVMe
     EXPECT_EQ(losses(dir_ / "pp4.jsonl"), losses(dir_ / "pp4gpipe.jsonl"));
     for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
       EXPECT_TRUE(file_bytes(shared / "pp4" / "step_000006" / f) == file_bytes(shared / "pp4gpipe" / "step_000006" / f))
@@ -86,6 +106,9 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
       EXPECT_TRUE(file_bytes(shared / "pp2dp2" / "step_000006" / f) ==
                   file_bytes(shared / "pp2resumed" / "step_000006" / f))
           << "resumed vs straight: " << f;
+      EXPECT_TRUE(file_bytes(shared / "pp2z3" / "step_000006" / f) ==
+                  file_bytes(shared / "pp2z3resumed" / "step_000006" / f))
+          << "ZeRO-3 stages resumed vs straight: " << f;
     }
     // Not bitwise the single process (the tied embedding's halves add in another order): the checks above
     // would also pass for a run that ignored the stages, so they must differ somewhere.
