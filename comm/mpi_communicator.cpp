@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -16,6 +17,8 @@ namespace strata::comm {
 namespace {
 
 MPI_Datatype mpi_type(DType t) { return t == DType::kF32 ? MPI_FLOAT : MPI_UINT16_T; }
+
+constexpr int kRollCallQuery = 1, kRollCallAnswer = 2;  // tags on the roll-call twin
 MPI_Op mpi_op(ReduceOp op) { return op == ReduceOp::kSum ? MPI_SUM : MPI_MAX; }
 
 }  // namespace
@@ -68,6 +71,8 @@ Result<std::unique_ptr<MpiCommunicator>> MpiCommunicator::world(const MpiOptions
 MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::string name, const MpiOptions& options)
     : comm_(comm), name_(std::move(name)), options_(options) {
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+  MPI_Comm_dup(comm_, &roll_call_comm_);  // collective, as creating the communicator is
+  MPI_Comm_set_errhandler(roll_call_comm_, MPI_ERRORS_RETURN);
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
@@ -78,6 +83,7 @@ MpiCommunicator::~MpiCommunicator() {
   // the communicator to the job's end otherwise (freeing it under an active request is not allowed).
   Timer t;
   const double patience = std::max(options_.timeout_s, 10.0);
+  for (Answer& a : answers_) abandoned_.push_back(a.req);  // their texts live until this returns
   for (MPI_Request& r : abandoned_) {
     int done = 0;
     while (!done && t.seconds() < patience) {
@@ -86,6 +92,7 @@ MpiCommunicator::~MpiCommunicator() {
     }
     if (!done) return;
   }
+  MPI_Comm_free(&roll_call_comm_);
   MPI_Comm_free(&comm_);
 }
 
@@ -125,13 +132,83 @@ Status MpiCommunicator::wait(MPI_Request* req, const char* what, size_t count) {
         std::this_thread::sleep_for(std::chrono::microseconds(200));
       }
     }
+    // A rank that gave up may be asking where everyone is (only after a while here: queries come at a timeout).
+    if ((spins & 63) == 0 && t.seconds() > 0.1) answer_roll_calls(fmt::format("{} of {} elements", what, count));
   }
   poisoned_ = true;
   abandoned_.push_back(*req);
+  const std::string where = roll_call(fmt::format("{} of {} elements", what, count));
   return Status::deadline_exceeded(
-      "{} of {} elements (call {}) on group '{}' did not complete within {} s: a rank of the group died or hung "
-      "(this is rank {} of {}, world rank {})",
-      what, count, calls_, name_, options_.timeout_s, rank_, size_, world_rank_);
+      "{} of {} elements (call {}) on group '{}' did not complete within {} s (this is rank {} of {}, world rank "
+      "{}): {}",
+      what, count, calls_, name_, options_.timeout_s, rank_, size_, world_rank_, where);
+}
+
+void MpiCommunicator::answer_roll_calls(const std::string& waiting_in) {
+  // Answers already sent let their texts go.
+  std::erase_if(answers_, [](Answer& a) {
+    int done = 0;
+    MPI_Test(&a.req, &done, MPI_STATUS_IGNORE);
+    return done != 0;
+  });
+  for (;;) {
+    int flag = 0;
+    MPI_Status st;
+    if (MPI_Iprobe(MPI_ANY_SOURCE, kRollCallQuery, roll_call_comm_, &flag, &st) != MPI_SUCCESS || !flag) return;
+    char query = 0;
+    MPI_Recv(&query, 1, MPI_CHAR, st.MPI_SOURCE, kRollCallQuery, roll_call_comm_, MPI_STATUS_IGNORE);
+    Answer a{MPI_REQUEST_NULL, std::make_shared<std::string>(waiting_in)};
+    if (MPI_Isend(a.text->data(), static_cast<int>(a.text->size()), MPI_CHAR, st.MPI_SOURCE, kRollCallAnswer,
+                  roll_call_comm_, &a.req) == MPI_SUCCESS)
+      answers_.push_back(std::move(a));
+  }
+}
+
+std::string MpiCommunicator::roll_call(const std::string& waiting_in) {
+  std::vector<MPI_Request> queries;
+  const char query = 1;
+  for (int q = 0; q < size_; ++q) {
+    if (q == rank_) continue;
+    MPI_Request r;
+    if (MPI_Isend(&query, 1, MPI_CHAR, q, kRollCallQuery, roll_call_comm_, &r) == MPI_SUCCESS) queries.push_back(r);
+  }
+  std::vector<std::optional<std::string>> answered(static_cast<size_t>(size_));
+  answered[static_cast<size_t>(rank_)] = waiting_in;
+  int pending = size_ - 1;
+  Timer t;
+  while (pending > 0 && t.seconds() < options_.roll_call_s) {
+    answer_roll_calls(waiting_in);  // the others time out too, and ask
+    int flag = 0;
+    MPI_Status st;
+    if (MPI_Iprobe(MPI_ANY_SOURCE, kRollCallAnswer, roll_call_comm_, &flag, &st) == MPI_SUCCESS && flag) {
+      int n = 0;
+      MPI_Get_count(&st, MPI_CHAR, &n);
+      std::string text(static_cast<size_t>(std::max(n, 0)), '\0');
+      MPI_Recv(text.data(), n, MPI_CHAR, st.MPI_SOURCE, kRollCallAnswer, roll_call_comm_, MPI_STATUS_IGNORE);
+      if (!answered[static_cast<size_t>(st.MPI_SOURCE)]) --pending;
+      answered[static_cast<size_t>(st.MPI_SOURCE)] = std::move(text);
+      continue;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  // The queries to ranks that never took them stay queued: sent eagerly (one byte), they complete locally.
+  for (MPI_Request& r : queries) abandoned_.push_back(r);
+  std::string silent, elsewhere;
+  for (int q = 0; q < size_; ++q) {
+    const auto& a = answered[static_cast<size_t>(q)];
+    if (!a) {
+      silent += fmt::format("{}{}", silent.empty() ? "" : ", ", q);
+    } else if (*a != waiting_in) {
+      elsewhere += fmt::format("{}rank {} waits in {}", elsewhere.empty() ? "" : "; ", q, *a);
+    }
+  }
+  std::string out;
+  if (!silent.empty())
+    out = fmt::format("rank(s) {} of group '{}' did not answer within {} s (hung outside the group's calls, or dead)",
+                      silent, name_, options_.roll_call_s);
+  if (!elsewhere.empty()) out += fmt::format("{}{}", out.empty() ? "" : "; ", elsewhere);
+  return out.empty() ? fmt::format("every rank of group '{}' waits in this call (a rank outside it hung?)", name_)
+                     : out;
 }
 
 Status MpiCommunicator::all_reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) {

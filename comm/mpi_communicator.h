@@ -6,6 +6,12 @@
 // poisoned (every later call fails at once: the group's state is unknown) and the job must stop, normally by
 // mpi_abort(), which brings every rank down.
 //
+// Naming the rank: every communicator has a twin for a roll call. A rank whose wait times out asks every
+// other rank of the group, on the twin, what it is waiting in, and listens for `roll_call_s`; a rank that is
+// itself waiting in any call of the group (past its first 0.1 s) answers with the call. The error then names
+// the ranks that did not answer (hung outside the group's calls, or dead) and where the others wait when that
+// is another call than this one (the ranks' calls fell out of step, or a pipeline's send meets no receive).
+//
 // Large reductions: Open MPI's reduce-scatter of more than a few MiB per rank ran at 0.13 GB/s on the CI
 // machine (against 2.6-3.0 GB/s up to 4 MiB; `strata bench comm`), so reduce_scatter cuts a larger one into
 // pieces of kReducePiece elements per rank, each packed into a buffer of the communicator's (the copy costs a
@@ -26,7 +32,8 @@
 namespace strata::comm {
 
 struct MpiOptions {
-  double timeout_s = 300;  // a collective or message not complete by then is an error
+  double timeout_s = 300;   // a collective or message not complete by then is an error
+  double roll_call_s = 2;   // after a timeout, how long to wait for the other ranks to say where they are
 };
 
 // Initializes MPI once (later calls do nothing); true world size and rank from then on.
@@ -65,14 +72,22 @@ class MpiCommunicator final : public Communicator {
   Status check_peer(size_t count, int peer, const char* what) const;  // and peer is another rank
   Status wait(MPI_Request* req, const char* what, size_t count);  // polls until done or the timeout
   Status mpi_error(int code, const char* what) const;
+  void answer_roll_calls(const std::string& waiting_in);  // queries from ranks whose wait timed out
+  std::string roll_call(const std::string& waiting_in);   // after this rank's timeout: who is where
 
   MPI_Comm comm_;
+  MPI_Comm roll_call_comm_;  // the twin the roll call uses, so it never mixes with the group's own messages
   std::string name_;
   MpiOptions options_;
   int rank_ = 0, size_ = 1, world_rank_ = 0;
   uint64_t calls_ = 0;
   bool poisoned_ = false;
   std::vector<MPI_Request> abandoned_;  // requests a timeout gave up on; completed (bounded) at destruction
+  struct Answer {
+    MPI_Request req;
+    std::shared_ptr<std::string> text;
+  };
+  std::vector<Answer> answers_;  // roll-call answers on their way (their text must live until sent)
   std::vector<float> pack_;              // one piece of a large reduce-scatter: size() x kReducePiece
 
  public:

@@ -4,6 +4,7 @@
 // rank named on every rank, and a rank that does not arrive turning into a DeadlineExceeded error in time.
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <numeric>
 #include <thread>
@@ -19,7 +20,7 @@ namespace strata::comm {
 namespace {
 
 std::unique_ptr<MpiCommunicator> world(double timeout_s = 60) {
-  auto w = MpiCommunicator::world(MpiOptions{.timeout_s = timeout_s});
+  auto w = MpiCommunicator::world(MpiOptions{.timeout_s = timeout_s, .roll_call_s = std::min(2.0, timeout_s)});
   EXPECT_TRUE(w.is_ok()) << w.status().to_string();
   return std::move(w).value();
 }
@@ -165,9 +166,11 @@ TEST(MpiCommTest, ARankThatDoesNotArriveIsADeadlineNotAHang) {
     Timer t;
     const Status st = late->all_reduce(&x, &y, 1, DType::kF32, ReduceOp::kSum);
     EXPECT_EQ(st.code(), StatusCode::kDeadlineExceeded) << st.to_string();
-    EXPECT_LT(t.seconds(), 2.5) << "it gave up at the timeout, not when the late rank came";
+    EXPECT_LT(t.seconds(), 2.5) << "it gave up at the timeout and the roll call, not when the late rank came";
     EXPECT_NE(st.message().find("all_reduce(sum)"), std::string::npos) << st.to_string();
     EXPECT_NE(st.message().find("group 'late'"), std::string::npos) << st.to_string();
+    // The roll call names the rank that never came, and only it (the others wait in the same call).
+    EXPECT_NE(st.message().find("rank(s) 3 of group 'late' did not answer"), std::string::npos) << st.to_string();
     EXPECT_EQ(late->barrier().code(), StatusCode::kDeadlineExceeded) << "poisoned";
   }
   late.reset();
