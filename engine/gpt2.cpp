@@ -211,9 +211,10 @@ Status GPT2::ensure_activations(int B, int T) {
     act_buffer_.reset();  // before the new one, so both never count against the device budget at once
     STRATA_ASSIGN_OR_RETURN(act_buffer_, device_->allocate(total * sizeof(float), "gpt2.activations"));
   }
-  if (checkpointing_ == ActivationCheckpointing::kHost && config_.n_layer > 1) {
-    // The inputs of blocks 1..L-1 (the outputs of 0..L-2); the last block's output never needs recomputing from.
-    const size_t bytes = (config_.n_layer - 1) * BT * C * sizeof(float);
+  if (checkpointing_ == ActivationCheckpointing::kHost && layers > 1) {
+    // Per slot, the inputs of the stage's blocks after its first (the outputs of all but its last); the last
+    // block's output never needs recomputing from.
+    const size_t bytes = static_cast<size_t>(slots_) * (layers - 1) * BT * C * sizeof(float);
     if (host_checkpoints_.size() < bytes) {
       host_checkpoints_.reset();
       STRATA_ASSIGN_OR_RETURN(host_checkpoints_, host_pool_->try_acquire(bytes, "gpt2.activation_checkpoints"));
@@ -352,8 +353,8 @@ Status GPT2::forward_units(int B, int T) {
     block_forward(l, block.params, residual, B, T);
     release(1 + l, Pass::kForward);
     residual = block_output(l, BTC);
-    if (checkpointing_ == ActivationCheckpointing::kHost && l + 1 < L)
-      device_->copy_to_host(host_checkpoints_.as<float>() + l * BTC, residual, BTC * sizeof(float));
+    if (checkpointing_ == ActivationCheckpointing::kHost && l + 1 < stage_.end)
+      device_->copy_to_host(host_checkpoint(l, BTC), residual, BTC * sizeof(float));
   }
   if (!stage_.head) return Status::ok();
   {
@@ -461,9 +462,8 @@ Status GPT2::backward_blocks(int B, int T) {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView block, acquire(1 + l, Pass::kBackward));
     if (checkpointing_ != ActivationCheckpointing::kNone && l + 1 < stage_.end) {
       // Recompute the block from its checkpoint (the last block's activations are still those of forward).
-      if (checkpointing_ == ActivationCheckpointing::kHost && l > 0)
-        device_->copy_to_device(const_cast<float*>(residual), host_checkpoints_.as<float>() + (l - 1) * BTC,
-                                BTC * sizeof(float));
+      if (checkpointing_ == ActivationCheckpointing::kHost && l > stage_.first)
+        device_->copy_to_device(const_cast<float*>(residual), host_checkpoint(l - 1, BTC), BTC * sizeof(float));
       block_forward(l, block.params, residual, B, T);
     }
     block_backward(l, block, residual, grads_.dres, B, T);

@@ -21,8 +21,7 @@
 // input activations (B,T,C) from the previous stage and leaves stage_output(); backward_stage takes the
 // output's gradient from the next stage and leaves stage_input_grad(). Several micro-batches can be in flight
 // at once: set_activation_slots(n) keeps n sets of activations, use_slot(i) picks one (a micro-batch's
-// forward and backward use the same slot). Activation checkpointing and offload are not combined with
-// stages yet.
+// forward and backward use the same slot); activation checkpoints are kept per slot too.
 //
 // Threading: a GPT2 is used by one thread at a time; kernels parallelise inside each op. Activations are sized
 // for (B, T) at the first forward and re-allocated only when B*T grows.
@@ -187,6 +186,11 @@ class GPT2 {
   size_t act_layer(int l) const { return checkpointing_ == ActivationCheckpointing::kNone ? l - stage_.first : 0; }
   float* block_output(int l, size_t BTC) const {
     return acts_.residual3 + (checkpointing_ == ActivationCheckpointing::kHost ? l % 2 : l - stage_.first) * BTC;
+  }
+  // kHost: where block l's output is kept for the current slot (blocks first .. end-2 of the stage).
+  float* host_checkpoint(int l, size_t BTC) const {
+    const size_t per_slot = static_cast<size_t>(stage_.end - stage_.first - 1);
+    return host_checkpoints_.as<float>() + (static_cast<size_t>(slot_) * per_slot + (l - stage_.first)) * BTC;
   }
 
   // Tensor views of block l, given its unit's parameter or gradient base.

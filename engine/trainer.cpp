@@ -54,15 +54,12 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   const bool zero3 = dp != nullptr && (config.offload.stage == 3 ||
                                        (config.offload.stage >= 1 && offload_enabled(config.offload)));
   if (pp) {
-    const char* what = config.offload.activation_checkpointing.enabled ? "activation_checkpointing"
-                       : (config.offload.stage == 1 || config.offload.stage == 2) && !offload_enabled(config.offload)
-                           ? "zero_optimization stage 1 or 2 without offload"
-                           : nullptr;
-    if (what != nullptr)
+    if ((config.offload.stage == 1 || config.offload.stage == 2) && !offload_enabled(config.offload))
       return Status(StatusCode::kUnimplemented,
-                    fmt::format("{}: pipeline parallelism with {} is not built yet (parallel.pipeline_parallel_size "
-                                "{}); stage 0, stage 3 and offload work on every stage",
-                                config.source, what, pp_size));
+                    fmt::format("{}: pipeline parallelism with zero_optimization stage {} without offload is not "
+                                "built yet (parallel.pipeline_parallel_size {}); stage 0, stage 3 and offload work "
+                                "on every stage",
+                                config.source, config.offload.stage, pp_size));
   }
   if ((dp || pp) && !leader) logger().set_level(spdlog::level::warn);
   std::optional<tbb::global_control> threads;

@@ -40,6 +40,8 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
     int steps;
     bool resume;
     json zero = json::object();
+    json checkpointing = json::object();  // activation_checkpointing
+    int layers = 4;
   };
   // Each stage's parameters and optimizer state on NVMe (ZeRO-3 over the 2 data-parallel ranks of a stage in
   // pp2z3), sub-groups, and a live-parameter cap that evicts within a step.
@@ -60,18 +62,23 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
       {"pp2z3", 2, "1f1b", 6, false, nvme},
       {"pp2z3resumed", 2, "1f1b", 3, false, nvme},
       {"pp2z3resumed", 2, "1f1b", 6, true, nvme},
+      // 3 blocks per stage: the middle one is recomputed from its checkpoint, with 2 micro-batches in flight.
+      {"pp2l6", 2, "1f1b", 6, false, json::object(), json::object(), 6},
+      {"pp2l6ckdev", 2, "1f1b", 6, false, json::object(), {{"enabled", true}}, 6},
+      {"pp2l6ckhost", 2, "1f1b", 6, false, json::object(), {{"enabled", true}, {"cpu_checkpointing", true}}, 6},
   };
   for (const Run& r : runs) {
     SCOPED_TRACE(r.name);
     auto grid = comm::RankGrid::create(world, 1, r.pp);
     ASSERT_TRUE(grid.is_ok()) << grid.status().to_string();
     json j = base_config(r.name);
-    j["model"]["n_layer"] = 4;
+    j["model"]["n_layer"] = r.layers;
     j["training"]["max_steps"] = r.steps;
     j["training"]["grad_accum_steps"] = 4;
     j["training"]["checkpoint_dir"] = (shared / r.name).string();
     j["parallel"] = {{"pipeline_parallel_size", r.pp}, {"pipeline_schedule", r.schedule}};
     if (!r.zero.empty()) j["zero_optimization"] = r.zero;
+    if (!r.checkpointing.empty()) j["activation_checkpointing"] = r.checkpointing;
     const std::string metrics = r.resume ? "" : (dir_ / (r.name + ".jsonl")).string();
     const auto trained = train(j, r.resume ? (shared / r.name).string() : "", metrics, &grid.value()->dp(),
                                &grid.value()->pp());
@@ -100,6 +107,8 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
     check("one8", "pp2off");   // the offloaded optimizer on every stage, gradients summed over 2 ranks
     check("one8", "pp2z3");    // ZeRO-3 over each stage's 2 data-parallel ranks, shards on NVMe
     EXPECT_EQ(losses(dir_ / "pp4.jsonl"), losses(dir_ / "pp4gpipe.jsonl"));
+    EXPECT_EQ(losses(dir_ / "pp2l6.jsonl"), losses(dir_ / "pp2l6ckdev.jsonl"));
+    EXPECT_EQ(losses(dir_ / "pp2l6.jsonl"), losses(dir_ / "pp2l6ckhost.jsonl"));
     for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
       EXPECT_TRUE(file_bytes(shared / "pp4" / "step_000006" / f) == file_bytes(shared / "pp4gpipe" / "step_000006" / f))
           << "GPipe vs 1F1B: " << f;
@@ -109,6 +118,10 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
       EXPECT_TRUE(file_bytes(shared / "pp2z3" / "step_000006" / f) ==
                   file_bytes(shared / "pp2z3resumed" / "step_000006" / f))
           << "ZeRO-3 stages resumed vs straight: " << f;
+      // Recomputed activations are the forward's bits: checkpointing (per in-flight micro-batch) changes nothing.
+      for (const char* ck : {"pp2l6ckdev", "pp2l6ckhost"})
+        EXPECT_TRUE(file_bytes(shared / "pp2l6" / "step_000006" / f) == file_bytes(shared / ck / "step_000006" / f))
+            << ck << ": " << f;
     }
     // Not bitwise the single process (the tied embedding's halves add in another order): the checks above
     // would also pass for a run that ignored the stages, so they must differ somewhere.
