@@ -42,6 +42,12 @@ bool mpi_initialized() {
   return init && !fin;
 }
 
+bool mpi_thread_multiple() {
+  int level = MPI_THREAD_SINGLE;
+  if (mpi_initialized()) MPI_Query_thread(&level);
+  return level == MPI_THREAD_MULTIPLE;
+}
+
 void mpi_finalize() {
   if (mpi_initialized()) MPI_Finalize();
 }
@@ -90,7 +96,13 @@ MpiCommunicator::~MpiCommunicator() {
       MPI_Test(&r, &done, MPI_STATUS_IGNORE);
       if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    if (!done) return;
+    if (!done) {
+      // MPI may still read or write what those requests point at: the buffers this communicator owns are left
+      // to the process's end (the job is stopping anyway), never freed under a live request.
+      (void)new std::vector<Answer>(std::move(answers_));
+      (void)new std::vector<float>(std::move(pack_));
+      return;
+    }
   }
   MPI_Comm_free(&roll_call_comm_);
   MPI_Comm_free(&comm_);
@@ -166,7 +178,7 @@ void MpiCommunicator::answer_roll_calls(const std::string& waiting_in) {
 
 std::string MpiCommunicator::roll_call(const std::string& waiting_in) {
   std::vector<MPI_Request> queries;
-  const char query = 1;
+  static const char query = 1;  // static: a query to a silent rank stays pending after this returns
   for (int q = 0; q < size_; ++q) {
     if (q == rank_) continue;
     MPI_Request r;

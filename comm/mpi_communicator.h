@@ -39,6 +39,8 @@ struct MpiOptions {
 // Initializes MPI once (later calls do nothing); true world size and rank from then on.
 Status mpi_init(int* argc, char*** argv);
 bool mpi_initialized();
+// Whether MPI lets several threads call it at once (ZeRO-3's collectives thread needs it).
+bool mpi_thread_multiple();
 void mpi_finalize();
 // Prints `why` (naming this rank) and stops every rank of the job with exit code 1.
 [[noreturn]] void mpi_abort(const Status& why);

@@ -191,7 +191,7 @@ Status GPT2::ensure_activations(int B, int T) {
       L * BT * 4 * C, L * BT * 4 * C,          // fch, fch_gelu
       L * BT * C, R * BT * C,                  // fcproj, residual3
       BT * C, BT, BT,                          // lnf, lnf_mean, lnf_rstd
-      BT * V, BT, BT, BT,                      // logits, losses, lse, dlosses
+      stage_.head ? BT * V : 0, BT, BT, BT,    // logits (the head's stage only), losses, lse, dlosses
       BT, BT,                                  // inputs, targets (int32, same size as float)
       BT * C, BT * C, BT * C, BT * 3 * C, BT * 4 * C, BT * 4 * C,  // dres, dln, datty, dqkv, dfch, dfch_gelu
   };

@@ -146,13 +146,15 @@ Status OffloadedAdamW::gather_moments(size_t unit, float* m, float* v) {
   const size_t ranks = static_cast<size_t>(reducer_->size()), numel = model_->units()[unit].numel();
   // This rank's m then v, each padded to the shard stride; every rank's pair gathered in rank order.
   std::vector<float> mine(2 * sh.stride, 0.0f), all(ranks * 2 * sh.stride);
+  Status read;
   for (size_t i = 0; i < groups_.size(); ++i) {
     const Group& g = groups_[i];
     if (g.unit != unit) continue;
     float* gm = mine.data() + g.shard_offset;
     float* gv = mine.data() + sh.stride + g.shard_offset;
     if (swapper_) {
-      STRATA_RETURN_IF_ERROR(swapper_->read_state(i, nullptr, gm, gv));
+      // A failed read still takes part in the gather below (the ranks' collectives must stay paired).
+      if (Status st = swapper_->read_state(i, nullptr, gm, gv); !st.is_ok() && read.is_ok()) read = st;
       continue;
     }
     const float* st = g.state.as<float>();
@@ -161,6 +163,7 @@ Status OffloadedAdamW::gather_moments(size_t unit, float* m, float* v) {
   }
   STRATA_RETURN_IF_ERROR(reducer_->all_gather(mine.data(), all.data(), mine.size(), DType::kF32)
                              .with_context("moments of " + model_->units()[unit].name));
+  STRATA_RETURN_IF_ERROR(read.with_context("moments of " + model_->units()[unit].name));
   for (size_t q = 0; q < ranks && q * sh.stride < numel; ++q) {
     const size_t lo = q * sh.stride, len = std::min(sh.stride, numel - lo);
     std::memcpy(m + lo, all.data() + q * 2 * sh.stride, len * sizeof(float));
@@ -170,6 +173,9 @@ Status OffloadedAdamW::gather_moments(size_t unit, float* m, float* v) {
 }
 
 Status OffloadedAdamW::set_pipeline(const PipelinePlan& plan, comm::Communicator& pp) {
+  if (coordinator_->options().grad_home != offload::Tier::kHost)
+    return Status(StatusCode::kUnimplemented,
+                  "pipeline parallelism with gradients on nvme (memory.gradients) is not built yet; use host");
   plan_ = plan;
   pp_ = &pp;
   const int s = pp.rank(), P = pp.size();

@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include "comm/mpi_communicator.h"
 #include "common/log.h"
 
 namespace strata::engine {
@@ -138,7 +139,12 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
       STRATA_LOG_INFO("zero_optimization.stage 3: {} unit(s) under stage3_param_persistence_threshold are sharded and "
                       "gathered like the others (persistent units are not built for stage 3 yet)",
                       small);
-    // The coordinator issues its collectives from its own thread: on a communicator of its own.
+    // The coordinator issues its collectives from its own thread: on a communicator of its own, while this
+    // thread uses others — which MPI allows only at MPI_THREAD_MULTIPLE.
+    if (comm::mpi_initialized() && !comm::mpi_thread_multiple())
+      return Status(StatusCode::kUnimplemented,
+                    "zero_optimization.stage 3 over several ranks needs an MPI library with MPI_THREAD_MULTIPLE; this "
+                    "one gives less");
     STRATA_ASSIGN_OR_RETURN(rt->shard_group_, dp->split(0, dp->rank(), "dp.zero3"));
   }
 

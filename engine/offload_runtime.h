@@ -95,9 +95,9 @@ class OffloadRuntime {
   std::map<std::string, std::unique_ptr<SwapStore>> stores_;  // by nvme_path
   std::unique_ptr<offload::PinnedPool> pool_;
   std::unique_ptr<offload::CopyEngine> copies_;
+  std::unique_ptr<comm::Communicator> shard_group_;  // ZeRO-3: the coordinator's own copy of the dp group
   std::unique_ptr<offload::Coordinator> coordinator_;
   std::unique_ptr<OffloadedAdamW> optimizer_;
-  std::unique_ptr<comm::Communicator> shard_group_;  // ZeRO-3: the coordinator's own copy of the dp group
   offload::CopyQueueStats last_h2d_, last_d2h_, last_nvme_, last_collectives_;
   uint64_t nvme_peak_ = 0;
 };

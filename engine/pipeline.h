@@ -20,7 +20,8 @@
 // embedding's sum (its two halves accumulated apart) and nothing else — the norm is the single rank's bits
 // (every unit's sum of squares gathered, added in unit order).
 //
-// Threading: the training thread drives everything; the communicators are used from it alone.
+// Threading: the training thread drives everything, and uses the pipeline group from it alone (under ZeRO-3
+// the offload coordinator's thread uses a data-parallel communicator of its own).
 #pragma once
 
 #include <functional>

@@ -248,12 +248,17 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   const int first_step = state.step;
   int skipped_in_a_row = 0;
   for (; state.step < tc.max_steps; ++state.step) {
-    if (g_stop_signal) {
-      STRATA_LOG_WARN("signal {} received: saving a checkpoint at step {} and stopping", int(g_stop_signal), state.step);
+    // Every rank stops at the same step (the checkpoint is collective), whichever saw the signal first.
+    float stop = static_cast<float>(g_stop_signal);
+    for (comm::Communicator* group : {dp, pp}) {
+      if (group != nullptr) STRATA_RETURN_IF_ERROR(group->all_reduce(&stop, &stop, 1, DType::kF32, comm::ReduceOp::kMax));
+    }
+    if (stop != 0) {
+      STRATA_LOG_WARN("signal {} received: saving a checkpoint at step {} and stopping", int(stop), state.step);
       STRATA_RETURN_IF_ERROR(checkpoint());
       STRATA_LOG_INFO("checkpoint: {}", summary.checkpoint);
-      return Status(StatusCode::kInternal, fmt::format("interrupted by signal {}; resume with --resume {}",
-                                                       int(g_stop_signal), tc.checkpoint_dir));
+      return Status(StatusCode::kInternal, fmt::format("interrupted by signal {}; resume with --resume {}", int(stop),
+                                                       tc.checkpoint_dir));
     }
     Timer step_timer;
     STRATA_RETURN_IF_ERROR(model->zero_grads());

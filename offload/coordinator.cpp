@@ -698,12 +698,14 @@ Status Coordinator::read_params(size_t u, float* host) {
   if (s_->sharded()) {  // every rank's shard, gathered in order with the other collectives
     const size_t ranks = static_cast<size_t>(s_->group->size());
     std::vector<float> mine(r.shard.stride, 0.0f), all(ranks * r.shard.stride);
-    STRATA_RETURN_IF_ERROR(read_shard(u, mine.data()));
+    // A failed read still takes part in the gather (the ranks' collectives must stay paired), then fails.
+    const Status read = read_shard(u, mine.data());
     comm::Communicator* g = s_->group;
     const Status gathered =
         s_->collectives->submit([&] { return g->all_gather(mine.data(), all.data(), mine.size(), DType::kF32); })
             .wait();
     STRATA_RETURN_IF_ERROR(gathered.with_context("offload: gathering unit '" + r.info.name + "'"));
+    STRATA_RETURN_IF_ERROR(read);
     std::memcpy(host, all.data(), r.bytes);
     return Status::ok();
   }
