@@ -160,6 +160,8 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
     json zero;
     int accum, steps;
     std::string resume;
+    json checkpointing = json::object();  // activation_checkpointing
+    int layers = 2;
   };
   const Run runs[] = {
       {"z0", {{"stage", 0}}, 1, 6, ""},
@@ -171,6 +173,10 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
       {"z2offload", {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}}, 1, 6, ""},
       {"z3resumed", nvme, 1, 3, ""},
       {"z3resumed", nvme, 1, 6, "z3resumed"},
+      // Activation checkpoints in host memory: backward gathers (evicted) units again to recompute blocks from
+      // them, 3 blocks so the middle one is.
+      {"z3l3", nvme, 1, 6, "", json::object(), 3},
+      {"z3l3ckhost", nvme, 1, 6, "", {{"enabled", true}, {"cpu_checkpointing", true}}, 3},
   };
   for (const Run& r : runs) {
     SCOPED_TRACE(r.name);
@@ -179,6 +185,8 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
     j["training"]["grad_accum_steps"] = r.accum;
     j["training"]["checkpoint_dir"] = (shared / r.name).string();
     j["zero_optimization"] = r.zero;
+    j["model"]["n_layer"] = r.layers;
+    if (!r.checkpointing.empty()) j["activation_checkpointing"] = r.checkpointing;
     const std::string resume = r.resume.empty() ? "" : (shared / r.resume).string();
     const std::string metrics = r.resume.empty() ? (dir_ / (r.name + ".jsonl")).string() : "";
     const auto trained = train(j, resume, metrics, &world);
@@ -205,9 +213,13 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
     // Not bitwise stage 0: the checks above would pass for an unsharded run too, so the norms must differ
     // somewhere (they are summed per rank's shard, then over the ranks).
     EXPECT_NE(losses(dir_ / "z0.jsonl"), losses(dir_ / "z3host.jsonl"));
-    for (const char* f : {"model.safetensors", "optimizer.safetensors"})
+    for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
       EXPECT_TRUE(file_bytes(shared / "z3nvme" / "step_000006" / f) == file_bytes(shared / "z3resumed" / "step_000006" / f))
           << "stage 3 resumed vs straight: " << f;
+      EXPECT_TRUE(file_bytes(shared / "z3l3" / "step_000006" / f) == file_bytes(shared / "z3l3ckhost" / "step_000006" / f))
+          << "stage 3 with activation checkpoints vs without: " << f;
+    }
+    EXPECT_EQ(losses(dir_ / "z3l3.jsonl"), losses(dir_ / "z3l3ckhost.jsonl"));
   }
   ASSERT_TRUE(world.barrier().is_ok());
 }
