@@ -26,7 +26,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-tests=(kernels/kernels_cuda_test kernels/kernels_device_test engine/engine_gpu_train_test)  # under build*/tests/
+tests=(kernels/kernels_cuda_test kernels/kernels_device_test engine/engine_gpu_train_test comm/comm_nccl_test)  # under build*/tests/
 
 if [[ $mode == bundle || $mode == build ]]; then
   build=build-gpu
@@ -41,7 +41,7 @@ if [[ $mode == bundle ]]; then
     cp "$bin" "$bundle/"
     # Shared libraries beyond glibc, the compiler runtime and CUDA's own (which the GPU machine has).
     ldd "$bin" | awk '/=> \//{print $3}' |
-      grep -v -E '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/libcu|/libnv' |
+      grep -v -E '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/libcu|/libnv|/libnccl' |
       xargs -r -I{} cp -L {} "$bundle/lib/"
   done
   echo "gpu-check.sh: bundle in $bundle ($(du -sh "$bundle" | cut -f1)): ${tests[*]}"
@@ -57,6 +57,10 @@ if [[ $mode == from-bundle ]]; then
   if py_cublas=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(os.path.dirname(nvidia.cublas.__file__), "lib"))' 2>/dev/null); then
     extra="$extra:$py_cublas"
   fi
+  # NCCL (218 MB, too big to carry): the toolkit's, else PyTorch's.
+  if py_nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(os.path.dirname(nvidia.nccl.__file__), "lib"))' 2>/dev/null); then
+    extra="$extra:$py_nccl"
+  fi
   export LD_LIBRARY_PATH="$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 
@@ -68,6 +72,10 @@ declare -a rows
 for path in "${tests[@]}"; do
   t=$(basename "$path")
   [[ $mode == from-bundle ]] && path=$t
+  if missing=$(ldd "$bin_dir/$path" 2>/dev/null | grep 'not found'); then
+    rows+=("$(printf '%-28s %-7s %s' "$t" "not run" "missing: $(echo "$missing" | awk '{print $1}' | tr '\n' ' ')")")
+    continue
+  fi
   if "$bin_dir/$path" --gtest_output=xml:"$out/$t.xml" >"$out/$t.log" 2>&1; then r=ok; else r=FAILED; status=1; fi
   passed=$(grep -c '^\[       OK \]' "$out/$t.log" || true)
   failed=$(grep -c '^\[  FAILED  \] [A-Za-z]' "$out/$t.log" || true)

@@ -1,0 +1,235 @@
+#include "comm/nccl_communicator.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "common/timer.h"
+
+namespace strata::comm {
+namespace {
+
+ncclDataType_t nccl_type(DType t) { return t == DType::kF32 ? ncclFloat32 : ncclBfloat16; }
+ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::kSum ? ncclSum : ncclMax; }
+
+// Polls a non-blocking communicator until its pending initialisation or split has finished.
+ncclResult_t settle(ncclComm_t comm, double timeout_s) {
+  Timer t;
+  ncclResult_t state = ncclInProgress;
+  while (ncclCommGetAsyncError(comm, &state) == ncclSuccess && state == ncclInProgress && t.seconds() < timeout_s)
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  return state;
+}
+
+}  // namespace
+
+struct NcclCommunicator::Impl {
+  ncclComm_t comm = nullptr;
+  cudaStream_t stream = nullptr;
+  float* scratch = nullptr;  // one float on the device, for barrier()
+  bool aborted = false;       // ncclCommAbort freed the communicator
+  double timeout_s = 300;
+
+  ~Impl() {
+    if (comm != nullptr && !aborted) {
+      ncclCommFinalize(comm);
+      (void)settle(comm, timeout_s);
+      ncclCommDestroy(comm);
+    }
+    if (scratch != nullptr) cudaFree(scratch);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+
+  // The stream and scratch float of a communicator about to be created.
+  Status prepare() {
+    if (cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); e != cudaSuccess)
+      return Status::internal("cudaStreamCreate: {}", cudaGetErrorString(e));
+    if (cudaError_t e = cudaMalloc(&scratch, sizeof(float)); e != cudaSuccess)
+      return Status::internal("cudaMalloc: {}", cudaGetErrorString(e));
+    return Status::ok();
+  }
+};
+
+NcclCommunicator::NcclCommunicator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+NcclCommunicator::~NcclCommunicator() = default;
+
+Result<std::unique_ptr<NcclCommunicator>> NcclCommunicator::create(Communicator& bootstrap, const std::string& name,
+                                                                   double timeout_s) {
+  auto impl = std::make_unique<Impl>();
+  impl->timeout_s = timeout_s;
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof(id));
+  if (bootstrap.rank() == 0) {
+    if (ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess)
+      return Status::internal("ncclGetUniqueId: {}", ncclGetErrorString(r));
+  }
+  // The id's bytes travel as 16-bit words (copied, never converted).
+  static_assert(sizeof(ncclUniqueId) % 2 == 0);
+  STRATA_RETURN_IF_ERROR(bootstrap.broadcast(&id, sizeof(id) / 2, DType::kBF16, 0).with_context("NCCL unique id"));
+  STRATA_RETURN_IF_ERROR(impl->prepare());
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclResult_t r = ncclCommInitRankConfig(&impl->comm, bootstrap.size(), id, bootstrap.rank(), &config);
+  if (r == ncclInProgress) r = settle(impl->comm, timeout_s);
+  if (r != ncclSuccess) {
+    return Status(r == ncclInProgress ? StatusCode::kDeadlineExceeded : StatusCode::kInternal,
+                  fmt::format("NCCL communicator '{}' (rank {} of {}): {}", name, bootstrap.rank(), bootstrap.size(),
+                              r == ncclInProgress ? "initialisation did not finish in time" : ncclGetErrorString(r)));
+  }
+  std::unique_ptr<NcclCommunicator> c(new NcclCommunicator(std::move(impl)));
+  c->name_ = name;
+  c->rank_ = bootstrap.rank();
+  c->size_ = bootstrap.size();
+  c->timeout_s_ = timeout_s;
+  return c;
+}
+
+Status NcclCommunicator::check(const char* what) const {
+  if (poisoned_)
+    return Status::deadline_exceeded("{} on NCCL group '{}': an earlier call timed out, so the group's state is unknown",
+                                     what, name_);
+  return Status::ok();
+}
+
+Status NcclCommunicator::check_reduction(DType dtype, const char* what) const {
+  STRATA_RETURN_IF_ERROR(check(what));
+  if (dtype != DType::kF32)
+    return Status::invalid_argument("{} on NCCL group '{}': reductions are fp32 only, got {}", what, name_,
+                                    dtype_name(dtype));
+  return Status::ok();
+}
+
+Status NcclCommunicator::check_peer(int peer, const char* what) const {
+  STRATA_RETURN_IF_ERROR(check(what));
+  if (peer < 0 || peer >= size_ || peer == rank_)
+    return Status::invalid_argument("{} on NCCL group '{}': peer {} is not another of its {} ranks", what, name_, peer,
+                                    size_);
+  return Status::ok();
+}
+
+Status NcclCommunicator::enqueued(int result, const char* what) {
+  const auto r = static_cast<ncclResult_t>(result);
+  if (r == ncclSuccess || r == ncclInProgress) return Status::ok();
+  return Status::internal("{} on NCCL group '{}' (rank {} of {}): {}", what, name_, rank_, size_,
+                          ncclGetErrorString(r));
+}
+
+Status NcclCommunicator::wait(const char* what, size_t count) {
+  Timer t;
+  for (;;) {
+    ncclResult_t async = ncclSuccess;
+    ncclCommGetAsyncError(impl_->comm, &async);
+    if (async != ncclSuccess && async != ncclInProgress) {
+      poisoned_ = true;
+      return Status::internal("{} of {} elements on NCCL group '{}' (rank {} of {}): {}", what, count, name_, rank_,
+                              size_, ncclGetErrorString(async));
+    }
+    const cudaError_t e = cudaStreamQuery(impl_->stream);
+    if (e == cudaSuccess && async == ncclSuccess) return Status::ok();
+    if (e != cudaSuccess && e != cudaErrorNotReady)
+      return Status::internal("{} on NCCL group '{}': {}", what, name_, cudaGetErrorString(e));
+    if (t.seconds() > timeout_s_) break;
+    if (t.seconds() > 0.001) std::this_thread::yield();
+  }
+  poisoned_ = true;
+  impl_->aborted = true;
+  ncclCommAbort(impl_->comm);
+  return Status::deadline_exceeded(
+      "{} of {} elements on NCCL group '{}' did not complete within {} s: a rank of the group died or hung (this is "
+      "rank {} of {}); the communicator is aborted",
+      what, count, name_, timeout_s_, rank_, size_);
+}
+
+Status NcclCommunicator::all_reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) {
+  STRATA_RETURN_IF_ERROR(check_reduction(dtype, "all_reduce"));
+  STRATA_RETURN_IF_ERROR(enqueued(
+      ncclAllReduce(send, recv, count, ncclFloat32, nccl_op(op), impl_->comm, impl_->stream), "all_reduce"));
+  return wait("all_reduce", count);
+}
+
+Status NcclCommunicator::all_gather(const void* send, void* recv, size_t count, DType dtype) {
+  STRATA_RETURN_IF_ERROR(check("all_gather"));
+  // In place when send is this rank's part of recv, which NCCL handles itself.
+  STRATA_RETURN_IF_ERROR(
+      enqueued(ncclAllGather(send, recv, count, nccl_type(dtype), impl_->comm, impl_->stream), "all_gather"));
+  return wait("all_gather", count);
+}
+
+Status NcclCommunicator::reduce_scatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) {
+  STRATA_RETURN_IF_ERROR(check_reduction(dtype, "reduce_scatter"));
+  STRATA_RETURN_IF_ERROR(enqueued(
+      ncclReduceScatter(send, recv, count, ncclFloat32, nccl_op(op), impl_->comm, impl_->stream), "reduce_scatter"));
+  return wait("reduce_scatter", count);
+}
+
+Status NcclCommunicator::broadcast(void* buf, size_t count, DType dtype, int root) {
+  STRATA_RETURN_IF_ERROR(check("broadcast"));
+  if (root < 0 || root >= size_)
+    return Status::invalid_argument("broadcast on NCCL group '{}': root {} is not one of its {} ranks", name_, root,
+                                    size_);
+  STRATA_RETURN_IF_ERROR(
+      enqueued(ncclBroadcast(buf, buf, count, nccl_type(dtype), root, impl_->comm, impl_->stream), "broadcast"));
+  return wait("broadcast", count);
+}
+
+// NCCL matches point-to-point messages in order per peer: `tag` is not needed (nor used).
+Status NcclCommunicator::send(const void* buf, size_t count, DType dtype, int peer, int tag) {
+  (void)tag;
+  STRATA_RETURN_IF_ERROR(check_peer(peer, "send"));
+  STRATA_RETURN_IF_ERROR(enqueued(ncclSend(buf, count, nccl_type(dtype), peer, impl_->comm, impl_->stream), "send"));
+  return wait("send", count);
+}
+
+Status NcclCommunicator::recv(void* buf, size_t count, DType dtype, int peer, int tag) {
+  (void)tag;
+  STRATA_RETURN_IF_ERROR(check_peer(peer, "recv"));
+  STRATA_RETURN_IF_ERROR(enqueued(ncclRecv(buf, count, nccl_type(dtype), peer, impl_->comm, impl_->stream), "recv"));
+  return wait("recv", count);
+}
+
+Status NcclCommunicator::send_recv(const void* send, size_t send_count, int dest, void* recv, size_t recv_count,
+                                   int src, DType dtype, int tag) {
+  (void)tag;
+  STRATA_RETURN_IF_ERROR(check_peer(dest, "send_recv"));
+  STRATA_RETURN_IF_ERROR(check_peer(src, "send_recv"));
+  // One group: both are posted before either waits.
+  STRATA_RETURN_IF_ERROR(enqueued(ncclGroupStart(), "send_recv"));
+  const ncclResult_t s = ncclSend(send, send_count, nccl_type(dtype), dest, impl_->comm, impl_->stream);
+  const ncclResult_t r = ncclRecv(recv, recv_count, nccl_type(dtype), src, impl_->comm, impl_->stream);
+  STRATA_RETURN_IF_ERROR(enqueued(ncclGroupEnd(), "send_recv"));
+  STRATA_RETURN_IF_ERROR(enqueued(s, "send_recv (send)"));
+  STRATA_RETURN_IF_ERROR(enqueued(r, "send_recv (receive)"));
+  return wait("send_recv", send_count + recv_count);
+}
+
+Status NcclCommunicator::barrier() { return all_reduce(impl_->scratch, impl_->scratch, 1, DType::kF32, ReduceOp::kSum); }
+
+Result<std::unique_ptr<Communicator>> NcclCommunicator::split(int color, int key, const std::string& name) {
+  STRATA_RETURN_IF_ERROR(check("split"));
+  auto impl = std::make_unique<Impl>();
+  impl->timeout_s = timeout_s_;
+  STRATA_RETURN_IF_ERROR(impl->prepare());
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclResult_t r = ncclCommSplit(impl_->comm, color, key, &impl->comm, &config);
+  if (r == ncclInProgress || r == ncclSuccess) r = settle(impl->comm, timeout_s_);
+  if (r != ncclSuccess)
+    return Status::internal("split of NCCL group '{}' into '{}': {}", name_, name, ncclGetErrorString(r));
+  int rank = 0, size = 1;
+  ncclCommUserRank(impl->comm, &rank);
+  ncclCommCount(impl->comm, &size);
+  std::unique_ptr<NcclCommunicator> c(new NcclCommunicator(std::move(impl)));
+  c->name_ = name;
+  c->rank_ = rank;
+  c->size_ = size;
+  c->timeout_s_ = timeout_s_;
+  return std::unique_ptr<Communicator>(std::move(c));
+}
+
+}  // namespace strata::comm
