@@ -158,7 +158,8 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   note("zero_optimization.allgather_bucket_size", c->allgather_bucket_size, d.allgather_bucket_size);
   // What the engine does regardless; a setting that asks otherwise is not happening.
   if (!c->overlap_comm && c->stage == 3) c->not_acted_on.push_back("zero_optimization.overlap_comm = false");
-  if (c->overlap_comm && (c->stage == 1 || c->stage == 2))
+  const bool offloading = c->offload_optimizer.device != "none" || c->offload_param.device != "none";
+  if (c->overlap_comm && (c->stage == 1 || c->stage == 2) && !offloading)  // with offload they run as stage 3
     c->not_acted_on.push_back("zero_optimization.overlap_comm = true (stages 1 and 2 reduce after backward)");
   note("zero_optimization.contiguous_gradients", c->contiguous_gradients, d.contiguous_gradients);
   if (!c->reduce_scatter && c->stage == 2) c->not_acted_on.push_back("zero_optimization.reduce_scatter = false");
