@@ -178,8 +178,7 @@ Status OffloadedAdamW::set_pipeline(const PipelinePlan& plan, comm::Communicator
                   "pipeline parallelism with gradients on nvme (memory.gradients) is not built yet; use host");
   plan_ = plan;
   pp_ = &pp;
-  const int s = pp.rank(), P = pp.size();
-  STRATA_ASSIGN_OR_RETURN(tied_, pp.split(s == 0 || s == P - 1 ? 0 : 1, s, "pp.tied"));  // collective
+  STRATA_ASSIGN_OR_RETURN(tied_, split_tied_group(pp));
   return Status::ok();
 }
 
@@ -207,11 +206,8 @@ Result<double> OffloadedAdamW::global_norm() {
       for (size_t q = 0; q < D; ++q) per[u] += all[q * U + u];
     }
   }
-  if (pp_ != nullptr && pp_->size() > 1) {  // each unit's from the stage that owns it
-    std::vector<double> all(static_cast<size_t>(pp_->size()) * U);
-    STRATA_RETURN_IF_ERROR(pp_->all_gather(per.data(), all.data(), 2 * U, DType::kF32).with_context("gradient norm"));
-    for (size_t u = 0; u < U; ++u) per[u] = all[static_cast<size_t>(plan_.owner(u)) * U + u];
-  }
+  if (pp_ != nullptr && pp_->size() > 1)  // each unit's from the stage that owns it
+    STRATA_RETURN_IF_ERROR(take_from_owners(plan_, *pp_, &per).with_context("gradient norm"));
   double sum = 0.0;
   for (const double x : per) sum += x;
   return std::sqrt(sum);

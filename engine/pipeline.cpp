@@ -200,9 +200,7 @@ Result<std::unique_ptr<PipelineAdamW>> PipelineAdamW::create(GPT2& model, const 
   opt->config_ = config;
   opt->device_ = &device;
   opt->pp_ = &pp;
-  const int s = pp.rank(), P = pp.size();
-  // Collective: every stage splits; the ends share the tied embedding.
-  STRATA_ASSIGN_OR_RETURN(opt->tied_, pp.split(s == 0 || s == P - 1 ? 0 : 1, s, "pp.tied"));
+  STRATA_ASSIGN_OR_RETURN(opt->tied_, split_tied_group(pp));
   for (size_t u = 0; u < model.units().size(); ++u) {
     kernels::DeviceBuffer m, v;
     if (model.holds(u)) {
@@ -235,20 +233,19 @@ Result<double> PipelineAdamW::step(float lr, bool* skipped) {
   }
   // Every unit's sum of squares from its owner (the embedding's from the first stage), added in unit order:
   // the single process's norm, bit for bit, given the same gradients.
-  const size_t U = units.size();
-  std::vector<double> mine(U, 0.0), all(U * static_cast<size_t>(P));
-  for (size_t u = 0; u < U; ++u) {
-    if (plan_.owner(u) == s) mine[u] = device_->add_sum_squares(0.0, units[u].g(), units[u].numel());
+  std::vector<double> per(units.size(), 0.0);
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (plan_.owner(u) == s) per[u] = device_->add_sum_squares(0.0, units[u].g(), units[u].numel());
   }
-  STRATA_RETURN_IF_ERROR(pp_->all_gather(mine.data(), all.data(), 2 * U, DType::kF32).with_context("gradient norm"));
+  STRATA_RETURN_IF_ERROR(take_from_owners(plan_, *pp_, &per).with_context("gradient norm"));
   double sum = 0.0;
-  for (size_t u = 0; u < U; ++u) sum += all[static_cast<size_t>(plan_.owner(u)) * U + u];
+  for (const double x : per) sum += x;
   const double norm = std::sqrt(sum);
   const std::optional<float> scale = step_scale(norm, config_.grad_clip, skipped);
   if (!scale) return norm;
   ++t_;
   const kernels::KernelSet& k = device_->kernels();
-  for (size_t u = 0; u < U; ++u) {
+  for (size_t u = 0; u < units.size(); ++u) {
     if (!model_->holds(u)) continue;
     const Unit& unit = units[u];
     for (const TensorSpec& t : unit.layout.specs()) {
@@ -274,6 +271,19 @@ Status PipelineAdamW::write_moments(size_t unit, const float* m, const float* v)
   const size_t n = model_->units()[unit].numel();
   device_->copy_to_device(m_[unit].data(), m, n * sizeof(float));
   device_->copy_to_device(v_[unit].data(), v, n * sizeof(float));
+  return Status::ok();
+}
+
+Result<std::unique_ptr<comm::Communicator>> split_tied_group(comm::Communicator& pp) {
+  const int s = pp.rank(), P = pp.size();
+  return pp.split(s == 0 || s == P - 1 ? 0 : 1, s, "pp.tied");
+}
+
+Status take_from_owners(const PipelinePlan& plan, comm::Communicator& pp, std::vector<double>* per_unit) {
+  const size_t U = per_unit->size();
+  std::vector<double> all(static_cast<size_t>(pp.size()) * U);
+  STRATA_RETURN_IF_ERROR(pp.all_gather(per_unit->data(), all.data(), 2 * U, DType::kF32));
+  for (size_t u = 0; u < U; ++u) (*per_unit)[u] = all[static_cast<size_t>(plan.owner(u)) * U + u];
   return Status::ok();
 }
 

@@ -116,6 +116,14 @@ class PipelineAdamW final : public Optimizer {
   int t_ = 0;
 };
 
+// The first and last stage's group, which shares the tied embedding (collective over `pp`: the other stages get
+// a group of their own, unused).
+Result<std::unique_ptr<comm::Communicator>> split_tied_group(comm::Communicator& pp);
+// Replaces each unit's entry of `per_unit` (this stage's values; other stages' units: anything) with the value
+// of the stage that owns the unit. Collective over `pp`; the doubles travel as pairs of fp32 words (bits
+// copied, never converted), so every stage ends with the same bits.
+Status take_from_owners(const PipelinePlan& plan, comm::Communicator& pp, std::vector<double>* per_unit);
+
 // The first stage's read of another stage's moments of `unit` (n elements each), for checkpoints.
 Status pipeline_recv_moments(const PipelinePlan& plan, comm::Communicator& pp, size_t unit, size_t n, float* m,
                              float* v);
