@@ -1,0 +1,504 @@
+// coordinator_state.h — the inside of the Coordinator (offload/coordinator.h), for its own .cpp only: every
+// unit's residency record, the device slots, farthest-next-use eviction on the recorded trace, the loads and
+// prefetch along it, and under ZeRO-3 the gathers and reduce-scatters on the queue of collectives. The public
+// protocol (acquire/release, write/read, flush) is coordinator.cpp, built on these.
+//
+// Threading: as the Coordinator's (one driving thread; jobs on the copy and collective queues).
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "comm/communicator.h"
+#include "common/check.h"
+#include "common/log.h"
+#include "common/timer.h"
+#include "kernels/cpu/fast.h"
+#include "offload/coordinator.h"
+#include "offload/staging_buffers.h"
+
+namespace strata::offload {
+
+inline constexpr size_t kNever = std::numeric_limits<size_t>::max();
+inline constexpr char kSlotPurpose[] = "offload.slots";
+
+enum class GradState : uint8_t {
+  kZero,    // the gradient is zero; no copy is valid (a device buffer, if present, is stale)
+  kDevice,  // the device copy is the truth; host is stale (dirty)
+  kBoth,    // a download of the device copy to host is queued or done; the device copy stays valid
+  kHost,    // host holds the truth; no device copy
+};
+
+struct Access {
+  size_t unit;
+  Pass pass;
+  bool operator==(const Access&) const = default;
+};
+
+inline bool uses_params(Pass p) { return p != Pass::kGradients; }
+inline bool uses_grads(Pass p) { return p != Pass::kForward; }
+
+// A unit's `bytes` stored as swap keys of `chunk` bytes each (the last one shorter), read into or written from
+// one contiguous buffer.
+inline Status read_chunks(SwapStore& store, const std::vector<std::string>& keys, size_t chunk, void* dst, size_t bytes) {
+  for (size_t k = 0; k < keys.size(); ++k) {
+    const size_t off = k * chunk;
+    STRATA_RETURN_IF_ERROR(store.read(keys[k], static_cast<char*>(dst) + off, std::min(chunk, bytes - off)));
+  }
+  return Status::ok();
+}
+inline Status write_chunks(SwapStore& store, const std::vector<std::string>& keys, size_t chunk, const void* src,
+                    size_t bytes) {
+  for (size_t k = 0; k < keys.size(); ++k) {
+    const size_t off = k * chunk;
+    STRATA_RETURN_IF_ERROR(store.write(keys[k], static_cast<const char*>(src) + off, std::min(chunk, bytes - off)));
+  }
+  return Status::ok();
+}
+
+
+// Waits for jobs that used a buffer before it is reused. Ordering only: a job's failure is reported by whoever
+// waits for its result, and must not fail the unrelated job that reuses its memory.
+inline void wait_all(const std::vector<CopyTicket>& tickets) {
+  for (const CopyTicket& t : tickets) (void)t.wait();
+}
+
+// A device buffer no unit holds, kept for reuse: usable once the jobs in `after` have finished (whatever their
+// outcome) and `fence` has passed.
+struct Coordinator::Slot {
+  kernels::DeviceBuffer buf;
+  kernels::DeviceFence fence;
+  std::vector<CopyTicket> after;
+};
+
+struct Coordinator::State {
+  struct UnitRec {
+    CoordinatorUnit info;
+    size_t bytes = 0;       // of the unit's parameters (or gradients)
+    size_t slot_bytes = 0;  // of a device copy: `bytes`, or under ZeRO-3 all ranks' padded shards
+    ShardRange shard;       // this rank's part (the whole unit unless sharded)
+    size_t home_bytes = 0;  // of this rank's part at home (len elements)
+    bool persistent = false;
+    Tier home = Tier::kHost;
+    // Parameters.
+    kernels::DeviceBuffer dev_params;  // present: the unit is on the device (or on its way: params_ready)
+    CopyTicket params_ready;
+    CopyTicket params_home_read;  // the last job reading the home copy (kept across evictions)
+    kernels::DeviceFence params_last_use;
+    PinnedBuffer host_params;           // home host
+    std::vector<std::string> nvme_keys;  // home nvme, one per chunk
+    std::vector<bool> nvme_written;      // which chunks have been written (keys are made by the first write)
+    int in_use = 0;
+    uint64_t last_access = 0;
+    // Gradients.
+    GradState grad_state = GradState::kZero;
+    kernels::DeviceBuffer dev_grads;
+    CopyTicket grads_ready;     // an upload of the host copy into dev_grads (prefetch)
+    CopyTicket grads_home_read; // the last job reading the home copy (kept across evictions)
+    CopyTicket grads_download;  // kBoth: the download into host_grads
+    kernels::DeviceFence grads_last_use;
+    PinnedBuffer host_grads;             // grad_home host
+    std::vector<std::string> grad_keys;  // grad_home nvme, one per chunk
+    double grad_sumsq = 0;               // grad_home nvme: sum of squares of the last download (on d2h thread)
+    bool grads_reduced = false;          // ZeRO-3: a reduce-scatter added to the home shard since zero_grads
+  };
+
+  kernels::Device& device;
+  CopyEngine& copies;
+  PinnedPool* pool;
+  SwapStore* store;             // parameters' nvme home
+  SwapStore* grad_store = nullptr;  // gradients' nvme home
+  CoordinatorOptions options;
+  std::vector<UnitRec> units;
+  std::vector<Slot> spares;
+  uint64_t slot_bytes = 0;  // device bytes in slots (units' buffers and spares), for error messages
+  size_t live_elements = 0;                // non-persistent parameter elements on the device
+  // offload_param.buffer_count pinned buffers of the largest nvme-homed unit, taken at create() so that a
+  // host budget too small for them fails there instead of blocking a read forever.
+  StagingBuffers read_staging;
+  // With gradients on nvme: buffer_count buffers the downloads go through on their way to the swap store (a
+  // set of their own: taken on the d2h queue and given back on the nvme queue, while read_staging is taken on
+  // the nvme queue and given back on the h2d queue, so neither can wait on the other in a cycle).
+  StagingBuffers write_staging;
+  // The trace.
+  std::vector<Access> trace;
+  bool recording = true;
+  size_t pos = 0;  // accesses of this step so far
+  uint64_t clock = 0;
+  CoordinatorStats stats;
+  // ZeRO-3: the group, one shard's worth of reduce-scatter output (used by one collective at a time), and the
+  // queue that runs every collective in order (declared last: destroyed first, while what its jobs use lives).
+  comm::Communicator* group = nullptr;
+  PinnedBuffer reduce_scratch;
+  std::unique_ptr<CopyQueue> collectives;
+
+  State(kernels::Device& d, CopyEngine& c, PinnedPool* p, SwapStore* s, const CoordinatorOptions& o)
+      : device(d), copies(c), pool(p), store(s), options(o) {}
+
+  bool sharded() const { return group != nullptr; }
+
+  ~State() {
+    for (UnitRec& r : units) {
+      (void)r.params_ready.wait();
+      (void)r.grads_ready.wait();
+      (void)r.grads_download.wait();
+    }
+    for (Slot& s : spares) wait_all(s.after);
+  }
+
+  // ---- device slots ----
+
+  Result<Slot> new_slot(size_t bytes, const std::string& what) {
+    for (size_t i = 0; i < spares.size(); ++i) {
+      if (spares[i].buf.size() == bytes) {
+        Slot s = std::move(spares[i]);
+        spares.erase(spares.begin() + static_cast<std::ptrdiff_t>(i));
+        return s;
+      }
+    }
+    auto got = device.allocate(bytes, kSlotPurpose);
+    if (!got.is_ok() && got.status().code() == StatusCode::kOutOfMemory && !spares.empty()) {
+      drop_spares();
+      got = device.allocate(bytes, kSlotPurpose);
+    }
+    if (!got.is_ok()) return got.status().with_context(what);
+    slot_bytes += bytes;
+    return Slot{std::move(got).value(), {}, {}};
+  }
+
+  void drop_spares() {
+    for (Slot& s : spares) {
+      wait_all(s.after);
+      s.fence.wait();
+      slot_bytes -= s.buf.size();
+    }
+    spares.clear();
+  }
+
+  // Keeps a freed buffer for reuse: new_slot takes it back by size, and drops every spare when an allocation
+  // would not fit. (Trimming spares eagerly instead cost the demo a third of its step time in allocation and
+  // page faults on the CPU backend.)
+  void to_spare(kernels::DeviceBuffer buf, kernels::DeviceFence fence, std::vector<CopyTicket> after) {
+    spares.push_back(Slot{std::move(buf), std::move(fence), std::move(after)});
+  }
+
+  // Queues dst <- src (host to device) once the jobs that used dst before (`reuse`, ordering only) and `fence`
+  // have passed and the data prerequisites `after` have succeeded.
+  CopyTicket upload(void* dst, const void* src, size_t bytes, kernels::DeviceFence fence,
+                    std::vector<CopyTicket> reuse = {}, std::vector<CopyTicket> after = {}) {
+    kernels::Device* dev = &device;
+    stats.h2d_bytes += bytes;
+    return copies.h2d.submit(
+        [dev, dst, src, bytes, fence, reuse] {
+          wait_all(reuse);
+          fence.wait();
+          dev->upload(dst, src, bytes);
+          return Status::ok();
+        },
+        bytes, std::move(after));
+  }
+
+  // Parameters on nvme exist once written: a read before that is the caller's ordering bug, named.
+  static Status check_written(const UnitRec& r) {
+    for (bool w : r.nvme_written) {
+      if (!w)
+        return Status::invalid_argument("offload: unit '{}' has no parameters on nvme yet (write_params first)",
+                                        r.info.name);
+    }
+    return Status::ok();
+  }
+
+  // A device copy whose load failed never arrived: forget it, so the next acquire loads the unit again.
+  void drop_failed_params(UnitRec& r) {
+    if (!r.persistent && r.dev_params.data() != nullptr) {
+      to_spare(std::move(r.dev_params), r.params_last_use, {});
+      live_elements -= r.info.numel;
+    }
+    r.params_ready = CopyTicket();
+  }
+
+  // ---- distances on the trace ----
+
+  bool replaying() const { return !recording && !trace.empty(); }
+
+  // For every unit, how many accesses ahead its parameters (or gradients) are next used: 1 is the next access.
+  // Parameters look past the end of the step into the next one; gradients do not (the next step zeroes them).
+  // While recording, the least recently used unit counts as the farthest.
+  std::vector<size_t> next_use(bool grads) const {
+    std::vector<size_t> d(units.size(), kNever);
+    if (!replaying()) {
+      for (size_t u = 0; u < units.size(); ++u)
+        d[u] = std::numeric_limits<size_t>::max() / 2 + static_cast<size_t>(clock - units[u].last_access);
+      return d;
+    }
+    const size_t n = trace.size();
+    const size_t horizon = grads ? (pos < n ? n - pos : 0) : n;
+    for (size_t k = 1; k <= horizon; ++k) {
+      const Access& a = trace[(pos + k - 1) % n];
+      if ((grads ? uses_grads(a.pass) : uses_params(a.pass)) && d[a.unit] == kNever) d[a.unit] = k;
+    }
+    return d;
+  }
+
+  // Frees one device buffer of a unit whose next use is farther than `sooner_than` accesses away (0: any unit
+  // not in use): a parameter copy (clean, so only dropped) or a gradient copy that is already on its way home.
+  // False when there is none.
+  bool evict_one(size_t sooner_than, bool params_only = false) {
+    const std::vector<size_t> pd = next_use(false), gd = next_use(true);
+    size_t best = SIZE_MAX, best_d = 0;
+    bool best_grads = false;
+    for (size_t u = 0; u < units.size(); ++u) {
+      const UnitRec& r = units[u];
+      if (r.in_use > 0) continue;
+      if (r.dev_params.data() != nullptr && !r.persistent && pd[u] > sooner_than && (best == SIZE_MAX || pd[u] > best_d)) {
+        best = u, best_d = pd[u], best_grads = false;
+      }
+      const bool grads_clean = r.grad_state == GradState::kBoth || r.grad_state == GradState::kZero ||
+                               r.grad_state == GradState::kHost;
+      if (!params_only && r.dev_grads.data() != nullptr && grads_clean && gd[u] > sooner_than &&
+          (best == SIZE_MAX || gd[u] > best_d)) {
+        best = u, best_d = gd[u], best_grads = true;
+      }
+    }
+    if (best == SIZE_MAX) return false;
+    UnitRec& r = units[best];
+    ++stats.evictions;
+    if (best_grads) {
+      if (r.grad_state == GradState::kBoth) r.grad_state = GradState::kHost;
+      to_spare(std::move(r.dev_grads), r.grads_last_use, {r.grads_ready, r.grads_download});
+      r.grads_ready = CopyTicket();
+    } else {
+      to_spare(std::move(r.dev_params), r.params_last_use, {r.params_ready});
+      r.params_ready = CopyTicket();
+      live_elements -= r.info.numel;
+    }
+    return true;
+  }
+
+  // A device buffer of `bytes` for unit u, evicting what is used later than `sooner_than` accesses from now
+  // (0: anything not in use) when memory is short. OutOfMemory when nothing more can be evicted.
+  Result<Slot> obtain(size_t u, size_t bytes, size_t sooner_than, const char* what) {
+    const std::string ctx = fmt::format("device copy of {} of unit '{}'", what, units[u].info.name);
+    for (;;) {
+      auto s = new_slot(bytes, ctx);
+      if (s.is_ok() || s.status().code() != StatusCode::kOutOfMemory) return s;
+      if (!evict_one(sooner_than)) {
+        return Status::out_of_memory("{}: the device budget cannot hold the working set ({} MiB in offload slots, "
+                                     "{} units in use); {}",
+                                     ctx, slot_bytes >> 20, in_use_units(), s.status().message());
+      }
+    }
+  }
+
+  std::string in_use_units() const {
+    std::string out;
+    for (const UnitRec& r : units)
+      if (r.in_use > 0) out += (out.empty() ? "" : ", ") + r.info.name;
+    return out.empty() ? "no" : out;
+  }
+
+  // Queues dst <- the swap keys `keys` (chunks of nvme_chunk_elements): an NVMe read into a read-staging
+  // buffer, then the upload, once `fence` has passed and `after` have finished.
+  CopyTicket fetch_from_nvme(SwapStore* st, const std::vector<std::string>& keys, size_t bytes, void* dst,
+                             kernels::DeviceFence fence, std::vector<CopyTicket> reuse,
+                             std::vector<CopyTicket> after) {
+    auto staging = std::make_shared<StagingLease>(&read_staging);
+    const size_t chunk = options.nvme_chunk_elements * sizeof(float);
+    CopyTicket read = copies.nvme.submit(
+        [staging, st, keys, chunk, bytes] {
+          staging->take();
+          return read_chunks(*st, keys, chunk, staging->buf->data(), bytes);
+        },
+        bytes);
+    stats.nvme_read_bytes += bytes;
+    after.push_back(read);
+    kernels::Device* dev = &device;
+    stats.h2d_bytes += bytes;
+    return copies.h2d.submit(
+        [dev, dst, staging, bytes, fence, reuse]() mutable {
+          wait_all(reuse);
+          fence.wait();
+          dev->upload(dst, staging->buf->data(), bytes);
+          staging.reset();
+          return Status::ok();
+        },
+        bytes, std::move(after));
+  }
+
+  // ---- loading parameters ----
+
+  // Queues the load of unit u's parameters onto the device. A demand load (sooner_than 0) may evict any unit
+  // not in use; a prefetch for the access `sooner_than` ahead only units used later, and returns false (with
+  // an ok status) when that is not enough.
+  Result<bool> load_params(size_t u, size_t sooner_than) {
+    UnitRec& r = units[u];
+    const bool demand = sooner_than == 0;
+    STRATA_ASSERT(r.dev_params.data() == nullptr && !r.persistent);
+    STRATA_RETURN_IF_ERROR(check_written(r));
+    while (live_elements + r.info.numel > options.max_live_elements) {
+      if (!evict_one(sooner_than, /*params_only=*/true)) break;  // demand loads go over the soft cap, not fail
+    }
+    if (!demand && live_elements + r.info.numel > options.max_live_elements) return false;
+    auto slot = obtain(u, r.slot_bytes, sooner_than, "parameters");
+    if (!slot.is_ok()) {
+      if (!demand && slot.status().code() == StatusCode::kOutOfMemory) return false;
+      return slot.status();
+    }
+    Slot s = std::move(slot).value();
+    void* dst = s.buf.data();
+    if (sharded()) {
+      r.params_ready = gather_params(r, s);
+    } else if (r.home == Tier::kHost) {
+      r.params_ready = upload(dst, r.host_params.data(), r.bytes, s.fence, std::move(s.after));
+    } else {
+      STRATA_ASSERT(r.home == Tier::kNvme);
+      r.params_ready = fetch_from_nvme(store, r.nvme_keys, r.bytes, dst, s.fence, std::move(s.after), {});
+    }
+    r.params_home_read = r.params_ready;
+    ++stats.fetches;
+    r.dev_params = std::move(s.buf);
+    live_elements += r.info.numel;
+    return true;
+  }
+
+  // ZeRO-3: queues the all-gather of every rank's shard of r's parameters into the slot (from the home copy,
+  // or through a read-staging buffer from nvme).
+  CopyTicket gather_params(UnitRec& r, Slot& s) {
+    std::shared_ptr<StagingLease> staging;
+    CopyTicket read;
+    if (r.home == Tier::kNvme) {
+      staging = std::make_shared<StagingLease>(&read_staging);
+      const size_t chunk = options.nvme_chunk_elements * sizeof(float);
+      read = copies.nvme.submit(
+          [staging, st = store, keys = r.nvme_keys, chunk, bytes = r.home_bytes] {
+            staging->take();
+            return read_chunks(*st, keys, chunk, staging->buf->data(), bytes);
+          },
+          r.home_bytes);
+      stats.nvme_read_bytes += r.home_bytes;
+    }
+    stats.gather_bytes += r.slot_bytes;
+    return collectives->submit(
+        [g = group, dst = s.buf.data(), home = r.host_params.data(), staging, read, stride = r.shard.stride,
+         fence = s.fence, reuse = std::move(s.after)]() mutable {
+          wait_all(reuse);
+          fence.wait();
+          // The collective runs whatever became of this rank's read, so the ranks stay in step; a failed read
+          // fails the job after it.
+          const Status got = read.wait();
+          const Status gathered = g->all_gather(staging ? staging->buf->data() : home, dst, stride, DType::kF32);
+          staging.reset();
+          return got.is_ok() ? gathered : got;
+        },
+        r.slot_bytes);
+  }
+
+  // ZeRO-3: queues the reduce-scatter of unit u's device gradient (after `fence`), adding this rank's part to
+  // its home shard (the first since zero_grads replaces it). The device copy is then consumed.
+  void reduce_grads(UnitRec& r, kernels::DeviceFence fence) {
+    const bool first = !r.grads_reduced;
+    r.grads_reduced = true;
+    stats.reduce_bytes += r.slot_bytes;
+    r.grads_download = collectives->submit(
+        [g = group, src = r.dev_grads.data(), home = r.host_grads.as<float>(), scratch = reduce_scratch.as<float>(),
+         stride = r.shard.stride, len = r.shard.len, first, fence] {
+          fence.wait();
+          STRATA_RETURN_IF_ERROR(g->reduce_scatter(src, first ? home : scratch, stride, DType::kF32,
+                                                   comm::ReduceOp::kSum));
+          if (!first) {
+            for (size_t i = 0; i < len; ++i) home[i] += scratch[i];
+          }
+          return Status::ok();
+        },
+        r.slot_bytes);
+  }
+
+  void drop_params(UnitRec& r) {
+    if (r.persistent || r.dev_params.data() == nullptr) return;
+    to_spare(std::move(r.dev_params), r.params_last_use, {r.params_ready});
+    r.params_ready = CopyTicket();
+    live_elements -= r.info.numel;
+  }
+
+  // Queues the upload of unit u's accumulated host gradient into a device buffer (sooner_than as load_params).
+  Result<bool> load_grads(size_t u, size_t sooner_than) {
+    UnitRec& r = units[u];
+    STRATA_ASSERT(r.grad_state == GradState::kHost && r.dev_grads.data() == nullptr);
+    auto slot = obtain(u, r.bytes, sooner_than, "gradients");
+    if (!slot.is_ok()) {
+      if (sooner_than != 0 && slot.status().code() == StatusCode::kOutOfMemory) return false;
+      return slot.status();
+    }
+    Slot s = std::move(slot).value();
+    // The home copy is valid once its download (and write) succeeded: a data prerequisite.
+    r.grads_ready =
+        options.grad_home == Tier::kNvme
+            ? fetch_from_nvme(grad_store, r.grad_keys, r.bytes, s.buf.data(), s.fence, std::move(s.after),
+                              {r.grads_download})
+            : upload(s.buf.data(), r.host_grads.data(), r.bytes, s.fence, std::move(s.after), {r.grads_download});
+    r.grads_home_read = r.grads_ready;
+    r.dev_grads = std::move(s.buf);
+    return true;
+  }
+
+  // Fetches what the next accesses need, as far as the prefetch window and the budget allow.
+  Status prefetch() {
+    if (!replaying()) return Status::ok();
+    const size_t n = trace.size();
+    size_t window = 0;
+    std::vector<bool> seen(units.size(), false);
+    for (size_t k = 1; k <= n; ++k) {
+      const size_t at = (pos + k - 1) % n;
+      const Access& a = trace[at];
+      UnitRec& r = units[a.unit];
+      if (uses_params(a.pass) && !r.persistent && !seen[a.unit]) {
+        seen[a.unit] = true;
+        window += r.info.numel;
+        if (window > options.prefetch_elements && k > 1) break;
+        if (r.dev_params.data() == nullptr) {
+          STRATA_ASSIGN_OR_RETURN(bool queued, load_params(a.unit, k));
+          if (!queued) break;
+        }
+      }
+      const bool same_step = pos + k - 1 < n;
+      if (same_step && uses_grads(a.pass) && r.grad_state == GradState::kHost && r.dev_grads.data() == nullptr) {
+        STRATA_ASSIGN_OR_RETURN(bool queued, load_grads(a.unit, k));
+        if (!queued) break;
+      }
+    }
+    return Status::ok();
+  }
+
+  void record(const Access& a) {
+    if (replaying()) {
+      if (pos < trace.size() && trace[pos] == a) {
+        ++pos;
+        return;
+      }
+      ++stats.retraces;
+      STRATA_LOG_INFO("offload: unit access order changed at access {} ('{}'); re-recording the trace", pos,
+                      units[a.unit].info.name);
+      trace.resize(std::min(pos, trace.size()));
+      recording = true;
+    }
+    trace.push_back(a);
+    pos = trace.size();
+  }
+
+  // Waits for a unit's copy, counting the wait as a stall; the error names the unit.
+  Status wait_ticket(const CopyTicket& t, const UnitRec& r, const char* what) {
+    Timer timer;
+    const Status s = t.wait();
+    stats.stall_s += timer.seconds();
+    if (!s.is_ok()) return s.with_context(fmt::format("loading {} of unit '{}'", what, r.info.name));
+    return Status::ok();
+  }
+};
+
+}  // namespace strata::offload
