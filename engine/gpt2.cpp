@@ -241,7 +241,7 @@ Status GPT2::ensure_activations(int B, int T) {
     p += (sizes[i] + 15) / 16 * 16;
   }
   acts_ = slot_acts_[static_cast<size_t>(slot_)];
-  have_targets_.assign(static_cast<size_t>(slots_), 0);
+  ready_for_backward_.assign(static_cast<size_t>(slots_), 0);
   num_counted_targets_.assign(static_cast<size_t>(slots_), 0);
   last_B_ = B;
   last_T_ = T;
@@ -309,7 +309,7 @@ Result<float> GPT2::forward_stage(const int32_t* inputs, const int32_t* targets,
     device_->copy_to_device(acts_.encoded, x_in, sizeof(float) * N * config_.n_embd);
   }
 
-  char& ready = have_targets_[static_cast<size_t>(slot_)];
+  char& ready = ready_for_backward_[static_cast<size_t>(slot_)];
   ready = 0;  // until this forward has succeeded
   STRATA_RETURN_IF_ERROR(forward_units(B, T));
 
@@ -412,7 +412,7 @@ Status GPT2::backward(float loss_scale) { return backward_stage(nullptr, loss_sc
 
 Status GPT2::backward_stage(const float* dy, float loss_scale) {
   using offload::Pass;
-  char& ready = have_targets_[static_cast<size_t>(slot_)];
+  char& ready = ready_for_backward_[static_cast<size_t>(slot_)];
   STRATA_ASSERT_MSG(ready, "backward() needs a forward() with targets (of this slot)");
   ready = 0;  // the logits are overwritten below; a second backward would be wrong
   const int B = last_B_, T = last_T_;

@@ -258,8 +258,9 @@ class GPT2 {
   std::vector<float> host_scratch_;  // losses read back, dlosses written, on their way across
   size_t act_capacity_bt_ = 0;  // B*T the buffer was sized for
   int last_B_ = 0, last_T_ = 0;
-  // Per slot: whether its last forward had targets (a backward may follow), and how many counted.
-  std::vector<char> have_targets_ = std::vector<char>(1, 0);
+  // Per slot: whether a backward may follow its last forward (the head's stage: it had targets), and how many
+  // targets it counted.
+  std::vector<char> ready_for_backward_ = std::vector<char>(1, 0);
   std::vector<int> num_counted_targets_ = std::vector<int>(1, 0);
 };
 
