@@ -214,7 +214,8 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   const double saved_att = static_cast<double>(k.attention_saved_floats(B, T, C, NH, prec));
   kernels::AdamWParams hp;
   std::vector<OpRow> ops = {
-      {"encoder fwd", 1, f * 3 * NC, 0, [&] { k.encoder_forward(x.f(), d_tokens.i(), wte.f(), wpe.f(), B, T, C); }},
+      {"encoder fwd", 1, f * 3 * NC, 0,
+       [&] { k.encoder_forward(x.f(), d_tokens.i(), wte.f(), wpe.f(), B, T, C, 0, V); }},
       {"layernorm fwd", 2 * L + 1, f * (2 * NC + 2.0 * N),
        0, [&] { k.layernorm_forward(y.f(), mean.f(), rstd.f(), x.f(), lnw.f(), lnb.f(), N, C); }},
       {"matmul fwd qkv", L, mm_fwd(3 * C, C), 2 * NC * 3 * C,
@@ -232,9 +233,9 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
       {"matmul fwd head", 1, mm_fwd(V, C) - f * V, 2 * NC * V,
        [&] { k.matmul_forward(logits.f(), x.f(), wte.f(), nullptr, N, C, V, prec); }},
       {"crossentropy fwd", 1, f * double(N) * V, 0,
-       [&] { k.softmax_crossentropy_forward(losses.f(), lse.f(), logits.f(), d_targets.i(), N, V); }},
+       [&] { k.softmax_crossentropy_forward(losses.f(), lse.f(), logits.f(), d_targets.i(), N, V, 0); }},
       {"crossentropy bwd", 1, 2 * f * double(N) * V, 0,
-       [&] { k.softmax_crossentropy_backward(logits.f(), logits.f(), lse.f(), d_targets.i(), dlosses.f(), N, V); }},
+       [&] { k.softmax_crossentropy_backward(logits.f(), logits.f(), lse.f(), d_targets.i(), dlosses.f(), N, V, 0); }},
       {"matmul bwd head", 1, mm_bwd(V, C) - 2 * f * V, 4 * NC * V,
        [&] { k.matmul_backward(dx.f(), dwte.f(), nullptr, logits.f(), x.f(), wte.f(), N, C, V, prec); }},
       {"layernorm bwd", 2 * L + 1, f * 5 * NC, 0,
@@ -251,7 +252,7 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
       {"matmul bwd qkv", L, mm_bwd(3 * C, C), 4 * NC * 3 * C,
        [&] { k.matmul_backward(dx.f(), dw4.f(), db4.f(), qkv.f(), x.f(), w4.f(), N, C, 3 * C, prec); }},
       {"encoder bwd", 1, f * 5 * NC, 0,
-       [&] { k.encoder_backward(dwte.f(), dwpe.f(), dx.f(), d_tokens.i(), B, T, C); }},
+       [&] { k.encoder_backward(dwte.f(), dwpe.f(), dx.f(), d_tokens.i(), B, T, C, 0, V); }},
       {"adamw", 1, 28.0 * np, 0, [&] { k.adamw_update(p.f(), m.f(), v.f(), g.f(), np, hp); }},
   };
 

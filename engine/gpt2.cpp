@@ -326,7 +326,7 @@ Result<float> GPT2::forward_stage(const int32_t* inputs, const int32_t* targets,
     if (targets[i] >= 0) ++counted;
   }
   device_->copy_to_device(acts_.targets, targets, sizeof(int32_t) * N);
-  k_->softmax_crossentropy_forward(acts_.losses, acts_.lse, acts_.logits, acts_.targets, N, V);
+  k_->softmax_crossentropy_forward(acts_.losses, acts_.lse, acts_.logits, acts_.targets, N, V, 0);
   // Summed in double and in a fixed order so the loss does not depend on the kernels' threading.
   host_scratch_.resize(N);
   device_->copy_to_host(host_scratch_.data(), acts_.losses, sizeof(float) * N);
@@ -344,7 +344,7 @@ Status GPT2::forward_units(int B, int T) {
   const size_t wpe_offset = units_[0].layout.specs()[1].offset;
   if (stage_.embedding) {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kForward));
-    k_->encoder_forward(acts_.encoded, acts_.inputs, emb.params, emb.params + wpe_offset, B, T, C);
+    k_->encoder_forward(acts_.encoded, acts_.inputs, emb.params, emb.params + wpe_offset, B, T, C, 0, V);
     release(0, Pass::kForward);
   }
   const float* residual = acts_.encoded;
@@ -431,7 +431,7 @@ Status GPT2::backward_stage(const float* dy, float loss_scale) {
   device_->copy_to_device(acts_.dlosses, host_scratch_.data(), sizeof(float) * N);
   // In place: the logits become dlogits.
   float* dlogits = acts_.logits;
-  k_->softmax_crossentropy_backward(dlogits, acts_.logits, acts_.lse, acts_.targets, acts_.dlosses, N, V);
+  k_->softmax_crossentropy_backward(dlogits, acts_.logits, acts_.lse, acts_.targets, acts_.dlosses, N, V, 0);
 
   device_->zero(grads_.dln, sizeof(float) * BTC);
   device_->zero(grads_.dres, sizeof(float) * BTC);
@@ -473,7 +473,8 @@ Status GPT2::backward_blocks(int B, int T) {
   if (!stage_.embedding) return Status::ok();
   STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kGradients));
   const size_t wpe_offset = units_[0].layout.specs()[1].offset;
-  k_->encoder_backward(emb.grads, emb.grads + wpe_offset, grads_.dres, acts_.inputs, B, T, C);
+  k_->encoder_backward(emb.grads, emb.grads + wpe_offset, grads_.dres, acts_.inputs, B, T, C, 0,
+                       config_.vocab_size);
   release(0, Pass::kGradients);
   if (on_grads_done_) on_grads_done_(0);
   return Status::ok();

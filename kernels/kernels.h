@@ -32,10 +32,16 @@ struct AdamWParams {
 struct KernelSet {
   const char* name;  // "cpu-reference", "cpu-fast"
 
-  // out (B,T,C) = wte[inp] + wpe[t]; inp (B,T) token ids; wte (V,C); wpe (maxT,C).
-  void (*encoder_forward)(float* out, const int32_t* inp, const float* wte, const float* wpe, int B, int T, int C);
-  // dwte (V,C) += scatter of dout by token id; dwpe (maxT,C) += sum over batch of dout.
-  void (*encoder_backward)(float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B, int T, int C);
+  // out (B,T,C) = wte[inp - vocab_start] + wpe[t]; inp (B,T) token ids; wte (vocab_rows,C) holds the rows of
+  // ids [vocab_start, vocab_start + vocab_rows) (the whole vocabulary: 0, V); wpe (maxT,C). A token outside
+  // those rows adds nothing (tensor parallelism's vocab-parallel embedding: another rank holds its row); a null
+  // wpe adds nothing either.
+  void (*encoder_forward)(float* out, const int32_t* inp, const float* wte, const float* wpe, int B, int T, int C,
+                          int vocab_start, int vocab_rows);
+  // dwte (vocab_rows,C) += scatter of dout by token id (tokens outside the rows skipped); dwpe (maxT,C) += sum
+  // over batch of dout (skipped when null).
+  void (*encoder_backward)(float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B, int T, int C,
+                           int vocab_start, int vocab_rows);
 
   // out (N,C) = (inp - mean) * rstd * weight + bias; saves mean (N) and rstd (N). eps = 1e-5.
   void (*layernorm_forward)(float* out, float* mean, float* rstd, const float* inp, const float* weight,
@@ -76,14 +82,18 @@ struct KernelSet {
   // dinp1 += dout; dinp2 += dout.
   void (*residual_backward)(float* dinp1, float* dinp2, const float* dout, size_t N);
 
-  // Fused softmax + cross-entropy over rows of logits (N,V). losses (N) = logsumexp(row) - row[target];
-  // lse (N) saved for backward. A target < 0 is ignored: its loss is 0.
+  // Fused softmax + cross-entropy over rows of logits (N,V), whose columns are the vocabulary ids
+  // [vocab_start, vocab_start + V) (the whole vocabulary: 0; a slice of it under tensor parallelism's
+  // vocab-parallel cross-entropy). lse (N) = logsumexp(row), saved for every row. losses (N) =
+  // lse - row[target - vocab_start] where the target is one of the columns; 0 where it is not (a target < 0 is
+  // ignored; one >= vocab_start + V or < vocab_start is another rank's).
   void (*softmax_crossentropy_forward)(float* losses, float* lse, const float* logits, const int32_t* targets,
-                                       int N, int V);
-  // dlogits (N,V) = (softmax(row) - onehot(target)) * dlosses[row]; OVERWRITES dlogits, which may alias logits.
-  // Rows with target < 0 get 0.
+                                       int N, int V, int vocab_start);
+  // dlogits (N,V) = (exp(row - lse) - onehot(target - vocab_start)) * dlosses[row]: the one-hot only where the
+  // target is one of the columns, and lse may be the whole vocabulary's (all ranks'). OVERWRITES dlogits, which
+  // may alias logits. Rows with target < 0 get 0.
   void (*softmax_crossentropy_backward)(float* dlogits, const float* logits, const float* lse,
-                                        const int32_t* targets, const float* dlosses, int N, int V);
+                                        const int32_t* targets, const float* dlosses, int N, int V, int vocab_start);
 
   // AdamW over n elements: g = grads*grad_scale; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g²;
   // params -= lr * (m̂ / (sqrt(v̂) + eps) + wd * params), with m̂, v̂ bias-corrected.

@@ -10,8 +10,10 @@
 
 namespace strata::kernels::cpu::fast {
 
-void encoder_forward(float* out, const int32_t* inp, const float* wte, const float* wpe, int B, int T, int C);
-void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B, int T, int C);
+void encoder_forward(float* out, const int32_t* inp, const float* wte, const float* wpe, int B, int T, int C,
+                     int vocab_start, int vocab_rows);
+void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B, int T, int C,
+                      int vocab_start, int vocab_rows);
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
                        const float* bias, int N, int C);
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
@@ -30,9 +32,9 @@ void gelu_backward(float* dinp, const float* inp, const float* dout, size_t N);
 void residual_forward(float* out, const float* inp1, const float* inp2, size_t N);
 void residual_backward(float* dinp1, float* dinp2, const float* dout, size_t N);
 void softmax_crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int N,
-                                  int V);
+                                  int V, int vocab_start);
 void softmax_crossentropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
-                                   const float* dlosses, int N, int V);
+                                   const float* dlosses, int N, int V, int vocab_start);
 void adamw_update(float* params, float* m, float* v, const float* grads, size_t n, const AdamWParams& hp);
 // acc + the sum of x[i]² over n floats: blocks of 4096 summed in double, in order, one thread. The "cpu"
 // Device's add_sum_squares, and the gradient norm of the CPU optimizer, so both give the same bits.

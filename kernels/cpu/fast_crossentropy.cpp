@@ -56,38 +56,42 @@ template <int N>
 struct ForwardRows {
   using V = simd::Vec<N>;
   STRATA_SIMD_INLINE static void run(float* losses, float* lse, const float* logits, const int32_t* targets, int n0,
-                                     int n1, int Vocab) {
+                                     int n1, int Vocab, int vocab_start) {
     for (int n = n0; n < n1; ++n) {
       const float* row = logits + static_cast<size_t>(n) * Vocab;
       const float l = row_logsumexp<V>(row, Vocab);
       lse[n] = l;
-      losses[n] = targets[n] < 0 ? 0.0f : l - row[targets[n]];
+      const int col = targets[n] - vocab_start;
+      losses[n] = targets[n] < 0 || col < 0 || col >= Vocab ? 0.0f : l - row[col];
     }
   }
 };
 
-// Writes drow = (e^(x - lse) - onehot) * dloss. Vectors are loaded before they are stored, so drow may be row;
-// the target's logit is read before the pass for the same reason.
+// Writes drow = (e^(x - lse) - onehot) * dloss, the one-hot only where the target is one of the columns. Vectors
+// are loaded before they are stored, so drow may be row; the target's logit is read before the pass for the
+// same reason.
 template <int N>
 struct BackwardRows {
   using V = simd::Vec<N>;
   STRATA_SIMD_INLINE static void run(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
-                                     const float* dlosses, int n0, int n1, int Vocab) {
+                                     const float* dlosses, int n0, int n1, int Vocab, int vocab_start) {
     for (int n = n0; n < n1; ++n) {
       const float* row = logits + static_cast<size_t>(n) * Vocab;
       float* drow = dlogits + static_cast<size_t>(n) * Vocab;
-      const int target = targets[n];
-      if (target < 0) {
+      const int target = targets[n] - vocab_start;  // the target's column, if it is one of ours
+      const bool ours = target >= 0 && target < Vocab;
+      if (targets[n] < 0) {
         std::fill(drow, drow + Vocab, 0.0f);
         continue;
       }
       const float l = lse[n];
       const float dloss = dlosses[n];
-      const float target_logit = row[target];
+      const float target_logit = ours ? row[target] : 0.0f;
       int i = 0;
       for (; i + N <= Vocab; i += N) simd::store(drow + i, simd::exp(simd::load<V>(row + i) - l) * dloss);
       if (i < Vocab)
         simd::store_n(drow + i, simd::exp(simd::load_n<V>(row + i, Vocab - i, 0.0f) - l) * dloss, Vocab - i);
+      if (!ours) continue;
       const V p_target = simd::exp(simd::splat<V>(target_logit) - l);
       drow[target] = (p_target[0] - 1.0f) * dloss;
     }
@@ -96,19 +100,19 @@ struct BackwardRows {
 
 }  // namespace
 
+// Targets beyond the columns are legal (another tensor-parallel rank's); the model checks ids against the
+// whole vocabulary.
 void softmax_crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int N,
-                                  int V) {
-  for (int n = 0; n < N; ++n) STRATA_ASSERT_MSG(targets[n] < V, "cross-entropy target id >= vocabulary size");
+                                  int V, int vocab_start) {
   tbb::parallel_for(tbb::blocked_range<int>(0, N), [&](const tbb::blocked_range<int>& r) {
-    simd::dispatch<ForwardRows>(losses, lse, logits, targets, r.begin(), r.end(), V);
+    simd::dispatch<ForwardRows>(losses, lse, logits, targets, r.begin(), r.end(), V, vocab_start);
   });
 }
 
 void softmax_crossentropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
-                                   const float* dlosses, int N, int V) {
-  for (int n = 0; n < N; ++n) STRATA_ASSERT_MSG(targets[n] < V, "cross-entropy target id >= vocabulary size");
+                                   const float* dlosses, int N, int V, int vocab_start) {
   tbb::parallel_for(tbb::blocked_range<int>(0, N), [&](const tbb::blocked_range<int>& r) {
-    simd::dispatch<BackwardRows>(dlogits, logits, lse, targets, dlosses, r.begin(), r.end(), V);
+    simd::dispatch<BackwardRows>(dlogits, logits, lse, targets, dlosses, r.begin(), r.end(), V, vocab_start);
   });
 }
 

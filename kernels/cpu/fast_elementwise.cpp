@@ -184,14 +184,23 @@ int rows_grain(int C) { return std::max<int>(1, static_cast<int>(kElementsPerTas
 
 // ---- encoder -----------------------------------------------------------------------------------------------
 
-void encoder_forward(float* out, const int32_t* inp, const float* wte, const float* wpe, int B, int T, int C) {
+void encoder_forward(float* out, const int32_t* inp, const float* wte, const float* wpe, int B, int T, int C,
+                     int vocab_start, int vocab_rows) {
   const int N = B * T;
   tbb::parallel_for(tbb::blocked_range<int>(0, N, rows_grain(C)), [&](const tbb::blocked_range<int>& r) {
     for (int bt = r.begin(); bt < r.end(); ++bt) {
-      const float* wte_ix = wte + static_cast<size_t>(inp[bt]) * C;
-      const float* wpe_t = wpe + static_cast<size_t>(bt % T) * C;
+      const int row = inp[bt] - vocab_start;
+      const float* wte_ix = row >= 0 && row < vocab_rows ? wte + static_cast<size_t>(row) * C : nullptr;
+      const float* wpe_t = wpe != nullptr ? wpe + static_cast<size_t>(bt % T) * C : nullptr;
       float* out_bt = out + static_cast<size_t>(bt) * C;
-      for (int i = 0; i < C; ++i) out_bt[i] = wte_ix[i] + wpe_t[i];
+      if (wte_ix != nullptr && wpe_t != nullptr) {
+        for (int i = 0; i < C; ++i) out_bt[i] = wte_ix[i] + wpe_t[i];
+      } else if (wte_ix != nullptr || wpe_t != nullptr) {
+        const float* one = wte_ix != nullptr ? wte_ix : wpe_t;
+        for (int i = 0; i < C; ++i) out_bt[i] = one[i] + 0.0f;  // + 0 as the reference adds it (-0 becomes +0)
+      } else {
+        std::fill(out_bt, out_bt + C, 0.0f);
+      }
     }
   });
 }
@@ -200,10 +209,13 @@ void encoder_forward(float* out, const int32_t* inp, const float* wte, const flo
 // each group in increasing row order) lets tokens run in parallel while every dwte row receives exactly the
 // additions of the sequential reference in its order: the result equals ref::encoder_backward<float> bit for
 // bit. dwpe is parallel over t, summing over b in order, likewise exact.
-void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B, int T, int C) {
-  const int N = B * T;
-  std::vector<int32_t> rows(N);
-  std::iota(rows.begin(), rows.end(), 0);
+void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B, int T, int C,
+                      int vocab_start, int vocab_rows) {
+  std::vector<int32_t> rows;  // the positions whose token has a row here
+  rows.reserve(static_cast<size_t>(B) * T);
+  for (int32_t bt = 0; bt < B * T; ++bt)
+    if (inp[bt] >= vocab_start && inp[bt] - vocab_start < vocab_rows) rows.push_back(bt);
+  const int N = static_cast<int>(rows.size());
   std::stable_sort(rows.begin(), rows.end(), [&](int32_t a, int32_t b) { return inp[a] < inp[b]; });
   std::vector<int32_t> group_start;  // indices into rows where a new token begins, then N
   for (int i = 0; i < N; ++i)
@@ -213,13 +225,14 @@ void encoder_backward(float* dwte, float* dwpe, const float* dout, const int32_t
 
   tbb::parallel_for(tbb::blocked_range<int>(0, groups), [&](const tbb::blocked_range<int>& r) {
     for (int g = r.begin(); g < r.end(); ++g) {
-      float* dwte_ix = dwte + static_cast<size_t>(inp[rows[group_start[g]]]) * C;
+      float* dwte_ix = dwte + static_cast<size_t>(inp[rows[group_start[g]]] - vocab_start) * C;
       for (int k = group_start[g]; k < group_start[g + 1]; ++k) {
         const float* dout_bt = dout + static_cast<size_t>(rows[k]) * C;
         for (int i = 0; i < C; ++i) dwte_ix[i] += dout_bt[i];
       }
     }
   });
+  if (dwpe == nullptr) return;
   tbb::parallel_for(tbb::blocked_range<int>(0, T), [&](const tbb::blocked_range<int>& r) {
     for (int t = r.begin(); t < r.end(); ++t) {
       float* dwpe_t = dwpe + static_cast<size_t>(t) * C;

@@ -22,26 +22,32 @@ namespace strata::kernels::cpu::ref {
 
 // ---- encoder -----------------------------------------------------------------------------------------------
 
-// out (B,T,C) = wte[inp[b,t]] + wpe[t].
+// out (B,T,C) = wte[inp[b,t] - vocab_start] + wpe[t]; a token outside the rows, or a null wpe, adds nothing.
 template <typename F>
-void encoder_forward(F* out, const int32_t* inp, const F* wte, const F* wpe, int B, int T, int C) {
+void encoder_forward(F* out, const int32_t* inp, const F* wte, const F* wpe, int B, int T, int C, int vocab_start,
+                     int vocab_rows) {
   for (size_t bt = 0; bt < static_cast<size_t>(B) * T; ++bt) {
-    const F* wte_ix = wte + static_cast<size_t>(inp[bt]) * C;
-    const F* wpe_t = wpe + (bt % T) * C;
+    const int row = inp[bt] - vocab_start;
+    const F* wte_ix = row >= 0 && row < vocab_rows ? wte + static_cast<size_t>(row) * C : nullptr;
+    const F* wpe_t = wpe != nullptr ? wpe + (bt % T) * C : nullptr;
     F* out_bt = out + bt * C;
-    for (int i = 0; i < C; ++i) out_bt[i] = wte_ix[i] + wpe_t[i];
+    for (int i = 0; i < C; ++i) out_bt[i] = (wte_ix ? wte_ix[i] : F(0)) + (wpe_t ? wpe_t[i] : F(0));
   }
 }
 
 template <typename F>
-void encoder_backward(F* dwte, F* dwpe, const F* dout, const int32_t* inp, int B, int T, int C) {
+void encoder_backward(F* dwte, F* dwpe, const F* dout, const int32_t* inp, int B, int T, int C, int vocab_start,
+                      int vocab_rows) {
   for (size_t bt = 0; bt < static_cast<size_t>(B) * T; ++bt) {
     const F* dout_bt = dout + bt * C;
-    F* dwte_ix = dwte + static_cast<size_t>(inp[bt]) * C;
-    F* dwpe_t = dwpe + (bt % T) * C;
-    for (int i = 0; i < C; ++i) {
-      dwte_ix[i] += dout_bt[i];
-      dwpe_t[i] += dout_bt[i];
+    const int row = inp[bt] - vocab_start;
+    if (row >= 0 && row < vocab_rows) {
+      F* dwte_ix = dwte + static_cast<size_t>(row) * C;
+      for (int i = 0; i < C; ++i) dwte_ix[i] += dout_bt[i];
+    }
+    if (dwpe != nullptr) {
+      F* dwpe_t = dwpe + (bt % T) * C;
+      for (int i = 0; i < C; ++i) dwpe_t[i] += dout_bt[i];
     }
   }
 }
@@ -240,9 +246,11 @@ void residual_backward(F* dinp1, F* dinp2, const F* dout, size_t N) {
 
 // ---- fused softmax + cross-entropy -------------------------------------------------------------------------
 
-// losses (N) = lse - logits[target]; lse (N) = log sum exp of the row, saved for every row (ignored ones too).
+// losses (N) = lse - logits[target - vocab_start] (0 for a target not among the columns); lse (N) = log sum exp
+// of the row, saved for every row (ignored ones too).
 template <typename F>
-void softmax_crossentropy_forward(F* losses, F* lse, const F* logits, const int32_t* targets, int N, int V) {
+void softmax_crossentropy_forward(F* losses, F* lse, const F* logits, const int32_t* targets, int N, int V,
+                                  int vocab_start) {
   for (int n = 0; n < N; ++n) {
     const F* row = logits + static_cast<size_t>(n) * V;
     F maxval = std::numeric_limits<F>::lowest();
@@ -252,7 +260,8 @@ void softmax_crossentropy_forward(F* losses, F* lse, const F* logits, const int3
     for (int v = 0; v < V; ++v) sum += std::exp(row[v] - maxval);
     const F l = maxval + std::log(sum);
     lse[n] = l;
-    losses[n] = targets[n] < 0 ? F(0) : l - row[targets[n]];
+    const int col = targets[n] - vocab_start;
+    losses[n] = targets[n] < 0 || col < 0 || col >= V ? F(0) : l - row[col];
   }
 }
 
@@ -260,13 +269,13 @@ void softmax_crossentropy_forward(F* losses, F* lse, const F* logits, const int3
 // so dlogits may be logits.
 template <typename F>
 void softmax_crossentropy_backward(F* dlogits, const F* logits, const F* lse, const int32_t* targets, const F* dlosses,
-                                   int N, int V) {
+                                   int N, int V, int vocab_start) {
   for (int n = 0; n < N; ++n) {
     const F* row = logits + static_cast<size_t>(n) * V;
     F* drow = dlogits + static_cast<size_t>(n) * V;
-    const int target = targets[n];
+    const int target = targets[n] < 0 ? -1 : targets[n] - vocab_start;  // a column, or out of [0, V)
     for (int v = 0; v < V; ++v) {
-      if (target < 0) {
+      if (targets[n] < 0) {
         drow[v] = 0;
         continue;
       }

@@ -20,7 +20,7 @@ __device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
 }
 
 __global__ void crossentropy_forward_kernel(float* losses, float* lse, const float* logits, const int32_t* targets,
-                                            int V) {
+                                            int V, int vocab_start) {
   __shared__ float shared_m[32], shared_s[32];
   const int n = blockIdx.x;
   const float* row = logits + static_cast<size_t>(n) * V;
@@ -54,18 +54,18 @@ __global__ void crossentropy_forward_kernel(float* losses, float* lse, const flo
     if (lane == 0) {
       const float l = m + logf(s);
       lse[n] = l;
-      const int t = targets[n];
-      losses[n] = t < 0 ? 0.0f : l - row[t];
+      const int t = targets[n] - vocab_start;  // the target's column, if it is one of ours
+      losses[n] = targets[n] < 0 || t < 0 || t >= V ? 0.0f : l - row[t];
     }
   }
 }
 
 __global__ void crossentropy_backward_kernel(float* dlogits, const float* logits, const float* lse,
-                                             const int32_t* targets, const float* dlosses, int V) {
+                                             const int32_t* targets, const float* dlosses, int V, int vocab_start) {
   const int n = blockIdx.x;
   const size_t base = static_cast<size_t>(n) * V;
-  const int t = targets[n];
-  if (t < 0) {
+  const int t = targets[n] - vocab_start;  // no column matches one outside [0, V): another rank's target
+  if (targets[n] < 0) {
     for (int v = threadIdx.x; v < V; v += blockDim.x) dlogits[base + v] = 0.0f;
     return;
   }
@@ -79,17 +79,18 @@ __global__ void crossentropy_backward_kernel(float* dlogits, const float* logits
 }  // namespace
 
 void softmax_crossentropy_forward(float* losses, float* lse, const float* logits, const int32_t* targets, int N,
-                                  int V) {
+                                  int V, int vocab_start) {
   if (N <= 0) return;
-  crossentropy_forward_kernel<<<N, kThreads, 0, cuda_context().compute>>>(losses, lse, logits, targets, V);
+  crossentropy_forward_kernel<<<N, kThreads, 0, cuda_context().compute>>>(losses, lse, logits, targets, V,
+                                                                          vocab_start);
   CUDA_CHECK_LAUNCH();
 }
 
 void softmax_crossentropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
-                                   const float* dlosses, int N, int V) {
+                                   const float* dlosses, int N, int V, int vocab_start) {
   if (N <= 0) return;
   crossentropy_backward_kernel<<<N, kThreads, 0, cuda_context().compute>>>(dlogits, logits, lse, targets, dlosses,
-                                                                           V);
+                                                                           V, vocab_start);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -87,29 +87,34 @@ class CudaOpsTest : public ::testing::Test {
   const KernelSet& k = cuda_kernels();
 };
 
+// The whole table, and a slice of its rows without wpe (tensor parallelism's vocab-parallel embedding: tokens
+// outside the slice add nothing).
 TEST_F(CudaOpsTest, Encoder) {
-  for (auto [B, T, C, V, seed] : {std::tuple{3, 37, 45, 53, 1u}, std::tuple{4, 64, 768, 997, 2u}}) {
-    SCOPED_TRACE(fmt::format("encoder B={} T={} C={} V={} seed={}", B, T, C, V, seed));
+  for (auto [B, T, C, V, seed, sliced] :
+       {std::tuple{3, 37, 45, 53, 1u, false}, std::tuple{4, 64, 768, 997, 2u, false},
+        std::tuple{3, 37, 45, 53, 3u, true}}) {
+    SCOPED_TRACE(fmt::format("encoder B={} T={} C={} V={} seed={} sliced={}", B, T, C, V, seed, sliced));
+    const int v0 = sliced ? V / 3 : 0, rows = sliced ? V / 3 : V;
     Rng rng(seed);
     std::vector<int32_t> inp(size_t(B) * T);
     for (auto& t : inp) t = static_cast<int32_t>(rng.below(V));  // V < B*T on the first: repeated tokens
-    auto wte = rand_vec(size_t(V) * C, rng), wpe = rand_vec(size_t(T) * C, rng);
+    auto wte = rand_vec(size_t(rows) * C, rng), wpe = rand_vec(size_t(T) * C, rng);
     auto dout = rand_vec(size_t(B) * T * C, rng);
     auto dwte0 = rand_vec(wte.size(), rng), dwpe0 = rand_vec(wpe.size(), rng);
 
     std::vector<double> out(dout.size()), dwte = to_double(dwte0), dwpe = to_double(dwpe0);
     const auto wte_d = to_double(wte), wpe_d = to_double(wpe), dout_d = to_double(dout);
-    ref::encoder_forward(out.data(), inp.data(), wte_d.data(), wpe_d.data(), B, T, C);
-    ref::encoder_backward(dwte.data(), dwpe.data(), dout_d.data(), inp.data(), B, T, C);
+    ref::encoder_forward(out.data(), inp.data(), wte_d.data(), sliced ? nullptr : wpe_d.data(), B, T, C, v0, rows);
+    ref::encoder_backward(dwte.data(), sliced ? nullptr : dwpe.data(), dout_d.data(), inp.data(), B, T, C, v0, rows);
 
     Dev<int32_t> g_inp(inp);
     Dev<float> g_wte(wte), g_wpe(wpe), g_dout(dout), g_dwte(dwte0), g_dwpe(dwpe0);
     auto g_out = Dev<float>::poisoned(dout.size());
-    k.encoder_forward(g_out.get(), g_inp.get(), g_wte.get(), g_wpe.get(), B, T, C);
-    k.encoder_backward(g_dwte.get(), g_dwpe.get(), g_dout.get(), g_inp.get(), B, T, C);
+    k.encoder_forward(g_out.get(), g_inp.get(), g_wte.get(), sliced ? nullptr : g_wpe.get(), B, T, C, v0, rows);
+    k.encoder_backward(g_dwte.get(), sliced ? nullptr : g_dwpe.get(), g_dout.get(), g_inp.get(), B, T, C, v0, rows);
     EXPECT_TRUE(all_close(g_out.download(), out, kElemAtol, kRtol, "out"));
     EXPECT_TRUE(all_close(g_dwte.download(), dwte, accum_atol(B * T), kRtol, "dwte"));
-    EXPECT_TRUE(all_close(g_dwpe.download(), dwpe, accum_atol(B), kRtol, "dwpe"));
+    EXPECT_TRUE(all_close(g_dwpe.download(), dwpe, accum_atol(B), kRtol, "dwpe"));  // untouched when sliced
   }
 }
 
@@ -319,25 +324,29 @@ TEST_F(CudaOpsTest, GeluAndResidual) {
 }
 
 TEST_F(CudaOpsTest, SoftmaxCrossEntropy) {
-  for (auto [N, V, seed] : {std::tuple{37, 61, 18u}, std::tuple{67, 50257, 19u}}) {
-    SCOPED_TRACE(fmt::format("crossentropy N={} V={} seed={}", N, V, seed));
+  // The last case is a slice of columns [1000, 1000 + V) of a 4000-id vocabulary (vocab-parallel cross-entropy):
+  // targets outside it get no one-hot and no loss.
+  for (auto [N, V, seed, v0] :
+       {std::tuple{37, 61, 18u, 0}, std::tuple{67, 50257, 19u, 0}, std::tuple{41, 1500, 20u, 1000}}) {
+    SCOPED_TRACE(fmt::format("crossentropy N={} V={} seed={} vocab_start={}", N, V, seed, v0));
     Rng rng(seed);
     auto logits = rand_vec(size_t(N) * V, rng, -4.0, 4.0), dlosses = rand_vec(N, rng, 0.1, 1.0);
     std::vector<int32_t> targets(N);
-    for (int n = 0; n < N; ++n) targets[n] = n % 7 == 3 ? -1 : static_cast<int32_t>(rng.below(V));  // some ignored
+    for (int n = 0; n < N; ++n)  // some ignored
+      targets[n] = n % 7 == 3 ? -1 : static_cast<int32_t>(rng.below(v0 > 0 ? 4000 : V));
     const auto logits_d = to_double(logits), dlosses_d = to_double(dlosses);
     std::vector<double> losses(N), lse(N), dlogits(logits.size());
-    ref::softmax_crossentropy_forward(losses.data(), lse.data(), logits_d.data(), targets.data(), N, V);
+    ref::softmax_crossentropy_forward(losses.data(), lse.data(), logits_d.data(), targets.data(), N, V, v0);
     ref::softmax_crossentropy_backward(dlogits.data(), logits_d.data(), lse.data(), targets.data(), dlosses_d.data(),
-                                       N, V);
+                                       N, V, v0);
 
     Dev<float> g_logits(logits), g_dlosses(dlosses);
     Dev<int32_t> g_targets(targets);
     auto g_losses = Dev<float>::poisoned(N), g_lse = Dev<float>::poisoned(N);
-    k.softmax_crossentropy_forward(g_losses.get(), g_lse.get(), g_logits.get(), g_targets.get(), N, V);
+    k.softmax_crossentropy_forward(g_losses.get(), g_lse.get(), g_logits.get(), g_targets.get(), N, V, v0);
     // In place, as the model runs it: dlogits overwrite the logits.
     k.softmax_crossentropy_backward(g_logits.get(), g_logits.get(), g_lse.get(), g_targets.get(), g_dlosses.get(), N,
-                                    V);
+                                    V, v0);
     // lse is log of a V-term sum: relative error of the sum ~ (terms per thread + tree depth) * eps.
     EXPECT_TRUE(all_close(g_lse.download(), lse, 1e-5, 1e-5, "lse"));
     EXPECT_TRUE(all_close(g_losses.download(), losses, 1e-5, 1e-5, "losses"));
@@ -401,7 +410,7 @@ TEST_F(CudaOpsTest, BackwardIsBitwiseReproducible) {
   auto run = [&] {
     Dev<float> dwte(std::vector<float>(size_t(V) * C, 0.0f)), dwpe(std::vector<float>(size_t(T) * C, 0.0f));
     Dev<float> dinp(std::vector<float>(x.size(), 0.0f)), dw(std::vector<float>(C, 0.0f)), db(std::vector<float>(C, 0.0f));
-    k.encoder_backward(dwte.get(), dwpe.get(), g_dout.get(), g_inp.get(), B, T, C);
+    k.encoder_backward(dwte.get(), dwpe.get(), g_dout.get(), g_inp.get(), B, T, C, 0, V);
     k.layernorm_backward(dinp.get(), dw.get(), db.get(), g_dout.get(), g_x.get(), g_w.get(), g_mean.get(),
                          g_rstd.get(), N, C);
     return std::vector<std::vector<float>>{dwte.download(), dwpe.download(), dinp.download(), dw.download(),

@@ -95,10 +95,10 @@ struct EncoderCase {
   }
   std::string params() const { return fmt::format("encoder B={} T={} C={} V={} seed={}", B, T, C, V, seed); }
   void forward(Backend k) {
-    STRATA_RUN_OP(k, encoder_forward, out.data(), inp.data(), wte.data(), wpe.data(), B, T, C);
+    STRATA_RUN_OP(k, encoder_forward, out.data(), inp.data(), wte.data(), wpe.data(), B, T, C, 0, V);
   }
   void backward(Backend k) {
-    STRATA_RUN_OP(k, encoder_backward, dwte.data(), dwpe.data(), dout.data(), inp.data(), B, T, C);
+    STRATA_RUN_OP(k, encoder_backward, dwte.data(), dwpe.data(), dout.data(), inp.data(), B, T, C, 0, V);
   }
   double loss() const { return weighted_sum(out, dout); }
   std::vector<Array<F>> arrays() { return {{"out", &out, false}, {"dwte", &dwte, true}, {"dwpe", &dwpe, true}}; }
@@ -231,11 +231,11 @@ struct CrossEntropyCase {
   }
   std::string params() const { return fmt::format("softmax_crossentropy N={} V={} seed={}", N, V, seed); }
   void forward(Backend k) {
-    STRATA_RUN_OP(k, softmax_crossentropy_forward, losses.data(), lse.data(), logits.data(), targets.data(), N, V);
+    STRATA_RUN_OP(k, softmax_crossentropy_forward, losses.data(), lse.data(), logits.data(), targets.data(), N, V, 0);
   }
   void backward(Backend k) {
     STRATA_RUN_OP(k, softmax_crossentropy_backward, dlogits.data(), logits.data(), lse.data(), targets.data(),
-                  dlosses.data(), N, V);
+                  dlosses.data(), N, V, 0);
   }
   double loss() const { return weighted_sum(losses, dlosses); }
   std::vector<Array<F>> arrays() {
@@ -552,7 +552,7 @@ TEST(CrossEntropy, BackwardInPlaceAndIgnoredRows) {
     c.backward(b);
     std::vector<float> inplace = c.logits;
     kernels(b).softmax_crossentropy_backward(inplace.data(), inplace.data(), c.lse.data(), c.targets.data(),
-                                             c.dlosses.data(), c.N, c.V);
+                                             c.dlosses.data(), c.N, c.V, 0);
     EXPECT_TRUE(bitwise_equal(inplace, c.dlogits, "in-place dlogits")) << c.params() << " " << backend_name(b);
     for (int n = 0; n < c.N; ++n) {
       if (c.targets[n] >= 0) continue;
@@ -560,6 +560,90 @@ TEST(CrossEntropy, BackwardInPlaceAndIgnoredRows) {
       const auto row = c.dlogits.begin() + size_t(n) * c.V;
       EXPECT_TRUE(std::all_of(row, row + c.V, [](float x) { return x == 0.0f; }))
           << c.params() << " " << backend_name(b) << " row " << n;
+    }
+  }
+}
+
+// Tensor parallelism's vocab-parallel embedding: each of 3 uneven row slices of wte adds only its tokens' rows
+// (the first slice also wpe), and the slices' outputs add up to the whole embedding's, bitwise (one of the
+// summands is always zero). Backward: each slice's dwte is its rows of the whole dwte, bitwise; a null dwpe is
+// left alone.
+TEST(Encoder, VocabSlicesAddUpToTheWholeTable) {
+  for (Backend b : {Backend::kRef, Backend::kFast}) {
+    EncoderCase<float> whole(3, 7, 16, 29, kSeed);
+    whole.forward(b);
+    whole.backward(b);
+    const int starts[] = {0, 10, 20, 29};
+    std::vector<float> sum(whole.out.size(), 0.0f);
+    for (int r = 0; r < 3; ++r) {
+      const int v0 = starts[r], rows = starts[r + 1] - v0;
+      const float* wte = whole.wte.data() + size_t(v0) * whole.C;
+      std::vector<float> out(whole.out.size(), -1.0f), dwte(size_t(rows) * whole.C, 0.0f);
+      kernels(b).encoder_forward(out.data(), whole.inp.data(), wte, r == 0 ? whole.wpe.data() : nullptr, whole.B,
+                                 whole.T, whole.C, v0, rows);
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] += out[i];
+      kernels(b).encoder_backward(dwte.data(), nullptr, whole.dout.data(), whole.inp.data(), whole.B, whole.T,
+                                  whole.C, v0, rows);
+      const std::vector<float> expect(whole.dwte.begin() + size_t(v0) * whole.C,
+                                      whole.dwte.begin() + size_t(v0 + rows) * whole.C);
+      EXPECT_TRUE(bitwise_equal(dwte, expect, "slice dwte")) << whole.params() << " slice " << r << " "
+                                                             << backend_name(b);
+    }
+    EXPECT_TRUE(bitwise_equal(sum, whole.out, "summed slices")) << whole.params() << " " << backend_name(b);
+  }
+}
+
+// Vocab-parallel cross-entropy: the logits' columns cut into 3 uneven slices. Combining the slices' lse and
+// losses on the host (lse = log sum exp of the slices' lse; the loss from the slice holding the target, plus
+// lse - its lse) gives the whole row's loss, and each slice's backward with the combined lse gives its columns
+// of the whole backward (fp32 rounding only).
+TEST(CrossEntropy, VocabSlicesCombineToTheWholeRow) {
+  for (Backend b : {Backend::kRef, Backend::kFast}) {
+    CrossEntropyCase<float> whole(6, 1001, kSeed);
+    whole.forward(b);
+    whole.backward(b);
+    const int starts[] = {0, 334, 700, 1001};
+    const int N = whole.N, V = whole.V;
+    std::vector<std::vector<float>> lse(3, std::vector<float>(N)), loss(3, std::vector<float>(N));
+    std::vector<std::vector<float>> cols(3);
+    for (int r = 0; r < 3; ++r) {
+      const int v0 = starts[r], w = starts[r + 1] - v0;
+      cols[r].resize(size_t(N) * w);
+      for (int n = 0; n < N; ++n)
+        std::copy_n(whole.logits.begin() + size_t(n) * V + v0, w, cols[r].begin() + size_t(n) * w);
+      kernels(b).softmax_crossentropy_forward(loss[r].data(), lse[r].data(), cols[r].data(), whole.targets.data(), N,
+                                              w, v0);
+    }
+    std::vector<float> global_lse(N);
+    for (int n = 0; n < N; ++n) {
+      double m = -INFINITY;
+      for (int r = 0; r < 3; ++r) m = std::max<double>(m, lse[r][n]);
+      double s = 0.0;
+      for (int r = 0; r < 3; ++r) s += std::exp(lse[r][n] - m);
+      global_lse[n] = static_cast<float>(m + std::log(s));
+      EXPECT_NEAR(global_lse[n], whole.lse[n], 1e-5 * std::abs(whole.lse[n])) << "row " << n << " " << backend_name(b);
+      const int t = whole.targets[n];
+      if (t < 0) {
+        for (int r = 0; r < 3; ++r) EXPECT_EQ(loss[r][n], 0.0f);
+        continue;
+      }
+      const int owner = t < starts[1] ? 0 : t < starts[2] ? 1 : 2;
+      for (int r = 0; r < 3; ++r) {
+        if (r != owner) {
+          EXPECT_EQ(loss[r][n], 0.0f) << "row " << n << " slice " << r;
+        }
+      }
+      const double combined = loss[owner][n] + (static_cast<double>(global_lse[n]) - lse[owner][n]);
+      EXPECT_NEAR(combined, whole.losses[n], 1e-5 * std::max(1.0f, whole.losses[n])) << "row " << n;
+    }
+    for (int r = 0; r < 3; ++r) {
+      const int v0 = starts[r], w = starts[r + 1] - v0;
+      kernels(b).softmax_crossentropy_backward(cols[r].data(), cols[r].data(), global_lse.data(), whole.targets.data(),
+                                               whole.dlosses.data(), N, w, v0);
+      for (int n = 0; n < N; ++n)
+        for (int v = 0; v < w; ++v)
+          ASSERT_NEAR(cols[r][size_t(n) * w + v], whole.dlogits[size_t(n) * V + v0 + v], 1e-6)
+              << "row " << n << " column " << v0 + v << " " << backend_name(b);
     }
   }
 }
