@@ -34,7 +34,11 @@ class FlatLayout {
  public:
   // Adds a tensor and returns its offset. 2-D and larger tensors are weight-decayed by default.
   size_t add(std::string name, std::initializer_list<int64_t> shape) {
-    TensorSpec s{std::move(name), std::vector<int64_t>(shape), numel_, shape.size() >= 2};
+    return add(std::move(name), std::vector<int64_t>(shape));
+  }
+  size_t add(std::string name, std::vector<int64_t> shape) {
+    const bool decay = shape.size() >= 2;
+    TensorSpec s{std::move(name), std::move(shape), numel_, decay};
     numel_ += s.numel();
     specs_.push_back(std::move(s));
     return specs_.back().offset;

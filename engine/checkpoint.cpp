@@ -44,7 +44,7 @@ class UnitCache {
   // The unit's first (or, with `second`, second) state, read if another unit is cached.
   Result<const float*> get(size_t unit, bool second) {
     if (unit != cached_) {
-      a_.resize(model_.units()[unit].numel());
+      a_.resize(model_.whole_layout(unit).numel());
       if (pair_) b_.resize(a_.size());
       STRATA_RETURN_IF_ERROR(read_(unit, a_.data(), pair_ ? b_.data() : nullptr));
       cached_ = unit;
@@ -67,7 +67,7 @@ std::vector<SafetensorsTensor> tensors_of(const GPT2& model, const std::vector<s
   std::vector<SafetensorsTensor> out;
   for (size_t i = 0; i < model.units().size(); ++i) {
     for (size_t k = 0; k < prefixes.size(); ++k) {
-      for (const TensorSpec& s : model.units()[i].layout.specs()) {
+      for (const TensorSpec& s : model.whole_layout(i).specs()) {
         SafetensorsTensor t{prefixes[k] + s.name, DType::kF32, s.shape, nullptr, {}};
         t.fill = [&cache, i, k, offset = s.offset, bytes = s.numel() * sizeof(float)](void* dst) -> Status {
           STRATA_ASSIGN_OR_RETURN(const float* base, cache.get(i, k == 1));
@@ -81,9 +81,9 @@ std::vector<SafetensorsTensor> tensors_of(const GPT2& model, const std::vector<s
   return out;
 }
 
-// Reads unit i's tensors named `prefix + spec.name` into `dst` (the unit's layout).
-Status read_unit(const SafetensorsFile& f, const Unit& u, const std::string& prefix, float* dst) {
-  for (const TensorSpec& s : u.layout.specs()) {
+// Reads the tensors of `layout` (a whole unit's) named `prefix + spec.name` into `dst`.
+Status read_unit(const SafetensorsFile& f, const FlatLayout& layout, const std::string& prefix, float* dst) {
+  for (const TensorSpec& s : layout.specs()) {
     STRATA_ASSIGN_OR_RETURN(auto bytes, f.expect(prefix + s.name, DType::kF32, s.shape));
     std::memcpy(dst + s.offset, bytes.data(), bytes.size());
   }
@@ -102,6 +102,24 @@ Status check_model_metadata(const SafetensorsFile& f, const GPT2Config& c) {
     }
   }
   return Status::ok();
+}
+
+// Adam's moments of unit u as whole tensors: under tensor parallelism this rank's slices, gathered over the
+// group (collective); `m`, `v` hold the whole unit.
+Status read_whole_moments(const GPT2& model, Optimizer& opt, size_t u, float* m, float* v) {
+  if (!model.tensor_parallel()) return opt.read_moments(u, m, v);
+  std::vector<float> lm(model.units()[u].numel()), lv(lm.size());
+  STRATA_RETURN_IF_ERROR(opt.read_moments(u, lm.data(), lv.data()));
+  STRATA_RETURN_IF_ERROR(model.gather_whole(u, lm.data(), m));
+  return model.gather_whole(u, lv.data(), v);
+}
+
+Status write_whole_moments(const GPT2& model, Optimizer& opt, size_t u, const float* m, const float* v) {
+  if (!model.tensor_parallel()) return opt.write_moments(u, m, v);
+  std::vector<float> lm(model.units()[u].numel()), lv(lm.size());
+  model.slice_whole(u, m, lm.data());
+  model.slice_whole(u, v, lv.data());
+  return opt.write_moments(u, lm.data(), lv.data());
 }
 
 }  // namespace
@@ -132,12 +150,12 @@ Status load_model(GPT2& model, const std::string& path) {
   STRATA_RETURN_IF_ERROR(check_model_metadata(f, model.config()));
   std::vector<float> unit;
   for (size_t i = 0; i < model.units().size(); ++i) {  // every tensor is checked before anything is written
-    unit.resize(model.units()[i].numel());
-    STRATA_RETURN_IF_ERROR(read_unit(f, model.units()[i], "", unit.data()));
+    unit.resize(model.whole_layout(i).numel());
+    STRATA_RETURN_IF_ERROR(read_unit(f, model.whole_layout(i), "", unit.data()));
   }
   for (size_t i = 0; i < model.units().size(); ++i) {
-    unit.resize(model.units()[i].numel());
-    STRATA_RETURN_IF_ERROR(read_unit(f, model.units()[i], "", unit.data()));
+    unit.resize(model.whole_layout(i).numel());
+    STRATA_RETURN_IF_ERROR(read_unit(f, model.whole_layout(i), "", unit.data()));
     STRATA_RETURN_IF_ERROR(model.write_params(i, unit.data()));
   }
   return Status::ok();
@@ -155,7 +173,7 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
 
   STRATA_RETURN_IF_ERROR(opt.finish());  // the parameters and moments of the last step, complete
   STRATA_RETURN_IF_ERROR(save_model(model, (tmp_dir / "model.safetensors").string()));
-  UnitCache cache(model, [&](size_t u, float* m, float* v) { return opt.read_moments(u, m, v); }, true);
+  UnitCache cache(model, [&](size_t u, float* m, float* v) { return read_whole_moments(model, opt, u, m, v); }, true);
   std::vector<SafetensorsTensor> moments = tensors_of(model, {"m.", "v."}, cache);
   STRATA_RETURN_IF_ERROR(write_safetensors((tmp_dir / "optimizer.safetensors").string(), moments,
                                            {{"adam_steps", std::to_string(opt.steps_taken())}}));
@@ -192,14 +210,14 @@ Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt, const std::fun
   std::vector<float> a, b;
   for (size_t u = 0; u < model.units().size(); ++u) {  // save_model's reads
     if (!include(u)) continue;
-    a.resize(model.units()[u].numel());
+    a.resize(model.whole_layout(u).numel());
     STRATA_RETURN_IF_ERROR(model.read_params(u, a.data()));
   }
   for (size_t u = 0; u < model.units().size(); ++u) {  // then the moments'
     if (!include(u)) continue;
-    a.resize(model.units()[u].numel());
+    a.resize(model.whole_layout(u).numel());
     b.resize(a.size());
-    STRATA_RETURN_IF_ERROR(opt.read_moments(u, a.data(), b.data()));
+    STRATA_RETURN_IF_ERROR(read_whole_moments(model, opt, u, a.data(), b.data()));
   }
   return Status::ok();
 }
@@ -243,11 +261,11 @@ Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimiz
   // After the parameters: an offloaded optimizer takes its master weights from them.
   std::vector<float> m, v;
   for (size_t i = 0; i < model.units().size(); ++i) {
-    m.resize(model.units()[i].numel());
+    m.resize(model.whole_layout(i).numel());
     v.resize(m.size());
-    STRATA_RETURN_IF_ERROR(read_unit(f, model.units()[i], "m.", m.data()));
-    STRATA_RETURN_IF_ERROR(read_unit(f, model.units()[i], "v.", v.data()));
-    STRATA_RETURN_IF_ERROR(opt.write_moments(i, m.data(), v.data()));
+    STRATA_RETURN_IF_ERROR(read_unit(f, model.whole_layout(i), "m.", m.data()));
+    STRATA_RETURN_IF_ERROR(read_unit(f, model.whole_layout(i), "v.", v.data()));
+    STRATA_RETURN_IF_ERROR(write_whole_moments(model, opt, i, m.data(), v.data()));
   }
   return st;
 }

@@ -149,6 +149,9 @@ Result<RunConfig> parse_run_config(const nlohmann::json& j, const std::string& s
     return Status::invalid_argument("{}: parallel.tensor_parallel_size and pipeline_parallel_size must be >= 1, got "
                                     "{} and {}",
                                     source, c.parallel.tensor_parallel_size, c.parallel.pipeline_parallel_size);
+  if (c.model.n_head % c.parallel.tensor_parallel_size != 0)  // each tensor-parallel rank takes whole heads
+    return Status::invalid_argument("{}: model.n_head ({}) must be divisible by parallel.tensor_parallel_size ({})",
+                                    source, c.model.n_head, c.parallel.tensor_parallel_size);
 
   STRATA_RETURN_IF_ERROR(parse_offload_config(root, source, &c.offload));
   STRATA_RETURN_IF_ERROR(root.finish());

@@ -37,8 +37,19 @@ Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, const kerne
 }
 
 Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, kernels::Device& device,
-                                           MatmulPrecision precision, bool offloaded, PipelineStage stage) {
+                                           MatmulPrecision precision, bool offloaded, PipelineStage stage,
+                                           comm::Communicator* tp) {
   STRATA_RETURN_IF_ERROR(config.validate());
+  const int t = tp != nullptr ? tp->size() : 1;
+  if (t > 1 && config.n_head % t != 0) {
+    return Status::invalid_argument(
+        "model.n_head ({}) must be divisible by parallel.tensor_parallel_size ({}): each rank takes whole heads",
+        config.n_head, t);
+  }
+  if (t > 1 && config.vocab_size < t) {
+    return Status::invalid_argument("model.vocab_size ({}) is smaller than parallel.tensor_parallel_size ({})",
+                                    config.vocab_size, t);
+  }
   if (stage.end < 0) stage.end = config.n_layer;
   if (stage.first < 0 || stage.first >= stage.end || stage.end > config.n_layer)
     return Status::invalid_argument("pipeline stage: blocks [{}, {}) are not a non-empty part of the {} layers",
@@ -46,12 +57,32 @@ Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, kernels::De
   std::unique_ptr<GPT2> m(new GPT2(config, device, precision));
   m->offloaded_ = offloaded;
   m->stage_ = stage;
+  if (t > 1) {
+    m->tp_ = tp;
+    m->tp_rank_ = tp->rank();
+    m->tp_size_ = t;
+    m->norm_shares_.group = tp;
+  }
+  m->attn_width_ = config.n_embd / t;
+  m->heads_ = config.n_head / t;
+  m->mlp_width_ = 4 * config.n_embd / t;
+  m->vocab_ = row_slice(config.vocab_size, m->tp_rank_, t);
   const int64_t C = config.n_embd, V = config.vocab_size, maxT = config.block_size;
 
   auto add_unit = [&](std::string name, FlatLayout layout) -> Status {
     Unit u;
     u.name = std::move(name);
-    u.layout = std::move(layout);
+    if (t > 1) {  // this rank's slices
+      std::vector<TensorSplit> splits;
+      for (const TensorSpec& s : layout.specs()) splits.push_back(gpt2_tensor_split(s.name));
+      UnitSplit split(std::move(layout), std::move(splits), t);
+      u.layout = split.local(m->tp_rank_);
+      m->norm_shares_.excluded.push_back(m->tp_rank_ > 0 ? split.replicated_ranges(m->tp_rank_)
+                                                          : Ranges{});
+      m->splits_.push_back(std::move(split));
+    } else {
+      u.layout = std::move(layout);
+    }
     const size_t bytes = u.layout.numel() * sizeof(float);
     if (!offloaded && m->holds(m->units_.size())) {
       STRATA_ASSIGN_OR_RETURN(u.params, device.allocate(bytes, "gpt2.params " + u.name));
@@ -106,10 +137,10 @@ Status GPT2::init_gpt2(uint64_t seed) {
   Rng rng(seed);
   const double residual_std = 0.02 / std::sqrt(2.0 * config_.n_layer);
   std::vector<float> host;
-  for (size_t i = 0; i < units_.size(); ++i) {
-    const Unit& u = units_[i];
-    host.assign(u.numel(), 0.0f);
-    for (const TensorSpec& s : u.layout.specs()) {
+  for (size_t i = 0; i < units_.size(); ++i) {  // the whole tensors (tensor parallelism takes its slices)
+    const FlatLayout& layout = whole_layout(i);
+    host.assign(layout.numel(), 0.0f);
+    for (const TensorSpec& s : layout.specs()) {
       float* p = host.data() + s.offset;
       const size_t n = s.numel();
       const bool is_norm_weight = s.name.find("ln_") != std::string::npos && s.name.ends_with(".weight");
@@ -127,25 +158,67 @@ Status GPT2::init_gpt2(uint64_t seed) {
   return Status::ok();
 }
 
-Status GPT2::read_params(size_t u, float* host) const {
-  STRATA_ASSERT(u < units_.size());
-  if (!holds(u)) {
-    if (params_source_) return params_source_(u, host);
-    return Status::internal("unit '{}' belongs to another pipeline stage", units_[u].name);
-  }
+Status GPT2::read_local_params(size_t u, float* host) const {
   if (coordinator_ != nullptr) return coordinator_->read_params(u, host);
   STRATA_ASSERT_MSG(!offloaded_, "an offloaded model needs set_coordinator()");
   device_->copy_to_host(host, units_[u].p(), units_[u].numel() * sizeof(float));
   return Status::ok();
 }
 
+Status GPT2::read_params(size_t u, float* host) const {
+  STRATA_ASSERT(u < units_.size());
+  if (!holds(u)) {  // the whole unit, from the stage that holds it
+    if (params_source_) return params_source_(u, host);
+    return Status::internal("unit '{}' belongs to another pipeline stage", units_[u].name);
+  }
+  if (tp_ == nullptr) return read_local_params(u, host);
+  std::vector<float> local(units_[u].numel());
+  STRATA_RETURN_IF_ERROR(read_local_params(u, local.data()));
+  return gather_whole(u, local.data(), host);
+}
+
 Status GPT2::write_params(size_t u, const float* host) {
   STRATA_ASSERT(u < units_.size());
   if (!holds(u)) return Status::ok();  // another stage's
+  std::vector<float> local;
+  if (tp_ != nullptr) {
+    local.resize(units_[u].numel());
+    slice_whole(u, host, local.data());
+    host = local.data();
+  }
   if (coordinator_ != nullptr) return coordinator_->write_params(u, host);
   STRATA_ASSERT_MSG(!offloaded_, "an offloaded model needs set_coordinator()");
   device_->copy_to_device(units_[u].p(), host, units_[u].numel() * sizeof(float));
   return Status::ok();
+}
+
+Status GPT2::gather_whole(size_t u, const float* local, float* whole) const {
+  if (tp_ == nullptr) {
+    std::memcpy(whole, local, units_[u].numel() * sizeof(float));
+    return Status::ok();
+  }
+  // Every rank's slices padded to the largest rank's size (the vocabulary's last slice may be shorter).
+  const UnitSplit& split = splits_[u];
+  const size_t padded = split.max_local_numel();
+  std::vector<float> mine(padded, 0.0f), all(padded * static_cast<size_t>(tp_size_));
+  std::memcpy(mine.data(), local, units_[u].numel() * sizeof(float));
+  STRATA_RETURN_IF_ERROR(tp_->all_gather(mine.data(), all.data(), padded, DType::kF32)
+                             .with_context("gathering the tensor-parallel slices of " + units_[u].name));
+  for (int r = 0; r < tp_size_; ++r) split.assemble(all.data() + static_cast<size_t>(r) * padded, r, whole);
+  return Status::ok();
+}
+
+void GPT2::slice_whole(size_t u, const float* whole, float* local) const {
+  if (tp_ == nullptr) {
+    std::memcpy(local, whole, units_[u].numel() * sizeof(float));
+    return;
+  }
+  splits_[u].slice(whole, tp_rank_, local);
+}
+
+Status GPT2::tp_all_reduce(float* x, size_t n) {
+  if (tp_ == nullptr) return Status::ok();
+  return tp_->all_reduce(x, x, n, DType::kF32, comm::ReduceOp::kSum).with_context("tensor-parallel all-reduce");
 }
 
 Result<offload::UnitView> GPT2::acquire(size_t u, offload::Pass pass) {
@@ -169,7 +242,7 @@ GPT2::BlockParams GPT2::block_params(int l, const float* cbase) const {
 
 Status GPT2::ensure_activations(int B, int T) {
   if (B == last_B_ && T == last_T_) return Status::ok();
-  const size_t C = config_.n_embd, V = config_.vocab_size;
+  const size_t C = config_.n_embd;
   // Per-layer activations: every layer's of this stage, or with checkpointing one layer's (recomputed in
   // backward).
   const size_t layers = static_cast<size_t>(stage_.end - stage_.first);
@@ -178,22 +251,25 @@ Status GPT2::ensure_activations(int B, int T) {
   // in host memory.
   const size_t R = checkpointing_ == ActivationCheckpointing::kHost ? std::min<size_t>(2, layers) : layers;
   const size_t BT = static_cast<size_t>(B) * T;
-  const size_t att_floats = k_->attention_saved_floats(B, T, config_.n_embd, config_.n_head, precision_);
+  // This rank's widths: attention (A = C/t), MLP hidden (F = 4C/t), vocabulary columns (Vr): all of them
+  // without tensor parallelism.
+  const size_t A = attn_width_, F = mlp_width_, Vr = static_cast<size_t>(vocab_.count);
+  const size_t att_floats = k_->attention_saved_floats(B, T, attn_width_, heads_, precision_);
   // Sizes in floats, in the order of the Activations struct, then the per-block gradient scratch.
   const size_t sizes[] = {
       BT * C,                                  // encoded
       L * BT * C, L * BT, L * BT,              // ln1, ln1_mean, ln1_rstd
-      L * BT * 3 * C,                          // qkv
-      L * BT * C,                              // atty
+      L * BT * 3 * A,                          // qkv
+      L * BT * A,                              // atty
       L * att_floats,                          // att: what attention saves for backward
       L * BT * C, L * BT * C,                  // attproj, residual2
       L * BT * C, L * BT, L * BT,              // ln2, ln2_mean, ln2_rstd
-      L * BT * 4 * C, L * BT * 4 * C,          // fch, fch_gelu
+      L * BT * F, L * BT * F,                  // fch, fch_gelu
       L * BT * C, R * BT * C,                  // fcproj, residual3
       BT * C, BT, BT,                          // lnf, lnf_mean, lnf_rstd
-      stage_.head ? BT * V : 0, BT, BT, BT,    // logits (the head's stage only), losses, lse, dlosses
+      stage_.head ? BT * Vr : 0, BT, BT, BT,   // logits (the head's stage only), losses, lse, dlosses
       BT, BT,                                  // inputs, targets (int32, same size as float)
-      BT * C, BT * C, BT * C, BT * 3 * C, BT * 4 * C, BT * 4 * C,  // dres, dln, datty, dqkv, dfch, dfch_gelu
+      BT * C, BT * C, BT * A, BT * 3 * A, BT * F, BT * F,  // dres, dln, datty, dqkv, dfch, dfch_gelu
   };
   // The first kPerSlot arrays are one micro-batch's activations (one set per slot); the block gradients after
   // them are shared.
@@ -248,38 +324,45 @@ Status GPT2::ensure_activations(int B, int T) {
   return Status::ok();
 }
 
-void GPT2::block_forward(int l, const float* params, const float* residual, int B, int T) {
-  const int C = config_.n_embd, NH = config_.n_head;
+// Under tensor parallelism the QKV and first MLP linear produce this rank's heads and hidden units (A = C/t,
+// F = 4C/t wide), and the attention output and second MLP linear its partial sums of the (B,T,C) outputs, with
+// the bias added on rank 0 only, summed over the group.
+Status GPT2::block_forward(int l, const float* params, const float* residual, int B, int T) {
+  const int C = config_.n_embd, A = attn_width_, NH = heads_, F = mlp_width_;
   const int N = B * T;
-  const size_t BTC = static_cast<size_t>(N) * C;
+  const size_t BTC = static_cast<size_t>(N) * C, BTA = static_cast<size_t>(N) * A, BTF = static_cast<size_t>(N) * F;
   const BlockParams w = block_params(l, params);
   const size_t a = act_layer(l);
   float* ln1 = acts_.ln1 + a * BTC;
   float* ln1_mean = acts_.ln1_mean + a * N;
   float* ln1_rstd = acts_.ln1_rstd + a * N;
-  float* qkv = acts_.qkv + a * BTC * 3;
-  float* atty = acts_.atty + a * BTC;
-  float* att = acts_.att + a * k_->attention_saved_floats(B, T, C, NH, precision_);
+  float* qkv = acts_.qkv + a * BTA * 3;
+  float* atty = acts_.atty + a * BTA;
+  float* att = acts_.att + a * k_->attention_saved_floats(B, T, A, NH, precision_);
   float* attproj = acts_.attproj + a * BTC;
   float* residual2 = acts_.residual2 + a * BTC;
   float* ln2 = acts_.ln2 + a * BTC;
   float* ln2_mean = acts_.ln2_mean + a * N;
   float* ln2_rstd = acts_.ln2_rstd + a * N;
-  float* fch = acts_.fch + a * BTC * 4;
-  float* fch_gelu = acts_.fch_gelu + a * BTC * 4;
+  float* fch = acts_.fch + a * BTF;
+  float* fch_gelu = acts_.fch_gelu + a * BTF;
   float* fcproj = acts_.fcproj + a * BTC;
   float* residual3 = block_output(l, BTC);
+  const bool adds_bias = tp_rank_ == 0;  // of the row-parallel linears
 
   k_->layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, w.ln1w, w.ln1b, N, C);
-  k_->matmul_forward(qkv, ln1, w.qkvw, w.qkvb, N, C, 3 * C, precision_);
-  k_->attention_forward(atty, att, qkv, B, T, C, NH, precision_);
-  k_->matmul_forward(attproj, atty, w.attprojw, w.attprojb, N, C, C, precision_);
+  k_->matmul_forward(qkv, ln1, w.qkvw, w.qkvb, N, C, 3 * A, precision_);
+  k_->attention_forward(atty, att, qkv, B, T, A, NH, precision_);
+  k_->matmul_forward(attproj, atty, w.attprojw, adds_bias ? w.attprojb : nullptr, N, A, C, precision_);
+  STRATA_RETURN_IF_ERROR(tp_all_reduce(attproj, BTC));
   k_->residual_forward(residual2, residual, attproj, BTC);
   k_->layernorm_forward(ln2, ln2_mean, ln2_rstd, residual2, w.ln2w, w.ln2b, N, C);
-  k_->matmul_forward(fch, ln2, w.fcw, w.fcb, N, C, 4 * C, precision_);
-  k_->gelu_forward(fch_gelu, fch, BTC * 4);
-  k_->matmul_forward(fcproj, fch_gelu, w.fcprojw, w.fcprojb, N, 4 * C, C, precision_);
+  k_->matmul_forward(fch, ln2, w.fcw, w.fcb, N, C, F, precision_);
+  k_->gelu_forward(fch_gelu, fch, BTF);
+  k_->matmul_forward(fcproj, fch_gelu, w.fcprojw, adds_bias ? w.fcprojb : nullptr, N, F, C, precision_);
+  STRATA_RETURN_IF_ERROR(tp_all_reduce(fcproj, BTC));
   k_->residual_forward(residual3, residual2, fcproj, BTC);
+  return Status::ok();
 }
 
 Result<float> GPT2::forward(const int32_t* inputs, const int32_t* targets, int B, int T) {
@@ -326,31 +409,66 @@ Result<float> GPT2::forward_stage(const int32_t* inputs, const int32_t* targets,
     if (targets[i] >= 0) ++counted;
   }
   device_->copy_to_device(acts_.targets, targets, sizeof(int32_t) * N);
-  k_->softmax_crossentropy_forward(acts_.losses, acts_.lse, acts_.logits, acts_.targets, N, V, 0);
+  k_->softmax_crossentropy_forward(acts_.losses, acts_.lse, acts_.logits, acts_.targets, N,
+                                   static_cast<int>(vocab_.count), static_cast<int>(vocab_.start));
   // Summed in double and in a fixed order so the loss does not depend on the kernels' threading.
   host_scratch_.resize(N);
   device_->copy_to_host(host_scratch_.data(), acts_.losses, sizeof(float) * N);
+  if (tp_ != nullptr) STRATA_RETURN_IF_ERROR(combine_vocab_parallel_losses(targets, N));
   double sum = 0.0;
   for (int i = 0; i < N; ++i) sum += host_scratch_[i];
   return counted ? static_cast<float>(sum / counted) : 0.0f;
 }
 
+Status GPT2::combine_vocab_parallel_losses(const int32_t* targets, int N) {
+  // Each rank's losses (nonzero only for the targets in its columns) and lse, gathered: 2N floats per rank.
+  const size_t n = static_cast<size_t>(N);
+  std::vector<float> mine(2 * n), all(2 * n * static_cast<size_t>(tp_size_));
+  std::copy_n(host_scratch_.data(), n, mine.data());
+  device_->copy_to_host(mine.data() + n, acts_.lse, sizeof(float) * n);
+  STRATA_RETURN_IF_ERROR(
+      tp_->all_gather(mine.data(), all.data(), 2 * n, DType::kF32).with_context("vocab-parallel cross-entropy"));
+  const int64_t rows_per_rank = row_slice(config_.vocab_size, 0, tp_size_).count;
+  std::vector<float> lse(n);
+  for (size_t i = 0; i < n; ++i) {
+    auto rank_lse = [&](int r) -> double { return all[static_cast<size_t>(r) * 2 * n + n + i]; };
+    double m = rank_lse(0);
+    for (int r = 1; r < tp_size_; ++r) m = std::max(m, rank_lse(r));
+    double sum = 0.0;
+    for (int r = 0; r < tp_size_; ++r) sum += std::exp(rank_lse(r) - m);
+    const double whole = m + std::log(sum);
+    lse[i] = static_cast<float>(whole);
+    if (targets[i] < 0) {
+      host_scratch_[i] = 0.0f;
+      continue;
+    }
+    // The owner's loss is its lse less the target's logit: the whole row's is that plus (whole lse - its lse).
+    const int owner = static_cast<int>(targets[i] / rows_per_rank);
+    host_scratch_[i] = static_cast<float>(all[static_cast<size_t>(owner) * 2 * n + i] + (whole - rank_lse(owner)));
+  }
+  device_->copy_to_device(acts_.lse, lse.data(), sizeof(float) * n);
+  return Status::ok();
+}
+
 Status GPT2::forward_units(int B, int T) {
   using offload::Pass;
-  const int C = config_.n_embd, V = config_.vocab_size, L = config_.n_layer;
+  const int C = config_.n_embd, L = config_.n_layer;
   const int N = B * T;
   const size_t BTC = static_cast<size_t>(N) * C;
   if (coordinator_ != nullptr && marks_steps_) coordinator_->begin_step();
   const size_t wpe_offset = units_[0].layout.specs()[1].offset;
   if (stage_.embedding) {
+    // Vocab-parallel: each rank embeds the tokens of its rows (rank 0 adds the positions), summed over the group.
     STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kForward));
-    k_->encoder_forward(acts_.encoded, acts_.inputs, emb.params, emb.params + wpe_offset, B, T, C, 0, V);
+    k_->encoder_forward(acts_.encoded, acts_.inputs, emb.params, tp_rank_ == 0 ? emb.params + wpe_offset : nullptr, B,
+                        T, C, static_cast<int>(vocab_.start), static_cast<int>(vocab_.count));
     release(0, Pass::kForward);
+    STRATA_RETURN_IF_ERROR(tp_all_reduce(acts_.encoded, BTC));
   }
   const float* residual = acts_.encoded;
   for (int l = stage_.first; l < stage_.end; ++l) {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView block, acquire(1 + l, Pass::kForward));
-    block_forward(l, block.params, residual, B, T);
+    STRATA_RETURN_IF_ERROR(block_forward(l, block.params, residual, B, T));
     release(1 + l, Pass::kForward);
     residual = block_output(l, BTC);
     if (checkpointing_ == ActivationCheckpointing::kHost && l + 1 < stage_.end)
@@ -362,50 +480,56 @@ Status GPT2::forward_units(int B, int T) {
     k_->layernorm_forward(acts_.lnf, acts_.lnf_mean, acts_.lnf_rstd, residual, lnf.params, lnf.params + C, N, C);
     release(L + 1, Pass::kForward);
   }
-  // The LM head is tied to the token embedding: the embedding unit's second use.
+  // The LM head is tied to the token embedding: the embedding unit's second use (this rank's vocabulary columns).
   STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kForward));
-  k_->matmul_forward(acts_.logits, acts_.lnf, emb.params, nullptr, N, C, V, precision_);
+  k_->matmul_forward(acts_.logits, acts_.lnf, emb.params, nullptr, N, C, static_cast<int>(vocab_.count), precision_);
   release(0, Pass::kForward);
   return Status::ok();
 }
 
-void GPT2::block_backward(int l, const offload::UnitView& unit, const float* residual, float* dres, int B, int T) {
-  const int C = config_.n_embd, NH = config_.n_head;
+// The mirror of block_forward: each column-parallel linear's input gradient is this rank's part of the
+// (B,T,C) sum, completed over the group before its layernorm's backward; the row-parallel linears' input
+// gradients are this rank's slices already, and their biases' gradients the same on every rank.
+Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* residual, float* dres, int B, int T) {
+  const int C = config_.n_embd, A = attn_width_, NH = heads_, F = mlp_width_;
   const int N = B * T;
-  const size_t BTC = static_cast<size_t>(N) * C;
+  const size_t BTC = static_cast<size_t>(N) * C, BTA = static_cast<size_t>(N) * A, BTF = static_cast<size_t>(N) * F;
   const BlockParams w = block_params(l, unit.params);
   const BlockParams dw = block_params(l, unit.grads);
   const size_t a = act_layer(l);
   const float* ln1 = acts_.ln1 + a * BTC;
   const float* ln1_mean = acts_.ln1_mean + a * N;
   const float* ln1_rstd = acts_.ln1_rstd + a * N;
-  const float* qkv = acts_.qkv + a * BTC * 3;
-  const float* atty = acts_.atty + a * BTC;
-  const float* att = acts_.att + a * k_->attention_saved_floats(B, T, C, NH, precision_);
+  const float* qkv = acts_.qkv + a * BTA * 3;
+  const float* atty = acts_.atty + a * BTA;
+  const float* att = acts_.att + a * k_->attention_saved_floats(B, T, A, NH, precision_);
   const float* residual2 = acts_.residual2 + a * BTC;
   const float* ln2 = acts_.ln2 + a * BTC;
   const float* ln2_mean = acts_.ln2_mean + a * N;
   const float* ln2_rstd = acts_.ln2_rstd + a * N;
-  const float* fch = acts_.fch + a * BTC * 4;
-  const float* fch_gelu = acts_.fch_gelu + a * BTC * 4;
+  const float* fch = acts_.fch + a * BTF;
+  const float* fch_gelu = acts_.fch_gelu + a * BTF;
 
   // The residual adds pass dres through unchanged, so dres is used directly as the gradient of fcproj and of
   // attproj, and the layernorm backwards accumulate into it: no residual_backward copies are needed.
-  device_->zero(grads_.dfch_gelu, sizeof(float) * BTC * 4);
-  device_->zero(grads_.dfch, sizeof(float) * BTC * 4);
+  device_->zero(grads_.dfch_gelu, sizeof(float) * BTF);
+  device_->zero(grads_.dfch, sizeof(float) * BTF);
   device_->zero(grads_.dln, sizeof(float) * BTC);
-  k_->matmul_backward(grads_.dfch_gelu, dw.fcprojw, dw.fcprojb, dres, fch_gelu, w.fcprojw, N, 4 * C, C, precision_);
-  k_->gelu_backward(grads_.dfch, fch, grads_.dfch_gelu, BTC * 4);
-  k_->matmul_backward(grads_.dln, dw.fcw, dw.fcb, grads_.dfch, ln2, w.fcw, N, C, 4 * C, precision_);
+  k_->matmul_backward(grads_.dfch_gelu, dw.fcprojw, dw.fcprojb, dres, fch_gelu, w.fcprojw, N, F, C, precision_);
+  k_->gelu_backward(grads_.dfch, fch, grads_.dfch_gelu, BTF);
+  k_->matmul_backward(grads_.dln, dw.fcw, dw.fcb, grads_.dfch, ln2, w.fcw, N, C, F, precision_);
+  STRATA_RETURN_IF_ERROR(tp_all_reduce(grads_.dln, BTC));
   k_->layernorm_backward(dres, dw.ln2w, dw.ln2b, grads_.dln, residual2, w.ln2w, ln2_mean, ln2_rstd, N, C);
 
-  device_->zero(grads_.datty, sizeof(float) * BTC);
-  device_->zero(grads_.dqkv, sizeof(float) * BTC * 3);
+  device_->zero(grads_.datty, sizeof(float) * BTA);
+  device_->zero(grads_.dqkv, sizeof(float) * BTA * 3);
   device_->zero(grads_.dln, sizeof(float) * BTC);
-  k_->matmul_backward(grads_.datty, dw.attprojw, dw.attprojb, dres, atty, w.attprojw, N, C, C, precision_);
-  k_->attention_backward(grads_.dqkv, grads_.datty, qkv, att, B, T, C, NH, precision_);
-  k_->matmul_backward(grads_.dln, dw.qkvw, dw.qkvb, grads_.dqkv, ln1, w.qkvw, N, C, 3 * C, precision_);
+  k_->matmul_backward(grads_.datty, dw.attprojw, dw.attprojb, dres, atty, w.attprojw, N, A, C, precision_);
+  k_->attention_backward(grads_.dqkv, grads_.datty, qkv, att, B, T, A, NH, precision_);
+  k_->matmul_backward(grads_.dln, dw.qkvw, dw.qkvb, grads_.dqkv, ln1, w.qkvw, N, C, 3 * A, precision_);
+  STRATA_RETURN_IF_ERROR(tp_all_reduce(grads_.dln, BTC));
   k_->layernorm_backward(dres, dw.ln1w, dw.ln1b, grads_.dln, residual, w.ln1w, ln1_mean, ln1_rstd, N, C);
+  return Status::ok();
 }
 
 Status GPT2::backward(float loss_scale) { return backward_stage(nullptr, loss_scale); }
@@ -416,7 +540,7 @@ Status GPT2::backward_stage(const float* dy, float loss_scale) {
   STRATA_ASSERT_MSG(ready, "backward() needs a forward() with targets (of this slot)");
   ready = 0;  // the logits are overwritten below; a second backward would be wrong
   const int B = last_B_, T = last_T_;
-  const int C = config_.n_embd, V = config_.vocab_size, L = config_.n_layer;
+  const int C = config_.n_embd, L = config_.n_layer;
   const int N = B * T;
   const size_t BTC = static_cast<size_t>(N) * C;
   if (!stage_.head) {
@@ -431,14 +555,17 @@ Status GPT2::backward_stage(const float* dy, float loss_scale) {
   device_->copy_to_device(acts_.dlosses, host_scratch_.data(), sizeof(float) * N);
   // In place: the logits become dlogits.
   float* dlogits = acts_.logits;
-  k_->softmax_crossentropy_backward(dlogits, acts_.logits, acts_.lse, acts_.targets, acts_.dlosses, N, V, 0);
+  const int Vr = static_cast<int>(vocab_.count);
+  k_->softmax_crossentropy_backward(dlogits, acts_.logits, acts_.lse, acts_.targets, acts_.dlosses, N, Vr,
+                                    static_cast<int>(vocab_.start));
 
   device_->zero(grads_.dln, sizeof(float) * BTC);
   device_->zero(grads_.dres, sizeof(float) * BTC);
   {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kBackward));
-    k_->matmul_backward(grads_.dln, emb.grads, nullptr, dlogits, acts_.lnf, emb.params, N, C, V, precision_);
+    k_->matmul_backward(grads_.dln, emb.grads, nullptr, dlogits, acts_.lnf, emb.params, N, C, Vr, precision_);
     release(0, Pass::kBackward);
+    STRATA_RETURN_IF_ERROR(tp_all_reduce(grads_.dln, BTC));  // each rank's columns' part of dlnf
   }
   {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView lnf, acquire(L + 1, Pass::kBackward));
@@ -464,17 +591,18 @@ Status GPT2::backward_blocks(int B, int T) {
       // Recompute the block from its checkpoint (the last block's activations are still those of forward).
       if (checkpointing_ == ActivationCheckpointing::kHost && l > stage_.first)
         device_->copy_to_device(const_cast<float*>(residual), host_checkpoint(l - 1, BTC), BTC * sizeof(float));
-      block_forward(l, block.params, residual, B, T);
+      STRATA_RETURN_IF_ERROR(block_forward(l, block.params, residual, B, T));
     }
-    block_backward(l, block, residual, grads_.dres, B, T);
+    STRATA_RETURN_IF_ERROR(block_backward(l, block, residual, grads_.dres, B, T));
     release(1 + l, Pass::kBackward);
     if (on_grads_done_) on_grads_done_(1 + l);
   }
   if (!stage_.embedding) return Status::ok();
   STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kGradients));
   const size_t wpe_offset = units_[0].layout.specs()[1].offset;
-  k_->encoder_backward(emb.grads, emb.grads + wpe_offset, grads_.dres, acts_.inputs, B, T, C, 0,
-                       config_.vocab_size);
+  // Every rank adds the same wpe gradient (wpe is replicated) and its own vocabulary rows'.
+  k_->encoder_backward(emb.grads, emb.grads + wpe_offset, grads_.dres, acts_.inputs, B, T, C,
+                       static_cast<int>(vocab_.start), static_cast<int>(vocab_.count));
   release(0, Pass::kGradients);
   if (on_grads_done_) on_grads_done_(0);
   return Status::ok();

@@ -23,6 +23,16 @@
 // at once: set_activation_slots(n) keeps n sets of activations, use_slot(i) picks one (a micro-batch's
 // forward and backward use the same slot); activation checkpoints are kept per slot too.
 //
+// Tensor parallelism (create(..., tp) with a group of t > 1 ranks): Megatron-LM's split (engine/tensor_parallel.h).
+// Each rank's units hold its slices (units()[u].layout); every block's QKV and first MLP linear are
+// column-parallel, its attention output and second MLP linear row-parallel (two all-reduces of (B,T,C) in
+// forward, two in backward), heads are split across ranks, and the embedding and the tied LM head are
+// vocab-parallel: each rank embeds only its vocabulary rows (one all-reduce) and computes only its columns of
+// the logits; the cross-entropy combines the ranks' per-row log-sum-exps and target logits (2BT floats
+// gathered), so the full logits are never gathered. Every rank of the group runs every forward and backward
+// together; read_params is collective over it, and read_params/write_params and checkpoints see whole tensors
+// (whole_layout), so checkpoints do not depend on t.
+//
 // Threading: a GPT2 is used by one thread at a time; kernels parallelise inside each op. Activations are sized
 // for (B, T) at the first forward and re-allocated only when B*T grows.
 #pragma once
@@ -37,7 +47,9 @@
 #include "common/tensor.h"
 #include "kernels/device.h"
 #include "kernels/kernels.h"
+#include "comm/communicator.h"
 #include "common/check.h"
+#include "engine/tensor_parallel.h"
 #include "offload/coordinator.h"
 #include "offload/pinned_pool.h"
 
@@ -81,9 +93,11 @@ class GPT2 {
  public:
   // Builds the units (zeroed) in `device`'s memory; the device must outlive the model. Call init_gpt2() or
   // load weights afterwards.
+  // `tp`: the tensor-parallel group (null or a group of one: none); it must outlive the model. A model whose
+  // heads do not divide over it is an error naming model.n_head and parallel.tensor_parallel_size.
   static Result<std::unique_ptr<GPT2>> create(const GPT2Config& config, kernels::Device& device,
                                               kernels::MatmulPrecision precision, bool offloaded = false,
-                                              PipelineStage stage = {});
+                                              PipelineStage stage = {}, comm::Communicator* tp = nullptr);
   // The same on a "cpu" device with the given CPU KernelSet, owned by the model.
   static Result<std::unique_ptr<GPT2>> create(const GPT2Config& config, const kernels::KernelSet& cpu_kernels,
                                               kernels::MatmulPrecision precision);
@@ -113,9 +127,24 @@ class GPT2 {
   // layernorm weights 1.
   Status init_gpt2(uint64_t seed);
 
-  // Unit u's parameters to or from host memory (its layout), wherever they live.
+  // Unit u's parameters to or from host memory (whole_layout(u)), wherever they live. Under tensor parallelism
+  // read_params gathers the ranks' slices (collective over the group: every rank reads the same units in the
+  // same order) and write_params takes this rank's slices of the whole tensors.
   Status read_params(size_t u, float* host) const;
   Status write_params(size_t u, const float* host);
+  // The whole unit's layout (the checkpoints' tensors); units()[u].layout under tensor parallelism is this
+  // rank's slices of it.
+  const FlatLayout& whole_layout(size_t u) const {
+    return tp_ != nullptr ? splits_[u].whole() : units_[u].layout;
+  }
+  // Tensor parallelism: this rank's slices of unit u (units()[u].layout) to the whole unit, gathered over the
+  // group (collective), and the whole unit to this rank's slices. Without it, copies.
+  Status gather_whole(size_t u, const float* local, float* whole) const;
+  void slice_whole(size_t u, const float* whole, float* local) const;
+  bool tensor_parallel() const { return tp_ != nullptr; }
+  // This rank's shares of the units' gradient norm (engine/tensor_parallel.h); inactive without tensor
+  // parallelism.
+  const NormShares& norm_shares() const { return norm_shares_; }
 
   // Forward over inputs (B,T) token ids. With targets (B,T) (entries < 0 ignored) it computes the mean loss
   // over the counted targets and returns it; without, it returns 0 and only logits are valid. T <= block_size.
@@ -178,8 +207,17 @@ class GPT2 {
   void release(size_t u, offload::Pass pass);
   Status forward_units(int B, int T);
   Status backward_blocks(int B, int T);
-  void block_forward(int l, const float* params, const float* residual, int B, int T);
-  void block_backward(int l, const offload::UnitView& unit, const float* residual, float* dres, int B, int T);
+  [[nodiscard]] Status block_forward(int l, const float* params, const float* residual, int B, int T);
+  [[nodiscard]] Status block_backward(int l, const offload::UnitView& unit, const float* residual, float* dres, int B,
+                                      int T);
+  // Sums n floats of device memory over the tensor-parallel group, in place (nothing without one).
+  [[nodiscard]] Status tp_all_reduce(float* x, size_t n);
+  // Unit u's parameters (this rank's slices) to host memory, wherever they live.
+  Status read_local_params(size_t u, float* host) const;
+  // The cross-entropy over the ranks' columns (tensor parallelism): from each rank's losses and lse (this rank's
+  // in host_scratch_ and acts_.lse), each row's loss over the whole vocabulary into host_scratch_, and the whole
+  // vocabulary's lse into acts_.lse for backward.
+  Status combine_vocab_parallel_losses(const int32_t* targets, int N);
 
   // Which layer slot of the per-layer activations block l uses, and where its output (the next block's
   // input) is, given B*T*C.
@@ -207,6 +245,14 @@ class GPT2 {
   std::vector<Unit> units_;  // wte, h.0 .. h.{L-1}, ln_f
   bool offloaded_ = false;
   PipelineStage stage_;
+  // Tensor parallelism: the group (null: none), this rank, the units' splits, and this rank's widths: attention
+  // (C/t, over NH/t heads), MLP hidden (4C/t) and vocabulary rows.
+  comm::Communicator* tp_ = nullptr;
+  int tp_rank_ = 0, tp_size_ = 1;
+  std::vector<UnitSplit> splits_;
+  NormShares norm_shares_;
+  int attn_width_ = 0, heads_ = 0, mlp_width_ = 0;
+  RowSlice vocab_;
   bool marks_steps_ = true;
   std::function<Status(size_t, float*)> params_source_;
   offload::Coordinator* coordinator_ = nullptr;

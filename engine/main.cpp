@@ -50,11 +50,6 @@ strata::Result<Ranks> join_ranks(const strata::engine::RunConfig& config) {
   STRATA_RETURN_IF_ERROR(comm::check_same_run(*r.world, config.json.dump()));
   STRATA_ASSIGN_OR_RETURN(r.grid, comm::RankGrid::create(*r.world, parallel.tensor_parallel_size,
                                                          parallel.pipeline_parallel_size));
-  if (parallel.tensor_parallel_size > 1)
-    return strata::Status(strata::StatusCode::kUnimplemented,
-                          fmt::format("{}: tensor parallelism is not built yet (parallel.tensor_parallel_size {}); "
-                                      "data and pipeline parallelism run over several ranks",
-                                      r.grid->describe(), parallel.tensor_parallel_size));
   return r;
 }
 
@@ -94,6 +89,7 @@ int run_train(TrainArgs& a) {
   if (a.resume_flag) opts.resume = a.resume.empty() ? cfg->training.checkpoint_dir : a.resume;
   opts.data_parallel = dp_group;
   opts.pipeline = ranks.value().grid ? &ranks.value().grid->pp() : nullptr;
+  opts.tensor_parallel = ranks.value().grid ? &ranks.value().grid->tp() : nullptr;
   auto summary = strata::engine::run_training(cfg.value(), opts);
   const bool several = world && world->size() > 1;
   const int rank = world ? world->rank() : 0;

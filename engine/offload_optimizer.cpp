@@ -206,6 +206,9 @@ Result<double> OffloadedAdamW::global_norm() {
       for (size_t q = 0; q < D; ++q) per[u] += all[q * U + u];
     }
   }
+  // Tensor parallelism: each rank's share of each unit (the coordinator leaves replicated tensors out on all
+  // ranks but the first), added in rank order.
+  STRATA_RETURN_IF_ERROR(model_->norm_shares().sum(&per));
   if (pp_ != nullptr && pp_->size() > 1)  // each unit's from the stage that owns it
     STRATA_RETURN_IF_ERROR(take_from_owners(plan_, *pp_, &per).with_context("gradient norm"));
   double sum = 0.0;

@@ -179,8 +179,11 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   rt->copies_ = std::make_unique<offload::CopyEngine>();
 
   std::vector<offload::CoordinatorUnit> units;
-  for (size_t i = 0; i < model.units().size(); ++i)
-    units.push_back({model.units()[i].name, model.units()[i].numel(), model.holds(i)});
+  const NormShares& shares = model.norm_shares();
+  for (size_t i = 0; i < model.units().size(); ++i) {
+    units.push_back({model.units()[i].name, model.units()[i].numel(), model.holds(i),
+                     shares.active() ? shares.excluded[i] : Ranges{}});
+  }
   offload::CoordinatorOptions co;
   co.param_home = param_tier;
   co.grad_home = grad_tier;

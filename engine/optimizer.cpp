@@ -57,9 +57,28 @@ double AdamW::grad_norm(const std::vector<Unit>& units, kernels::Device& device)
   return std::sqrt(sum);
 }
 
+double unit_norm_share(const NormShares& shares, size_t u, const Unit& unit, kernels::Device& device) {
+  return shares.share(u, unit.g(), 0, unit.numel(),
+                      [&](const float* x, size_t n) { return device.add_sum_squares(0.0, x, n); });
+}
+
 double AdamW::step(const std::vector<Unit>& units, float lr, bool* skipped) {
+  return update(units, lr, grad_norm(units, *device_), skipped);
+}
+
+Result<double> AdamW::step(float lr, bool* skipped) {
+  if (shares_ == nullptr || !shares_->active()) return step(*units_, lr, skipped);
+  // Each unit's share here, summed over the tensor-parallel group, then added in unit order.
+  std::vector<double> per(units_->size());
+  for (size_t u = 0; u < per.size(); ++u) per[u] = unit_norm_share(*shares_, u, (*units_)[u], *device_);
+  STRATA_RETURN_IF_ERROR(shares_->sum(&per));
+  double sum = 0.0;
+  for (const double x : per) sum += x;
+  return update(*units_, lr, std::sqrt(sum), skipped);
+}
+
+double AdamW::update(const std::vector<Unit>& units, float lr, double norm, bool* skipped) {
   const kernels::KernelSet& k = device_->kernels();
-  const double norm = grad_norm(units, *device_);
   const std::optional<float> scale = step_scale(norm, config_.grad_clip, skipped);
   if (!scale) return norm;
   ++t_;

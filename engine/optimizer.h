@@ -31,6 +31,10 @@ std::optional<float> step_scale(double norm, float clip, bool* skipped);
 // The fused update's parameters for one step of `config` (weight decay left 0: it is per tensor).
 kernels::AdamWParams adamw_params(const AdamWConfig& config, float lr, int step, float grad_scale);
 
+// Unit u's share of the global gradient norm on this rank, from its gradient in device memory: its sum of
+// squares (add_sum_squares from 0), less what tensor parallelism leaves to another rank (GPT2::norm_shares).
+double unit_norm_share(const NormShares& shares, size_t u, const Unit& unit, kernels::Device& device);
+
 // Warmup + cosine: linear from lr/warmup to lr over `warmup` steps, then cosine down to min_lr at max_steps.
 // `step` is 0-based.
 double lr_at(int step, double lr, double min_lr, int warmup, int max_steps);
@@ -80,8 +84,11 @@ class AdamW final : public Optimizer {
   // update (nothing changes, step count included) and is reported through *skipped.
   double step(const std::vector<Unit>& units, float lr, bool* skipped = nullptr);
 
+  // Tensor parallelism: the norm is the group's sum of the ranks' shares (`shares` must outlive the optimizer).
+  void set_norm_shares(const NormShares* shares) { shares_ = shares; }
+
   // The Optimizer interface, over the units given to create().
-  Result<double> step(float lr, bool* skipped) override { return step(*units_, lr, skipped); }
+  Result<double> step(float lr, bool* skipped) override;
   int steps_taken() const override { return t_; }
   void set_steps_taken(int t) override { t_ = t; }
   Status adopt_params() override;  // zeroes the moments: the parameters are the master weights
@@ -96,7 +103,11 @@ class AdamW final : public Optimizer {
   AdamWConfig config_;
   kernels::Device* device_ = nullptr;
   const std::vector<Unit>* units_ = nullptr;
+  // The update of step(), given the norm.
+  double update(const std::vector<Unit>& units, float lr, double norm, bool* skipped);
+
   std::vector<kernels::DeviceBuffer> m_, v_;
+  const NormShares* shares_ = nullptr;
   int t_ = 0;
 };
 

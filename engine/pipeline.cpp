@@ -235,8 +235,9 @@ Result<double> PipelineAdamW::step(float lr, bool* skipped) {
   // the single process's norm, bit for bit, given the same gradients.
   std::vector<double> per(units.size(), 0.0);
   for (size_t u = 0; u < units.size(); ++u) {
-    if (plan_.owner(u) == s) per[u] = device_->add_sum_squares(0.0, units[u].g(), units[u].numel());
+    if (plan_.owner(u) == s) per[u] = unit_norm_share(model_->norm_shares(), u, units[u], *device_);
   }
+  STRATA_RETURN_IF_ERROR(model_->norm_shares().sum(&per));  // over the tensor-parallel group
   STRATA_RETURN_IF_ERROR(take_from_owners(plan_, *pp_, &per).with_context("gradient norm"));
   double sum = 0.0;
   for (const double x : per) sum += x;
@@ -298,7 +299,7 @@ Status pipeline_recv_moments(const PipelinePlan& plan, comm::Communicator& pp, s
 std::function<Status(size_t, float*)> pipeline_params_source(const GPT2& model, const PipelinePlan& plan,
                                                              comm::Communicator& pp) {
   return [&model, plan, &pp](size_t u, float* host) {
-    return pp.recv(host, model.units()[u].numel(), DType::kF32, plan.owner(u), kTagParams);
+    return pp.recv(host, model.whole_layout(u).numel(), DType::kF32, plan.owner(u), kTagParams);
   };
 }
 
@@ -307,9 +308,11 @@ Status take_part_in_pipeline_checkpoint(const GPT2& model, const PipelinePlan& p
   STRATA_RETURN_IF_ERROR(opt.finish());
   const int s = pp.rank();
   std::vector<float> a, b;
+  // Parameters travel whole (read_params gathers a tensor-parallel stage's slices); moments as this rank's slices
+  // (the first stage's rank of the same tensor-parallel rank gathers them).
   for (size_t u = 0; u < model.units().size(); ++u) {  // the first stage's save_model reads
     if (s == 0 || plan.owner(u) != s) continue;
-    a.resize(model.units()[u].numel());
+    a.resize(model.whole_layout(u).numel());
     STRATA_RETURN_IF_ERROR(model.read_params(u, a.data()));
     STRATA_RETURN_IF_ERROR(pp.send(a.data(), a.size(), DType::kF32, 0, kTagParams));
   }

@@ -47,7 +47,23 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   comm::Communicator* pp =
       options.pipeline != nullptr && options.pipeline->size() > 1 ? options.pipeline : nullptr;
   const int pp_size = pp ? pp->size() : 1, pp_rank = pp ? pp->rank() : 0;
-  const bool leader = dp_rank == 0 && pp_rank == 0;  // prints, writes metrics and checkpoints
+  comm::Communicator* tp = options.tensor_parallel != nullptr && options.tensor_parallel->size() > 1
+                               ? options.tensor_parallel
+                               : nullptr;
+  const int tp_rank = tp ? tp->rank() : 0;
+  const bool leader = dp_rank == 0 && pp_rank == 0 && tp_rank == 0;  // prints, writes metrics and checkpoints
+  // The configured sizes must be the groups this process was given (mpirun starts them: README "Several
+  // processes").
+  const std::pair<int, comm::Communicator*> sizes[] = {{config.parallel.tensor_parallel_size, tp},
+                                                       {config.parallel.pipeline_parallel_size, pp}};
+  for (const auto& [want, group] : sizes) {
+    if (want > 1 && (group == nullptr || group->size() != want))
+      return Status::invalid_argument(
+          "{}: parallel.tensor_parallel_size {} x pipeline_parallel_size {} needs a multiple of {} ranks: launch "
+          "with mpirun -np N",
+          config.source, config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size,
+          config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size);
+  }
   // ZeRO-3: the offload stack's coordinator shards every unit over the ranks and gathers it for use, so every
   // rank runs every forward (validation too) and takes part in checkpoints. Stages 1 and 2 with an offloaded
   // optimizer run the same way (see offload_runtime.h).
@@ -61,7 +77,12 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
                                 "on every stage",
                                 config.source, config.offload.stage, pp_size));
   }
-  if ((dp || pp) && !leader) logger().set_level(spdlog::level::warn);
+  if (tp && (config.offload.stage == 1 || config.offload.stage == 2) && !offload_enabled(config.offload))
+    return Status(StatusCode::kUnimplemented,
+                  fmt::format("{}: tensor parallelism with zero_optimization stage {} without offload is not built "
+                              "yet (parallel.tensor_parallel_size {}); stage 0, stage 3 and offload work with it",
+                              config.source, config.offload.stage, tp->size()));
+  if ((dp || pp || tp) && !leader) logger().set_level(spdlog::level::warn);
   std::optional<tbb::global_control> threads;
   if (config.compute.threads > 0)
     threads.emplace(tbb::global_control::max_allowed_parallelism, config.compute.threads);
@@ -87,10 +108,10 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   const std::string device_name = config.compute.kernels == "reference" ? "cpu" : config.compute.device;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Device> device, kernels::make_device(device_name, *k));
   device->set_memory_limit(config.offload.device_memory_limit);
-  if ((dp || pp) && !device->host_accessible())
+  if ((dp || pp || tp) && !device->host_accessible())
     return Status(StatusCode::kUnimplemented,
-                  fmt::format("{}: data and pipeline parallelism on the {} device need the NCCL communicator, not "
-                              "built yet; use compute.device cpu",
+                  fmt::format("{}: data, tensor and pipeline parallelism on the {} device need the NCCL communicator "
+                              "wired into training, not built yet; use compute.device cpu",
                               config.source, device->name()));
   const bool offloaded = offload_enabled(config.offload) || zero3;
   // The offload stack and the host pool of activation checkpoints are declared before the model, so the
@@ -100,7 +121,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   const PipelinePlan plan = plan_pipeline(config.model, T, pp_size);
   const PipelineStage stage = pp ? plan.stages[static_cast<size_t>(pp_rank)] : PipelineStage{};
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> model,
-                          GPT2::create(config.model, *device, config.compute.matmul_precision, offloaded, stage));
+                          GPT2::create(config.model, *device, config.compute.matmul_precision, offloaded, stage, tp));
   std::optional<PipelineRunner> pipeline;
   if (pp) {
     pipeline.emplace(*model, *pp,
@@ -138,6 +159,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   } else {
     STRATA_ASSIGN_OR_RETURN(AdamW a, AdamW::create(model->units(), ac, *device));
     device_opt.emplace(std::move(a));
+    device_opt->set_norm_shares(&model->norm_shares());
     opt = &*device_opt;
   }
 
@@ -209,9 +231,10 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   std::vector<int32_t> xs, ys;  // pipeline: the step's micro-batches of this rank
   TrainSummary summary;
   auto validate = [&]() -> Status {
-    // Every rank has the same weights; under ZeRO-3 every rank takes part in gathering them, and every stage
-    // of data-parallel rank 0's pipeline in running them.
-    if (!val || tc.val_batches == 0 || (!leader && !zero3 && !(pp && dp_rank == 0))) return Status::ok();
+    // Every data-parallel rank has the same weights: rank 0 validates (every stage of its pipeline and every
+    // rank of its tensor-parallel groups running the forward), and under ZeRO-3 every rank takes part in
+    // gathering them.
+    if (!val || tc.val_batches == 0 || (dp_rank > 0 && !zero3)) return Status::ok();
     STRATA_RETURN_IF_ERROR(val->reset());
     const int n = static_cast<int>(std::min<uint64_t>(tc.val_batches, val->batches_per_epoch()));
     double sum = 0.0;
@@ -233,6 +256,8 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     if (zero3 && dp_rank > 0)
       return take_part_in_checkpoint(*model, *opt, [&](size_t u) { return !pp || plan.owner(u) == pp_rank; });
     if (pp && dp_rank == 0 && pp_rank > 0) return take_part_in_pipeline_checkpoint(*model, plan, *opt, *pp);
+    // The first stage's other tensor-parallel ranks gather with rank 0 (and receive the other stages' units).
+    if (tp && dp_rank == 0 && tp_rank > 0) return take_part_in_checkpoint(*model, *opt, [](size_t) { return true; });
     if (!leader) return sharded_opt ? sharded_opt->serve_checkpoint() : Status::ok();
     state.train_pos = train.position();
     auto saved = save_checkpoint(tc.checkpoint_dir, *model, *opt, state, tc.keep_checkpoints);
@@ -250,7 +275,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   for (; state.step < tc.max_steps; ++state.step) {
     // Every rank stops at the same step (the checkpoint is collective), whichever saw the signal first.
     float stop = static_cast<float>(g_stop_signal);
-    for (comm::Communicator* group : {dp, pp}) {
+    for (comm::Communicator* group : {dp, pp, tp}) {
       if (group != nullptr) STRATA_RETURN_IF_ERROR(group->all_reduce(&stop, &stop, 1, DType::kF32, comm::ReduceOp::kMax));
     }
     if (stop != 0) {

@@ -30,6 +30,10 @@ struct TrainOptions {
   // of the model on parallel.pipeline_schedule (engine/pipeline.h), each data-parallel rank's micro-batches
   // flowing through its pipeline; offload, ZeRO-3 and activation checkpointing work on every stage.
   comm::Communicator* pipeline = nullptr;
+  // Tensor parallelism (parallel.tensor_parallel_size = its size): the ranks of this group split every block,
+  // the heads and the vocabulary (engine/tensor_parallel.h) and run every micro-batch together; works with
+  // data and pipeline parallelism, offload and ZeRO-3 (not ZeRO 1 or 2 without offload).
+  comm::Communicator* tensor_parallel = nullptr;
 };
 
 struct TrainSummary {

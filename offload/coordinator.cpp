@@ -14,6 +14,11 @@
 
 namespace strata::offload {
 
+namespace {
+// The gradient norm's sum of squares of host memory (kernels/cpu/fast.h, from 0).
+double host_sum_squares(const float* x, size_t n) { return kernels::cpu::fast::add_sum_squares(0.0, x, n); }
+}  // namespace
+
 Coordinator::Coordinator(std::unique_ptr<State> s) : s_(std::move(s)), options_(s_->options) {}
 Coordinator::~Coordinator() = default;
 
@@ -364,12 +369,14 @@ void Coordinator::release(size_t u, Pass pass) {
     // from the same bytes the optimizer will read.
     auto staging = std::make_shared<StagingLease>(&s.write_staging);
     double* sumsq = &r.grad_sumsq;
+    const Ranges* excluded = &r.info.norm_excluded;  // the units never move
     downloaded = s.copies.d2h.submit(
-        [dev, src, bytes, fence, staging, sumsq] {
+        [dev, src, bytes, fence, staging, sumsq, excluded] {
           staging->take();
           fence.wait();
           dev->download(staging->buf->data(), src, bytes);
-          *sumsq = kernels::cpu::fast::add_sum_squares(0.0, staging->buf->as<float>(), bytes / sizeof(float));
+          *sumsq = sum_squares_excluding(staging->buf->as<float>(), 0, bytes / sizeof(float), *excluded,
+                                         host_sum_squares);
           return Status::ok();
         },
         bytes);
@@ -475,7 +482,8 @@ double Coordinator::grad_sum_squares(size_t u) const {
   const State::UnitRec& r = s_->units[u];
   if (!r.info.present) return 0.0;
   if (s_->options.grad_home == Tier::kNvme) return r.grad_sumsq;
-  return kernels::cpu::fast::add_sum_squares(0.0, r.host_grads.as<float>(), r.shard.len);
+  return sum_squares_excluding(r.host_grads.as<float>(), r.shard.lo, r.shard.len, r.info.norm_excluded,
+                               host_sum_squares);
 }
 
 Residency Coordinator::residency(size_t u, StateClass what) const {

@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/sum_ranges.h"
 #include "kernels/device.h"
 #include "offload/copy_engine.h"
 #include "offload/pinned_pool.h"
@@ -67,6 +68,9 @@ struct CoordinatorUnit {
   std::string name;
   size_t numel = 0;      // fp32 elements of its parameters (and of its gradients)
   bool present = true;   // false: another pipeline stage's unit; it has no state here and is never acquired
+  // Ranges of the unit left out of grad_sum_squares (tensor parallelism: the replicated tensors, on every rank
+  // of the group but the first, so the group's shares add up to the norm).
+  Ranges norm_excluded;
 };
 
 struct CoordinatorOptions {
@@ -159,7 +163,8 @@ class Coordinator {
   // Waits until every gradient is at its home (zeros for a unit no backward touched). Then, until the next
   // acquire: host_grads(u) is unit u's accumulated gradient (grad_home host; null with nvme, where the
   // optimizer reads grad_keys(u), chunks of nvme_chunk_elements), and grad_sum_squares(u) its sum of squares
-  // (kernels/cpu/fast.h add_sum_squares from 0 over the unit, whichever the home). ZeRO-3: this rank's shard
+  // (kernels/cpu/fast.h add_sum_squares from 0 over the unit, whichever the home; less the unit's
+  // norm_excluded ranges, each piece from 0, added in order). ZeRO-3: this rank's shard
   // of the gradient summed over the group (shard(u).len elements) and its sum of squares.
   Status flush_grads();
   const float* host_grads(size_t u) const;

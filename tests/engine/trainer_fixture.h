@@ -53,7 +53,8 @@ class TrainerTest : public ::testing::Test {
                               {"keep_checkpoints", 0}, {"seed", 5}}}};
   }
   Result<TrainSummary> train(const json& j, const std::string& resume = "", const std::string& metrics = "",
-                             comm::Communicator* data_parallel = nullptr, comm::Communicator* pipeline = nullptr) {
+                             comm::Communicator* data_parallel = nullptr, comm::Communicator* pipeline = nullptr,
+                             comm::Communicator* tensor_parallel = nullptr) {
     auto c = parse_run_config(j, "test");
     if (!c.is_ok()) return c.status();
     TrainOptions o;
@@ -62,6 +63,7 @@ class TrainerTest : public ::testing::Test {
     o.metrics_path = metrics;
     o.data_parallel = data_parallel;
     o.pipeline = pipeline;
+    o.tensor_parallel = tensor_parallel;
     return run_training(c.value(), o);
   }
   // Loss and grad_norm of every step, in order, from a metrics file.

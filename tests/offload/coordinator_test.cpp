@@ -78,7 +78,7 @@ struct Rig {
     EXPECT_TRUE(p.is_ok()) << p.status().to_string();
     pool = std::move(p).value();
     std::vector<CoordinatorUnit> units;
-    for (int u = 0; u < kUnits; ++u) units.push_back({fmt::format("unit{}", u), numel_of(u)});
+    for (int u = 0; u < kUnits; ++u) units.push_back({fmt::format("unit{}", u), numel_of(u), true, {}});
     o.param_home = home;
     o.nvme_chunk_elements = 2048;  // units span two chunks
     auto c = Coordinator::create(*device, copies, pool.get(), store.get(), units, o);
@@ -310,7 +310,7 @@ TEST(CoordinatorTest, AUnitOnNvmeThatWasNeverWrittenIsAnErrorNamingIt) {
   CoordinatorOptions o;
   o.param_home = Tier::kNvme;
   o.nvme_chunk_elements = 2048;
-  auto c = Coordinator::create(*device, copies, pool->get(), store->get(), {{"blank", 5000}}, o);
+  auto c = Coordinator::create(*device, copies, pool->get(), store->get(), {{"blank", 5000, true, {}}}, o);
   ASSERT_TRUE(c.is_ok()) << c.status().to_string();
   std::vector<float> half(2048, 1.0f);
   ASSERT_OK(c.value()->write_params(0, 0, 2048, half.data()));  // one chunk of three

@@ -1,0 +1,98 @@
+// tensor_parallel.h — how Megatron-LM's tensor parallelism (parallel.tensor_parallel_size) cuts GPT-2's units
+// over the ranks of a tensor-parallel group, and the arithmetic on those slices.
+//
+// Each rank's unit buffer holds its slices only (DESIGN.md "data model"), laid out like the whole unit (same
+// tensor names, same order, smaller shapes), so the offload coordinator, ZeRO sharding and the optimizers see
+// an ordinary unit. Per tensor (Megatron's column- and row-parallel linears):
+//  - attn.c_attn (QKV, column-parallel): rank r takes heads [r*NH/t, (r+1)*NH/t) of each of q, k and v, weight
+//    rows and bias alike, so its local QKV is an ordinary (3C/t)-wide one over NH/t heads;
+//  - mlp.c_fc (column-parallel): rows [r*4C/t, (r+1)*4C/t) of weight and bias;
+//  - attn.c_proj, mlp.c_proj (row-parallel): the weight's input columns of rank r's heads / hidden units; the bias
+//    is replicated and added once, after the partial outputs are summed;
+//  - wte (vocab-parallel embedding and LM head): rows [r*ceil(V/t), ...), the last rank's slice shorter when t does
+//    not divide V;
+//  - everything else (layernorms, wpe, row-parallel biases) replicated: every rank holds it whole and computes
+//    the same gradient for it, so every rank applies the same update and the copies stay equal.
+// Checkpoints and initialisation use the whole tensors (slice() and assemble() convert), so a checkpoint does not
+// depend on the tensor-parallel size.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "common/status.h"
+#include "common/sum_ranges.h"
+#include "common/tensor.h"
+
+namespace strata::engine {
+
+// How one tensor is cut.
+struct TensorSplit {
+  enum Kind : uint8_t { kReplicated, kRows, kColumns } kind = kReplicated;
+  int segments = 1;  // kRows: the rows are this many equal blocks (q, k, v: 3), each cut into t slices
+};
+
+// The split of GPT-2's tensor `name` (a canonical name, e.g. "h.3.attn.c_attn.weight").
+TensorSplit gpt2_tensor_split(const std::string& name);
+
+// Rows [start, start + count) of R rows cut into `size` slices of ceil(R/size) rows (the last ones shorter or
+// empty).
+struct RowSlice {
+  int64_t start = 0, count = 0;
+};
+RowSlice row_slice(int64_t rows, int rank, int size);
+
+// One unit's split over a group of `size` ranks.
+class UnitSplit {
+ public:
+  UnitSplit() = default;
+  UnitSplit(FlatLayout whole, std::vector<TensorSplit> splits, int size);
+
+  const FlatLayout& whole() const { return whole_; }
+  // Rank r's layout: the same tensors in the same order, its slices' shapes.
+  const FlatLayout& local(int rank) const { return local_[static_cast<size_t>(rank)]; }
+  size_t max_local_numel() const;  // the largest rank's (the size every rank pads to for an all-gather)
+  int size() const { return size_; }
+  bool split() const { return size_ > 1; }
+
+  // Rank r's slices of a whole unit (whole layout) into `local` (its layout), and back: assemble writes rank
+  // r's part of `whole`; over every rank it writes every element.
+  void slice(const float* whole, int rank, float* local) const;
+  void assemble(const float* local, int rank, float* whole) const;
+  // The [offset, offset + length) ranges of rank r's layout holding replicated tensors, in order, merged.
+  Ranges replicated_ranges(int rank) const;
+
+ private:
+  // Calls fn(local_offset, whole_offset, count) for each contiguous run of tensor t of rank r.
+  template <typename Fn>
+  void for_each_run(size_t t, int rank, Fn&& fn) const;
+
+  FlatLayout whole_;
+  std::vector<TensorSplit> splits_;
+  std::vector<FlatLayout> local_;
+  int size_ = 1;
+};
+
+// Each unit's share of the global gradient norm on one rank of a tensor-parallel group, and their sum over it.
+// Replicated tensors hold the same gradient on every rank: rank 0 counts them, the others leave them out.
+struct NormShares {
+  comm::Communicator* group = nullptr;  // null: no tensor parallelism (every share is the whole unit)
+  // Per unit: the [offset, offset + length) ranges of its (local) layout this rank does not count.
+  std::vector<Ranges> excluded;
+
+  bool active() const { return group != nullptr && group->size() > 1; }
+  // Rank's share of unit u's gradient (n floats at `offset` of the unit) from sum_squares(p, n).
+  template <typename SumSquares>
+  double share(size_t u, const float* x, size_t offset, size_t n, SumSquares&& sum_squares) const {
+    static const Ranges kNone;
+    return sum_squares_excluding(x, offset, n, active() ? excluded[u] : kNone, sum_squares);
+  }
+  // per[u] (this rank's shares) become the group's sums, the ranks' shares added in rank order, so every rank
+  // gets the same bits. Collective over the group; nothing to do without one.
+  Status sum(std::vector<double>* per) const;
+};
+
+}  // namespace strata::engine
