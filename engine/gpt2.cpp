@@ -46,9 +46,10 @@ Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, kernels::De
         "model.n_head ({}) must be divisible by parallel.tensor_parallel_size ({}): each rank takes whole heads",
         config.n_head, t);
   }
-  if (t > 1 && config.vocab_size < t) {
-    return Status::invalid_argument("model.vocab_size ({}) is smaller than parallel.tensor_parallel_size ({})",
-                                    config.vocab_size, t);
+  if (t > 1 && row_slice(config.vocab_size, t - 1, t).count == 0) {  // slices of ceil(V/t) rows
+    return Status::invalid_argument(
+        "model.vocab_size ({}) leaves the last of parallel.tensor_parallel_size ({}) ranks no vocabulary rows",
+        config.vocab_size, t);
   }
   if (stage.end < 0) stage.end = config.n_layer;
   if (stage.first < 0 || stage.first >= stage.end || stage.end > config.n_layer)
@@ -129,7 +130,13 @@ bool GPT2::holds(size_t u) const {
 
 size_t GPT2::num_params() const {
   size_t n = 0;
-  for (const Unit& u : units_) n += u.numel();
+  for (size_t u = 0; u < units_.size(); ++u) n += holds(u) ? units_[u].numel() : 0;
+  return n;
+}
+
+size_t GPT2::whole_num_params() const {
+  size_t n = 0;
+  for (size_t u = 0; u < units_.size(); ++u) n += whole_layout(u).numel();
   return n;
 }
 

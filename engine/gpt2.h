@@ -191,8 +191,10 @@ class GPT2 {
   const GPT2Config& config() const { return config_; }
   std::vector<Unit>& units() { return units_; }
   const std::vector<Unit>& units() const { return units_; }
-  size_t num_params() const;
-  const float* logits() const { return acts_.logits; }  // (B,T,V) after forward; device memory
+  size_t num_params() const;        // this rank's (its tensor-parallel slices of its stage's units)
+  size_t whole_num_params() const;  // the whole model's
+  // (B,T,V) after forward, device memory; under tensor parallelism (B,T,Vr): this rank's vocabulary columns only.
+  const float* logits() const { return acts_.logits; }
   const kernels::KernelSet& kernels() const { return *k_; }
   kernels::Device& device() const { return *device_; }
   // FLOPs of one forward+backward over B*T tokens (matmuls and attention; the rest is memory-bound).

@@ -204,9 +204,10 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   }
   if (offload_stack) STRATA_LOG_INFO("{}", offload_stack->describe());
   const int64_t tokens_per_step = static_cast<int64_t>(B) * T * tc.grad_accum_steps * dp_size;
-  STRATA_LOG_INFO("model: GPT-2 {} layers, {} heads, width {}, vocab {}, context {}: {:.2f}M parameters",
+  STRATA_LOG_INFO("model: GPT-2 {} layers, {} heads, width {}, vocab {}, context {}: {:.2f}M parameters{}",
                   config.model.n_layer, config.model.n_head, config.model.n_embd, config.model.vocab_size,
-                  config.model.block_size, model->num_params() / 1e6);
+                  config.model.block_size, model->whole_num_params() / 1e6,
+                  tp || pp ? fmt::format(" ({:.2f}M on this rank)", model->num_params() / 1e6) : std::string());
   STRATA_LOG_INFO("data: {} train tokens in {} shard(s){}; {} tokens per step ({} x {} x {} accum{})",
                   train.total_tokens(), train.paths().size(),
                   val ? fmt::format(", {} val tokens", val->total_tokens()) : std::string(), tokens_per_step, B, T,

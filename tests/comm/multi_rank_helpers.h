@@ -35,7 +35,10 @@ inline double max_difference(const std::filesystem::path& a, const std::filesyst
     }
     const float* x = reinterpret_cast<const float*>(t.data);
     const float* y = reinterpret_cast<const float*>(u->data);
-    for (size_t i = 0; i < t.numel(); ++i) worst = std::max(worst, static_cast<double>(std::abs(x[i] - y[i])));
+    for (size_t i = 0; i < t.numel(); ++i) {
+      const double d = std::abs(static_cast<double>(x[i]) - y[i]);
+      if (!(d <= worst)) worst = d;  // a NaN difference wins (std::max would drop it)
+    }
   }
   return worst;
 }

@@ -8,6 +8,9 @@
 // (the tiny model's weights are O(0.1)). The checkpoints hold whole tensors, so they compare with the single
 // process's file for file. The model has 4 heads (2 per rank) and a vocabulary of 97 (slices of 49 and 48 rows).
 #include <cmath>
+#include <fstream>
+#include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -64,10 +67,28 @@ class TensorParallelTest : public TrainerTest {
     }
   }
 
+  // Validation losses (steps 3 and 6), from a metrics file.
+  static std::vector<double> val_losses(const fs::path& metrics) {
+    std::ifstream in(metrics);
+    std::vector<double> out;
+    for (std::string line; std::getline(in, line);) {
+      const json m = json::parse(line);
+      if (m.contains("val_loss")) out.push_back(m.at("val_loss").get<double>());
+    }
+    return out;
+  }
+
+  // Training and validation losses, norms, final weights and moments within fp32 rounding of the single
+  // process's, and not its bits (the checks would also pass for a run that ignored the split).
   void expect_matches_one(const fs::path& shared, const std::string& name) const {
     SCOPED_TRACE(name + " vs one process");
     expect_within_rounding(losses(dir_ / "one.jsonl"), losses(dir_ / (name + ".jsonl")), 6,
                            shared / "one" / "step_000006", shared / name / "step_000006");
+    EXPECT_NE(losses(dir_ / "one.jsonl"), losses(dir_ / (name + ".jsonl")));
+    const std::vector<double> want = val_losses(dir_ / "one.jsonl"), got = val_losses(dir_ / (name + ".jsonl"));
+    ASSERT_EQ(want.size(), 2u);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-5 * want[i]) << "validation " << i;
   }
 };
 
@@ -94,9 +115,6 @@ TEST_F(TensorParallelTest, TwoRanksMatchOneProcess) {
   if (world.rank() == 0) {
     expect_matches_one(shared, "tp2");
     expect_matches_one(shared, "tp2offload");  // parameters in host memory, Adam on NVMe, per rank
-    // Not bitwise the single process (the sums associate differently): the checks above would also pass for a
-    // run that ignored the split, so they must differ somewhere.
-    EXPECT_NE(losses(dir_ / "one.jsonl"), losses(dir_ / "tp2.jsonl"));
     // The same arithmetic: bitwise equal.
     EXPECT_EQ(losses(dir_ / "tp2.jsonl"), losses(dir_ / "tp2offload.jsonl"));
     EXPECT_EQ(losses(dir_ / "tp2.jsonl"), losses(dir_ / "tp2ckhost.jsonl"));
@@ -128,7 +146,8 @@ TEST_F(TensorParallelTest, RefusesHeadsThatDoNotSplit) {
 }
 
 // TP=2 x PP=2 x DP=2: each data-parallel rank's 4 micro-batches flow through 2 stages of 2 tensor-parallel
-// ranks; one process runs the same 8 micro-batches per step.
+// ranks; one process runs the same 8 micro-batches per step. A resume of the ZeRO-3 run (its checkpoint
+// gathered over all three dimensions) is bitwise the straight run.
 TEST_F(TensorParallelTest, ThreeDimensionsOnEightRanksMatchOneProcess) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 240});
   ASSERT_TRUE(w.is_ok());
@@ -147,11 +166,18 @@ TEST_F(TensorParallelTest, ThreeDimensionsOnEightRanksMatchOneProcess) {
   const std::vector<TpRun> runs = {
       {"3d", 2, 2, 6},
       {"3dz3nvme", 2, 2, 6, false, nvme},
+      {"3dz3resumed", 2, 2, 3, false, nvme},
+      {"3dz3resumed", 2, 2, 6, true, nvme},
   };
   run_all(world, shared, runs, 4, 8);
   if (world.rank() == 0) {
     expect_matches_one(shared, "3d");
     expect_matches_one(shared, "3dz3nvme");
+    for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
+      EXPECT_TRUE(file_bytes(shared / "3dz3nvme" / "step_000006" / f) ==
+                  file_bytes(shared / "3dz3resumed" / "step_000006" / f))
+          << "resumed vs straight: " << f;
+    }
   }
   ASSERT_TRUE(world.barrier().is_ok());
 }
