@@ -137,6 +137,7 @@ Result<RunConfig> parse_run_config(const nlohmann::json& j, const std::string& s
   STRATA_RETURN_IF_ERROR(pa.get_int("tensor_parallel_size", &c.parallel.tensor_parallel_size));
   STRATA_RETURN_IF_ERROR(pa.get_int("pipeline_parallel_size", &c.parallel.pipeline_parallel_size));
   STRATA_RETURN_IF_ERROR(pa.get_string("pipeline_schedule", &c.parallel.pipeline_schedule));
+  STRATA_RETURN_IF_ERROR(pa.get_bool("sequence_parallel", &c.parallel.sequence_parallel));
   STRATA_RETURN_IF_ERROR(pa.finish());
   if (c.parallel.pipeline_schedule != "1f1b" && c.parallel.pipeline_schedule != "gpipe")
     return Status::invalid_argument("{}: parallel.pipeline_schedule must be \"1f1b\" or \"gpipe\", got \"{}\"", source,
@@ -149,6 +150,11 @@ Result<RunConfig> parse_run_config(const nlohmann::json& j, const std::string& s
     return Status::invalid_argument("{}: parallel.tensor_parallel_size and pipeline_parallel_size must be >= 1, got "
                                     "{} and {}",
                                     source, c.parallel.tensor_parallel_size, c.parallel.pipeline_parallel_size);
+  const int64_t rows = static_cast<int64_t>(c.training.batch_size) * c.training.seq_len;
+  if (c.parallel.sequence_parallel && rows % c.parallel.tensor_parallel_size != 0)
+    return Status::invalid_argument("{}: parallel.sequence_parallel cuts training.batch_size x training.seq_len = {} "
+                                    "rows over parallel.tensor_parallel_size {} ranks: they must divide evenly",
+                                    source, rows, c.parallel.tensor_parallel_size);
   if (c.model.n_head % c.parallel.tensor_parallel_size != 0)  // each tensor-parallel rank takes whole heads
     return Status::invalid_argument("{}: model.n_head ({}) must be divisible by parallel.tensor_parallel_size ({})",
                                     source, c.model.n_head, c.parallel.tensor_parallel_size);

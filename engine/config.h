@@ -56,9 +56,11 @@ struct ComputeConfig {
 
 // How the ranks of `mpirun -np N` are split (comm/grid.h): N / (tensor x pipeline) data-parallel replicas.
 struct ParallelConfig {
-  int tensor_parallel_size = 1;    // ranks sharing each layer (innermost); > 1 is not built yet
+  int tensor_parallel_size = 1;    // ranks sharing each layer (innermost; engine/tensor_parallel.h)
   int pipeline_parallel_size = 1;  // pipeline stages (engine/pipeline.h), at most model.n_layer
   std::string pipeline_schedule = "1f1b";  // "1f1b" (Megatron-LM's) or "gpipe"
+  // Megatron-LM's sequence parallelism for the layernorm regions (with tensor_parallel_size > 1; engine/gpt2.h).
+  bool sequence_parallel = false;
 };
 
 struct RunConfig {

@@ -38,7 +38,7 @@ Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, const kerne
 
 Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, kernels::Device& device,
                                            MatmulPrecision precision, bool offloaded, PipelineStage stage,
-                                           comm::Communicator* tp) {
+                                           comm::Communicator* tp, bool sequence_parallel) {
   STRATA_RETURN_IF_ERROR(config.validate());
   const int t = tp != nullptr ? tp->size() : 1;
   if (t > 1 && config.n_head % t != 0) {
@@ -63,6 +63,7 @@ Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, kernels::De
     m->tp_rank_ = tp->rank();
     m->tp_size_ = t;
     m->norm_shares_.group = tp;
+    m->sp_ = sequence_parallel;
   }
   m->attn_width_ = config.n_embd / t;
   m->heads_ = config.n_head / t;
@@ -228,6 +229,38 @@ Status GPT2::tp_all_reduce(float* x, size_t n) {
   return tp_->all_reduce(x, x, n, DType::kF32, comm::ReduceOp::kSum).with_context("tensor-parallel all-reduce");
 }
 
+Result<const float*> GPT2::gather_rows(const float* rows, size_t rows_floats) {
+  if (!sp_) return rows;
+  STRATA_RETURN_IF_ERROR(tp_->all_gather(rows, grads_.full, rows_floats, DType::kF32)
+                             .with_context("sequence-parallel all-gather"));
+  return static_cast<const float*>(grads_.full);
+}
+
+Status GPT2::reduce_rows(float* partial, float* out, size_t rows_floats) {
+  if (!sp_) {
+    STRATA_ASSERT(partial == out);
+    return tp_all_reduce(out, rows_floats);
+  }
+  return tp_->reduce_scatter(partial, out, rows_floats, DType::kF32, comm::ReduceOp::kSum)
+      .with_context("sequence-parallel reduce-scatter");
+}
+
+Status GPT2::layernorm_backward_rows(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                                     const float* weight, const float* mean, const float* rstd, int rows) {
+  const int C = config_.n_embd;
+  if (!sp_) {
+    k_->layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, rows, C);
+    return Status::ok();
+  }
+  float* g = grads_.ln_grads;
+  device_->zero(g, sizeof(float) * 2 * C);
+  k_->layernorm_backward(dinp, g, g + C, dout, inp, weight, mean, rstd, rows, C);
+  STRATA_RETURN_IF_ERROR(tp_all_reduce(g, 2 * static_cast<size_t>(C)));
+  k_->residual_forward(dweight, dweight, g, C);
+  k_->residual_forward(dbias, dbias, g + C, C);
+  return Status::ok();
+}
+
 Result<offload::UnitView> GPT2::acquire(size_t u, offload::Pass pass) {
   if (coordinator_ != nullptr) return coordinator_->acquire(u, pass);
   STRATA_ASSERT_MSG(!offloaded_, "an offloaded model needs set_coordinator()");
@@ -258,25 +291,34 @@ Status GPT2::ensure_activations(int B, int T) {
   // in host memory.
   const size_t R = checkpointing_ == ActivationCheckpointing::kHost ? std::min<size_t>(2, layers) : layers;
   const size_t BT = static_cast<size_t>(B) * T;
+  if (sp_ && BT % static_cast<size_t>(tp_size_) != 0) {
+    return Status::invalid_argument(
+        "sequence parallelism cuts the {} x {} = {} rows of a batch over parallel.tensor_parallel_size ({}) ranks: "
+        "they must divide evenly",
+        B, T, BT, tp_size_);
+  }
+  // Rows of the residual stream here (sequence parallelism: this rank's share).
+  const size_t Nr = rows_here(static_cast<int>(BT));
   // This rank's widths: attention (A = C/t), MLP hidden (F = 4C/t), vocabulary columns (Vr): all of them
   // without tensor parallelism.
   const size_t A = attn_width_, F = mlp_width_, Vr = static_cast<size_t>(vocab_.count);
   const size_t att_floats = k_->attention_saved_floats(B, T, attn_width_, heads_, precision_);
   // Sizes in floats, in the order of the Activations struct, then the per-block gradient scratch.
   const size_t sizes[] = {
-      BT * C,                                  // encoded
-      L * BT * C, L * BT, L * BT,              // ln1, ln1_mean, ln1_rstd
+      Nr * C,                                  // encoded
+      L * Nr * C, L * Nr, L * Nr,              // ln1, ln1_mean, ln1_rstd
       L * BT * 3 * A,                          // qkv
       L * BT * A,                              // atty
       L * att_floats,                          // att: what attention saves for backward
-      L * BT * C, L * BT * C,                  // attproj, residual2
-      L * BT * C, L * BT, L * BT,              // ln2, ln2_mean, ln2_rstd
+      L * Nr * C, L * Nr * C,                  // attproj, residual2
+      L * Nr * C, L * Nr, L * Nr,              // ln2, ln2_mean, ln2_rstd
       L * BT * F, L * BT * F,                  // fch, fch_gelu
-      L * BT * C, R * BT * C,                  // fcproj, residual3
-      BT * C, BT, BT,                          // lnf, lnf_mean, lnf_rstd
+      L * Nr * C, R * Nr * C,                  // fcproj, residual3
+      Nr * C, Nr, Nr,                          // lnf, lnf_mean, lnf_rstd
       stage_.head ? BT * Vr : 0, BT, BT, BT,   // logits (the head's stage only), losses, lse, dlosses
       BT, BT,                                  // inputs, targets (int32, same size as float)
-      BT * C, BT * C, BT * A, BT * 3 * A, BT * F, BT * F,  // dres, dln, datty, dqkv, dfch, dfch_gelu
+      Nr * C, BT * C, BT * A, BT * 3 * A, BT * F, BT * F,  // dres, dln, datty, dqkv, dfch, dfch_gelu
+      sp_ ? Nr * C : 0, sp_ ? BT * C : 0, sp_ ? 2 * C : 0,  // dln_rows, full, ln_grads
   };
   // The first kPerSlot arrays are one micro-batch's activations (one set per slot); the block gradients after
   // them are shared.
@@ -297,7 +339,7 @@ Status GPT2::ensure_activations(int B, int T) {
   if (checkpointing_ == ActivationCheckpointing::kHost && layers > 1) {
     // Per slot, the inputs of the stage's blocks after its first (the outputs of all but its last); the last
     // block's output never needs recomputing from.
-    const size_t bytes = static_cast<size_t>(slots_) * (layers - 1) * BT * C * sizeof(float);
+    const size_t bytes = static_cast<size_t>(slots_) * (layers - 1) * Nr * C * sizeof(float);
     if (host_checkpoints_.size() < bytes) {
       host_checkpoints_.reset();
       STRATA_ASSIGN_OR_RETURN(host_checkpoints_, host_pool_->try_acquire(bytes, "gpt2.activation_checkpoints"));
@@ -309,7 +351,8 @@ Status GPT2::ensure_activations(int B, int T) {
                      &acts_.fch, &acts_.fch_gelu, &acts_.fcproj, &acts_.residual3, &acts_.lnf, &acts_.lnf_mean,
                      &acts_.lnf_rstd, &acts_.logits, &acts_.losses, &acts_.lse, &acts_.dlosses,
                      reinterpret_cast<float**>(&acts_.inputs), reinterpret_cast<float**>(&acts_.targets),
-                     &grads_.dres, &grads_.dln, &grads_.datty, &grads_.dqkv, &grads_.dfch, &grads_.dfch_gelu};
+                     &grads_.dres, &grads_.dln, &grads_.datty, &grads_.dqkv, &grads_.dfch, &grads_.dfch_gelu,
+                     &grads_.dln_rows, &grads_.full, &grads_.ln_grads};
   static_assert(sizeof(slots) / sizeof(slots[0]) == sizeof(sizes) / sizeof(sizes[0]));
   slot_acts_.assign(static_cast<size_t>(slots_), Activations{});
   for (int k = 0; k < slots_; ++k) {
@@ -333,42 +376,47 @@ Status GPT2::ensure_activations(int B, int T) {
 
 // Under tensor parallelism the QKV and first MLP linear produce this rank's heads and hidden units (A = C/t,
 // F = 4C/t wide), and the attention output and second MLP linear its partial sums of the (B,T,C) outputs, with
-// the bias added on rank 0 only, summed over the group.
+// the bias added on rank 0 only, summed over the group (sequence parallelism: the linears' inputs gathered from
+// the ranks' rows, their outputs reduce-scattered to them).
 Status GPT2::block_forward(int l, const float* params, const float* residual, int B, int T) {
   const int C = config_.n_embd, A = attn_width_, NH = heads_, F = mlp_width_;
-  const int N = B * T;
-  const size_t BTC = static_cast<size_t>(N) * C, BTA = static_cast<size_t>(N) * A, BTF = static_cast<size_t>(N) * F;
+  const int N = B * T, Nr = static_cast<int>(rows_here(N));
+  const size_t RC = static_cast<size_t>(Nr) * C, BTA = static_cast<size_t>(N) * A, BTF = static_cast<size_t>(N) * F;
   const BlockParams w = block_params(l, params);
   const size_t a = act_layer(l);
-  float* ln1 = acts_.ln1 + a * BTC;
-  float* ln1_mean = acts_.ln1_mean + a * N;
-  float* ln1_rstd = acts_.ln1_rstd + a * N;
+  float* ln1 = acts_.ln1 + a * RC;
+  float* ln1_mean = acts_.ln1_mean + a * Nr;
+  float* ln1_rstd = acts_.ln1_rstd + a * Nr;
   float* qkv = acts_.qkv + a * BTA * 3;
   float* atty = acts_.atty + a * BTA;
   float* att = acts_.att + a * k_->attention_saved_floats(B, T, A, NH, precision_);
-  float* attproj = acts_.attproj + a * BTC;
-  float* residual2 = acts_.residual2 + a * BTC;
-  float* ln2 = acts_.ln2 + a * BTC;
-  float* ln2_mean = acts_.ln2_mean + a * N;
-  float* ln2_rstd = acts_.ln2_rstd + a * N;
+  float* attproj = acts_.attproj + a * RC;
+  float* residual2 = acts_.residual2 + a * RC;
+  float* ln2 = acts_.ln2 + a * RC;
+  float* ln2_mean = acts_.ln2_mean + a * Nr;
+  float* ln2_rstd = acts_.ln2_rstd + a * Nr;
   float* fch = acts_.fch + a * BTF;
   float* fch_gelu = acts_.fch_gelu + a * BTF;
-  float* fcproj = acts_.fcproj + a * BTC;
-  float* residual3 = block_output(l, BTC);
+  float* fcproj = acts_.fcproj + a * RC;
+  float* residual3 = block_output(l, RC);
   const bool adds_bias = tp_rank_ == 0;  // of the row-parallel linears
 
-  k_->layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, w.ln1w, w.ln1b, N, C);
-  k_->matmul_forward(qkv, ln1, w.qkvw, w.qkvb, N, C, 3 * A, precision_);
+  k_->layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, w.ln1w, w.ln1b, Nr, C);
+  STRATA_ASSIGN_OR_RETURN(const float* ln1_in, gather_rows(ln1, RC));
+  k_->matmul_forward(qkv, ln1_in, w.qkvw, w.qkvb, N, C, 3 * A, precision_);
   k_->attention_forward(atty, att, qkv, B, T, A, NH, precision_);
-  k_->matmul_forward(attproj, atty, w.attprojw, adds_bias ? w.attprojb : nullptr, N, A, C, precision_);
-  STRATA_RETURN_IF_ERROR(tp_all_reduce(attproj, BTC));
-  k_->residual_forward(residual2, residual, attproj, BTC);
-  k_->layernorm_forward(ln2, ln2_mean, ln2_rstd, residual2, w.ln2w, w.ln2b, N, C);
-  k_->matmul_forward(fch, ln2, w.fcw, w.fcb, N, C, F, precision_);
+  float* partial = partial_for(attproj);
+  k_->matmul_forward(partial, atty, w.attprojw, adds_bias ? w.attprojb : nullptr, N, A, C, precision_);
+  STRATA_RETURN_IF_ERROR(reduce_rows(partial, attproj, RC));
+  k_->residual_forward(residual2, residual, attproj, RC);
+  k_->layernorm_forward(ln2, ln2_mean, ln2_rstd, residual2, w.ln2w, w.ln2b, Nr, C);
+  STRATA_ASSIGN_OR_RETURN(const float* ln2_in, gather_rows(ln2, RC));
+  k_->matmul_forward(fch, ln2_in, w.fcw, w.fcb, N, C, F, precision_);
   k_->gelu_forward(fch_gelu, fch, BTF);
-  k_->matmul_forward(fcproj, fch_gelu, w.fcprojw, adds_bias ? w.fcprojb : nullptr, N, F, C, precision_);
-  STRATA_RETURN_IF_ERROR(tp_all_reduce(fcproj, BTC));
-  k_->residual_forward(residual3, residual2, fcproj, BTC);
+  partial = partial_for(fcproj);
+  k_->matmul_forward(partial, fch_gelu, w.fcprojw, adds_bias ? w.fcprojb : nullptr, N, F, C, precision_);
+  STRATA_RETURN_IF_ERROR(reduce_rows(partial, fcproj, RC));
+  k_->residual_forward(residual3, residual2, fcproj, RC);
   return Status::ok();
 }
 
@@ -377,7 +425,7 @@ Result<float> GPT2::forward(const int32_t* inputs, const int32_t* targets, int B
 }
 
 const float* GPT2::stage_output() const {
-  return block_output(stage_.end - 1, static_cast<size_t>(last_B_) * last_T_ * config_.n_embd);
+  return block_output(stage_.end - 1, residual_floats(last_B_, last_T_));
 }
 
 const float* GPT2::stage_input_grad() const { return grads_.dres; }
@@ -396,7 +444,7 @@ Result<float> GPT2::forward_stage(const int32_t* inputs, const int32_t* targets,
     device_->copy_to_device(acts_.inputs, inputs, sizeof(int32_t) * N);
   } else {
     STRATA_ASSERT_MSG(x_in != nullptr, "a pipeline stage after the first needs its input activations");
-    device_->copy_to_device(acts_.encoded, x_in, sizeof(float) * N * config_.n_embd);
+    device_->copy_to_device(acts_.encoded, x_in, sizeof(float) * residual_floats(B, T));
   }
 
   char& ready = ready_for_backward_[static_cast<size_t>(slot_)];
@@ -460,83 +508,101 @@ Status GPT2::combine_vocab_parallel_losses(const int32_t* targets, int N) {
 Status GPT2::forward_units(int B, int T) {
   using offload::Pass;
   const int C = config_.n_embd, L = config_.n_layer;
-  const int N = B * T;
-  const size_t BTC = static_cast<size_t>(N) * C;
+  const int N = B * T, Nr = static_cast<int>(rows_here(N));
+  const size_t RC = residual_floats(B, T);
   if (coordinator_ != nullptr && marks_steps_) coordinator_->begin_step();
   const size_t wpe_offset = units_[0].layout.specs()[1].offset;
   if (stage_.embedding) {
     // Vocab-parallel: each rank embeds the tokens of its rows (rank 0 adds the positions), summed over the group.
     STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kForward));
-    k_->encoder_forward(acts_.encoded, acts_.inputs, emb.params, tp_rank_ == 0 ? emb.params + wpe_offset : nullptr, B,
-                        T, C, static_cast<int>(vocab_.start), static_cast<int>(vocab_.count));
+    float* partial = partial_for(acts_.encoded);
+    k_->encoder_forward(partial, acts_.inputs, emb.params, tp_rank_ == 0 ? emb.params + wpe_offset : nullptr, B, T,
+                        C, static_cast<int>(vocab_.start), static_cast<int>(vocab_.count));
     release(0, Pass::kForward);
-    STRATA_RETURN_IF_ERROR(tp_all_reduce(acts_.encoded, BTC));
+    STRATA_RETURN_IF_ERROR(reduce_rows(partial, acts_.encoded, RC));
   }
   const float* residual = acts_.encoded;
   for (int l = stage_.first; l < stage_.end; ++l) {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView block, acquire(1 + l, Pass::kForward));
     STRATA_RETURN_IF_ERROR(block_forward(l, block.params, residual, B, T));
     release(1 + l, Pass::kForward);
-    residual = block_output(l, BTC);
+    residual = block_output(l, RC);
     if (checkpointing_ == ActivationCheckpointing::kHost && l + 1 < stage_.end)
-      device_->copy_to_host(host_checkpoint(l, BTC), residual, BTC * sizeof(float));
+      device_->copy_to_host(host_checkpoint(l, RC), residual, RC * sizeof(float));
   }
   if (!stage_.head) return Status::ok();
   {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView lnf, acquire(L + 1, Pass::kForward));
-    k_->layernorm_forward(acts_.lnf, acts_.lnf_mean, acts_.lnf_rstd, residual, lnf.params, lnf.params + C, N, C);
+    k_->layernorm_forward(acts_.lnf, acts_.lnf_mean, acts_.lnf_rstd, residual, lnf.params, lnf.params + C, Nr, C);
     release(L + 1, Pass::kForward);
   }
   // The LM head is tied to the token embedding: the embedding unit's second use (this rank's vocabulary columns).
+  STRATA_ASSIGN_OR_RETURN(const float* lnf_in, gather_rows(acts_.lnf, RC));
   STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kForward));
-  k_->matmul_forward(acts_.logits, acts_.lnf, emb.params, nullptr, N, C, static_cast<int>(vocab_.count), precision_);
+  k_->matmul_forward(acts_.logits, lnf_in, emb.params, nullptr, N, C, static_cast<int>(vocab_.count), precision_);
   release(0, Pass::kForward);
   return Status::ok();
 }
 
 // The mirror of block_forward: each column-parallel linear's input gradient is this rank's part of the
 // (B,T,C) sum, completed over the group before its layernorm's backward; the row-parallel linears' input
-// gradients are this rank's slices already, and their biases' gradients the same on every rank.
+// gradients are this rank's slices already, and their biases' gradients the same on every rank. Under sequence
+// parallelism `dres` is this rank's rows: gathered for the row-parallel linears' backward, and the input
+// gradients reduce-scattered back to the rows; the linears' inputs are gathered again from the saved rows.
 Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* residual, float* dres, int B, int T) {
   const int C = config_.n_embd, A = attn_width_, NH = heads_, F = mlp_width_;
-  const int N = B * T;
-  const size_t BTC = static_cast<size_t>(N) * C, BTA = static_cast<size_t>(N) * A, BTF = static_cast<size_t>(N) * F;
+  const int N = B * T, Nr = static_cast<int>(rows_here(N));
+  const size_t RC = static_cast<size_t>(Nr) * C, BTC = static_cast<size_t>(N) * C;
+  const size_t BTA = static_cast<size_t>(N) * A, BTF = static_cast<size_t>(N) * F;
   const BlockParams w = block_params(l, unit.params);
   const BlockParams dw = block_params(l, unit.grads);
   const size_t a = act_layer(l);
-  const float* ln1 = acts_.ln1 + a * BTC;
-  const float* ln1_mean = acts_.ln1_mean + a * N;
-  const float* ln1_rstd = acts_.ln1_rstd + a * N;
+  const float* ln1 = acts_.ln1 + a * RC;
+  const float* ln1_mean = acts_.ln1_mean + a * Nr;
+  const float* ln1_rstd = acts_.ln1_rstd + a * Nr;
   const float* qkv = acts_.qkv + a * BTA * 3;
   const float* atty = acts_.atty + a * BTA;
   const float* att = acts_.att + a * k_->attention_saved_floats(B, T, A, NH, precision_);
-  const float* residual2 = acts_.residual2 + a * BTC;
-  const float* ln2 = acts_.ln2 + a * BTC;
-  const float* ln2_mean = acts_.ln2_mean + a * N;
-  const float* ln2_rstd = acts_.ln2_rstd + a * N;
+  const float* residual2 = acts_.residual2 + a * RC;
+  const float* ln2 = acts_.ln2 + a * RC;
+  const float* ln2_mean = acts_.ln2_mean + a * Nr;
+  const float* ln2_rstd = acts_.ln2_rstd + a * Nr;
   const float* fch = acts_.fch + a * BTF;
   const float* fch_gelu = acts_.fch_gelu + a * BTF;
+  float* dln_rows = sp_ ? grads_.dln_rows : grads_.dln;
 
   // The residual adds pass dres through unchanged, so dres is used directly as the gradient of fcproj and of
   // attproj, and the layernorm backwards accumulate into it: no residual_backward copies are needed.
   device_->zero(grads_.dfch_gelu, sizeof(float) * BTF);
   device_->zero(grads_.dfch, sizeof(float) * BTF);
   device_->zero(grads_.dln, sizeof(float) * BTC);
-  k_->matmul_backward(grads_.dfch_gelu, dw.fcprojw, dw.fcprojb, dres, fch_gelu, w.fcprojw, N, F, C, precision_);
+  {
+    STRATA_ASSIGN_OR_RETURN(const float* dout, gather_rows(dres, RC));
+    k_->matmul_backward(grads_.dfch_gelu, dw.fcprojw, dw.fcprojb, dout, fch_gelu, w.fcprojw, N, F, C, precision_);
+  }
   k_->gelu_backward(grads_.dfch, fch, grads_.dfch_gelu, BTF);
-  k_->matmul_backward(grads_.dln, dw.fcw, dw.fcb, grads_.dfch, ln2, w.fcw, N, C, F, precision_);
-  STRATA_RETURN_IF_ERROR(tp_all_reduce(grads_.dln, BTC));
-  k_->layernorm_backward(dres, dw.ln2w, dw.ln2b, grads_.dln, residual2, w.ln2w, ln2_mean, ln2_rstd, N, C);
+  {
+    STRATA_ASSIGN_OR_RETURN(const float* ln2_in, gather_rows(ln2, RC));
+    k_->matmul_backward(grads_.dln, dw.fcw, dw.fcb, grads_.dfch, ln2_in, w.fcw, N, C, F, precision_);
+  }
+  STRATA_RETURN_IF_ERROR(reduce_rows(grads_.dln, dln_rows, RC));
+  STRATA_RETURN_IF_ERROR(
+      layernorm_backward_rows(dres, dw.ln2w, dw.ln2b, dln_rows, residual2, w.ln2w, ln2_mean, ln2_rstd, Nr));
 
   device_->zero(grads_.datty, sizeof(float) * BTA);
   device_->zero(grads_.dqkv, sizeof(float) * BTA * 3);
   device_->zero(grads_.dln, sizeof(float) * BTC);
-  k_->matmul_backward(grads_.datty, dw.attprojw, dw.attprojb, dres, atty, w.attprojw, N, A, C, precision_);
+  {
+    STRATA_ASSIGN_OR_RETURN(const float* dout, gather_rows(dres, RC));
+    k_->matmul_backward(grads_.datty, dw.attprojw, dw.attprojb, dout, atty, w.attprojw, N, A, C, precision_);
+  }
   k_->attention_backward(grads_.dqkv, grads_.datty, qkv, att, B, T, A, NH, precision_);
-  k_->matmul_backward(grads_.dln, dw.qkvw, dw.qkvb, grads_.dqkv, ln1, w.qkvw, N, C, 3 * A, precision_);
-  STRATA_RETURN_IF_ERROR(tp_all_reduce(grads_.dln, BTC));
-  k_->layernorm_backward(dres, dw.ln1w, dw.ln1b, grads_.dln, residual, w.ln1w, ln1_mean, ln1_rstd, N, C);
-  return Status::ok();
+  {
+    STRATA_ASSIGN_OR_RETURN(const float* ln1_in, gather_rows(ln1, RC));
+    k_->matmul_backward(grads_.dln, dw.qkvw, dw.qkvb, grads_.dqkv, ln1_in, w.qkvw, N, C, 3 * A, precision_);
+  }
+  STRATA_RETURN_IF_ERROR(reduce_rows(grads_.dln, dln_rows, RC));
+  return layernorm_backward_rows(dres, dw.ln1w, dw.ln1b, dln_rows, residual, w.ln1w, ln1_mean, ln1_rstd, Nr);
 }
 
 Status GPT2::backward(float loss_scale) { return backward_stage(nullptr, loss_scale); }
@@ -548,11 +614,11 @@ Status GPT2::backward_stage(const float* dy, float loss_scale) {
   ready = 0;  // the logits are overwritten below; a second backward would be wrong
   const int B = last_B_, T = last_T_;
   const int C = config_.n_embd, L = config_.n_layer;
-  const int N = B * T;
-  const size_t BTC = static_cast<size_t>(N) * C;
+  const int N = B * T, Nr = static_cast<int>(rows_here(N));
+  const size_t BTC = static_cast<size_t>(N) * C, RC = residual_floats(B, T);
   if (!stage_.head) {
     STRATA_ASSERT_MSG(dy != nullptr, "a pipeline stage before the last needs its output's gradient");
-    device_->copy_to_device(grads_.dres, dy, sizeof(float) * BTC);
+    device_->copy_to_device(grads_.dres, dy, sizeof(float) * RC);
     STRATA_RETURN_IF_ERROR(backward_blocks(B, T));
     return Status::ok();
   }
@@ -567,19 +633,22 @@ Status GPT2::backward_stage(const float* dy, float loss_scale) {
                                     static_cast<int>(vocab_.start));
 
   device_->zero(grads_.dln, sizeof(float) * BTC);
-  device_->zero(grads_.dres, sizeof(float) * BTC);
+  device_->zero(grads_.dres, sizeof(float) * RC);
+  float* dln_rows = sp_ ? grads_.dln_rows : grads_.dln;
   {
+    STRATA_ASSIGN_OR_RETURN(const float* lnf_in, gather_rows(acts_.lnf, RC));
     STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kBackward));
-    k_->matmul_backward(grads_.dln, emb.grads, nullptr, dlogits, acts_.lnf, emb.params, N, C, Vr, precision_);
+    k_->matmul_backward(grads_.dln, emb.grads, nullptr, dlogits, lnf_in, emb.params, N, C, Vr, precision_);
     release(0, Pass::kBackward);
-    STRATA_RETURN_IF_ERROR(tp_all_reduce(grads_.dln, BTC));  // each rank's columns' part of dlnf
+    STRATA_RETURN_IF_ERROR(reduce_rows(grads_.dln, dln_rows, RC));  // each rank's columns' part of dlnf
   }
   {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView lnf, acquire(L + 1, Pass::kBackward));
-    const float* last_residual = block_output(stage_.end - 1, BTC);
-    k_->layernorm_backward(grads_.dres, lnf.grads, lnf.grads + C, grads_.dln, last_residual, lnf.params,
-                           acts_.lnf_mean, acts_.lnf_rstd, N, C);
+    const float* last_residual = block_output(stage_.end - 1, RC);
+    const Status done = layernorm_backward_rows(grads_.dres, lnf.grads, lnf.grads + C, dln_rows, last_residual,
+                                                lnf.params, acts_.lnf_mean, acts_.lnf_rstd, Nr);
     release(L + 1, Pass::kBackward);
+    STRATA_RETURN_IF_ERROR(done);
     if (on_grads_done_) on_grads_done_(L + 1);
   }
   return backward_blocks(B, T);
@@ -590,14 +659,14 @@ Status GPT2::backward_stage(const float* dy, float loss_scale) {
 Status GPT2::backward_blocks(int B, int T) {
   using offload::Pass;
   const int C = config_.n_embd;
-  const size_t BTC = static_cast<size_t>(B) * T * C;
+  const size_t RC = residual_floats(B, T);
   for (int l = stage_.end - 1; l >= stage_.first; --l) {
-    const float* residual = l == stage_.first ? acts_.encoded : block_output(l - 1, BTC);
+    const float* residual = l == stage_.first ? acts_.encoded : block_output(l - 1, RC);
     STRATA_ASSIGN_OR_RETURN(offload::UnitView block, acquire(1 + l, Pass::kBackward));
     if (checkpointing_ != ActivationCheckpointing::kNone && l + 1 < stage_.end) {
       // Recompute the block from its checkpoint (the last block's activations are still those of forward).
       if (checkpointing_ == ActivationCheckpointing::kHost && l > stage_.first)
-        device_->copy_to_device(const_cast<float*>(residual), host_checkpoint(l - 1, BTC), BTC * sizeof(float));
+        device_->copy_to_device(const_cast<float*>(residual), host_checkpoint(l - 1, RC), RC * sizeof(float));
       STRATA_RETURN_IF_ERROR(block_forward(l, block.params, residual, B, T));
     }
     STRATA_RETURN_IF_ERROR(block_backward(l, block, residual, grads_.dres, B, T));
@@ -605,10 +674,11 @@ Status GPT2::backward_blocks(int B, int T) {
     if (on_grads_done_) on_grads_done_(1 + l);
   }
   if (!stage_.embedding) return Status::ok();
+  // Every rank adds the same wpe gradient (wpe is replicated) and its own vocabulary rows', from every row.
+  STRATA_ASSIGN_OR_RETURN(const float* dout, gather_rows(grads_.dres, RC));
   STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kGradients));
   const size_t wpe_offset = units_[0].layout.specs()[1].offset;
-  // Every rank adds the same wpe gradient (wpe is replicated) and its own vocabulary rows'.
-  k_->encoder_backward(emb.grads, emb.grads + wpe_offset, grads_.dres, acts_.inputs, B, T, C,
+  k_->encoder_backward(emb.grads, emb.grads + wpe_offset, dout, acts_.inputs, B, T, C,
                        static_cast<int>(vocab_.start), static_cast<int>(vocab_.count));
   release(0, Pass::kGradients);
   if (on_grads_done_) on_grads_done_(0);

@@ -33,6 +33,14 @@
 // together; read_params is collective over it, and read_params/write_params and checkpoints see whole tensors
 // (whole_layout), so checkpoints do not depend on t.
 //
+// Sequence parallelism (create(..., sequence_parallel = true), with tensor parallelism): Megatron-LM's option
+// for the layernorm regions. The residual stream (the layernorms, the residual adds, the stage's input and output)
+// is cut by rows: each rank keeps B*T/t of the B*T rows (rows [r*B*T/t, (r+1)*B*T/t) of the flattened (B*T, C)),
+// so those activations take 1/t of the memory. A column-parallel linear's input is all-gathered from the ranks'
+// rows, a row-parallel linear's partial output reduce-scattered back to them (the same bytes as the all-reduce
+// it replaces), and the layernorms' weight and bias gradients, partial over each rank's rows, are summed over
+// the group. B*T must divide by t.
+//
 // Threading: a GPT2 is used by one thread at a time; kernels parallelise inside each op. Activations are sized
 // for (B, T) at the first forward and re-allocated only when B*T grows.
 #pragma once
@@ -97,7 +105,8 @@ class GPT2 {
   // heads do not divide over it is an error naming model.n_head and parallel.tensor_parallel_size.
   static Result<std::unique_ptr<GPT2>> create(const GPT2Config& config, kernels::Device& device,
                                               kernels::MatmulPrecision precision, bool offloaded = false,
-                                              PipelineStage stage = {}, comm::Communicator* tp = nullptr);
+                                              PipelineStage stage = {}, comm::Communicator* tp = nullptr,
+                                              bool sequence_parallel = false);
   // The same on a "cpu" device with the given CPU KernelSet, owned by the model.
   static Result<std::unique_ptr<GPT2>> create(const GPT2Config& config, const kernels::KernelSet& cpu_kernels,
                                               kernels::MatmulPrecision precision);
@@ -164,6 +173,9 @@ class GPT2 {
   [[nodiscard]] Status backward_stage(const float* dy, float loss_scale);
   const float* stage_output() const;      // (B,T,C) device memory, of the current slot's forward
   const float* stage_input_grad() const;  // (B,T,C) device memory, of the last backward_stage
+  // Floats of the residual stream here for (B,T): B*T*C, or this rank's rows of it under sequence parallelism
+  // (the stage's input and output, and their gradients).
+  size_t residual_floats(int B, int T) const { return rows_here(B * T) * static_cast<size_t>(config_.n_embd); }
   // Before the first forward: n >= 1 activation sets (micro-batches in flight).
   void set_activation_slots(int n) {
     STRATA_ASSERT(last_B_ == 0 && n >= 1);
@@ -212,6 +224,22 @@ class GPT2 {
   [[nodiscard]] Status block_forward(int l, const float* params, const float* residual, int B, int T);
   [[nodiscard]] Status block_backward(int l, const offload::UnitView& unit, const float* residual, float* dres, int B,
                                       int T);
+  // Rows of the residual stream on this rank out of N = B*T (sequence parallelism: N/t).
+  size_t rows_here(int N) const { return static_cast<size_t>(sp_ ? N / tp_size_ : N); }
+  // The (B*T, C) input of a column-parallel linear from this rank's rows (`rows_floats` of them): the ranks'
+  // rows gathered into the scratch grads_.full under sequence parallelism, else the rows themselves.
+  Result<const float*> gather_rows(const float* rows, size_t rows_floats);
+  // Where a row-parallel linear (or the embedding) writes its partial (B*T, C) sum that belongs in `out`:
+  // grads_.full under sequence parallelism, else `out`.
+  float* partial_for(float* out) const { return sp_ ? grads_.full : out; }
+  // Completes it over the group: reduce-scattered into this rank's rows `out` (sequence parallelism), or
+  // all-reduced in place (partial == out). Nothing without tensor parallelism.
+  [[nodiscard]] Status reduce_rows(float* partial, float* out, size_t rows_floats);
+  // layernorm_backward over this rank's `rows`; under sequence parallelism its weight and bias gradients are
+  // partial sums over them, summed over the group before they are added to dweight and dbias.
+  [[nodiscard]] Status layernorm_backward_rows(float* dinp, float* dweight, float* dbias, const float* dout,
+                                               const float* inp, const float* weight, const float* mean,
+                                               const float* rstd, int rows);
   // Sums n floats of device memory over the tensor-parallel group, in place (nothing without one).
   [[nodiscard]] Status tp_all_reduce(float* x, size_t n);
   // Unit u's parameters (this rank's slices) to host memory, wherever they live.
@@ -255,12 +283,15 @@ class GPT2 {
   NormShares norm_shares_;
   int attn_width_ = 0, heads_ = 0, mlp_width_ = 0;
   RowSlice vocab_;
+  bool sp_ = false;  // sequence parallelism (with tensor parallelism only)
   bool marks_steps_ = true;
   std::function<Status(size_t, float*)> params_source_;
   offload::Coordinator* coordinator_ = nullptr;
   std::function<void(size_t)> on_grads_done_;
 
-  // Activations of the last forward, llm.c-style, per layer l where marked (L, ...).
+  // Activations of the last forward, llm.c-style, per layer l where marked (L, ...). Under sequence
+  // parallelism the arrays of the residual stream (encoded, ln*, attproj, residual*, fcproj, lnf) hold this
+  // rank's rows only.
   struct Activations {
     float* encoded;    // (B,T,C)
     float* ln1;        // (L,B,T,C)
@@ -296,6 +327,10 @@ class GPT2 {
     float* dqkv;       // (B,T,3C)
     float* dfch;       // (B,T,4C)
     float* dfch_gelu;  // (B,T,4C)
+    // Sequence parallelism only (empty otherwise):
+    float* dln_rows;   // this rank's rows of dln, reduce-scattered
+    float* full;       // (B,T,C) the ranks' rows gathered, or a partial sum before its reduce-scatter
+    float* ln_grads;   // (2C) a layernorm's weight and bias gradients over this rank's rows
   } grads_{};
   kernels::DeviceBuffer act_buffer_;
   int slots_ = 1, slot_ = 0;

@@ -80,7 +80,7 @@ PipelineRunner::PipelineRunner(GPT2& model, comm::Communicator& pp, PipelineSche
   slots_ = schedule == PipelineSchedule::kGPipe ? m_ : std::min(stages_ - stage_, m_);
   model_.set_activation_slots(std::max(1, slots_));
   model_.set_marks_steps(false);  // a step of the offload trace is the whole schedule
-  btc_ = static_cast<size_t>(B) * T * model.config().n_embd;
+  btc_ = model.residual_floats(B, T);  // this rank's rows of it under sequence parallelism
   x_in_.resize(btc_);
   out_.resize(btc_);
   dy_.resize(btc_);

@@ -121,7 +121,8 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   const PipelinePlan plan = plan_pipeline(config.model, T, pp_size);
   const PipelineStage stage = pp ? plan.stages[static_cast<size_t>(pp_rank)] : PipelineStage{};
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> model,
-                          GPT2::create(config.model, *device, config.compute.matmul_precision, offloaded, stage, tp));
+                          GPT2::create(config.model, *device, config.compute.matmul_precision, offloaded, stage, tp,
+                                       config.parallel.sequence_parallel));
   std::optional<PipelineRunner> pipeline;
   if (pp) {
     pipeline.emplace(*model, *pp,

@@ -28,6 +28,7 @@ struct TpRun {
   bool resume = false;
   json zero = json::object();
   json checkpointing = json::object();  // activation_checkpointing
+  bool sequence_parallel = false;
 };
 
 class TensorParallelTest : public TrainerTest {
@@ -52,7 +53,9 @@ class TensorParallelTest : public TrainerTest {
       ASSERT_TRUE(grid.is_ok()) << grid.status().to_string();
       json j = tp_config(r.name, shared, accum);
       j["training"]["max_steps"] = r.steps;
-      j["parallel"] = {{"tensor_parallel_size", r.tp}, {"pipeline_parallel_size", r.pp}};
+      j["parallel"] = {{"tensor_parallel_size", r.tp},
+                       {"pipeline_parallel_size", r.pp},
+                       {"sequence_parallel", r.sequence_parallel}};
       if (!r.zero.empty()) j["zero_optimization"] = r.zero;
       if (!r.checkpointing.empty()) j["activation_checkpointing"] = r.checkpointing;
       const std::string metrics = r.resume ? "" : (dir_ / (r.name + ".jsonl")).string();
@@ -110,11 +113,18 @@ TEST_F(TensorParallelTest, TwoRanksMatchOneProcess) {
       {"tp2resumed", 2, 1, 6, true},
       {"tp2offload", 2, 1, 6, false, offload},
       {"tp2ckhost", 2, 1, 6, false, json::object(), {{"enabled", true}, {"cpu_checkpointing", true}}},
+      {"tp2sp", 2, 1, 6, false, json::object(), json::object(), true},
+      {"tp2spckhost", 2, 1, 6, false, json::object(), {{"enabled", true}, {"cpu_checkpointing", true}}, true},
+      {"tp2spoffload", 2, 1, 6, false, offload, json::object(), true},
   };
   run_all(world, shared, runs, 2, 2);
   if (world.rank() == 0) {
     expect_matches_one(shared, "tp2");
     expect_matches_one(shared, "tp2offload");  // parameters in host memory, Adam on NVMe, per rank
+    expect_matches_one(shared, "tp2sp");       // sequence parallelism
+    expect_matches_one(shared, "tp2spoffload");
+    EXPECT_EQ(losses(dir_ / "tp2sp.jsonl"), losses(dir_ / "tp2spckhost.jsonl"));
+    EXPECT_EQ(losses(dir_ / "tp2sp.jsonl"), losses(dir_ / "tp2spoffload.jsonl"));
     // The same arithmetic: bitwise equal.
     EXPECT_EQ(losses(dir_ / "tp2.jsonl"), losses(dir_ / "tp2offload.jsonl"));
     EXPECT_EQ(losses(dir_ / "tp2.jsonl"), losses(dir_ / "tp2ckhost.jsonl"));
@@ -122,6 +132,9 @@ TEST_F(TensorParallelTest, TwoRanksMatchOneProcess) {
       const std::vector<char> straight = file_bytes(shared / "tp2" / "step_000006" / f);
       EXPECT_TRUE(straight == file_bytes(shared / "tp2resumed" / "step_000006" / f)) << "resumed vs straight: " << f;
       EXPECT_TRUE(straight == file_bytes(shared / "tp2ckhost" / "step_000006" / f)) << "host activation checkpoints: " << f;
+      EXPECT_TRUE(file_bytes(shared / "tp2sp" / "step_000006" / f) ==
+                  file_bytes(shared / "tp2spckhost" / "step_000006" / f))
+          << "sequence parallelism with host activation checkpoints: " << f;
     }
   }
   ASSERT_TRUE(world.barrier().is_ok());
@@ -168,11 +181,13 @@ TEST_F(TensorParallelTest, ThreeDimensionsOnEightRanksMatchOneProcess) {
       {"3dz3nvme", 2, 2, 6, false, nvme},
       {"3dz3resumed", 2, 2, 3, false, nvme},
       {"3dz3resumed", 2, 2, 6, true, nvme},
+      {"3dsp", 2, 2, 6, false, json::object(), json::object(), true},
   };
   run_all(world, shared, runs, 4, 8);
   if (world.rank() == 0) {
     expect_matches_one(shared, "3d");
     expect_matches_one(shared, "3dz3nvme");
+    expect_matches_one(shared, "3dsp");  // sequence parallelism: stages pass this rank's rows of the activations
     for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
       EXPECT_TRUE(file_bytes(shared / "3dz3nvme" / "step_000006" / f) ==
                   file_bytes(shared / "3dz3resumed" / "step_000006" / f))
