@@ -166,6 +166,10 @@ Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float*
   const kernels::DeviceFence fence = r.params_last_use;
   if (r.home == Tier::kHost) {
     std::memcpy(r.host_params.as<float>() + offset, host, bytes);
+  } else if (r.home == Tier::kNvme && r.dev_params.data() != nullptr && !r.persistent) {
+    // Only the device copy is refreshed below; it goes home when evicted (home_stale).
+    STRATA_RETURN_IF_ERROR(State::check_written(r));
+    r.home_stale = true;
   } else if (r.home == Tier::kNvme) {
     const size_t chunk = s_->options.nvme_chunk_elements;
     if (offset % chunk != 0 || (n % chunk != 0 && offset + n != r.info.numel))
@@ -238,7 +242,7 @@ Status Coordinator::read_params(size_t u, float* host) {
   STRATA_RETURN_IF_ERROR(r.params_ready.wait().with_context("offload: loading unit '" + r.info.name + "'"));
   if (r.home == Tier::kHost) {
     std::memcpy(host, r.host_params.data(), r.bytes);
-  } else if (r.home == Tier::kNvme) {
+  } else if (r.home == Tier::kNvme && !r.home_stale) {
     STRATA_RETURN_IF_ERROR(State::check_written(r));
     STRATA_RETURN_IF_ERROR(
         read_chunks(*s_->store, r.nvme_keys, s_->options.nvme_chunk_elements * sizeof(float), host, r.bytes));
@@ -493,7 +497,8 @@ Residency Coordinator::residency(size_t u, StateClass what) const {
     res.home = r.home;
     res.on_device = r.dev_params.data() != nullptr;
     res.on_host = r.home == Tier::kHost;
-    res.on_nvme = r.home == Tier::kNvme;
+    res.on_nvme = r.home == Tier::kNvme && !r.home_stale;
+    res.dirty = r.home_stale;
   } else {
     STRATA_ASSERT(what == StateClass::kGrads);
     res.home = s_->options.grad_home;

@@ -108,6 +108,7 @@ struct CoordinatorStats {  // since the last take_stats()
   uint64_t fetches = 0;    // parameter loads onto the device (prefetched or on demand)
   uint64_t prefetch_hits = 0;  // acquires whose parameters were already on the device or on their way
   uint64_t evictions = 0;
+  uint64_t write_backs = 0;  // evicted parameter copies newer than their nvme home, written there first
   uint64_t retraces = 0;   // times the access order differed from the trace
   uint64_t gather_bytes = 0, reduce_bytes = 0;  // ZeRO-3: units all-gathered, gradients reduce-scattered
 };

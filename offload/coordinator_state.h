@@ -94,6 +94,11 @@ struct Coordinator::State {
     PinnedBuffer host_params;           // home host
     std::vector<std::string> nvme_keys;  // home nvme, one per chunk
     std::vector<bool> nvme_written;      // which chunks have been written (keys are made by the first write)
+    // Home nvme, not sharded: the device copy is newer than the nvme one. write_params refreshes a unit on the
+    // device without writing it home (the optimizer's new parameters, every step), and the device copy is
+    // written home only when it is evicted, or read from the device by read_params. With every unit on the
+    // device (a device budget that holds the model) parameters then never go to nvme between steps.
+    bool home_stale = false;
     int in_use = 0;
     uint64_t last_access = 0;
     // Gradients.
@@ -246,10 +251,30 @@ struct Coordinator::State {
     return d;
   }
 
+  // Writes a stale device copy of r's parameters home (home_stale), chunk by chunk through host memory, on the
+  // calling thread: the device copy then is clean and may be dropped.
+  Status write_back(UnitRec& r) {
+    STRATA_ASSERT(r.home == Tier::kNvme && r.home_stale && r.dev_params.data() != nullptr);
+    STRATA_RETURN_IF_ERROR(r.params_ready.wait());
+    device.fence().wait();
+    const size_t chunk = options.nvme_chunk_elements;
+    std::vector<float> staged(std::min(chunk, r.info.numel));
+    for (size_t k = 0, off = 0; off < r.info.numel; ++k, off += chunk) {
+      const size_t len = std::min(chunk, r.info.numel - off);
+      device.download(staged.data(), r.dev_params.as<float>() + off, len * sizeof(float));
+      STRATA_RETURN_IF_ERROR(store->write(r.nvme_keys[k], staged.data(), len * sizeof(float))
+                                 .with_context("offload: writing unit '" + r.info.name + "' home before evicting it"));
+    }
+    stats.nvme_write_bytes += r.bytes;
+    ++stats.write_backs;
+    r.home_stale = false;
+    return Status::ok();
+  }
+
   // Frees one device buffer of a unit whose next use is farther than `sooner_than` accesses away (0: any unit
-  // not in use): a parameter copy (clean, so only dropped) or a gradient copy that is already on its way home.
-  // False when there is none.
-  bool evict_one(size_t sooner_than, bool params_only = false) {
+  // not in use): a parameter copy (written home first when stale) or a gradient copy that is already on its
+  // way home. False when there is none.
+  Result<bool> evict_one(size_t sooner_than, bool params_only = false) {
     const std::vector<size_t> pd = next_use(false), gd = next_use(true);
     size_t best = SIZE_MAX, best_d = 0;
     bool best_grads = false;
@@ -274,6 +299,7 @@ struct Coordinator::State {
       to_spare(std::move(r.dev_grads), r.grads_last_use, {r.grads_ready, r.grads_download});
       r.grads_ready = CopyTicket();
     } else {
+      if (r.home_stale) STRATA_RETURN_IF_ERROR(write_back(r));
       to_spare(std::move(r.dev_params), r.params_last_use, {r.params_ready});
       r.params_ready = CopyTicket();
       live_elements -= r.info.numel;
@@ -288,7 +314,8 @@ struct Coordinator::State {
     for (;;) {
       auto s = new_slot(bytes, ctx);
       if (s.is_ok() || s.status().code() != StatusCode::kOutOfMemory) return s;
-      if (!evict_one(sooner_than)) {
+      STRATA_ASSIGN_OR_RETURN(const bool evicted, evict_one(sooner_than));
+      if (!evicted) {
         return Status::out_of_memory("{}: the device budget cannot hold the working set ({} MiB in offload slots, "
                                      "{} units in use); {}",
                                      ctx, slot_bytes >> 20, in_use_units(), s.status().message());
@@ -342,7 +369,8 @@ struct Coordinator::State {
     STRATA_ASSERT(r.dev_params.data() == nullptr && !r.persistent);
     STRATA_RETURN_IF_ERROR(check_written(r));
     while (live_elements + r.info.numel > options.max_live_elements) {
-      if (!evict_one(sooner_than, /*params_only=*/true)) break;  // demand loads go over the soft cap, not fail
+      STRATA_ASSIGN_OR_RETURN(const bool evicted, evict_one(sooner_than, /*params_only=*/true));
+      if (!evicted) break;  // demand loads go over the soft cap, not fail
     }
     if (!demand && live_elements + r.info.numel > options.max_live_elements) return false;
     auto slot = obtain(u, r.slot_bytes, sooner_than, "parameters");
@@ -419,8 +447,9 @@ struct Coordinator::State {
         r.slot_bytes);
   }
 
-  void drop_params(UnitRec& r) {
+  void drop_params(UnitRec& r) {  // under ZeRO-3, whose home copies are never stale
     if (r.persistent || r.dev_params.data() == nullptr) return;
+    STRATA_ASSERT(!r.home_stale);
     to_spare(std::move(r.dev_params), r.params_last_use, {r.params_ready});
     r.params_ready = CopyTicket();
     live_elements -= r.info.numel;

@@ -220,8 +220,77 @@ TEST(CoordinatorTest, ADeviceBudgetBelowTheModelEvictsWithoutStaleDataAndAccumul
   EXPECT_LE(rig.device->peak_bytes(), limit);
   const CoordinatorStats s = rig.coord->take_stats();
   EXPECT_GT(s.evictions, 0u);
+  EXPECT_GT(s.write_backs, 0u) << "units updated on the device were evicted, their new parameters written home";
   EXPECT_GT(s.prefetch_hits, 0u) << "replayed steps should find prefetched units";
   EXPECT_EQ(s.retraces, 0u);
+}
+
+// New parameters of a unit on the device are not written to nvme (the device copy is marked newer); read_params
+// and the next acquires get them from the device.
+TEST(CoordinatorTest, ParametersOnTheDeviceGoHomeOnlyWhenEvicted) {
+  Rig rig(Tier::kNvme);
+  rig.step(all_units(), 0);  // every unit on the device (no budget)
+  rig.coord->take_stats();
+  for (int u = 0; u < kUnits; ++u) {
+    for (float& x : rig.params[u]) x += 1.0f;
+    ASSERT_OK(rig.coord->write_params(u, rig.params[u].data()));
+    const Residency res = rig.coord->residency(u, StateClass::kParams);
+    EXPECT_TRUE(res.on_device && res.dirty && !res.on_nvme) << "unit " << u;
+  }
+  EXPECT_EQ(rig.coord->take_stats().nvme_write_bytes, 0u);
+  std::vector<float> back(numel_of(3));
+  ASSERT_OK(rig.coord->read_params(3, back.data()));  // from the device copy
+  EXPECT_EQ(back, rig.params[3]);
+  rig.step(all_units(), 1);  // still the new parameters, from the device
+}
+
+// Under a cap of two units' parameters, loading another evicts a newer device copy, which goes home first; a
+// disk that fails that write stops the load with the unit's name, and the newer copy stays on the device.
+TEST(CoordinatorTest, AFailedWriteBackKeepsTheNewerDeviceCopy) {
+  CoordinatorOptions o;
+  o.max_live_elements = 2 * numel_of(1);
+  Rig rig(Tier::kNvme, 0, o, /*faulty=*/true);
+  rig.zero_grads();
+  rig.step(all_units(), 0);
+  rig.check_grads_and_update(0);  // the units still on the device now hold newer parameters than nvme
+  std::vector<int> resident, absent;
+  for (int u = 0; u < kUnits; ++u) {
+    const Residency res = rig.coord->residency(u, StateClass::kParams);
+    (res.on_device ? resident : absent).push_back(u);
+    EXPECT_EQ(res.dirty, res.on_device) << "unit " << u;
+  }
+  ASSERT_FALSE(resident.empty());
+  ASSERT_FALSE(absent.empty());
+  rig.fault->set_enabled(true);
+  rig.coord->begin_step();
+  auto v = rig.coord->acquire(absent[0], Pass::kForward);
+  ASSERT_FALSE(v.is_ok());
+  EXPECT_NE(v.status().to_string().find("before evicting it"), std::string::npos) << v.status().to_string();
+  for (int u : resident) EXPECT_TRUE(rig.coord->residency(u, StateClass::kParams).dirty) << "unit " << u;
+  rig.fault->set_enabled(false);
+  for (int u : resident) {
+    std::vector<float> back(numel_of(u));
+    ASSERT_OK(rig.coord->read_params(u, back.data()));
+    EXPECT_EQ(back, rig.params[u]) << "unit " << u;
+  }
+}
+
+// With room for three units, every step evicts: the new parameters go home on eviction and come back exact
+// (the step checks every acquire against the current parameters).
+TEST(CoordinatorTest, EvictedNewerParametersComeBackExact) {
+  const uint64_t limit = 3 * numel_of(1) * 4;
+  Rig rig(Tier::kNvme, limit);
+  for (int n = 0; n < 3; ++n) {
+    rig.zero_grads();
+    rig.step(all_units(), n);
+    rig.check_grads_and_update(n);
+  }
+  for (int u = 0; u < kUnits; ++u) {
+    std::vector<float> back(numel_of(u));
+    ASSERT_OK(rig.coord->read_params(u, back.data()));
+    EXPECT_EQ(back, rig.params[u]) << "unit " << u;
+  }
+  EXPECT_GT(rig.coord->take_stats().write_backs, 0u);
 }
 
 TEST(CoordinatorTest, GradientsOnNvmeAccumulateExactlyUnderADeviceBudget) {
