@@ -287,9 +287,11 @@ int run_bench_step_offload(const BenchStepOptions& o) {
               device.value()->description().c_str(), o.offload_param.c_str(), o.offload_optimizer.c_str(),
               o.checkpointing.c_str());
   std::printf("offloaded step (median of %d): %.1f ms, %.0f tokens/s\n", o.steps, step_s * 1e3, tokens / step_s);
-  std::printf("  breakdown: stall %.1f ms, optimizer %.1f ms (of which waiting for gradients %.1f), "
-              "h2d %.1f MB (%.1f ms busy), d2h %.1f MB (%.1f ms), nvme read %.1f MB + write %.1f MB (%.1f ms busy)\n",
-              r.stall_s * 1e3, r.optimizer_s * 1e3, r.grads_wait_s * 1e3, r.h2d_bytes / 1e6, r.h2d_busy_s * 1e3,
+  std::printf("  breakdown: stall %.1f ms, optimizer %.1f ms (of which waiting for gradients %.1f; the next forward "
+              "waited %.1f for it), h2d %.1f MB (%.1f ms busy), d2h %.1f MB (%.1f ms), nvme read %.1f MB + write %.1f "
+              "MB (%.1f ms busy)\n",
+              r.stall_s * 1e3, r.optimizer_s * 1e3, r.grads_wait_s * 1e3, r.update_wait_s * 1e3, r.h2d_bytes / 1e6,
+              r.h2d_busy_s * 1e3,
               r.d2h_bytes / 1e6, r.d2h_busy_s * 1e3, r.nvme_read_bytes / 1e6, r.nvme_write_bytes / 1e6,
               r.nvme_busy_s * 1e3);
   if (o.offload_optimizer == "nvme") {

@@ -240,10 +240,11 @@ Result<double> OffloadedAdamW::step_sharded(float lr, bool* skipped) {
   return norm;
 }
 
-void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculative) {
+void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculative, bool gated) {
   handoff_ = std::make_unique<Handoff>();
   Handoff& h = *handoff_;
   h.speculative = speculative;
+  h.gated = gated;
   if (!speculative) {
     for (size_t g = 0; g < groups_.size(); ++g) h.feed.push_back({g, offload::CopyTicket()});
     h.closed = true;
@@ -257,6 +258,11 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
   worker_ = std::thread([this, hp, speculative, grads = std::move(grads)] {
     Timer update;
     Status st = run_update(hp, grads, speculative);
+    Handoff& h = *handoff_;
+    {
+      std::lock_guard lock(h.mu);
+      if (h.gated && !h.opened) st = Status::ok();  // cancelled before its first update: nothing changed
+    }
     std::lock_guard lock(handoff_->mu);
     handoff_->stats.update_s = update.seconds();
     handoff_->status = std::move(st);
@@ -273,10 +279,40 @@ Status OffloadedAdamW::set_gradient_reducer(comm::Communicator* group) {
   return Status::ok();
 }
 
+bool OffloadedAdamW::gated() const {
+  if (!handoff_) return false;
+  std::lock_guard lock(handoff_->mu);
+  return handoff_->gated && !handoff_->opened;
+}
+
+void OffloadedAdamW::open_gate(const kernels::AdamWParams& hp, double grads_wait_s) {
+  Handoff& h = *handoff_;
+  std::lock_guard lock(h.mu);
+  h.hp = hp;
+  h.opened = true;
+  h.grads_wait_s = grads_wait_s;
+  h.cv.notify_all();
+}
+
+void OffloadedAdamW::cancel_gated() {
+  {
+    std::lock_guard lock(handoff_->mu);
+    handoff_->abandoned = true;
+    handoff_->cv.notify_all();
+  }
+  (void)join();  // ok: it stopped before its first update
+}
+
 Status OffloadedAdamW::begin_last_backward(float lr) {
   STRATA_RETURN_IF_ERROR(finish());  // the last update: published by the forward, its writes done
-  if (!swapper_ || !options_.overlap_backward || !speculate_next_ || reducer_ != nullptr || pp_ != nullptr)
+  if (!swapper_ || !options_.overlap_backward || reducer_ != nullptr || pp_ != nullptr) return Status::ok();
+  if (!speculate_next_) {
+    // The last step clipped, so this one probably will: no update before the norm, but its first sub-groups'
+    // state read now (the gradients must be in host memory by then, as step() ensures, not read here).
+    if (coordinator_->options().grad_home == offload::Tier::kHost)
+      start_update(adamw_params(config_, lr, t_ + 1, 1.0f), /*speculative=*/false, /*gated=*/true);
     return Status::ok();
+  }
   speculated_hp_ = adamw_params(config_, lr, t_ + 1, 1.0f);
   fed_.assign(model_->units().size(), false);
   start_update(speculated_hp_, /*speculative=*/true);
@@ -303,7 +339,8 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
     std::lock_guard lock(handoff_->mu);
     speculating = handoff_->speculative;
   }
-  if (!speculating) STRATA_RETURN_IF_ERROR(finish());  // normally done already: the forward published it
+  const bool gated_update = gated();
+  if (!speculating && !gated_update) STRATA_RETURN_IF_ERROR(finish());  // normally done: the forward published it
   Timer wait;
   STRATA_RETURN_IF_ERROR(coordinator_->flush_grads());
   if (reducer_ != nullptr) {  // the step's gradient is the sum over the data-parallel ranks
@@ -322,6 +359,7 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   const kernels::AdamWParams hp = adamw_params(config_, lr, t_ + 1, scale.value_or(0.0f));
   speculation_ = SpeculationStats{};
   speculation_.started = speculating;
+  speculation_.early_reads = gated_update;
   if (speculating) {
     Handoff& h = *handoff_;
     if (finite && hp.lr == speculated_hp_.lr && hp.grad_scale == speculated_hp_.grad_scale) {
@@ -348,6 +386,15 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
     speculation_.redone = true;
   }
   speculate_next_ = finite && hp.grad_scale == 1.0f;
+  if (gated_update) {
+    if (!finite) {
+      cancel_gated();
+      return norm;
+    }
+    ++t_;
+    open_gate(hp, grads_wait_s);  // its first sub-groups are read already
+    return norm;
+  }
   if (!finite) return norm;
   ++t_;
   start_update(hp, /*speculative=*/false);
@@ -406,6 +453,20 @@ Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp, const std::vec
     offload::OptimizerSwapper::StepPlan plan;
     plan.next = [this](bool wait) { return take_next(wait); };
     plan.keep_old = keep_old;
+    bool gated = false;
+    {
+      std::lock_guard lock(handoff_->mu);
+      gated = handoff_->gated;
+    }
+    if (gated) {  // reads first; the parameters once step() knows the norm
+      plan.params = [this]() -> Result<kernels::AdamWParams> {
+        Handoff& h = *handoff_;
+        std::unique_lock lock(h.mu);
+        h.cv.wait(lock, [&] { return h.opened || h.abandoned; });
+        if (h.abandoned) return Status::internal("optimizer step {}: cancelled before its update", t_ + 1);
+        return h.hp;
+      };
+    }
     Status st = swapper_->step(grads, {}, DType::kF32, hp,
                                [&](size_t i, const float* master) { return deliver(i, master); }, plan);
     stats.nvme_read_bytes = swapper_->last_step_stats().bytes_read;
@@ -455,8 +516,10 @@ Status OffloadedAdamW::publish_next() {
     group = h.feed[next_publish_].group;
   }
   const Group& g = groups_[group];
+  Timer writing;
   const Status status = coordinator_->write_params(g.unit, g.offset, g.spec.numel, master);
   std::lock_guard lock(h.mu);
+  h.update_wait_s += writing.seconds();
   if (status.is_ok()) {
     h.published = ++next_publish_;
   } else {
@@ -471,6 +534,7 @@ Status OffloadedAdamW::join() {
   worker_.join();
   stats_ = h.stats;
   stats_.grads_wait_s = h.grads_wait_s;
+  stats_.update_wait_s = h.update_wait_s;
   const Status status = h.status;
   handoff_.reset();
   return status;
@@ -503,8 +567,13 @@ Status OffloadedAdamW::finish() {
     std::lock_guard lock(handoff_->mu);
     speculative = handoff_->speculative;
   }
-  // An update started during a backward whose step() never came (an error in between): undone.
+  // An update started during a backward whose step() never came (an error in between): undone, or (gated)
+  // stopped before it changed anything.
   if (speculative) return abandon_speculation(/*restore=*/true);
+  if (gated()) {
+    cancel_gated();
+    return Status::ok();
+  }
   return publish_through(SIZE_MAX);
 }
 
@@ -517,6 +586,7 @@ Status OffloadedAdamW::publish_through(size_t unit) {
     std::lock_guard lock(h.mu);
     speculative = h.speculative;
   }
+  if (gated()) return Status::ok();  // nothing is updated before step() opens it
   if (speculative) {
     // During the backward that feeds it: publish what is ready, never wait (the norm is not known yet).
     for (;;) {
@@ -540,8 +610,10 @@ Status OffloadedAdamW::publish_through(size_t unit) {
   };
   while (status.is_ok() && needed()) {
     {
+      Timer waited;
       std::unique_lock lock(h.mu);
       h.cv.wait(lock, [&] { return h.ready > next_publish_ || h.done; });
+      h.update_wait_s += waited.seconds();
       if (h.ready <= next_publish_) break;  // the worker ended (failed) before this group
     }
     status = publish_next();

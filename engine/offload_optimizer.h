@@ -15,7 +15,10 @@
 // assuming the step will not clip. The swapper keeps the old state until step() knows the global norm: if the
 // guess was right (finite, no clipping, the same lr) the early updates stand, else they are rolled back and the
 // whole update is redone with the right scale, so the result is always that of the non-overlapped path. It
-// speculates only after a step that did not clip (a run that clips every step would redo every step). With
+// speculates only after a step that did not clip (a run that clips every step would redo every step); after one
+// that clipped it still starts the update during the last backward, gated: the first sub-groups' state is read
+// from NVMe while backward runs (the disk is idle then), and the update itself waits for step() to give it the
+// scale. With
 // "cpu" it does not speculate: undoing an update in memory would need a second copy of the state (12 bytes
 // per parameter, what the placement exists to save), and its update runs at memory speed anyway.
 //
@@ -54,6 +57,7 @@ struct OffloadedAdamWOptions {
 // Where the last step's time went (seconds) and what it moved.
 struct OffloadedStepStats {
   double grads_wait_s = 0;  // waiting for gradients to arrive in host memory
+  double update_wait_s = 0;  // the training thread waiting for new parameters (a unit's update not done yet)
   double update_s = 0;      // the fused Adam passes (with nvme: the whole swap pipeline)
   uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;
 };
@@ -63,6 +67,7 @@ struct SpeculationStats {
   bool started = false;     // the update started during backward (assuming no clipping)
   size_t early_groups = 0;  // sub-groups it took before the norm was known (kept, or rolled back)
   bool redone = false;      // they were rolled back: clipping, another lr, or a non-finite norm
+  bool early_reads = false;  // gated (the last step clipped): only the first sub-groups' reads started
 };
 
 class OffloadedAdamW final : public Optimizer {
@@ -135,15 +140,24 @@ class OffloadedAdamW final : public Optimizer {
     std::vector<Item> feed;
     bool closed = false;       // nothing more will be fed
     bool speculative = false;  // started before the norm was known (scale 1 assumed); cleared when confirmed
+    bool gated = false;        // started before the norm was known, reading only: waits for `hp` from step()
+    bool opened = false;       // gated: step() gave it `hp`
+    kernels::AdamWParams hp;
     size_t taken = 0, ready = 0, published = 0;
     std::vector<const float*> master;  // by position
     bool done = false, abandoned = false;
     Status status;
     OffloadedStepStats stats;  // the worker's timings and bytes
     double grads_wait_s = 0;   // the training thread's
+    double update_wait_s = 0;  // the training thread's, in publish_through
   };
   // Starts the worker on a new handoff: every sub-group in order when not speculative.
-  void start_update(const kernels::AdamWParams& hp, bool speculative);
+  // gated: the update starts reading, and waits for its parameters from open_gate() (or is cancelled).
+  void start_update(const kernels::AdamWParams& hp, bool speculative, bool gated = false);
+  // Gated update: whether one is waiting; give it the step's parameters; or stop it (nothing was updated).
+  bool gated() const;
+  void open_gate(const kernels::AdamWParams& hp, double grads_wait_s);
+  void cancel_gated();
   // On the worker: grads[g] is sub-group g's gradient in host memory, or null to read its swap key.
   Status run_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads, bool keep_old);
   Result<size_t> take_next(bool wait);                // on the worker: the next fed sub-group

@@ -30,6 +30,7 @@ nlohmann::json OffloadStepReport::to_json() const {
   return {{"stall_ms", stall_s * 1e3},
           {"optimizer_ms", optimizer_s * 1e3},
           {"grads_wait_ms", grads_wait_s * 1e3},
+          {"update_wait_ms", update_wait_s * 1e3},
           {"h2d_bytes", h2d_bytes},
           {"d2h_bytes", d2h_bytes},
           {"nvme_read_bytes", nvme_read_bytes},
@@ -43,9 +44,11 @@ nlohmann::json OffloadStepReport::to_json() const {
           {"fetches", fetches},
           {"prefetch_hits", prefetch_hits},
           {"evictions", evictions},
+          {"write_backs", write_backs},
           {"retraces", retraces},
           {"early_start", early_start},
           {"early_groups", early_groups},
+          {"early_reads", early_reads},
           {"redone", redone},
           {"device_bytes", device.live},
           {"device_peak_bytes", device.peak},
@@ -228,14 +231,17 @@ OffloadStepReport OffloadRuntime::take_report() {
   r.fetches = cs.fetches;
   r.prefetch_hits = cs.prefetch_hits;
   r.evictions = cs.evictions;
+  r.write_backs = cs.write_backs;
   r.retraces = cs.retraces;
   const OffloadedStepStats& os = optimizer_->last_step_stats();
   r.optimizer_s = os.update_s;
   r.grads_wait_s = os.grads_wait_s;
+  r.update_wait_s = os.update_wait_s;
   r.nvme_read_bytes += os.nvme_read_bytes;
   r.nvme_write_bytes += os.nvme_write_bytes;
   r.early_start = optimizer_->last_speculation().started ? 1 : 0;
   r.early_groups = optimizer_->last_speculation().early_groups;
+  r.early_reads = optimizer_->last_speculation().early_reads ? 1 : 0;
   r.redone = optimizer_->last_speculation().redone ? 1 : 0;
   auto delta = [](const offload::CopyQueueStats& now, offload::CopyQueueStats* last) {
     const double d = now.busy_s - last->busy_s;

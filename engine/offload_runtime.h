@@ -48,14 +48,17 @@ struct OffloadStepReport {
   double stall_s = 0;           // training thread waiting for parameters or gradients to arrive
   double optimizer_s = 0;       // the CPU optimizer (with nvme: its whole swap pipeline)
   double grads_wait_s = 0;      // the optimizer waiting for the last gradients to reach host memory
+  double update_wait_s = 0;     // the training thread waiting for the optimizer's new parameters
   double h2d_busy_s = 0, d2h_busy_s = 0, nvme_busy_s = 0;  // copy queues' busy time
   uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_write_bytes = 0;
   uint64_t fetches = 0, prefetch_hits = 0, evictions = 0, retraces = 0;
+  uint64_t write_backs = 0;  // evicted parameters newer than their nvme home, written there first
   uint64_t gather_bytes = 0, reduce_bytes = 0;  // ZeRO-3: units all-gathered, gradients reduce-scattered
   double collectives_busy_s = 0;                // ZeRO-3: the coordinator's collectives (waiting for peers too)
   uint64_t early_start = 0;   // 1 when the optimizer's update started during backward (nvme)
   uint64_t early_groups = 0;  // sub-groups it updated before the norm was known
   uint64_t redone = 0;        // 1 when those updates were rolled back and the step redone
+  uint64_t early_reads = 0;   // 1 when (after a clipped step) only its first sub-groups' state was read in backward
   offload::TierUsage device, host, nvme;
   nlohmann::json to_json() const;
   std::string summary() const;  // "dev 12.0M host 1.2G nvme 3.4G | stall 3 ms opt 40 ms"

@@ -232,6 +232,8 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
     if (Status st = issue_read(cur, 0); !st.is_ok()) return drain(st);
   }
   static const char* kWhat[] = {"master", "m", "v"};
+  kernels::AdamWParams step_hp = hp;
+  bool have_hp = !plan.params;
   for (size_t pos = 0; cur != kEnd; ++pos) {
     const size_t g = cur;
     Slot& slot = *slots_[pos % num_slots];
@@ -252,9 +254,15 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
     float* m = slot.region(region_floats_, 1);
     float* v = slot.region(region_floats_, 2);
     const float* grad = groups_[g].grad_key.empty() ? grads[g] : slot.region(region_floats_, 3);
+    if (!have_hp) {  // the reads of this sub-group and the next are on their way
+      Result<kernels::AdamWParams> known = plan.params();
+      if (!known.is_ok()) return drain(known.status());
+      step_hp = known.value();
+      have_hp = true;
+    }
     Timer update;
     for (const OptimizerSegment& sg : groups_[g].segments) {
-      kernels::AdamWParams p = hp;
+      kernels::AdamWParams p = step_hp;
       p.weight_decay = sg.weight_decay;
       uint16_t* w16 = working_dtype == DType::kF32 ? nullptr : static_cast<uint16_t*>(working[g]) + sg.offset;
       kernels::cpu::fast::adamw_update_mixed(master + sg.offset, m + sg.offset, v + sg.offset, grad + sg.offset, w16,

@@ -73,6 +73,10 @@ struct OptimizerStepPlan {
   static constexpr size_t kEnd = SIZE_MAX, kNotYet = SIZE_MAX - 1;
   std::function<Result<size_t>(bool wait)> next;  // null: every sub-group once, in index order
   bool keep_old = false;                          // leave the new versions pending for commit() / rollback()
+  // Null: the step's `hp`. Else called once, after the first sub-groups' reads are issued and before the first
+  // update: the step's parameters, which may not be known when the step starts (its reads then overlap the
+  // wait). An error ends the step before anything was updated.
+  std::function<Result<kernels::AdamWParams>()> params;
 };
 
 class OptimizerSwapper {

@@ -137,6 +137,7 @@ TEST_F(OffloadTrainTest, GradientAccumulationIsExactWithOffloadedGradients) {
 // With the optimizer on nvme, updates start during backward assuming no clipping, and are redone when the step
 // clips: with a clip threshold that some steps cross and others do not, both outcomes happen in one run, which
 // is still bitwise the plain run (with gradient accumulation too: only the last micro-batch starts updates).
+// After a clipped step the next one only reads its first sub-groups' state during backward (gated): also exact.
 TEST_F(OffloadTrainTest, UpdatesStartedInBackwardAreKeptOrRedoneExactly) {
   for (const int accum : {1, 2}) {
     SCOPED_TRACE(accum);
@@ -160,25 +161,30 @@ TEST_F(OffloadTrainTest, UpdatesStartedInBackwardAreKeptOrRedoneExactly) {
     expect_same_run(plain, nvme, 8);
     // Which steps kept their early updates and which redid them: metrics lines in step order.
     std::ifstream in(dir_ / (nvme + ".jsonl"));
-    int kept = 0, redone = 0;
+    int kept = 0, redone = 0, gated = 0;
     for (std::string line; std::getline(in, line);) {
       const json m = json::parse(line).at("offload");
+      gated += m.at("early_reads").get<int>();
       if (m.at("early_start").get<int>() == 0) continue;  // (how many groups it got to depends on timing)
       (m.at("redone").get<int>() ? redone : kept) += 1;
     }
     EXPECT_GT(kept, 0) << json(norms).dump();
     EXPECT_GT(redone, 0) << json(norms).dump();
+    EXPECT_GT(gated, 0) << json(norms).dump();
   }
 }
 
 // A step whose norm is not finite is skipped: the updates it started during backward are rolled back and the
 // parameters they published are put back, so the run is still bitwise the plain run (which skips the same
-// steps). The huge learning rate makes the second step's gradients overflow.
+// steps). The huge learning rate makes the second step's gradients overflow. With a clip every step, the
+// skipped step had only read ahead (gated), and is stopped before it changes anything.
 TEST_F(OffloadTrainTest, ASkippedStepUndoesTheUpdatesStartedInBackward) {
+  for (const double clip : {0.0, 1e-6}) {
+  SCOPED_TRACE(clip);
   auto diverging = [&](const std::string& name, const json& zero) {
     json j = config(name, zero);
     j["training"]["max_steps"] = 4;
-    j["training"]["grad_clip"] = 0;
+    j["training"]["grad_clip"] = clip;
     j["training"]["lr"] = 1e30;
     j["training"]["warmup_steps"] = 0;
     j["training"]["val_every"] = 0;
@@ -192,13 +198,17 @@ TEST_F(OffloadTrainTest, ASkippedStepUndoesTheUpdatesStartedInBackward) {
   int skipped_early = 0;
   for (std::string line; std::getline(in, line);) {
     const json m = json::parse(line);
-    skipped_early += m.value("skipped", false) && m.at("offload").at("early_start").get<int>() == 1;
+    skipped_early += m.value("skipped", false) &&
+                     m.at("offload").at(clip > 0 ? "early_reads" : "early_start").get<int>() == 1;
   }
-  EXPECT_EQ(skipped_early, 1) << "the first skipped step had started its update during backward";
+  // Without clipping only the first skipped step speculated (a skipped step stops speculation); clipping every
+  // step, every skipped step read ahead.
+  EXPECT_EQ(skipped_early, clip > 0 ? 3 : 1) << "skipped steps that had started their update (or reads) early";
   for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
     const auto a = file_bytes(dir_ / "plain_skip" / "step_000004" / f);
     EXPECT_FALSE(a.empty());
     EXPECT_TRUE(a == file_bytes(dir_ / "nvme_skip" / "step_000004" / f)) << f;
+  }
   }
 }
 

@@ -230,7 +230,7 @@ TEST(OptimizerSwapPlanTest, KeptStepsCommitOrRollBackExactly) {
       return *at < order.size() ? order[(*at)++] : OptimizerSwapper::kEnd;
     };
   };
-  OptimizerStepPlan plan{.next = reversed({2, 1, 0}), .keep_old = true};
+  OptimizerStepPlan plan{.next = reversed({2, 1, 0}), .keep_old = true, .params = nullptr};
   ASSERT_TRUE(s.step(grads, {}, DType::kF32, hyper(1), nullptr, plan).is_ok());
   EXPECT_EQ(s.pending(), groups.size());
   EXPECT_FALSE(s.step(grads, {}, DType::kF32, hyper(1)).is_ok()) << "a step while new versions are pending";
@@ -250,9 +250,25 @@ TEST(OptimizerSwapPlanTest, KeptStepsCommitOrRollBackExactly) {
   s.rollback();
   EXPECT_EQ(read_all(), initial);
 
-  // Redone and committed: the plain step's bits, then a plain step continues from them.
+  // Parameters not known yet when the step starts (the gate): an error from it ends the step before any
+  // update, leaving nothing pending.
   plan.next = reversed({0, 2, 1});
-  ASSERT_TRUE(s.step(grads, {}, DType::kF32, hyper(1), nullptr, plan).is_ok());
+  plan.params = []() -> Result<kernels::AdamWParams> { return Status::internal("cancelled before its update"); };
+  const Status cancelled = s.step(grads, {}, DType::kF32, hyper(1), nullptr, plan);
+  EXPECT_NE(cancelled.message().find("cancelled before its update"), std::string::npos) << cancelled.to_string();
+  EXPECT_EQ(s.pending(), 0u) << "nothing was updated";
+  EXPECT_EQ(read_all(), initial);
+
+  // Redone and committed, with the parameters from the gate (the step's own argument is ignored): the plain
+  // step's bits, then a plain step continues from them.
+  plan.next = reversed({0, 2, 1});
+  int asked = 0;
+  plan.params = [&asked]() -> Result<kernels::AdamWParams> {
+    ++asked;
+    return hyper(1);
+  };
+  ASSERT_TRUE(s.step(grads, {}, DType::kF32, hyper(9), nullptr, plan).is_ok());
+  EXPECT_EQ(asked, 1);
   ASSERT_TRUE(s.commit().is_ok());
   for (int step = 1; step <= 2; ++step) {
     if (step == 2) {
