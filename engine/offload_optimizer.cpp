@@ -259,15 +259,12 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
     Timer update;
     Status st = run_update(hp, grads, speculative);
     Handoff& h = *handoff_;
-    {
-      std::lock_guard lock(h.mu);
-      if (h.gated && !h.opened) st = Status::ok();  // cancelled before its first update: nothing changed
-    }
-    std::lock_guard lock(handoff_->mu);
-    handoff_->stats.update_s = update.seconds();
-    handoff_->status = std::move(st);
-    handoff_->done = true;
-    handoff_->cv.notify_all();
+    std::lock_guard lock(h.mu);
+    if (h.gated && !h.opened) st = Status::ok();  // cancelled before its first update: nothing changed
+    h.stats.update_s = update.seconds() - h.gate_wait_s;
+    h.status = std::move(st);
+    h.done = true;
+    h.cv.notify_all();
   });
 }
 
@@ -461,8 +458,10 @@ Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp, const std::vec
     if (gated) {  // reads first; the parameters once step() knows the norm
       plan.params = [this]() -> Result<kernels::AdamWParams> {
         Handoff& h = *handoff_;
+        Timer gate;
         std::unique_lock lock(h.mu);
         h.cv.wait(lock, [&] { return h.opened || h.abandoned; });
+        h.gate_wait_s = gate.seconds();
         if (h.abandoned) return Status::internal("optimizer step {}: cancelled before its update", t_ + 1);
         return h.hp;
       };

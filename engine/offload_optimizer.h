@@ -143,6 +143,7 @@ class OffloadedAdamW final : public Optimizer {
     bool gated = false;        // started before the norm was known, reading only: waits for `hp` from step()
     bool opened = false;       // gated: step() gave it `hp`
     kernels::AdamWParams hp;
+    double gate_wait_s = 0;    // the worker waiting for it (not part of the update's time)
     size_t taken = 0, ready = 0, published = 0;
     std::vector<const float*> master;  // by position
     bool done = false, abandoned = false;
