@@ -100,26 +100,42 @@ Status ShardedAdamW::reduce_scatter_tensor(const Slice& s, const float* whole, f
 Result<double> ShardedAdamW::step(float lr, bool* skipped) {
   const std::vector<Unit>& units = *units_;
   double norm = 0;
+  const bool tensor_parallel = shares_ != nullptr && shares_->active();
   if (stage_ == 1) {
     for (const Unit& u : units)
       STRATA_RETURN_IF_ERROR(group_->all_reduce(u.g(), u.g(), u.numel(), DType::kF32, comm::ReduceOp::kSum)
                                  .with_context("gradients of " + u.name));
-    norm = AdamW::grad_norm(units, *device_);  // the unsharded norm, bit for bit
+    if (!tensor_parallel) {
+      norm = AdamW::grad_norm(units, *device_);  // the unsharded norm, bit for bit
+    } else {  // each unit's share here, summed over the tensor-parallel group, then in unit order
+      std::vector<double> per(units.size());
+      for (size_t u = 0; u < units.size(); ++u) per[u] = unit_norm_share(*shares_, u, units[u], *device_);
+      STRATA_RETURN_IF_ERROR(shares_->sum(&per));
+      double total = 0.0;
+      for (const double x : per) total += x;
+      norm = std::sqrt(total);
+    }
   } else {
     double mine = 0.0;
     for (const Slice& s : slices_) {
       float* shard = grad_shard_.data() + s.shard_offset;
       STRATA_RETURN_IF_ERROR(reduce_scatter_tensor(s, units[s.unit].g() + s.tensor_offset, shard)
                                  .with_context("gradients of " + units[s.unit].name));
-      mine = device_->add_sum_squares(mine, shard, s.len);
+      if (!tensor_parallel) {
+        mine = device_->add_sum_squares(mine, shard, s.len);
+      } else {  // the slice is elements [tensor_offset + lo, + len) of its unit
+        mine += shares_->share(s.unit, shard, s.tensor_offset + s.lo, s.len,
+                               [&](const float* x, size_t n) { return device_->add_sum_squares(0.0, x, n); });
+      }
     }
     // Every rank's sum of squares, added in rank order (the doubles travel as pairs of fp32 words: bits are
-    // copied, never converted).
+    // copied, never converted); under tensor parallelism then summed over its group the same way.
     std::vector<double> sums(static_cast<size_t>(group_->size()));
     STRATA_RETURN_IF_ERROR(group_->all_gather(&mine, sums.data(), 2, DType::kF32));
-    double total = 0.0;
-    for (const double x : sums) total += x;
-    norm = std::sqrt(total);
+    std::vector<double> total(1, 0.0);
+    for (const double x : sums) total[0] += x;
+    if (tensor_parallel) STRATA_RETURN_IF_ERROR(shares_->sum(&total));
+    norm = std::sqrt(total[0]);
   }
   const std::optional<float> scale = step_scale(norm, config_.grad_clip, skipped);
   if (!scale) return norm;

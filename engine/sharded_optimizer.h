@@ -36,6 +36,9 @@ class ShardedAdamW final : public Optimizer {
   // Reduces the gradients over the group (all-reduce or reduce-scatter by stage), then as AdamW::step.
   // Collective.
   Result<double> step(float lr, bool* skipped) override;
+  // Tensor parallelism: the norm is the tensor-parallel group's sum of the ranks' shares (`shares` must outlive
+  // the optimizer; inactive: the data-parallel group's norm alone).
+  void set_norm_shares(const NormShares* shares) { shares_ = shares; }
   int steps_taken() const override { return t_; }
   void set_steps_taken(int t) override { t_ = t; }
   Status adopt_params() override;
@@ -69,6 +72,7 @@ class ShardedAdamW final : public Optimizer {
   kernels::Device* device_ = nullptr;
   comm::Communicator* group_ = nullptr;
   int stage_ = 1, t_ = 0;
+  const NormShares* shares_ = nullptr;
   std::vector<Slice> slices_;
   size_t shard_numel_ = 0;
   kernels::DeviceBuffer m_, v_;      // this rank's slices of the moments

@@ -77,11 +77,6 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
                                 "on every stage",
                                 config.source, config.offload.stage, pp_size));
   }
-  if (tp && (config.offload.stage == 1 || config.offload.stage == 2) && !offload_enabled(config.offload))
-    return Status(StatusCode::kUnimplemented,
-                  fmt::format("{}: tensor parallelism with zero_optimization stage {} without offload is not built "
-                              "yet (parallel.tensor_parallel_size {}); stage 0, stage 3 and offload work with it",
-                              config.source, config.offload.stage, tp->size()));
   if ((dp || pp || tp) && !leader) logger().set_level(spdlog::level::warn);
   std::optional<tbb::global_control> threads;
   if (config.compute.threads > 0)
@@ -147,6 +142,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     opt = pipeline_opt.get();
   } else if (dp && !zero3 && (config.offload.stage == 1 || config.offload.stage == 2)) {
     STRATA_ASSIGN_OR_RETURN(sharded_opt, ShardedAdamW::create(model->units(), ac, *device, *dp, config.offload.stage));
+    sharded_opt->set_norm_shares(&model->norm_shares());
     opt = sharded_opt.get();
     STRATA_LOG_INFO("zero_optimization.stage {}: Adam's moments sharded over {} ranks ({} of {} elements here)",
                     config.offload.stage, dp_size, sharded_opt->shard_elements(), model->num_params());
@@ -259,7 +255,14 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
       return take_part_in_checkpoint(*model, *opt, [&](size_t u) { return !pp || plan.owner(u) == pp_rank; });
     if (pp && dp_rank == 0 && pp_rank > 0) return take_part_in_pipeline_checkpoint(*model, plan, *opt, *pp);
     // The first stage's other tensor-parallel ranks gather with rank 0 (and receive the other stages' units).
-    if (tp && dp_rank == 0 && tp_rank > 0) return take_part_in_checkpoint(*model, *opt, [](size_t) { return true; });
+    if (tp && dp_rank == 0 && tp_rank > 0) {
+      Status taken = take_part_in_checkpoint(*model, *opt, [](size_t) { return true; });
+      if (sharded_opt) {  // its data-parallel group served the moments' gathers until now
+        const Status ended = sharded_opt->end_checkpoint();
+        if (taken.is_ok()) taken = ended;
+      }
+      return taken;
+    }
     if (!leader) return sharded_opt ? sharded_opt->serve_checkpoint() : Status::ok();
     state.train_pos = train.position();
     auto saved = save_checkpoint(tc.checkpoint_dir, *model, *opt, state, tc.keep_checkpoints);

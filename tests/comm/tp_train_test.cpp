@@ -159,7 +159,7 @@ TEST_F(TensorParallelTest, RefusesHeadsThatDoNotSplit) {
 }
 
 // TP=2 x PP=2 x DP=2: each data-parallel rank's 4 micro-batches flow through 2 stages of 2 tensor-parallel
-// ranks; one process runs the same 8 micro-batches per step. A resume of the ZeRO-3 run (its checkpoint
+// ranks; one process runs the same 8 micro-batches per step. Also TP=2 x DP=4 under ZeRO stages 1 and 2. A resume of the ZeRO-3 run (its checkpoint
 // gathered over all three dimensions) is bitwise the straight run.
 TEST_F(TensorParallelTest, ThreeDimensionsOnEightRanksMatchOneProcess) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 240});
@@ -184,7 +184,16 @@ TEST_F(TensorParallelTest, ThreeDimensionsOnEightRanksMatchOneProcess) {
       {"3dsp", 2, 2, 6, false, json::object(), json::object(), true},
   };
   run_all(world, shared, runs, 4, 8);
+  // TP=2 x DP=4 with ZeRO stages 1 and 2 (Adam's moments, then the gradients, sharded over the 4 data-parallel
+  // ranks of each tensor-parallel rank): 2 micro-batches per data-parallel rank, the same 8 per step.
+  const std::vector<TpRun> zero = {
+      {"tp2dp4z1", 2, 1, 6, false, {{"stage", 1}}},
+      {"tp2dp4z2", 2, 1, 6, false, {{"stage", 2}}},
+  };
+  run_all(world, shared, zero, 2, 8);
   if (world.rank() == 0) {
+    expect_matches_one(shared, "tp2dp4z1");
+    expect_matches_one(shared, "tp2dp4z2");
     expect_matches_one(shared, "3d");
     expect_matches_one(shared, "3dz3nvme");
     expect_matches_one(shared, "3dsp");  // sequence parallelism: stages pass this rank's rows of the activations
