@@ -260,7 +260,9 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
     Status st = run_update(hp, grads, speculative);
     Handoff& h = *handoff_;
     std::lock_guard lock(h.mu);
-    if (h.gated && !h.opened) st = Status::ok();  // cancelled before its first update: nothing changed
+    // Cancelled before its first update: nothing changed. (A read that failed before the gate opened is an
+    // error like any other.)
+    if (h.gated && !h.opened && h.abandoned) st = Status::ok();
     h.stats.update_s = update.seconds() - h.gate_wait_s;
     h.status = std::move(st);
     h.done = true;
@@ -297,7 +299,9 @@ void OffloadedAdamW::cancel_gated() {
     handoff_->abandoned = true;
     handoff_->cv.notify_all();
   }
-  (void)join();  // ok: it stopped before its first update
+  const OffloadedStepStats last = stats_;  // the last completed update's, which this worker never replaced
+  (void)join();                            // ok: it stopped before its first update
+  stats_ = last;
 }
 
 Status OffloadedAdamW::begin_last_backward(float lr) {
@@ -384,6 +388,12 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   }
   speculate_next_ = finite && hp.grad_scale == 1.0f;
   if (gated_update) {
+    bool failed = false;
+    {
+      std::lock_guard lock(handoff_->mu);
+      failed = handoff_->done && !handoff_->status.is_ok();  // its reads during backward
+    }
+    if (failed) return join();
     if (!finite) {
       cancel_gated();
       return norm;

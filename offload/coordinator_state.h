@@ -251,8 +251,9 @@ struct Coordinator::State {
     return d;
   }
 
-  // Writes a stale device copy of r's parameters home (home_stale), chunk by chunk through host memory, on the
-  // calling thread: the device copy then is clean and may be dropped.
+  // Writes a stale device copy of r's parameters home (home_stale), chunk by chunk through host memory (one
+  // chunk of ordinary memory, outside the pinned pool's budget), on the calling thread: the device copy then is
+  // clean and may be dropped.
   Status write_back(UnitRec& r) {
     STRATA_ASSERT(r.home == Tier::kNvme && r.home_stale && r.dev_params.data() != nullptr);
     STRATA_RETURN_IF_ERROR(r.params_ready.wait());
@@ -293,7 +294,6 @@ struct Coordinator::State {
     }
     if (best == SIZE_MAX) return false;
     UnitRec& r = units[best];
-    ++stats.evictions;
     if (best_grads) {
       if (r.grad_state == GradState::kBoth) r.grad_state = GradState::kHost;
       to_spare(std::move(r.dev_grads), r.grads_last_use, {r.grads_ready, r.grads_download});
@@ -304,6 +304,7 @@ struct Coordinator::State {
       r.params_ready = CopyTicket();
       live_elements -= r.info.numel;
     }
+    ++stats.evictions;
     return true;
   }
 
