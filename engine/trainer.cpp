@@ -57,7 +57,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   const std::pair<int, comm::Communicator*> sizes[] = {{config.parallel.tensor_parallel_size, tp},
                                                        {config.parallel.pipeline_parallel_size, pp}};
   for (const auto& [want, group] : sizes) {
-    if (want > 1 && (group == nullptr || group->size() != want))
+    if (want != (group != nullptr ? group->size() : 1))
       return Status::invalid_argument(
           "{}: parallel.tensor_parallel_size {} x pipeline_parallel_size {} needs a multiple of {} ranks: launch "
           "with mpirun -np N",
