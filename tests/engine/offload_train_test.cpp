@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/gpt2.h"
+#include "engine/offload_runtime.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "offload/pinned_pool.h"
 #include "tests/engine/trainer_fixture.h"
@@ -210,6 +211,51 @@ TEST_F(OffloadTrainTest, ASkippedStepUndoesTheUpdatesStartedInBackward) {
     EXPECT_TRUE(a == file_bytes(dir_ / "nvme_skip" / "step_000004" / f)) << f;
   }
   }
+}
+
+// After a clipped step the next update reads its first sub-groups' state during backward, before its scale is
+// known. A read that fails there (the swap files damaged in between) is the step's error, naming the
+// optimizer's key, never a silently skipped update.
+TEST_F(OffloadTrainTest, AReadFailingBeforeTheScaleIsKnownFailsTheStep) {
+  json j = config("gated_fault", {{"stage", 2}, {"offload_optimizer", {{"device", "nvme"}}}, {"sub_group_size", 3000}});
+  j["training"]["grad_clip"] = 1e-6;  // every step clips
+  auto c = parse_run_config(j, "test");
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  std::unique_ptr<kernels::Device> device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
+  auto model = GPT2::create(c->model, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true);
+  ASSERT_TRUE(model.is_ok()) << model.status().to_string();
+  AdamWConfig adam;
+  adam.grad_clip = 1e-6f;
+  auto rt = OffloadRuntime::create(c->offload, adam, *device, **model);
+  ASSERT_TRUE(rt.is_ok()) << rt.status().to_string();
+  Optimizer& opt = (*rt)->optimizer();
+  ASSERT_TRUE((*model)->init_gpt2(1).is_ok());
+  ASSERT_TRUE(opt.adopt_params().is_ok());
+  const int B = 2, T = 16;
+  std::vector<int32_t> x(B * T), y(B * T);
+  for (int i = 0; i < B * T; ++i) x[i] = (i * 7) % kVocab, y[i] = (i * 7 + 7) % kVocab;
+  auto step = [&](bool damage) -> Result<double> {
+    STRATA_RETURN_IF_ERROR((*model)->zero_grads());
+    STRATA_RETURN_IF_ERROR((*model)->forward(x.data(), y.data(), B, T).status());
+    STRATA_RETURN_IF_ERROR(opt.finish());  // the last update complete: its writes are on disk
+    if (damage) {  // every byte of every swap file
+      for (const auto& e : fs::recursive_directory_iterator(dir_ / "swap")) {
+        if (!e.is_regular_file()) continue;
+        std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
+        const std::vector<char> junk(static_cast<size_t>(fs::file_size(e.path())), '\x5a');
+        f.write(junk.data(), static_cast<std::streamsize>(junk.size()));
+      }
+    }
+    STRATA_RETURN_IF_ERROR(opt.begin_last_backward(1e-3f));
+    STRATA_RETURN_IF_ERROR((*model)->backward(1.0f));
+    bool skipped = false;
+    return opt.step(1e-3f, &skipped);
+  };
+  ASSERT_TRUE(step(false).is_ok());  // clipped: the next step's update is gated
+  const auto failed = step(true);
+  ASSERT_FALSE(failed.is_ok()) << "the damaged state was read before the step's scale was known";
+  EXPECT_NE(failed.status().to_string().find("optimizer"), std::string::npos) << failed.status().to_string();
+  EXPECT_EQ(opt.steps_taken(), 1) << "the failed step is not counted";
 }
 
 TEST_F(OffloadTrainTest, ResumeFromAnOffloadedCheckpointIsBitwiseAStraightRun) {
