@@ -251,19 +251,21 @@ struct Coordinator::State {
     return d;
   }
 
-  // Writes a stale device copy of r's parameters home (home_stale), chunk by chunk through host memory (one
-  // chunk of ordinary memory, outside the pinned pool's budget), on the calling thread: the device copy then is
-  // clean and may be dropped.
+  // Writes a stale device copy of r's parameters home (home_stale) through one of the read-staging buffers (a
+  // unit's worth of the host budget, given back by the loads that hold them without waiting on this thread), on
+  // the calling thread: the device copy then is clean and may be dropped.
   Status write_back(UnitRec& r) {
     STRATA_ASSERT(r.home == Tier::kNvme && r.home_stale && r.dev_params.data() != nullptr);
     STRATA_RETURN_IF_ERROR(r.params_ready.wait());
     device.fence().wait();
+    StagingLease staging(&read_staging);
+    staging.take();
+    float* staged = staging.buf->as<float>();
+    device.download(staged, r.dev_params.data(), r.bytes);
     const size_t chunk = options.nvme_chunk_elements;
-    std::vector<float> staged(std::min(chunk, r.info.numel));
     for (size_t k = 0, off = 0; off < r.info.numel; ++k, off += chunk) {
       const size_t len = std::min(chunk, r.info.numel - off);
-      device.download(staged.data(), r.dev_params.as<float>() + off, len * sizeof(float));
-      STRATA_RETURN_IF_ERROR(store->write(r.nvme_keys[k], staged.data(), len * sizeof(float))
+      STRATA_RETURN_IF_ERROR(store->write(r.nvme_keys[k], staged + off, len * sizeof(float))
                                  .with_context("offload: writing unit '" + r.info.name + "' home before evicting it"));
     }
     stats.nvme_write_bytes += r.bytes;
