@@ -478,13 +478,15 @@ Result<float> GPT2::forward_stage(const int32_t* inputs, const int32_t* targets,
 Status GPT2::combine_vocab_parallel_losses(const int32_t* targets, int N) {
   // Each rank's losses (nonzero only for the targets in its columns) and lse, gathered: 2N floats per rank.
   const size_t n = static_cast<size_t>(N);
-  std::vector<float> mine(2 * n), all(2 * n * static_cast<size_t>(tp_size_));
-  std::copy_n(host_scratch_.data(), n, mine.data());
-  device_->copy_to_host(mine.data() + n, acts_.lse, sizeof(float) * n);
-  STRATA_RETURN_IF_ERROR(
-      tp_->all_gather(mine.data(), all.data(), 2 * n, DType::kF32).with_context("vocab-parallel cross-entropy"));
+  // This rank's losses and lse side by side, then every rank's, then the whole vocabulary's lse.
+  tp_scratch_.resize(2 * n * static_cast<size_t>(tp_size_ + 1) + n);
+  float* mine = tp_scratch_.data();
+  float* all = mine + 2 * n;
+  float* lse = all + 2 * n * static_cast<size_t>(tp_size_);
+  std::copy_n(host_scratch_.data(), n, mine);
+  device_->copy_to_host(mine + n, acts_.lse, sizeof(float) * n);
+  STRATA_RETURN_IF_ERROR(tp_->all_gather(mine, all, 2 * n, DType::kF32).with_context("vocab-parallel cross-entropy"));
   const int64_t rows_per_rank = row_slice(config_.vocab_size, 0, tp_size_).count;
-  std::vector<float> lse(n);
   for (size_t i = 0; i < n; ++i) {
     auto rank_lse = [&](int r) -> double { return all[static_cast<size_t>(r) * 2 * n + n + i]; };
     double m = rank_lse(0);
@@ -501,7 +503,7 @@ Status GPT2::combine_vocab_parallel_losses(const int32_t* targets, int N) {
     const int owner = static_cast<int>(targets[i] / rows_per_rank);
     host_scratch_[i] = static_cast<float>(all[static_cast<size_t>(owner) * 2 * n + i] + (whole - rank_lse(owner)));
   }
-  device_->copy_to_device(acts_.lse, lse.data(), sizeof(float) * n);
+  device_->copy_to_device(acts_.lse, lse, sizeof(float) * n);
   return Status::ok();
 }
 

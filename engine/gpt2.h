@@ -339,6 +339,7 @@ class GPT2 {
   offload::PinnedPool* host_pool_ = nullptr;
   offload::PinnedBuffer host_checkpoints_;  // kHost: (L-1, B, T, C) block outputs 0..L-2
   std::vector<float> host_scratch_;  // losses read back, dlosses written, on their way across
+  std::vector<float> tp_scratch_;    // combine_vocab_parallel_losses's gathered losses and lse
   size_t act_capacity_bt_ = 0;  // B*T the buffer was sized for
   int last_B_ = 0, last_T_ = 0;
   // Per slot: whether a backward may follow its last forward (the head's stage: it had targets), and how many

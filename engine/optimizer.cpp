@@ -66,15 +66,20 @@ double AdamW::step(const std::vector<Unit>& units, float lr, bool* skipped) {
   return update(units, lr, grad_norm(units, *device_), skipped);
 }
 
-Result<double> AdamW::step(float lr, bool* skipped) {
-  if (shares_ == nullptr || !shares_->active()) return step(*units_, lr, skipped);
-  // Each unit's share here, summed over the tensor-parallel group, then added in unit order.
-  std::vector<double> per(units_->size());
-  for (size_t u = 0; u < per.size(); ++u) per[u] = unit_norm_share(*shares_, u, (*units_)[u], *device_);
-  STRATA_RETURN_IF_ERROR(shares_->sum(&per));
+Result<double> tensor_parallel_grad_norm(const std::vector<Unit>& units, const NormShares& shares,
+                                         kernels::Device& device) {
+  std::vector<double> per(units.size());
+  for (size_t u = 0; u < per.size(); ++u) per[u] = unit_norm_share(shares, u, units[u], device);
+  STRATA_RETURN_IF_ERROR(shares.sum(&per));
   double sum = 0.0;
   for (const double x : per) sum += x;
-  return update(*units_, lr, std::sqrt(sum), skipped);
+  return std::sqrt(sum);
+}
+
+Result<double> AdamW::step(float lr, bool* skipped) {
+  if (shares_ == nullptr || !shares_->active()) return step(*units_, lr, skipped);
+  STRATA_ASSIGN_OR_RETURN(const double norm, tensor_parallel_grad_norm(*units_, *shares_, *device_));
+  return update(*units_, lr, norm, skipped);
 }
 
 double AdamW::update(const std::vector<Unit>& units, float lr, double norm, bool* skipped) {

@@ -107,13 +107,8 @@ Result<double> ShardedAdamW::step(float lr, bool* skipped) {
                                  .with_context("gradients of " + u.name));
     if (!tensor_parallel) {
       norm = AdamW::grad_norm(units, *device_);  // the unsharded norm, bit for bit
-    } else {  // each unit's share here, summed over the tensor-parallel group, then in unit order
-      std::vector<double> per(units.size());
-      for (size_t u = 0; u < units.size(); ++u) per[u] = unit_norm_share(*shares_, u, units[u], *device_);
-      STRATA_RETURN_IF_ERROR(shares_->sum(&per));
-      double total = 0.0;
-      for (const double x : per) total += x;
-      norm = std::sqrt(total);
+    } else {
+      STRATA_ASSIGN_OR_RETURN(norm, tensor_parallel_grad_norm(units, *shares_, *device_));
     }
   } else {
     double mine = 0.0;

@@ -170,6 +170,13 @@ struct Rig {
     for (auto& g : grads) std::fill(g.begin(), g.end(), 0.0f);
   }
 
+  // Unit u's parameters read back through the coordinator equal the current ones.
+  void expect_params_read_back(int u) {
+    std::vector<float> back(numel_of(u));
+    ASSERT_OK(coord->read_params(u, back.data()));
+    EXPECT_EQ(back, params[u]) << "unit " << u;
+  }
+
   std::unique_ptr<kernels::Device> device;
   MemoryEngine memory;
   std::unique_ptr<FaultEngine> fault;
@@ -197,9 +204,7 @@ TEST_P(CoordinatorHomeTest, ParametersAndGradientsRoundTripExactly) {
     rig.check_grads_and_update(n);
   }
   for (int u = 0; u < kUnits; ++u) {
-    std::vector<float> back(numel_of(u));
-    ASSERT_OK(rig.coord->read_params(u, back.data()));
-    EXPECT_EQ(back, rig.params[u]) << "unit " << u;
+    rig.expect_params_read_back(u);
     EXPECT_EQ(rig.coord->residency(u, StateClass::kParams).home, GetParam());
   }
 }
@@ -238,9 +243,7 @@ TEST(CoordinatorTest, ParametersOnTheDeviceGoHomeOnlyWhenEvicted) {
     EXPECT_TRUE(res.on_device && res.dirty && !res.on_nvme) << "unit " << u;
   }
   EXPECT_EQ(rig.coord->take_stats().nvme_write_bytes, 0u);
-  std::vector<float> back(numel_of(3));
-  ASSERT_OK(rig.coord->read_params(3, back.data()));  // from the device copy
-  EXPECT_EQ(back, rig.params[3]);
+  rig.expect_params_read_back(3);  // from the device copy
   rig.step(all_units(), 1);  // still the new parameters, from the device
 }
 
@@ -268,11 +271,7 @@ TEST(CoordinatorTest, AFailedWriteBackKeepsTheNewerDeviceCopy) {
   EXPECT_NE(v.status().to_string().find("before evicting it"), std::string::npos) << v.status().to_string();
   for (int u : resident) EXPECT_TRUE(rig.coord->residency(u, StateClass::kParams).dirty) << "unit " << u;
   rig.fault->set_enabled(false);
-  for (int u : resident) {
-    std::vector<float> back(numel_of(u));
-    ASSERT_OK(rig.coord->read_params(u, back.data()));
-    EXPECT_EQ(back, rig.params[u]) << "unit " << u;
-  }
+  for (int u : resident) rig.expect_params_read_back(u);
 }
 
 // With room for three units, every step evicts: the new parameters go home on eviction and come back exact
@@ -285,11 +284,7 @@ TEST(CoordinatorTest, EvictedNewerParametersComeBackExact) {
     rig.step(all_units(), n);
     rig.check_grads_and_update(n);
   }
-  for (int u = 0; u < kUnits; ++u) {
-    std::vector<float> back(numel_of(u));
-    ASSERT_OK(rig.coord->read_params(u, back.data()));
-    EXPECT_EQ(back, rig.params[u]) << "unit " << u;
-  }
+  for (int u = 0; u < kUnits; ++u) rig.expect_params_read_back(u);
   EXPECT_GT(rig.coord->take_stats().write_backs, 0u);
 }
 
