@@ -52,6 +52,10 @@ void add_bench_step_command(CLI::App& bench, BenchStepOptions& o) {
       ->capture_default_str();
   cmd->add_option("--sub-group", o.sub_group_size, "zero_optimization.sub_group_size (elements)")
       ->capture_default_str();
+  cmd->add_option("--buffer-count", o.buffer_count,
+                  "zero_optimization.offload_optimizer.buffer_count: staging slots of the optimizer on nvme")
+      ->check(CLI::Range(int64_t{2}, int64_t{64}))
+      ->capture_default_str();
   cmd->add_option("--max-live", o.max_live, "zero_optimization.stage3_max_live_parameters (elements)")
       ->capture_default_str();
   cmd->add_option("--checkpointing", o.checkpointing, "Activation checkpoints: none, device or host")

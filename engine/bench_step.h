@@ -30,6 +30,7 @@ struct BenchStepOptions {
   std::string nvme_path;                   // default: a temporary folder under $TMPDIR, removed afterwards
   std::string host_limit = "0";            // memory.host_memory_limit ("4G"); 0: automatic
   int64_t sub_group_size = 100'000'000;
+  int64_t buffer_count = 4;                // offload_optimizer.buffer_count: swap staging slots
   int64_t max_live = 1'000'000'000;        // zero_optimization.stage3_max_live_parameters (elements)
   std::string checkpointing = "none";      // none | device | host
   float grad_clip = 1.0f;                  // global-norm clip (0: none); clipping steps redo early updates

@@ -188,6 +188,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
   oc.stage3_param_persistence_threshold = 0;
   oc.stage3_max_live_parameters = o.max_live;
   oc.host_memory_limit = parse_bytes(o.host_limit);
+  oc.offload_optimizer.buffer_count = o.buffer_count;
   const bool offloaded = offload_enabled(oc);
   std::vector<double> steps, steps_cpu;
   std::vector<OffloadStepReport> reports;

@@ -224,24 +224,36 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
     }
     return st;
   };
+  // Reads run one position ahead of the update (position p's into slot p % slots), so a slot is read again
+  // only after its previous sub-group's writes were issued a position earlier. Before the step's parameters are
+  // known (plan.params) nothing is written yet, so the reads fill every slot while the caller waits for them.
   const size_t num_slots = slots_.size();
-  Result<size_t> first = next(true);
-  if (!first.is_ok()) return drain(first.status());
-  size_t cur = first.value();
-  if (cur != kEnd) {
-    if (Status st = issue_read(cur, 0); !st.is_ok()) return drain(st);
-  }
+  std::vector<size_t> order;  // the sub-group at each position whose read is issued
+  bool ended = false;
+  auto read_next = [&](bool wait) -> Status {
+    STRATA_ASSIGN_OR_RETURN(const size_t g, next(wait));
+    if (g == kEnd) ended = true;
+    if (g == kEnd || g == kNotYet) return Status::ok();
+    order.push_back(g);
+    return issue_read(g, (order.size() - 1) % num_slots);
+  };
+  if (Status st = read_next(true); !st.is_ok()) return drain(st);
   static const char* kWhat[] = {"master", "m", "v"};
   kernels::AdamWParams step_hp = hp;
   bool have_hp = !plan.params;
-  for (size_t pos = 0; cur != kEnd; ++pos) {
-    const size_t g = cur;
+  for (size_t pos = 0; pos < order.size(); ++pos) {
+    const size_t g = order[pos];
     Slot& slot = *slots_[pos % num_slots];
     // Read the next sub-group's state while this one is updated, as soon as the plan knows which it is.
-    Result<size_t> ahead = next(false);
-    if (!ahead.is_ok()) return drain(ahead.status());
-    if (ahead.value() != kNotYet && ahead.value() != kEnd) {
-      if (Status st = issue_read(ahead.value(), (pos + 1) % num_slots); !st.is_ok()) return drain(st);
+    if (order.size() == pos + 1 && !ended) {
+      if (Status st = read_next(false); !st.is_ok()) return drain(st);
+    }
+    if (!have_hp) {
+      while (order.size() < pos + num_slots && !ended) {
+        const size_t before = order.size();
+        if (Status st = read_next(false); !st.is_ok()) return drain(st);
+        if (order.size() == before) break;  // the plan does not know the next one yet
+      }
     }
     Timer wait;
     const Status arrived = slot.reads->wait();
@@ -254,7 +266,7 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
     float* m = slot.region(region_floats_, 1);
     float* v = slot.region(region_floats_, 2);
     const float* grad = groups_[g].grad_key.empty() ? grads[g] : slot.region(region_floats_, 3);
-    if (!have_hp) {  // the reads of this sub-group and the next are on their way
+    if (!have_hp) {  // this sub-group's read, and those of the next ones, are on their way
       Result<kernels::AdamWParams> known = plan.params();
       if (!known.is_ok()) return drain(known.status());
       step_hp = known.value();
@@ -283,14 +295,9 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
         return drain(st);
     }
     stats_.bytes_written += 3 * bytes;
-    if (ahead.value() == kNotYet) {  // the plan did not know the next one yet: wait for it
-      ahead = next(true);
-      if (!ahead.is_ok()) return drain(ahead.status());
-      if (ahead.value() != kEnd) {
-        if (Status st = issue_read(ahead.value(), (pos + 1) % num_slots); !st.is_ok()) return drain(st);
-      }
+    if (order.size() == pos + 1 && !ended) {  // the plan did not know the next one yet: wait for it
+      if (Status st = read_next(true); !st.is_ok()) return drain(st);
     }
-    cur = ahead.value();
   }
   Status result;
   for (auto& slot : slots_) {

@@ -111,9 +111,11 @@ kernels::AdamWParams hyper(int step) {
 }
 
 // Four steps through the swapper against the same fused Adam on host arrays: bitwise equal state and copies.
-void check_bitwise(const char* engine, int slots, DType dt, bool grads_in_store = false) {
-  SCOPED_TRACE(fmt::format("engine={} slots={} working={} grads_in_store={}", engine, slots, dtype_name(dt),
-                           grads_in_store));
+// gated: each step's parameters come from plan.params (the step's own argument is wrong), and by then the reads
+// of the first `slots` sub-groups are issued: every slot is read into while the parameters are not known.
+void check_bitwise(const char* engine, int slots, DType dt, bool grads_in_store = false, bool gated = false) {
+  SCOPED_TRACE(fmt::format("engine={} slots={} working={} grads_in_store={} gated={}", engine, slots, dtype_name(dt),
+                           grads_in_store, gated));
   Harness h(engine);
   auto groups = test_groups();
   if (grads_in_store) {
@@ -155,11 +157,25 @@ void check_bitwise(const char* engine, int slots, DType dt, bool grads_in_store 
       if (dt == DType::kF32)
         std::memcpy(want_working[g].data(), want.master[g].data(), groups[g].numel * sizeof(float));
     }
-    const Status st = s.step(grads, working, dt, hyper(step));
+    OptimizerStepPlan plan;
+    uint64_t read_before_params = 0;
+    if (gated) {
+      plan.params = [&]() -> Result<kernels::AdamWParams> {
+        read_before_params = s.last_step_stats().bytes_read;
+        return hyper(step);
+      };
+    }
+    const Status st = s.step(grads, working, dt, gated ? hyper(step + 9) : hyper(step), nullptr, plan);
     ASSERT_TRUE(st.is_ok()) << st.to_string();
     const auto& stats = s.last_step_stats();
-    size_t total = 0;
-    for (const auto& g : groups) total += g.numel;
+    size_t total = 0, first_slots = 0;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      total += groups[g].numel;
+      if (g < static_cast<size_t>(slots)) first_slots += groups[g].numel;
+    }
+    if (gated) {
+      EXPECT_EQ(read_before_params, (grads_in_store ? 16 : 12) * first_slots);
+    }
     EXPECT_EQ(stats.bytes_read, (grads_in_store ? 16 : 12) * total);
     EXPECT_EQ(stats.bytes_written, 12 * total);
   }
@@ -188,6 +204,15 @@ TEST_P(OptimizerSwapTest, GradientsReadFromTheStoreAreBitwiseTheInMemoryOptimize
 // The same with every Adam pass on the calling thread: the swapper's own hand-offs between the engine threads
 // and the caller are then all that ThreadSanitizer sees (the Debian TBB is not instrumented, so work it hands
 // to its workers shows up as false races in a TSan build).
+// With the parameters known only after the first reads (offload_optimizer's gated update after a clipped step),
+// the reads fill every slot first, and the result is still the plain step's bits.
+TEST_P(OptimizerSwapTest, GatedStepsFillEverySlotBeforeTheirParametersAndMatch) {
+  for (int slots : {2, 3, 4}) {
+    check_bitwise(GetParam(), slots, DType::kBF16, /*grads_in_store=*/false, /*gated=*/true);
+    check_bitwise(GetParam(), slots, DType::kF32, /*grads_in_store=*/true, /*gated=*/true);
+  }
+}
+
 TEST(OptimizerSwapThreadsTest, SingleThreadedUpdatesUnderTheEngineThreads) {
   tbb::task_arena one(1);
   one.execute([] { check_bitwise("posix", 3, DType::kBF16); });
