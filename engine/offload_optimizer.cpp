@@ -207,13 +207,8 @@ Result<double> OffloadedAdamW::global_norm() {
     }
   }
   // Tensor parallelism: each rank's share of each unit (the coordinator leaves replicated tensors out on all
-  // ranks but the first), added in rank order.
-  STRATA_RETURN_IF_ERROR(model_->norm_shares().sum(&per));
-  if (pp_ != nullptr && pp_->size() > 1)  // each unit's from the stage that owns it
-    STRATA_RETURN_IF_ERROR(take_from_owners(plan_, *pp_, &per).with_context("gradient norm"));
-  double sum = 0.0;
-  for (const double x : per) sum += x;
-  return std::sqrt(sum);
+  // ranks but the first), added in rank order; pipeline: each unit's from the stage that owns it.
+  return whole_model_norm(plan_, pp_, model_->norm_shares(), std::move(per));
 }
 
 Result<double> OffloadedAdamW::step_sharded(float lr, bool* skipped) {

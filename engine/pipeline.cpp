@@ -237,11 +237,7 @@ Result<double> PipelineAdamW::step(float lr, bool* skipped) {
   for (size_t u = 0; u < units.size(); ++u) {
     if (plan_.owner(u) == s) per[u] = unit_norm_share(model_->norm_shares(), u, units[u], *device_);
   }
-  STRATA_RETURN_IF_ERROR(model_->norm_shares().sum(&per));  // over the tensor-parallel group
-  STRATA_RETURN_IF_ERROR(take_from_owners(plan_, *pp_, &per).with_context("gradient norm"));
-  double sum = 0.0;
-  for (const double x : per) sum += x;
-  const double norm = std::sqrt(sum);
+  STRATA_ASSIGN_OR_RETURN(const double norm, whole_model_norm(plan_, pp_, model_->norm_shares(), std::move(per)));
   const std::optional<float> scale = step_scale(norm, config_.grad_clip, skipped);
   if (!scale) return norm;
   ++t_;
@@ -286,6 +282,16 @@ Status take_from_owners(const PipelinePlan& plan, comm::Communicator& pp, std::v
   STRATA_RETURN_IF_ERROR(pp.all_gather(per_unit->data(), all.data(), 2 * U, DType::kF32));
   for (size_t u = 0; u < U; ++u) (*per_unit)[u] = all[static_cast<size_t>(plan.owner(u)) * U + u];
   return Status::ok();
+}
+
+Result<double> whole_model_norm(const PipelinePlan& plan, comm::Communicator* pp, const NormShares& shares,
+                                std::vector<double> per_unit) {
+  STRATA_RETURN_IF_ERROR(shares.sum(&per_unit));  // over the tensor-parallel group
+  if (pp != nullptr && pp->size() > 1)
+    STRATA_RETURN_IF_ERROR(take_from_owners(plan, *pp, &per_unit).with_context("gradient norm"));
+  double sum = 0.0;
+  for (const double x : per_unit) sum += x;
+  return std::sqrt(sum);
 }
 
 // ---- checkpoints ----

@@ -123,6 +123,11 @@ Result<std::unique_ptr<comm::Communicator>> split_tied_group(comm::Communicator&
 // of the stage that owns the unit. Collective over `pp`; the doubles travel as pairs of fp32 words (bits
 // copied, never converted), so every stage ends with the same bits.
 Status take_from_owners(const PipelinePlan& plan, comm::Communicator& pp, std::vector<double>* per_unit);
+// The whole model's gradient norm from each unit's sum of squares on this rank (`per_unit`; only the units this
+// stage owns matter): summed over the tensor-parallel group (`shares`), taken from the owning stages (`pp`; null
+// or one stage: none), and added in unit order, so every rank gets the same bits. Collective over both groups.
+Result<double> whole_model_norm(const PipelinePlan& plan, comm::Communicator* pp, const NormShares& shares,
+                                std::vector<double> per_unit);
 
 // The first stage's read of another stage's moments of `unit` (n elements each), for checkpoints.
 Status pipeline_recv_moments(const PipelinePlan& plan, comm::Communicator& pp, size_t unit, size_t n, float* m,
