@@ -18,7 +18,7 @@ size_t slice_len(size_t n, size_t c, size_t q) { return q * c >= n ? 0 : std::mi
 
 Result<std::unique_ptr<ShardedAdamW>> ShardedAdamW::create(const std::vector<Unit>& units, const AdamWConfig& config,
                                                          kernels::Device& device, comm::Communicator& group,
-                                                         int stage) {
+                                                         int stage, std::vector<bool> held) {
   if (stage != 1 && stage != 2)
     return Status::invalid_argument("ShardedAdamW: zero_optimization.stage must be 1 or 2, got {}", stage);
   if (!device.host_accessible())
@@ -27,13 +27,17 @@ Result<std::unique_ptr<ShardedAdamW>> ShardedAdamW::create(const std::vector<Uni
                               "communicator, not built yet",
                               stage, device.name()));
   std::unique_ptr<ShardedAdamW> opt(new ShardedAdamW());
+  opt->held_ = held;
   opt->config_ = config;
   opt->units_ = &units;
   opt->device_ = &device;
   opt->group_ = &group;
   opt->stage_ = stage;
   const size_t dp = static_cast<size_t>(group.size()), r = static_cast<size_t>(group.rank());
+  if (!held.empty() && held.size() != units.size())
+    return Status::internal("ShardedAdamW: {} held flags for {} units", held.size(), units.size());
   for (size_t u = 0; u < units.size(); ++u) {
+    if (!held.empty() && !held[u]) continue;  // another pipeline stage's
     for (const TensorSpec& t : units[u].layout.specs()) {
       Slice s;
       s.unit = u;
@@ -56,6 +60,13 @@ Result<std::unique_ptr<ShardedAdamW>> ShardedAdamW::create(const std::vector<Uni
   opt->recv_.assign(dp * kPiece, 0.0f);
   STRATA_RETURN_IF_ERROR(opt->adopt_params());
   return opt;
+}
+
+Status ShardedAdamW::set_pipeline(const PipelinePlan& plan, comm::Communicator& pp) {
+  plan_ = plan;
+  pp_ = &pp;
+  STRATA_ASSIGN_OR_RETURN(tied_, split_tied_group(pp));
+  return Status::ok();
 }
 
 Status ShardedAdamW::adopt_params() {
@@ -97,19 +108,71 @@ Status ShardedAdamW::reduce_scatter_tensor(const Slice& s, const float* whole, f
   return Status::ok();
 }
 
+Result<double> ShardedAdamW::pipeline_norm_stage2() {
+  // Each unit's sum of squares over this rank's slices, every rank's added in rank order per unit.
+  const std::vector<Unit>& units = *units_;
+  const size_t U = units.size();
+  std::vector<double> mine(U, 0.0);
+  for (const Slice& s : slices_) {
+    const float* shard = grad_shard_.data() + s.shard_offset;
+    mine[s.unit] += shares().share(s.unit, shard, s.tensor_offset + s.lo, s.len, [&](const float* x, size_t n) {
+      return device_->add_sum_squares(0.0, x, n);
+    });
+  }
+  const size_t D = static_cast<size_t>(group_->size());
+  std::vector<double> all(D * U);
+  STRATA_RETURN_IF_ERROR(group_->all_gather(mine.data(), all.data(), 2 * U, DType::kF32).with_context("gradient norm"));
+  std::vector<double> per(U, 0.0);
+  for (size_t u = 0; u < U; ++u) {
+    for (size_t q = 0; q < D; ++q) per[u] += all[q * U + u];
+  }
+  return whole_model_norm(plan_, pp_, shares(), std::move(per));
+}
+
 Result<double> ShardedAdamW::step(float lr, bool* skipped) {
   const std::vector<Unit>& units = *units_;
   double norm = 0;
   const bool tensor_parallel = shares_ != nullptr && shares_->active();
+  // Pipeline: the first and last stage both hold the tied embedding (unit 0) and add each other's gradient.
+  const bool tied_end = pp_ != nullptr && pp_->size() > 1 && (pp_->rank() == 0 || pp_->rank() == pp_->size() - 1);
   if (stage_ == 1) {
-    for (const Unit& u : units)
+    for (size_t i = 0; i < units.size(); ++i) {
+      if (!holds(i)) continue;  // another pipeline stage's
+      const Unit& u = units[i];
       STRATA_RETURN_IF_ERROR(group_->all_reduce(u.g(), u.g(), u.numel(), DType::kF32, comm::ReduceOp::kSum)
                                  .with_context("gradients of " + u.name));
-    if (!tensor_parallel) {
+    }
+    if (tied_end) {
+      const Unit& wte = units[0];
+      STRATA_RETURN_IF_ERROR(tied_->all_reduce(wte.g(), wte.g(), wte.numel(), DType::kF32, comm::ReduceOp::kSum)
+                                 .with_context("the tied embedding's gradient"));
+    }
+    if (pp_ != nullptr) {  // the whole model's norm as PipelineAdamW takes it
+      std::vector<double> per(units.size(), 0.0);
+      for (size_t u = 0; u < units.size(); ++u) {
+        if (plan_.owner(u) == pp_->rank())
+          per[u] = unit_norm_share(shares(), u, units[u], *device_);
+      }
+      STRATA_ASSIGN_OR_RETURN(norm, whole_model_norm(plan_, pp_, shares(), std::move(per)));
+    } else if (!tensor_parallel) {
       norm = AdamW::grad_norm(units, *device_);  // the unsharded norm, bit for bit
     } else {
       STRATA_ASSIGN_OR_RETURN(norm, tensor_parallel_grad_norm(units, *shares_, *device_));
     }
+  } else if (pp_ != nullptr) {
+    for (const Slice& s : slices_) {
+      float* shard = grad_shard_.data() + s.shard_offset;
+      STRATA_RETURN_IF_ERROR(reduce_scatter_tensor(s, units[s.unit].g() + s.tensor_offset, shard)
+                                 .with_context("gradients of " + units[s.unit].name));
+    }
+    if (tied_end) {  // the embedding's slices come first in the shard, and are the same slices on both ends
+      size_t n = 0;
+      for (const Slice& s : slices_) n += s.unit == 0 ? s.len : 0;
+      STRATA_RETURN_IF_ERROR(tied_->all_reduce(grad_shard_.data(), grad_shard_.data(), n, DType::kF32,
+                                               comm::ReduceOp::kSum)
+                                 .with_context("the tied embedding's gradient"));
+    }
+    STRATA_ASSIGN_OR_RETURN(norm, pipeline_norm_stage2());
   } else {
     double mine = 0.0;
     for (const Slice& s : slices_) {
@@ -164,6 +227,8 @@ Status ShardedAdamW::gather_moments(size_t unit, float* m, float* v) {
 }
 
 Status ShardedAdamW::read_moments(size_t unit, float* m, float* v) {
+  if (!holds(unit))
+    return pipeline_recv_moments(plan_, *pp_, unit, (*units_)[unit].numel(), m, v);
   if (group_->rank() != 0)
     return Status::internal("ShardedAdamW::read_moments is rank 0's; the others serve_checkpoint()");
   float request = static_cast<float>(unit);

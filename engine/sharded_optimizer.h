@@ -16,6 +16,13 @@
 // Checkpoints: the moments are gathered to rank 0 while it writes them: rank 0's read_moments() asks the other
 // ranks for a unit through the group (they answer inside serve_checkpoint(), which rank 0's end_checkpoint()
 // ends), so the order is whatever the checkpoint writer needs.
+//
+// Pipeline parallelism (set_pipeline): the group is a stage's data-parallel ranks and only the stage's units
+// are sharded and updated. step() adds the tied embedding's gradient between the first and last stage (after
+// the reduction over the group: whole under stage 1, the shards under stage 2) and takes the whole model's norm
+// from every unit's owner, in unit order, as PipelineAdamW does, so a stage-1 pipeline run is bitwise the
+// stage-0 one. The first stage's rank 0 receives another stage's moments from that stage's rank 0, which
+// gathers them over its own group (engine/pipeline.h, take_part_in_pipeline_checkpoint).
 #pragma once
 
 #include <memory>
@@ -24,14 +31,20 @@
 #include "comm/communicator.h"
 #include "engine/gpt2.h"
 #include "engine/optimizer.h"
+#include "engine/pipeline.h"
 
 namespace strata::engine {
 
 class ShardedAdamW final : public Optimizer {
  public:
   // `units` (host-accessible device memory), `device` and `group` must outlive the optimizer. Stage 1 or 2.
+  // `held`: the units this rank updates (a pipeline stage's; empty: all).
   static Result<std::unique_ptr<ShardedAdamW>> create(const std::vector<Unit>& units, const AdamWConfig& config,
-                                                      kernels::Device& device, comm::Communicator& group, int stage);
+                                                      kernels::Device& device, comm::Communicator& group, int stage,
+                                                      std::vector<bool> held = {});
+  // Pipeline parallelism: `plan` says which stage owns each unit, `pp` (which must outlive the optimizer) is this
+  // rank's pipeline group; `shares` as set_norm_shares. Collective over `pp`.
+  Status set_pipeline(const PipelinePlan& plan, comm::Communicator& pp);
 
   // Reduces the gradients over the group (all-reduce or reduce-scatter by stage), then as AdamW::step.
   // Collective.
@@ -42,7 +55,9 @@ class ShardedAdamW final : public Optimizer {
   int steps_taken() const override { return t_; }
   void set_steps_taken(int t) override { t_ = t; }
   Status adopt_params() override;
-  // Rank 0 only (it asks the others, who must be in serve_checkpoint()); the unit's whole moments.
+  // Rank 0 only (it asks the others, who must be in serve_checkpoint()); the unit's whole moments. Another
+  // pipeline stage's unit: received from that stage (the first stage's rank 0, while the others take part in
+  // a pipeline checkpoint).
   Status read_moments(size_t unit, float* m, float* v) override;
   // Any rank: keeps its own slices of the unit's whole moments (no communication).
   Status write_moments(size_t unit, const float* m, const float* v) override;
@@ -66,6 +81,9 @@ class ShardedAdamW final : public Optimizer {
   // (the tensor's first element), in pieces. Collective.
   Status all_gather_tensor(const Slice& s, const float* shard, float* whole);
   Status reduce_scatter_tensor(const Slice& s, const float* whole, float* shard);
+  bool holds(size_t unit) const { return held_.empty() || held_[unit]; }
+  const NormShares& shares() const { return shares_ != nullptr ? *shares_ : no_shares_; }
+  Result<double> pipeline_norm_stage2();  // stage 2 under a pipeline: every unit's sum over the group, owners'
 
   AdamWConfig config_;
   const std::vector<Unit>* units_ = nullptr;
@@ -73,6 +91,11 @@ class ShardedAdamW final : public Optimizer {
   comm::Communicator* group_ = nullptr;
   int stage_ = 1, t_ = 0;
   const NormShares* shares_ = nullptr;
+  NormShares no_shares_;                       // inactive: every share is the whole unit
+  std::vector<bool> held_;                     // empty: every unit
+  PipelinePlan plan_;                          // pipeline: which stage owns each unit
+  comm::Communicator* pp_ = nullptr;           // null: no pipeline
+  std::unique_ptr<comm::Communicator> tied_;  // the first and last stage
   std::vector<Slice> slices_;
   size_t shard_numel_ = 0;
   kernels::DeviceBuffer m_, v_;      // this rank's slices of the moments

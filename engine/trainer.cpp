@@ -69,14 +69,6 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   // optimizer run the same way (see offload_runtime.h).
   const bool zero3 = dp != nullptr && (config.offload.stage == 3 ||
                                        (config.offload.stage >= 1 && offload_enabled(config.offload)));
-  if (pp) {
-    if ((config.offload.stage == 1 || config.offload.stage == 2) && !offload_enabled(config.offload))
-      return Status(StatusCode::kUnimplemented,
-                    fmt::format("{}: pipeline parallelism with zero_optimization stage {} without offload is not "
-                                "built yet (parallel.pipeline_parallel_size {}); stage 0, stage 3 and offload work "
-                                "on every stage",
-                                config.source, config.offload.stage, pp_size));
-  }
   if ((dp || pp || tp) && !leader) logger().set_level(spdlog::level::warn);
   std::optional<tbb::global_control> threads;
   if (config.compute.threads > 0)
@@ -137,12 +129,17 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   std::unique_ptr<ShardedAdamW> sharded_opt;  // ZeRO stage 1 or 2 over the data-parallel ranks
   std::unique_ptr<PipelineAdamW> pipeline_opt;
   Optimizer* opt = nullptr;
-  if (pp && !offloaded) {
+  const bool zero12 = dp && !zero3 && (config.offload.stage == 1 || config.offload.stage == 2);
+  if (pp && !offloaded && !zero12) {
     STRATA_ASSIGN_OR_RETURN(pipeline_opt, PipelineAdamW::create(*model, plan, ac, *device, *pp));
     opt = pipeline_opt.get();
-  } else if (dp && !zero3 && (config.offload.stage == 1 || config.offload.stage == 2)) {
-    STRATA_ASSIGN_OR_RETURN(sharded_opt, ShardedAdamW::create(model->units(), ac, *device, *dp, config.offload.stage));
+  } else if (zero12) {
+    std::vector<bool> held(model->units().size());
+    for (size_t u = 0; u < held.size(); ++u) held[u] = model->holds(u);
+    STRATA_ASSIGN_OR_RETURN(sharded_opt, ShardedAdamW::create(model->units(), ac, *device, *dp, config.offload.stage,
+                                                              std::move(held)));
     sharded_opt->set_norm_shares(&model->norm_shares());
+    if (pp) STRATA_RETURN_IF_ERROR(sharded_opt->set_pipeline(plan, *pp));
     opt = sharded_opt.get();
     STRATA_LOG_INFO("zero_optimization.stage {}: Adam's moments sharded over {} ranks ({} of {} elements here)",
                     config.offload.stage, dp_size, sharded_opt->shard_elements(), model->num_params());
@@ -253,23 +250,22 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     // its own and receives the others'; its own on the others, to send them) are gathered over its group.
     if (zero3 && dp_rank > 0)
       return take_part_in_checkpoint(*model, *opt, [&](size_t u) { return !pp || plan.owner(u) == pp_rank; });
-    if (pp && dp_rank == 0 && pp_rank > 0) return take_part_in_pipeline_checkpoint(*model, plan, *opt, *pp);
+    // A sharded optimizer's data-parallel group serves the gathers of a stage's moments until its rank 0, which
+    // reads them, ends them.
+    auto end_gathers = [&](Status taken) {
+      if (!sharded_opt) return taken;
+      const Status ended = sharded_opt->end_checkpoint();
+      return taken.is_ok() ? ended : taken;
+    };
+    if (pp && dp_rank == 0 && pp_rank > 0)
+      return end_gathers(take_part_in_pipeline_checkpoint(*model, plan, *opt, *pp));
     // The first stage's other tensor-parallel ranks gather with rank 0 (and receive the other stages' units).
-    if (tp && dp_rank == 0 && tp_rank > 0) {
-      Status taken = take_part_in_checkpoint(*model, *opt, [](size_t) { return true; });
-      if (sharded_opt) {  // its data-parallel group served the moments' gathers until now
-        const Status ended = sharded_opt->end_checkpoint();
-        if (taken.is_ok()) taken = ended;
-      }
-      return taken;
-    }
+    if (tp && dp_rank == 0 && tp_rank > 0)
+      return end_gathers(take_part_in_checkpoint(*model, *opt, [](size_t) { return true; }));
     if (!leader) return sharded_opt ? sharded_opt->serve_checkpoint() : Status::ok();
     state.train_pos = train.position();
     auto saved = save_checkpoint(tc.checkpoint_dir, *model, *opt, state, tc.keep_checkpoints);
-    if (sharded_opt) {
-      const Status ended = sharded_opt->end_checkpoint();
-      if (saved.is_ok()) STRATA_RETURN_IF_ERROR(ended);
-    }
+    STRATA_RETURN_IF_ERROR(end_gathers(saved.status()));
     STRATA_ASSIGN_OR_RETURN(summary.checkpoint, std::move(saved));
     return Status::ok();
   };

@@ -57,7 +57,6 @@ TEST_F(DataParallelTest, TwoRanksMatchOneProcessAccumulatingTheirMicroBatches) {
   }
 }
 
-// What is not built yet is refused by name on every rank, before any data is read.
 // ZeRO-1 keeps a slice of Adam's moments per rank and all-reduces the gradients: bitwise the stage-0 run, its
 // gathered checkpoint included. ZeRO-2 reduce-scatters the gradients and adds the ranks' sums of squares for
 // the norm in another order: within rounding of stage 0 (losses and norms 1e-5 relative, weights and moments

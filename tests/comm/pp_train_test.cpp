@@ -7,7 +7,8 @@
 // runs agree within fp32 rounding: losses and norms within 1e-5 relative, final weights and moments within
 // 2e-5 absolute after 6 steps (the tiny model's weights are O(0.1)). 1F1B and GPipe run the same arithmetic in
 // another order of messages: bitwise equal to each other. A run resumed from a pipeline checkpoint (the first
-// stage gathers every stage's units and moments into the usual files) is bitwise the straight run.
+// stage gathers every stage's units and moments into the usual files) is bitwise the straight run. ZeRO-1 on
+// every stage is bitwise the stage-0 pipeline run; ZeRO-2 and -3 match the single process within rounding.
 #include <unistd.h>
 
 #include <cmath>
@@ -59,6 +60,11 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
       {"pp2resumed", 2, "1f1b", 6, true},
       {"pp4nvme", 4, "1f1b", 6, false, nvme},
       {"pp2off", 2, "1f1b", 6, false, {{"stage", 0}, {"offload_optimizer", {{"device", "cpu"}}}}},
+      // ZeRO-1 and -2 over each stage's 2 data-parallel ranks, without offload; stage 2 resumed mid-run.
+      {"pp2z1", 2, "1f1b", 6, false, {{"stage", 1}}},
+      {"pp2z2", 2, "1f1b", 6, false, {{"stage", 2}}},
+      {"pp2z2resumed", 2, "1f1b", 3, false, {{"stage", 2}}},
+      {"pp2z2resumed", 2, "1f1b", 6, true, {{"stage", 2}}},
       {"pp2z3", 2, "1f1b", 6, false, nvme},
       {"pp2z3resumed", 2, "1f1b", 3, false, nvme},
       {"pp2z3resumed", 2, "1f1b", 6, true, nvme},
@@ -106,6 +112,9 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
     check("one4", "pp4nvme");  // offload on every stage
     check("one8", "pp2off");   // the offloaded optimizer on every stage, gradients summed over 2 ranks
     check("one8", "pp2z3");    // ZeRO-3 over each stage's 2 data-parallel ranks, shards on NVMe
+    check("one8", "pp2z2");    // gradients reduce-scattered, the norm added per rank: within rounding
+    // ZeRO-1 all-reduces the gradients and takes the norm as stage 0 does: bitwise the stage-0 pipeline run.
+    EXPECT_EQ(losses(dir_ / "pp2dp2.jsonl"), losses(dir_ / "pp2z1.jsonl"));
     EXPECT_EQ(losses(dir_ / "pp4.jsonl"), losses(dir_ / "pp4gpipe.jsonl"));
     EXPECT_EQ(losses(dir_ / "pp2l6.jsonl"), losses(dir_ / "pp2l6ckdev.jsonl"));
     EXPECT_EQ(losses(dir_ / "pp2l6.jsonl"), losses(dir_ / "pp2l6ckhost.jsonl"));
@@ -118,6 +127,11 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
       EXPECT_TRUE(file_bytes(shared / "pp2z3" / "step_000006" / f) ==
                   file_bytes(shared / "pp2z3resumed" / "step_000006" / f))
           << "ZeRO-3 stages resumed vs straight: " << f;
+      EXPECT_TRUE(file_bytes(shared / "pp2dp2" / "step_000006" / f) == file_bytes(shared / "pp2z1" / "step_000006" / f))
+          << "ZeRO-1 stages vs stage 0: " << f;
+      EXPECT_TRUE(file_bytes(shared / "pp2z2" / "step_000006" / f) ==
+                  file_bytes(shared / "pp2z2resumed" / "step_000006" / f))
+          << "ZeRO-2 stages resumed vs straight: " << f;
       // Recomputed activations are the forward's bits: checkpointing (per in-flight micro-batch) changes nothing.
       for (const char* ck : {"pp2l6ckdev", "pp2l6ckhost"})
         EXPECT_TRUE(file_bytes(shared / "pp2l6" / "step_000006" / f) == file_bytes(shared / ck / "step_000006" / f))
