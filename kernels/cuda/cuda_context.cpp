@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "kernels/cuda/cublas_loader.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_kernels.h"
 
@@ -45,6 +46,7 @@ const Availability& availability() {
     }
     r.description = fmt::format("{}, sm_{}{}, {} SMs, {:.1f} GiB", p.name, p.major, p.minor, p.multiProcessorCount,
                                 static_cast<double>(p.totalGlobalMem) / (1u << 30));
+    r.status = cuda::cublas_load_status();  // loaded here, the first time a GPU is there to use
     return r;
   }();
   return a;
