@@ -139,8 +139,9 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
     size_t small = 0;
     for (const Unit& u : model.units()) small += u.numel() <= static_cast<size_t>(config.stage3_param_persistence_threshold);
     if (small > 0)
-      STRATA_LOG_INFO("zero_optimization.stage 3: {} unit(s) under stage3_param_persistence_threshold are sharded and "
-                      "gathered like the others (persistent units are not built for stage 3 yet)",
+      STRATA_LOG_INFO("zero_optimization.stage 3: {} unit(s) under stage3_param_persistence_threshold stay gathered "
+                      "on the device between uses (sharded at home, never evicted, outside "
+                      "stage3_max_live_parameters)",
                       small);
     // The coordinator issues its collectives from its own thread: on a communicator of its own, while this
     // thread uses others — which MPI allows only at MPI_THREAD_MULTIPLE.

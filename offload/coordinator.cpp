@@ -81,6 +81,7 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
     const size_t home_capacity = r.shard.stride * sizeof(float);  // room for a padded shard
     r.persistent = shard_group == nullptr &&
                    (options.param_home == Tier::kDevice || r.info.numel <= options.persistence_threshold);
+    r.resident = shard_group != nullptr && r.info.numel <= options.persistence_threshold;
     r.home = r.persistent ? Tier::kDevice : options.param_home;
     const size_t chunks = (r.shard.len + options.nvme_chunk_elements - 1) / options.nvme_chunk_elements;
     if (options.grad_home == Tier::kNvme) {

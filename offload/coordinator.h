@@ -30,7 +30,10 @@
 // clipped to the unit, at home (host or nvme). Loading a unit onto the device all-gathers the shards into a
 // slot of D x stride elements; releasing it after a backward reduce-scatters the gradient and adds this rank's
 // part to its gradient shard at home (host), so gradients sum over the micro-batches as they go (another
-// association than one rank's local accumulation: equal within fp32 rounding). No unit is persistent. The
+// association than one rank's local accumulation: equal within fp32 rounding). A unit of at most
+// `persistence_threshold` elements is resident instead of persistent: gathered for use like the others, but
+// never evicted and not counted against `max_live_elements`, so it is gathered once per step (after the
+// optimizer changed its shards) instead of at every use a live-parameter cap would evict it between. The
 // collectives run in order on a queue of their own ("collectives"), on `shard_group` only; every rank issues
 // the same ones in the same order because the coordinator's decisions depend only on the access sequence and
 // the budgets, which are the same on every rank. A collective runs even when its data failed to arrive here
@@ -78,7 +81,7 @@ struct CoordinatorOptions {
   Tier grad_home = Tier::kHost;              // kHost, or kNvme (keys "grad.<unit>.<chunk>") when RAM is short
   size_t persistence_threshold = 0;          // stage3_param_persistence_threshold (elements)
   size_t prefetch_elements = 50'000'000;     // stage3_prefetch_bucket_size: elements fetched ahead of use
-  size_t max_live_elements = SIZE_MAX;       // stage3_max_live_parameters: non-persistent elements on device
+  size_t max_live_elements = SIZE_MAX;       // stage3_max_live_parameters: other units' elements on device
   size_t nvme_chunk_elements = 1u << 28;     // elements per swap key; a multiple of 1024
   int nvme_buffers = 4;  // offload_param.buffer_count: pinned staging buffers for NVMe reads, taken at create
   std::string key_prefix = "param.";

@@ -84,7 +84,8 @@ struct Coordinator::State {
     size_t slot_bytes = 0;  // of a device copy: `bytes`, or under ZeRO-3 all ranks' padded shards
     ShardRange shard;       // this rank's part (the whole unit unless sharded)
     size_t home_bytes = 0;  // of this rank's part at home (len elements)
-    bool persistent = false;
+    bool persistent = false;  // one rank: on the device for good (home kDevice)
+    bool resident = false;    // ZeRO-3, under the persistence threshold: never evicted, outside the live cap
     Tier home = Tier::kHost;
     // Parameters.
     kernels::DeviceBuffer dev_params;  // present: the unit is on the device (or on its way: params_ready)
@@ -123,7 +124,7 @@ struct Coordinator::State {
   std::vector<UnitRec> units;
   std::vector<Slot> spares;
   uint64_t slot_bytes = 0;  // device bytes in slots (units' buffers and spares), for error messages
-  size_t live_elements = 0;                // non-persistent parameter elements on the device
+  size_t live_elements = 0;                // parameter elements on the device that count against the live cap
   // offload_param.buffer_count pinned buffers of the largest nvme-homed unit, taken at create() so that a
   // host budget too small for them fails there instead of blocking a read forever.
   StagingBuffers read_staging;
@@ -147,6 +148,8 @@ struct Coordinator::State {
       : device(d), copies(c), pool(p), store(s), options(o) {}
 
   bool sharded() const { return group != nullptr; }
+  // What a device copy of r counts against the live-parameter cap.
+  static size_t live(const UnitRec& r) { return r.resident ? 0 : r.info.numel; }
 
   ~State() {
     for (UnitRec& r : units) {
@@ -223,7 +226,7 @@ struct Coordinator::State {
   void drop_failed_params(UnitRec& r) {
     if (!r.persistent && r.dev_params.data() != nullptr) {
       to_spare(std::move(r.dev_params), r.params_last_use, {});
-      live_elements -= r.info.numel;
+      live_elements -= live(r);
     }
     r.params_ready = CopyTicket();
   }
@@ -284,7 +287,8 @@ struct Coordinator::State {
     for (size_t u = 0; u < units.size(); ++u) {
       const UnitRec& r = units[u];
       if (r.in_use > 0) continue;
-      if (r.dev_params.data() != nullptr && !r.persistent && pd[u] > sooner_than && (best == SIZE_MAX || pd[u] > best_d)) {
+      if (r.dev_params.data() != nullptr && !r.persistent && !r.resident && pd[u] > sooner_than &&
+          (best == SIZE_MAX || pd[u] > best_d)) {
         best = u, best_d = pd[u], best_grads = false;
       }
       const bool grads_clean = r.grad_state == GradState::kBoth || r.grad_state == GradState::kZero ||
@@ -304,7 +308,7 @@ struct Coordinator::State {
       if (r.home_stale) STRATA_RETURN_IF_ERROR(write_back(r));
       to_spare(std::move(r.dev_params), r.params_last_use, {r.params_ready});
       r.params_ready = CopyTicket();
-      live_elements -= r.info.numel;
+      live_elements -= live(r);
     }
     ++stats.evictions;
     return true;
@@ -371,11 +375,11 @@ struct Coordinator::State {
     const bool demand = sooner_than == 0;
     STRATA_ASSERT(r.dev_params.data() == nullptr && !r.persistent);
     STRATA_RETURN_IF_ERROR(check_written(r));
-    while (live_elements + r.info.numel > options.max_live_elements) {
+    while (live_elements + live(r) > options.max_live_elements) {
       STRATA_ASSIGN_OR_RETURN(const bool evicted, evict_one(sooner_than, /*params_only=*/true));
       if (!evicted) break;  // demand loads go over the soft cap, not fail
     }
-    if (!demand && live_elements + r.info.numel > options.max_live_elements) return false;
+    if (!demand && live_elements + live(r) > options.max_live_elements) return false;
     auto slot = obtain(u, r.slot_bytes, sooner_than, "parameters");
     if (!slot.is_ok()) {
       if (!demand && slot.status().code() == StatusCode::kOutOfMemory) return false;
@@ -394,7 +398,7 @@ struct Coordinator::State {
     r.params_home_read = r.params_ready;
     ++stats.fetches;
     r.dev_params = std::move(s.buf);
-    live_elements += r.info.numel;
+    live_elements += live(r);
     return true;
   }
 
@@ -455,7 +459,7 @@ struct Coordinator::State {
     STRATA_ASSERT(!r.home_stale);
     to_spare(std::move(r.dev_params), r.params_last_use, {r.params_ready});
     r.params_ready = CopyTicket();
-    live_elements -= r.info.numel;
+    live_elements -= live(r);
   }
 
   // Queues the upload of unit u's accumulated host gradient into a device buffer (sooner_than as load_params).

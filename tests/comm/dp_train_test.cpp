@@ -153,6 +153,7 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
                      {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
                      {"sub_group_size", 3000},
                      {"stage3_max_live_parameters", 20000},
+                     {"stage3_param_persistence_threshold", 0},
                      {"stage3_prefetch_bucket_size", 20000}};
   struct Run {
     std::string name;
@@ -170,6 +171,13 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
       {"z3acc", {{"stage", 3}, {"offload_param", {{"device", "cpu"}}}, {"offload_optimizer", {{"device", "cpu"}}}}, 2,
        6, ""},
       {"z2offload", {{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}}, 1, 6, ""},
+      // The embedding (3616 elements) and ln_f under the persistence threshold: gathered once per step instead
+      // of at each use the live cap evicted it between; the blocks (12704) still evicted.
+      {"z3persist", [&] {
+         json z = nvme;
+         z["stage3_param_persistence_threshold"] = 4000;
+         return z;
+       }(), 1, 6, ""},
       {"z3resumed", nvme, 1, 3, ""},
       {"z3resumed", nvme, 1, 6, "z3resumed"},
       // Activation checkpoints in host memory: backward gathers (evicted) units again to recompute blocks from
@@ -205,6 +213,21 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
       EXPECT_GT(m.at("evictions").get<int>(), 0) << line;
       EXPECT_GT(m.at("gather_bytes").get<double>(), m.at("reduce_scatter_bytes").get<double>()) << line;
     }
+    // Resident units change which gathers happen, not one bit of the arithmetic.
+    {
+      std::ifstream a(dir_ / "z3nvme.jsonl"), b(dir_ / "z3persist.jsonl");
+      std::string la, lb;
+      int steps = 0;
+      while (std::getline(a, la) && std::getline(b, lb)) {
+        const json ma = json::parse(la).at("offload"), mb = json::parse(lb).at("offload");
+        EXPECT_LT(mb.at("gather_bytes").get<double>(), ma.at("gather_bytes").get<double>()) << lb;
+        EXPECT_LT(mb.at("evictions").get<int>(), ma.at("evictions").get<int>()) << lb;
+        EXPECT_GT(mb.at("evictions").get<int>(), 0) << lb;
+        ++steps;
+      }
+      EXPECT_EQ(steps, 6);
+    }
+    EXPECT_EQ(losses(dir_ / "z3nvme.jsonl"), losses(dir_ / "z3persist.jsonl"));
     check("z0", "z3host");
     check("z0", "z3nvme");
     check("z0acc", "z3acc");
@@ -215,6 +238,8 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
     for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
       EXPECT_TRUE(file_bytes(shared / "z3nvme" / "step_000006" / f) == file_bytes(shared / "z3resumed" / "step_000006" / f))
           << "stage 3 resumed vs straight: " << f;
+      EXPECT_TRUE(file_bytes(shared / "z3nvme" / "step_000006" / f) == file_bytes(shared / "z3persist" / "step_000006" / f))
+          << "stage 3 with resident small units vs without: " << f;
       EXPECT_TRUE(file_bytes(shared / "z3l3" / "step_000006" / f) == file_bytes(shared / "z3l3ckhost" / "step_000006" / f))
           << "stage 3 with activation checkpoints vs without: " << f;
     }

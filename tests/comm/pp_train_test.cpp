@@ -50,7 +50,8 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
                      {"offload_param", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
                      {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
                      {"sub_group_size", 3000},
-                     {"stage3_max_live_parameters", 20000}};
+                     {"stage3_max_live_parameters", 20000},
+                     {"stage3_param_persistence_threshold", 0}};
   // 4 micro-batches per data-parallel rank per step: 1F1B's warmup, steady state and cooldown all happen.
   const Run runs[] = {
       {"pp4", 4, "1f1b", 6, false},

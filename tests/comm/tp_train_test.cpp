@@ -176,7 +176,8 @@ TEST_F(TensorParallelTest, ThreeDimensionsOnEightRanksMatchOneProcess) {
                      {"offload_param", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
                      {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
                      {"sub_group_size", 3000},
-                     {"stage3_max_live_parameters", 20000}};
+                     {"stage3_max_live_parameters", 20000},
+                     {"stage3_param_persistence_threshold", 0}};
   const std::vector<TpRun> runs = {
       {"3d", 2, 2, 6},
       {"3dz3nvme", 2, 2, 6, false, nvme},
