@@ -225,8 +225,10 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
     return st;
   };
   // Reads run one position ahead of the update (position p's into slot p % slots), so a slot is read again
-  // only after its previous sub-group's writes were issued a position earlier. Before the step's parameters are
-  // known (plan.params) nothing is written yet, so the reads fill every slot while the caller waits for them.
+  // only after its previous sub-group's writes were issued a position earlier, and the on_updated call slots - 2
+  // positions after it returned (the header's promise about `master`). Before the step's parameters are known
+  // (plan.params), in the first position only, nothing is updated or written yet, so the reads fill every slot
+  // while the caller waits for them.
   const size_t num_slots = slots_.size();
   std::vector<size_t> order;  // the sub-group at each position whose read is issued
   bool ended = false;

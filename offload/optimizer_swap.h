@@ -107,7 +107,10 @@ class OptimizerSwapper {
   // for bf16/f16, 4 for fp32). hp.weight_decay is ignored: each segment has its own. hp.grad_scale carries the
   // unscale and clip coefficient, as in adamw_update. `working` may be empty: no working copies are written.
   // `on_updated(g, master)`, when set, runs on this thread after sub-group g's update with its new fp32 master
-  // weights (valid during the call), while the writes of earlier sub-groups proceed; an error stops the step.
+  // weights, while the writes of earlier sub-groups proceed; an error stops the step. `master` stays unchanged
+  // until the on_updated call slots - 2 positions later returns (its slot is read into again only after that:
+  // reads run one position ahead, except before plan.params has answered, when nothing is updated yet and the
+  // reads fill every slot), and at least until the step returns when fewer positions follow.
   using UpdatedFn = std::function<Status(size_t group, const float* master)>;
   static constexpr size_t kEnd = OptimizerStepPlan::kEnd, kNotYet = OptimizerStepPlan::kNotYet;
   using StepPlan = OptimizerStepPlan;

@@ -1,7 +1,8 @@
 // optimizer_swap_test.cpp — the optimizer swap pipeline (offload/optimizer_swap.h) against the same fused Adam run
-// on host arrays: bitwise equal master weights, moments and working copies after several steps, for 2 and 3
-// staging slots, every working dtype, odd sub-group sizes and per-segment weight decay, on the in-memory and the
-// POSIX engine; and under injected bit flips and EIO, an error (naming the key) rather than a wrong update.
+// on host arrays: bitwise equal master weights, moments and working copies after several steps, for 2, 3 and 4
+// staging slots (gated steps too), every working dtype, odd sub-group sizes and per-segment weight decay, on the
+// in-memory and the POSIX engine; how long a sub-group's new master weights stay valid; and under injected bit
+// flips and EIO, an error (naming the key) rather than a wrong update.
 #include "offload/optimizer_swap.h"
 
 #include <atomic>
@@ -201,9 +202,6 @@ TEST_P(OptimizerSwapTest, GradientsReadFromTheStoreAreBitwiseTheInMemoryOptimize
   for (int slots : {2, 3}) check_bitwise(GetParam(), slots, DType::kF32, /*grads_in_store=*/true);
 }
 
-// The same with every Adam pass on the calling thread: the swapper's own hand-offs between the engine threads
-// and the caller are then all that ThreadSanitizer sees (the Debian TBB is not instrumented, so work it hands
-// to its workers shows up as false races in a TSan build).
 // With the parameters known only after the first reads (offload_optimizer's gated update after a clipped step),
 // the reads fill every slot first, and the result is still the plain step's bits.
 TEST_P(OptimizerSwapTest, GatedStepsFillEverySlotBeforeTheirParametersAndMatch) {
@@ -212,6 +210,65 @@ TEST_P(OptimizerSwapTest, GatedStepsFillEverySlotBeforeTheirParametersAndMatch) 
     check_bitwise(GetParam(), slots, DType::kF32, /*grads_in_store=*/true, /*gated=*/true);
   }
 }
+
+// The header's promise about on_updated's `master`, which OffloadedAdamW's publication relies on: with more
+// sub-groups than slots (so slots are read into again after the gated fill), a plan that sometimes does not
+// know the next sub-group yet, and gated or not, every master stays unchanged until the on_updated call
+// slots - 2 positions later has returned.
+TEST_P(OptimizerSwapTest, MasterWeightsStayUntilTheSlotIsReadAgain) {
+  Harness h(GetParam());
+  std::vector<OptimizerGroup> groups;
+  for (int g = 0; g < 7; ++g)
+    groups.push_back({fmt::format("g{}", g), 3000u + 1000u * static_cast<size_t>(g), {}, {}});
+  for (auto& g : groups) g.segments = {{0, g.numel, 0.1f}};
+  for (int slots : {2, 3, 4}) {
+    for (bool gated : {false, true}) {
+      SCOPED_TRACE(fmt::format("slots={} gated={}", slots, gated));
+      auto swapper = OptimizerSwapper::create(*h.store, *h.pool, groups, OptimizerSwapOptions{.slots = slots});
+      ASSERT_TRUE(swapper.is_ok()) << swapper.status().to_string();
+      OptimizerSwapper& s = *swapper.value();
+      HostState state(groups, 13);
+      for (size_t g = 0; g < groups.size(); ++g) ASSERT_TRUE(s.initialize(g, state.master[g].data()).is_ok());
+      Rng rng(17);
+      state.new_grads(rng);
+      std::vector<const float*> grads;
+      for (const auto& g : state.grads) grads.push_back(g.data());
+      struct Seen {
+        const float* master;
+        std::vector<float> copy;
+      };
+      std::vector<Seen> seen;
+      const size_t keep = static_cast<size_t>(slots) - 2;
+      // The last `keep` positions handed over must be as they were: the calls `keep` positions after them have
+      // not returned yet (or, at the end, the step has not).
+      auto check_kept = [&] {
+        for (size_t i = seen.size() > keep ? seen.size() - keep : 0; i < seen.size(); ++i)
+          EXPECT_EQ(0, std::memcmp(seen[i].master, seen[i].copy.data(), seen[i].copy.size() * sizeof(float)))
+              << "position " << i << " changed by position " << seen.size();
+      };
+      auto on_updated = [&](size_t g, const float* master) -> Status {
+        check_kept();
+        seen.push_back({master, std::vector<float>(master, master + groups[g].numel)});
+        return Status::ok();
+      };
+      OptimizerStepPlan plan;
+      auto order = std::make_shared<size_t>(0);
+      auto asks = std::make_shared<int>(0);
+      plan.next = [order, asks, n = groups.size()](bool wait) -> Result<size_t> {
+        if (!wait && (*asks)++ % 3 == 1) return OptimizerSwapper::kNotYet;
+        return *order < n ? (*order)++ : OptimizerSwapper::kEnd;
+      };
+      if (gated) plan.params = [] { return Result<kernels::AdamWParams>(hyper(1)); };
+      ASSERT_TRUE(s.step(grads, {}, DType::kF32, hyper(1), on_updated, plan).is_ok());
+      EXPECT_EQ(seen.size(), groups.size());
+      check_kept();
+    }
+  }
+}
+
+// The same with every Adam pass on the calling thread: the swapper's own hand-offs between the engine threads
+// and the caller are then all that ThreadSanitizer sees (the Debian TBB is not instrumented, so work it hands
+// to its workers shows up as false races in a TSan build).
 
 TEST(OptimizerSwapThreadsTest, SingleThreadedUpdatesUnderTheEngineThreads) {
   tbb::task_arena one(1);
