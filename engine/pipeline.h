@@ -136,7 +136,8 @@ Status pipeline_recv_moments(const PipelinePlan& plan, comm::Communicator& pp, s
 std::function<Status(size_t unit, float* host)> pipeline_params_source(const GPT2& model, const PipelinePlan& plan,
                                                                        comm::Communicator& pp);
 // What the other stages (of data-parallel rank 0) do while the first writes a checkpoint: send it their units'
-// parameters, then their moments, in the order it reads them.
+// parameters, then their moments, in the order it reads them. With a ShardedAdamW (moments sharded over the
+// stage's data-parallel group, which serves the gathers), the caller then ends the gathers (end_checkpoint).
 Status take_part_in_pipeline_checkpoint(const GPT2& model, const PipelinePlan& plan, Optimizer& opt,
                                         comm::Communicator& pp);
 

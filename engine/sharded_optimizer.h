@@ -43,7 +43,7 @@ class ShardedAdamW final : public Optimizer {
                                                       kernels::Device& device, comm::Communicator& group, int stage,
                                                       std::vector<bool> held = {});
   // Pipeline parallelism: `plan` says which stage owns each unit, `pp` (which must outlive the optimizer) is this
-  // rank's pipeline group; `shares` as set_norm_shares. Collective over `pp`.
+  // rank's pipeline group. Collective over `pp`.
   Status set_pipeline(const PipelinePlan& plan, comm::Communicator& pp);
 
   // Reduces the gradients over the group (all-reduce or reduce-scatter by stage), then as AdamW::step.

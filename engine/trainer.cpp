@@ -130,6 +130,10 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   std::unique_ptr<PipelineAdamW> pipeline_opt;
   Optimizer* opt = nullptr;
   const bool zero12 = dp && !zero3 && (config.offload.stage == 1 || config.offload.stage == 2);
+  if (pp && !dp && !offloaded && (config.offload.stage == 1 || config.offload.stage == 2))
+    STRATA_LOG_INFO("zero_optimization.stage {}: one data-parallel rank per pipeline stage, so each stage keeps its "
+                    "whole optimizer state (nothing to shard it over)",
+                    config.offload.stage);
   if (pp && !offloaded && !zero12) {
     STRATA_ASSIGN_OR_RETURN(pipeline_opt, PipelineAdamW::create(*model, plan, ac, *device, *pp));
     opt = pipeline_opt.get();
