@@ -161,7 +161,8 @@ TEST_F(TensorParallelTest, RefusesHeadsThatDoNotSplit) {
 // TP=2 x PP=2 x DP=2: each data-parallel rank's 4 micro-batches flow through 2 stages of 2 tensor-parallel
 // ranks; one process runs the same 8 micro-batches per step. The same under ZeRO stages 1 (bitwise the stage-0
 // run), 2 and 3, and TP=2 x DP=4 under ZeRO stages 1 and 2. A resume of the ZeRO-3 run (its checkpoint gathered
-// over all three dimensions) is bitwise the straight run.
+// over all three dimensions) is bitwise the straight run. And PP=3 x DP=2 on 6 ranks under ZeRO stages 1
+// (resumed too) and 2, where the middle stage holds neither end of the tied embedding.
 TEST_F(TensorParallelTest, ThreeDimensionsOnEightRanksMatchOneProcess) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 240});
   ASSERT_TRUE(w.is_ok());
@@ -195,6 +196,29 @@ TEST_F(TensorParallelTest, ThreeDimensionsOnEightRanksMatchOneProcess) {
       {"tp2dp4z2", 2, 1, 6, false, {{"stage", 2}}},
   };
   run_all(world, shared, zero, 2, 8);
+  // A middle pipeline stage under ZeRO stages 1 and 2: PP=3 x DP=2 on 6 of the 8 ranks (the other 2 wait), 4
+  // micro-batches per data-parallel rank; stage 1 also resumed mid-run.
+  auto six = world.split(world.rank() < 6 ? 0 : 1, world.rank(), "six");
+  ASSERT_TRUE(six.is_ok()) << six.status().to_string();
+  if (world.rank() < 6) {
+    const std::vector<TpRun> middle = {
+        {"pp3dp2z1", 1, 3, 6, false, {{"stage", 1}}},
+        {"pp3dp2z1resumed", 1, 3, 3, false, {{"stage", 1}}},
+        {"pp3dp2z1resumed", 1, 3, 6, true, {{"stage", 1}}},
+        {"pp3dp2z2", 1, 3, 6, false, {{"stage", 2}}},
+    };
+    run_all(*six.value(), shared, middle, 4, 8);
+  }
+  ASSERT_TRUE(world.barrier().is_ok());
+  if (world.rank() == 0) {
+    expect_matches_one(shared, "pp3dp2z1");
+    expect_matches_one(shared, "pp3dp2z2");
+    for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
+      EXPECT_TRUE(file_bytes(shared / "pp3dp2z1" / "step_000006" / f) ==
+                  file_bytes(shared / "pp3dp2z1resumed" / "step_000006" / f))
+          << "ZeRO-1 pipeline resumed vs straight: " << f;
+    }
+  }
   if (world.rank() == 0) {
     expect_matches_one(shared, "tp2dp4z1");
     expect_matches_one(shared, "tp2dp4z2");
