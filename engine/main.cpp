@@ -37,8 +37,13 @@ void default_omp_wait_policy(int argc, char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) return;
   const char* preload = std::getenv("LD_PRELOAD");
   if (preload != nullptr && std::string(preload).find("vgpreload") != std::string::npos) return;
+  // The binary's own path rather than /proc/self/exe, which would rename the process "exe" in ps and top.
+  char self[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n <= 0) return;
+  self[n] = '\0';
   if (::setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
-  ::execv("/proc/self/exe", argv);
+  ::execv(self, argv);
   ::unsetenv("OMP_WAIT_POLICY");
 }
 
