@@ -138,7 +138,8 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   // Every key set away from its default that nothing acts on yet: a user must hear that a setting is not
   // happening. Acted on (engine/offload_runtime.cpp): both targets' device, nvme_path, pin_memory and
   // buffer_count, sub_group_size, stage3_prefetch_bucket_size, stage3_max_live_parameters,
-  // stage3_param_persistence_threshold, and both memory limits. zero_optimization.stage is not listed: one
+  // stage3_param_persistence_threshold, and both memory limits; reduce_bucket_size and allgather_bucket_size
+  // under stages 1 and 2 without offload (engine/sharded_optimizer.h). zero_optimization.stage is not listed: one
   // process is a data-parallel group of one, where every stage keeps the whole state (issue 5 shards it).
   auto note = [&](const std::string& key, const auto& value, const auto& default_value) {
     if (value != default_value) c->not_acted_on.push_back(fmt::format("{} = {}", key, value));
@@ -154,11 +155,15 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   target("offload_param", c->offload_param, d.offload_param);
   target("offload_optimizer", c->offload_optimizer, d.offload_optimizer);
   note("zero_optimization.stage3_max_reuse_distance", c->stage3_max_reuse_distance, d.stage3_max_reuse_distance);
-  note("zero_optimization.reduce_bucket_size", c->reduce_bucket_size, d.reduce_bucket_size);
-  note("zero_optimization.allgather_bucket_size", c->allgather_bucket_size, d.allgather_bucket_size);
+  const bool offloading = c->offload_optimizer.device != "none" || c->offload_param.device != "none";
+  // Stages 1 and 2 (engine/sharded_optimizer.h) cut their collectives by the buckets; stage 3, and 1 and 2 with
+  // offload, which run as 3, gather and reduce whole units (stage3_prefetch_bucket_size governs the gathers).
+  if (c->stage == 3 || offloading) {
+    note("zero_optimization.reduce_bucket_size", c->reduce_bucket_size, d.reduce_bucket_size);
+    note("zero_optimization.allgather_bucket_size", c->allgather_bucket_size, d.allgather_bucket_size);
+  }
   // What the engine does regardless; a setting that asks otherwise is not happening.
   if (!c->overlap_comm && c->stage == 3) c->not_acted_on.push_back("zero_optimization.overlap_comm = false");
-  const bool offloading = c->offload_optimizer.device != "none" || c->offload_param.device != "none";
   if (c->overlap_comm && (c->stage == 1 || c->stage == 2) && !offloading)  // with offload they run as stage 3
     c->not_acted_on.push_back("zero_optimization.overlap_comm = true (stages 1 and 2 reduce after backward)");
   note("zero_optimization.contiguous_gradients", c->contiguous_gradients, d.contiguous_gradients);

@@ -9,8 +9,6 @@
 namespace strata::engine {
 namespace {
 
-constexpr size_t kPiece = size_t{1} << 20;  // elements per collective call (Open MPI's large reduce-scatter is slow)
-
 // Elements of rank q's slice of a tensor of n elements cut in slices of c.
 size_t slice_len(size_t n, size_t c, size_t q) { return q * c >= n ? 0 : std::min(c, n - q * c); }
 
@@ -18,7 +16,9 @@ size_t slice_len(size_t n, size_t c, size_t q) { return q * c >= n ? 0 : std::mi
 
 Result<std::unique_ptr<ShardedAdamW>> ShardedAdamW::create(const std::vector<Unit>& units, const AdamWConfig& config,
                                                          kernels::Device& device, comm::Communicator& group,
-                                                         int stage, std::vector<bool> held) {
+                                                         const ShardedAdamWOptions& options) {
+  const int stage = options.stage;
+  const std::vector<bool>& held = options.held;
   if (stage != 1 && stage != 2)
     return Status::invalid_argument("ShardedAdamW: zero_optimization.stage must be 1 or 2, got {}", stage);
   if (!device.host_accessible())
@@ -56,8 +56,14 @@ Result<std::unique_ptr<ShardedAdamW>> ShardedAdamW::create(const std::vector<Uni
   STRATA_ASSIGN_OR_RETURN(opt->m_, device.allocate(bytes, "adamw.m (zero shard)"));
   STRATA_ASSIGN_OR_RETURN(opt->v_, device.allocate(bytes, "adamw.v (zero shard)"));
   if (stage == 2) opt->grad_shard_.assign(opt->shard_numel_, 0.0f);
-  opt->send_.assign(kPiece, 0.0f);
-  opt->recv_.assign(dp * kPiece, 0.0f);
+  auto piece = [&](size_t bucket) {
+    return std::clamp<size_t>(bucket / dp, 1, ShardedAdamWOptions::kMaxPiece);
+  };
+  opt->reduce_bucket_ = std::max<size_t>(options.reduce_bucket, 1);
+  opt->reduce_piece_ = piece(options.reduce_bucket);
+  opt->gather_piece_ = piece(options.allgather_bucket);
+  opt->send_.assign(std::max(opt->reduce_piece_, opt->gather_piece_), 0.0f);
+  opt->recv_.assign(dp * opt->send_.size(), 0.0f);
   STRATA_RETURN_IF_ERROR(opt->adopt_params());
   return opt;
 }
@@ -77,8 +83,8 @@ Status ShardedAdamW::adopt_params() {
 
 Status ShardedAdamW::all_gather_tensor(const Slice& s, const float* shard, float* whole) {
   const size_t dp = static_cast<size_t>(group_->size());
-  for (size_t a = 0; a < s.c; a += kPiece) {
-    const size_t k = std::min(kPiece, s.c - a);
+  for (size_t a = 0; a < s.c; a += gather_piece_) {
+    const size_t k = std::min(gather_piece_, s.c - a);
     const size_t mine = s.len > a ? std::min(k, s.len - a) : 0;
     std::memcpy(send_.data(), shard + a, mine * sizeof(float));
     std::fill(send_.begin() + mine, send_.begin() + k, 0.0f);
@@ -93,8 +99,8 @@ Status ShardedAdamW::all_gather_tensor(const Slice& s, const float* shard, float
 
 Status ShardedAdamW::reduce_scatter_tensor(const Slice& s, const float* whole, float* shard) {
   const size_t dp = static_cast<size_t>(group_->size());
-  for (size_t a = 0; a < s.c; a += kPiece) {
-    const size_t k = std::min(kPiece, s.c - a);
+  for (size_t a = 0; a < s.c; a += reduce_piece_) {
+    const size_t k = std::min(reduce_piece_, s.c - a);
     for (size_t q = 0; q < dp; ++q) {  // rank q's part of this piece, padded with zeros
       const size_t len = slice_len(s.tensor_numel, s.c, q);
       const size_t have = len > a ? std::min(k, len - a) : 0;
@@ -139,8 +145,12 @@ Result<double> ShardedAdamW::step(float lr, bool* skipped) {
     for (size_t i = 0; i < units.size(); ++i) {
       if (!holds(i)) continue;  // another pipeline stage's
       const Unit& u = units[i];
-      STRATA_RETURN_IF_ERROR(group_->all_reduce(u.g(), u.g(), u.numel(), DType::kF32, comm::ReduceOp::kSum)
-                                 .with_context("gradients of " + u.name));
+      const size_t bucket = reduce_bucket_;  // in place, uncapped: whole units by default, as stage 0 reduces them
+      for (size_t a = 0; a < u.numel(); a += bucket) {
+        STRATA_RETURN_IF_ERROR(group_->all_reduce(u.g() + a, u.g() + a, std::min(bucket, u.numel() - a), DType::kF32,
+                                                  comm::ReduceOp::kSum)
+                                   .with_context("gradients of " + u.name));
+      }
     }
     if (tied_end) {
       const Unit& wte = units[0];

@@ -35,13 +35,24 @@
 
 namespace strata::engine {
 
+struct ShardedAdamWOptions {
+  int stage = 1;           // 1 or 2
+  std::vector<bool> held;  // the units this rank updates (a pipeline stage's); empty: all
+  // DeepSpeed's reduce_bucket_size and allgather_bucket_size: the most elements (the group's, all ranks' parts)
+  // one reduction or all-gather moves at a time, which bounds the staging buffers (bucket floats, dp x bucket / dp
+  // for the received pieces). A stage-2 reduce-scatter and an all-gather are further capped at kMaxPiece elements
+  // per rank (Open MPI's large reduce-scatter is slow); stage 1's in-place all-reduce is not.
+  size_t reduce_bucket = 500'000'000;
+  size_t allgather_bucket = 500'000'000;
+  static constexpr size_t kMaxPiece = size_t{1} << 20;
+};
+
 class ShardedAdamW final : public Optimizer {
  public:
-  // `units` (host-accessible device memory), `device` and `group` must outlive the optimizer. Stage 1 or 2.
-  // `held`: the units this rank updates (a pipeline stage's; empty: all).
+  // `units` (host-accessible device memory), `device` and `group` must outlive the optimizer.
   static Result<std::unique_ptr<ShardedAdamW>> create(const std::vector<Unit>& units, const AdamWConfig& config,
-                                                      kernels::Device& device, comm::Communicator& group, int stage,
-                                                      std::vector<bool> held = {});
+                                                      kernels::Device& device, comm::Communicator& group,
+                                                      const ShardedAdamWOptions& options);
   // Pipeline parallelism: `plan` says which stage owns each unit, `pp` (which must outlive the optimizer) is this
   // rank's pipeline group. Collective over `pp`.
   Status set_pipeline(const PipelinePlan& plan, comm::Communicator& pp);
@@ -100,7 +111,9 @@ class ShardedAdamW final : public Optimizer {
   size_t shard_numel_ = 0;
   kernels::DeviceBuffer m_, v_;      // this rank's slices of the moments
   std::vector<float> grad_shard_;    // stage 2: the summed gradient of this rank's slices
-  std::vector<float> send_, recv_;   // one piece of a padded collective: kPiece and dp x kPiece
+  size_t reduce_bucket_ = 0;                   // stage 1's all-reduce: elements per call
+  size_t reduce_piece_ = 0, gather_piece_ = 0;  // elements per rank of one reduce-scatter or all-gather
+  std::vector<float> send_, recv_;  // one piece of a padded collective: the larger piece, and dp times it
 };
 
 }  // namespace strata::engine

@@ -138,10 +138,13 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     STRATA_ASSIGN_OR_RETURN(pipeline_opt, PipelineAdamW::create(*model, plan, ac, *device, *pp));
     opt = pipeline_opt.get();
   } else if (zero12) {
-    std::vector<bool> held(model->units().size());
-    for (size_t u = 0; u < held.size(); ++u) held[u] = model->holds(u);
-    STRATA_ASSIGN_OR_RETURN(sharded_opt, ShardedAdamW::create(model->units(), ac, *device, *dp, config.offload.stage,
-                                                              std::move(held)));
+    ShardedAdamWOptions so;
+    so.stage = config.offload.stage;
+    so.held.resize(model->units().size());
+    for (size_t u = 0; u < so.held.size(); ++u) so.held[u] = model->holds(u);
+    so.reduce_bucket = static_cast<size_t>(config.offload.reduce_bucket_size);
+    so.allgather_bucket = static_cast<size_t>(config.offload.allgather_bucket_size);
+    STRATA_ASSIGN_OR_RETURN(sharded_opt, ShardedAdamW::create(model->units(), ac, *device, *dp, so));
     sharded_opt->set_norm_shares(&model->norm_shares());
     if (pp) STRATA_RETURN_IF_ERROR(sharded_opt->set_pipeline(plan, *pp));
     opt = sharded_opt.get();

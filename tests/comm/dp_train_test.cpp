@@ -58,7 +58,7 @@ TEST_F(DataParallelTest, TwoRanksMatchOneProcessAccumulatingTheirMicroBatches) {
 }
 
 // ZeRO-1 keeps a slice of Adam's moments per rank and all-reduces the gradients: bitwise the stage-0 run, its
-// gathered checkpoint included. ZeRO-2 reduce-scatters the gradients and adds the ranks' sums of squares for
+// gathered checkpoint included; small reduce and all-gather buckets change no bit of either stage. ZeRO-2 reduce-scatters the gradients and adds the ranks' sums of squares for
 // the norm in another order: within rounding of stage 0 (losses and norms 1e-5 relative, weights and moments
 // 2e-5 absolute). Resuming from a stage-1 checkpoint (moments gathered to rank 0, then sliced again) is
 // bitwise the straight run.
@@ -80,6 +80,15 @@ TEST_F(DataParallelTest, ZeroStagesOneAndTwoShardTheMomentsExactly) {
     const std::string name = fmt::format("zero{}", stage);
     ASSERT_TRUE(train(config(name, stage, 6), "", (dir_ / (name + ".jsonl")).string(), &world).is_ok()) << name;
   }
+  // Small buckets (reduce_bucket_size 100, allgather_bucket_size 70: pieces of 50 and 35 elements per rank, so
+  // most tensors take many calls, the last one partial): the same bits as whole-tensor collectives.
+  for (int stage = 1; stage <= 2; ++stage) {
+    const std::string name = fmt::format("zero{}_buckets", stage);
+    json j = config(name, stage, 6);
+    j["zero_optimization"]["reduce_bucket_size"] = 100;
+    j["zero_optimization"]["allgather_bucket_size"] = 70;
+    ASSERT_TRUE(train(j, "", (dir_ / (name + ".jsonl")).string(), &world).is_ok()) << name;
+  }
   // Stage 1 in two parts: 3 steps, then resumed to 6.
   ASSERT_TRUE(train(config("zero1_resumed", 1, 3), "", "", &world).is_ok());
   ASSERT_TRUE(world.barrier().is_ok());  // rank 0's checkpoint is written before anyone reads it
@@ -91,6 +100,13 @@ TEST_F(DataParallelTest, ZeroStagesOneAndTwoShardTheMomentsExactly) {
     for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
       EXPECT_TRUE(file_bytes(z0 / f) == file_bytes(z1 / f)) << "stage 1 vs 0: " << f;
       EXPECT_TRUE(file_bytes(z1 / f) == file_bytes(r1 / f)) << "stage 1 resumed vs straight: " << f;
+    }
+    for (const char* stage : {"zero1", "zero2"}) {
+      const std::string small = std::string(stage) + "_buckets";
+      EXPECT_EQ(losses(dir_ / (std::string(stage) + ".jsonl")), losses(dir_ / (small + ".jsonl"))) << small;
+      for (const char* f : {"model.safetensors", "optimizer.safetensors"})
+        EXPECT_TRUE(file_bytes(shared / stage / "step_000006" / f) == file_bytes(shared / small / "step_000006" / f))
+            << small << ": " << f;
     }
     const auto a = losses(dir_ / "zero0.jsonl"), b = losses(dir_ / "zero2.jsonl");
     ASSERT_EQ(a.size(), b.size());

@@ -116,6 +116,13 @@ TEST(ConfigTest, DeepSpeedOffloadSectionsCarryOver) {
                           "reduce_scatter", "allgather"})
     EXPECT_EQ(listed.find(key), std::string::npos) << key << " is acted on, yet listed in:\n" << listed;
   EXPECT_EQ(listed.find("sub_group_size"), std::string::npos) << "a default value is not worth a warning";
+  // Stages 1 and 2 without offload cut their collectives by the buckets: not listed there.
+  auto z2 = parse_run_config(json::parse(R"({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1e6,
+                                                                     "allgather_bucket_size": 2e6}})"),
+                             "z2.json");
+  ASSERT_TRUE(z2.is_ok()) << z2.status().to_string();
+  for (const std::string& k : z2->offload.not_acted_on)
+    EXPECT_EQ(k.find("bucket"), std::string::npos) << k << " is acted on under stage 2";
 
   auto plain = parse_run_config(json::object(), "empty.json");
   ASSERT_TRUE(plain.is_ok());
