@@ -161,8 +161,8 @@ TEST_F(TensorParallelTest, RefusesHeadsThatDoNotSplit) {
 // TP=2 x PP=2 x DP=2: each data-parallel rank's 4 micro-batches flow through 2 stages of 2 tensor-parallel
 // ranks; one process runs the same 8 micro-batches per step. The same under ZeRO stages 1 (bitwise the stage-0
 // run), 2 and 3, and TP=2 x DP=4 under ZeRO stages 1 and 2. A resume of the ZeRO-3 run (its checkpoint gathered
-// over all three dimensions) is bitwise the straight run. And PP=3 x DP=2 on 6 ranks under ZeRO stages 1
-// (resumed too) and 2, where the middle stage holds neither end of the tied embedding.
+// over all three dimensions) is bitwise the straight run. TP=4 x DP=2 (one head per rank). And PP=3 x DP=2 on 6
+// ranks under ZeRO stages 1 (resumed too) and 2, where the middle stage holds neither end of the tied embedding.
 TEST_F(TensorParallelTest, ThreeDimensionsOnEightRanksMatchOneProcess) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 240});
   ASSERT_TRUE(w.is_ok());
@@ -187,6 +187,8 @@ TEST_F(TensorParallelTest, ThreeDimensionsOnEightRanksMatchOneProcess) {
       {"3dsp", 2, 2, 6, false, json::object(), json::object(), true},
       {"3dz1", 2, 2, 6, false, {{"stage", 1}}},
       {"3dz2", 2, 2, 6, false, {{"stage", 2}}},
+      // TP=4 x DP=2: one head per rank, vocabulary slices of 25, 24, 24 and 24 rows.
+      {"tp4dp2", 4, 1, 6},
   };
   run_all(world, shared, runs, 4, 8);
   // TP=2 x DP=4 with ZeRO stages 1 and 2 (Adam's moments, then the gradients, sharded over the 4 data-parallel
@@ -226,6 +228,7 @@ TEST_F(TensorParallelTest, ThreeDimensionsOnEightRanksMatchOneProcess) {
     expect_matches_one(shared, "3dz3nvme");
     expect_matches_one(shared, "3dsp");  // sequence parallelism: stages pass this rank's rows of the activations
     expect_matches_one(shared, "3dz2");
+    expect_matches_one(shared, "tp4dp2");
     for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
       EXPECT_TRUE(file_bytes(shared / "3d" / "step_000006" / f) == file_bytes(shared / "3dz1" / "step_000006" / f))
           << "ZeRO-1 vs stage 0: " << f;
