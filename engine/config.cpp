@@ -36,9 +36,111 @@ Status apply_overrides(nlohmann::json* j, const std::vector<std::string>& overri
   return Status::ok();
 }
 
-Result<RunConfig> parse_run_config(const nlohmann::json& j, const std::string& source) {
+namespace {
+
+// DeepSpeed's top-level training keys, so that a ds_config.json's settings carry over beside its
+// zero_optimization section: each is moved to the key it means here (an error when both are set and differ),
+// and what has no counterpart here is refused by name.
+Status apply_deepspeed_keys(nlohmann::json* j, const std::string& source) {
+  auto section = [&](const char* name) -> nlohmann::json& {
+    nlohmann::json& s = (*j)[name];
+    if (s.is_null()) s = nlohmann::json::object();
+    return s;
+  };
+  // Sets section.key to `value`, which DeepSpeed's setting `from` ("key = value") asked for.
+  auto place = [&](const std::string& from, const nlohmann::json& value, const char* sec, const char* key) -> Status {
+    nlohmann::json& s = section(sec);
+    if (!s.is_object()) return Status::ok();  // the parser names a section that is not an object
+    if (s.contains(key) && s[key] != value)
+      return Status::invalid_argument("{}: {} and {}.{} = {} say different things; keep one", source, from, sec, key,
+                                      s[key].dump());
+    s[key] = value;
+    return Status::ok();
+  };
+  auto take = [&](const char* from, const char* sec, const char* key) -> Status {
+    if (!j->contains(from)) return Status::ok();
+    const nlohmann::json value = (*j)[from];
+    j->erase(from);
+    return place(fmt::format("{} = {}", from, value.dump()), value, sec, key);
+  };
+  STRATA_RETURN_IF_ERROR(take("train_micro_batch_size_per_gpu", "training", "batch_size"));
+  STRATA_RETURN_IF_ERROR(take("gradient_accumulation_steps", "training", "grad_accum_steps"));
+  STRATA_RETURN_IF_ERROR(take("gradient_clipping", "training", "grad_clip"));
+  STRATA_RETURN_IF_ERROR(take("train_batch_size", "training", "global_batch_size"));
+  STRATA_RETURN_IF_ERROR(take("steps_per_print", "training", "log_every"));
+  for (const char* dtype : {"bf16", "fp16"}) {
+    if (!j->contains(dtype)) continue;
+    const nlohmann::json v = (*j)[dtype];
+    j->erase(dtype);
+    if (!v.is_object() || (v.contains("enabled") && !v["enabled"].is_boolean()))
+      return Status::invalid_argument("{}: {} must be an object like {{\"enabled\": true}}", source, dtype);
+    for (const auto& [k, _] : v.items()) {
+      if (k != "enabled")
+        return Status::invalid_argument("{}: {}.{} is not supported (only {}.enabled)", source, dtype, k, dtype);
+    }
+    if (!v.value("enabled", false)) continue;
+    if (std::string(dtype) == "fp16")
+      return Status::invalid_argument("{}: fp16.enabled = true is not supported (no fp16 loss scaling); use "
+                                      "\"bf16\": {{\"enabled\": true}} or compute.matmul_precision \"bf16\"",
+                                      source);
+    // bf16 matmul inputs with fp32 accumulation, fp32 master weights and moments: the closest this engine has.
+    STRATA_RETURN_IF_ERROR(place("bf16.enabled = true", "bf16", "compute", "matmul_precision"));
+  }
+  if (j->contains("optimizer")) {
+    const nlohmann::json o = (*j)["optimizer"];
+    j->erase("optimizer");
+    if (!o.is_object() || !o.contains("type") || !o["type"].is_string())
+      return Status::invalid_argument("{}: optimizer must be an object with a \"type\" (\"AdamW\" or \"Adam\")",
+                                      source);
+    const std::string type = o["type"];
+    if (type != "AdamW" && type != "Adam" && type != "adamw" && type != "adam")
+      return Status::invalid_argument("{}: optimizer.type \"{}\" is not supported; the engine's optimizer is AdamW",
+                                      source, type);
+    for (const auto& [k, _] : o.items()) {
+      if (k != "type" && k != "params")
+        return Status::invalid_argument("{}: unknown key 'optimizer.{}'; valid keys: params, type", source, k);
+    }
+    const nlohmann::json p = o.value("params", nlohmann::json::object());
+    if (!p.is_object()) return Status::invalid_argument("{}: optimizer.params must be an object", source);
+    for (const auto& [k, v] : p.items()) {
+      const std::string from = fmt::format("optimizer.params.{} = {}", k, v.dump());
+      if (k == "lr") {
+        STRATA_RETURN_IF_ERROR(place(from, v, "training", "lr"));
+      } else if (k == "eps") {
+        STRATA_RETURN_IF_ERROR(place(from, v, "training", "eps"));
+      } else if (k == "weight_decay") {
+        STRATA_RETURN_IF_ERROR(place(from, v, "training", "weight_decay"));
+      } else if (k == "betas") {
+        if (!v.is_array() || v.size() != 2)
+          return Status::invalid_argument("{}: optimizer.params.betas must be [beta1, beta2]", source);
+        STRATA_RETURN_IF_ERROR(place(from, v[0], "training", "beta1"));
+        STRATA_RETURN_IF_ERROR(place(from, v[1], "training", "beta2"));
+      } else if (k == "adam_w_mode" || k == "torch_adam") {
+        if (k == "adam_w_mode" && v != true)
+          return Status::invalid_argument("{}: optimizer.params.adam_w_mode = false (Adam with L2 in the gradient) is "
+                                          "not supported; the engine's optimizer is AdamW",
+                                          source);
+      } else {
+        return Status::invalid_argument("{}: unknown key 'optimizer.params.{}'; valid keys: lr, betas, eps, "
+                                        "weight_decay, adam_w_mode, torch_adam",
+                                        source, k);
+      }
+    }
+  }
+  if (j->contains("scheduler"))
+    return Status::invalid_argument("{}: scheduler is not supported; the schedule is a linear warmup then a cosine "
+                                    "decay: set training.warmup_steps, training.lr and training.min_lr",
+                                    source);
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<RunConfig> parse_run_config(const nlohmann::json& given, const std::string& source) {
   RunConfig c;
   c.source = source;
+  nlohmann::json j = given;
+  if (j.is_object()) STRATA_RETURN_IF_ERROR(apply_deepspeed_keys(&j, source));
   c.json = j;
   JsonSection root(&j, source, "");
 
@@ -78,6 +180,7 @@ Result<RunConfig> parse_run_config(const nlohmann::json& j, const std::string& s
   STRATA_RETURN_IF_ERROR(tr.get_int("keep_checkpoints", &t.keep_checkpoints));
   STRATA_RETURN_IF_ERROR(tr.get_int("log_every", &t.log_every));
   STRATA_RETURN_IF_ERROR(tr.get_string("init_from", &t.init_from));
+  STRATA_RETURN_IF_ERROR(tr.get_int("global_batch_size", &t.global_batch_size));
   STRATA_RETURN_IF_ERROR(tr.finish());
 
   auto bad = [&](const char* key, const std::string& why) {
@@ -103,6 +206,11 @@ Result<RunConfig> parse_run_config(const nlohmann::json& j, const std::string& s
   if (t.keep_checkpoints < 0) return bad("keep_checkpoints", "must be >= 0");
   if (t.log_every <= 0) return bad("log_every", "must be positive");
   if (t.checkpoint_dir.empty()) return bad("checkpoint_dir", "must not be empty");
+  if (t.global_batch_size < 0) return bad("global_batch_size", "(train_batch_size) must be >= 0");
+  if (t.global_batch_size > 0 && t.global_batch_size % (t.batch_size * t.grad_accum_steps) != 0)
+    return bad("global_batch_size", fmt::format("(train_batch_size) {} is not a multiple of batch_size {} x "
+                                                "grad_accum_steps {}",
+                                                t.global_batch_size, t.batch_size, t.grad_accum_steps));
 
   JsonSection co = root.section("compute");
   STRATA_RETURN_IF_ERROR(co.get_string("device", &c.compute.device));
@@ -167,6 +275,8 @@ Result<RunConfig> parse_run_config(const nlohmann::json& j, const std::string& s
 Result<RunConfig> load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
   STRATA_ASSIGN_OR_RETURN(nlohmann::json j, read_json_file(path));
   if (!j.is_object()) return Status::invalid_argument("{}: the config must be a JSON object", path);
+  // The file's DeepSpeed keys first, so that an override of the key they map to wins (--lr over optimizer.params).
+  STRATA_RETURN_IF_ERROR(apply_deepspeed_keys(&j, path));
   STRATA_RETURN_IF_ERROR(apply_overrides(&j, overrides).with_context(path));
   return parse_run_config(j, path);
 }

@@ -45,6 +45,9 @@ struct TrainingConfig {
   int keep_checkpoints = 2;  // newest N kept; 0 keeps all
   int log_every = 1;
   std::string init_from;  // a model.safetensors to start from (fine-tuning); empty: GPT-2 init from seed
+  // Sequences per optimizer step over every data-parallel rank (DeepSpeed's train_batch_size): when set, it must
+  // equal batch_size x grad_accum_steps x the data-parallel size, checked at start. 0: not checked.
+  int global_batch_size = 0;
 };
 
 struct ComputeConfig {

@@ -1,5 +1,8 @@
 #include "engine/config.h"
 
+#include <cstdio>
+#include <fstream>
+
 #include <gtest/gtest.h>
 
 namespace strata::engine {
@@ -127,6 +130,62 @@ TEST(ConfigTest, DeepSpeedOffloadSectionsCarryOver) {
   auto plain = parse_run_config(json::object(), "empty.json");
   ASSERT_TRUE(plain.is_ok());
   EXPECT_TRUE(plain->offload.not_acted_on.empty());
+}
+
+// DeepSpeed's top-level training keys land where they mean the same here; what has no counterpart, and a
+// setting that contradicts ours, is refused by name; an override of the key they map to wins.
+TEST(ConfigTest, DeepSpeedTrainingKeysCarryOver) {
+  const json model = {{"n_layer", 2}, {"n_head", 2}, {"n_embd", 32}, {"vocab_size", 97}, {"block_size", 16}};
+  json ds = json::parse(R"({
+    "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+    "gradient_clipping": 0.5, "steps_per_print": 10, "bf16": {"enabled": true}, "fp16": {"enabled": false},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.01}}
+  })");
+  ds["model"] = model;
+  ds["training"] = {{"seq_len", 16}};
+  auto c = parse_run_config(ds, "ds.json");
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  const TrainingConfig& t = c->training;
+  EXPECT_EQ(t.batch_size, 4);
+  EXPECT_EQ(t.grad_accum_steps, 2);
+  EXPECT_EQ(t.global_batch_size, 32);
+  EXPECT_DOUBLE_EQ(t.grad_clip, 0.5);
+  EXPECT_EQ(t.log_every, 10);
+  EXPECT_DOUBLE_EQ(t.lr, 3e-4);
+  EXPECT_DOUBLE_EQ(t.beta1, 0.8);
+  EXPECT_DOUBLE_EQ(t.beta2, 0.99);
+  EXPECT_DOUBLE_EQ(t.eps, 1e-6);
+  EXPECT_DOUBLE_EQ(t.weight_decay, 0.01);
+  EXPECT_EQ(c->compute.matmul_precision, kernels::MatmulPrecision::kBF16);
+
+  auto refused = [&](json j, const std::string& words) {
+    j["model"] = model;
+    if (!j.contains("training")) j["training"] = {{"seq_len", 16}};
+    const auto r = parse_run_config(j, "ds.json");
+    ASSERT_FALSE(r.is_ok()) << j.dump();
+    EXPECT_NE(r.status().message().find(words), std::string::npos) << r.status().to_string();
+  };
+  refused({{"gradient_clipping", 0.5}, {"training", {{"seq_len", 16}, {"grad_clip", 1.0}}}},
+          "gradient_clipping = 0.5 and training.grad_clip = 1.0 say different things");
+  refused({{"fp16", {{"enabled", true}}}}, "fp16.enabled = true is not supported");
+  refused({{"bf16", {{"enabled", true}, {"loss_scale", 0}}}}, "bf16.loss_scale is not supported");
+  refused({{"optimizer", {{"type", "SGD"}}}}, "optimizer.type \"SGD\" is not supported");
+  refused({{"optimizer", {{"type", "Adam"}, {"params", {{"amsgrad", true}}}}}}, "unknown key 'optimizer.params.amsgrad'");
+  refused({{"optimizer", {{"type", "Adam"}, {"params", {{"adam_w_mode", false}}}}}}, "adam_w_mode = false");
+  refused({{"scheduler", {{"type", "WarmupLR"}}}}, "scheduler is not supported");
+  refused({{"train_batch_size", 30}, {"train_micro_batch_size_per_gpu", 4}}, "30 is not a multiple of batch_size 4");
+  refused({{"wall_clock_breakdown", true}}, "unknown key 'wall_clock_breakdown'");
+
+  // From a file: an override of the key a DeepSpeed setting maps to wins over it.
+  const std::string path = ::testing::TempDir() + "strata_ds_config.json";
+  {
+    json file = ds;
+    std::ofstream(path) << file.dump();
+  }
+  auto loaded = load_run_config(path, {"training.lr=1e-3"});
+  ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
+  EXPECT_DOUBLE_EQ(loaded->training.lr, 1e-3);
+  std::remove(path.c_str());
 }
 
 TEST(ConfigTest, BadOffloadValuesAreRejectedByName) {

@@ -111,6 +111,11 @@ TEST_F(TrainerTest, BadInputGivesAClearError) {
   unwritable["training"]["checkpoint_dir"] = (dir_ / "a_file" / "ckpt").string();
   expect_error(unwritable, StatusCode::kIOError, {"training.checkpoint_dir", "a_file"});
 
+  // DeepSpeed's train_batch_size that is not batch_size x grad_accum_steps x the data-parallel size (1 here).
+  json global = base_config("m");
+  global["train_batch_size"] = 2 * global["training"]["batch_size"].get<int>();
+  expect_error(global, StatusCode::kInvalidArgument, {"train_batch_size", "1 data-parallel rank"});
+
   // Resuming from something that is not a checkpoint.
   auto r = train(base_config("m"), (dir_ / "data").string());
   ASSERT_FALSE(r.is_ok());
