@@ -1,5 +1,7 @@
 #include "engine/config.h"
 
+#include <cctype>
+
 #include "common/json_config.h"
 
 namespace strata::engine {
@@ -57,10 +59,13 @@ Status apply_deepspeed_keys(nlohmann::json* j, const std::string& source) {
     s[key] = value;
     return Status::ok();
   };
+  // Hugging Face's integration writes "auto" where its own arguments decide: here our setting stands.
+  auto is_auto = [](const nlohmann::json& v) { return v.is_string() && v == "auto"; };
   auto take = [&](const char* from, const char* sec, const char* key) -> Status {
     if (!j->contains(from)) return Status::ok();
     const nlohmann::json value = (*j)[from];
     j->erase(from);
+    if (is_auto(value)) return Status::ok();
     return place(fmt::format("{} = {}", from, value.dump()), value, sec, key);
   };
   STRATA_RETURN_IF_ERROR(take("train_micro_batch_size_per_gpu", "training", "batch_size"));
@@ -72,13 +77,18 @@ Status apply_deepspeed_keys(nlohmann::json* j, const std::string& source) {
     if (!j->contains(dtype)) continue;
     const nlohmann::json v = (*j)[dtype];
     j->erase(dtype);
-    if (!v.is_object() || (v.contains("enabled") && !v["enabled"].is_boolean()))
+    if (!v.is_object())
       return Status::invalid_argument("{}: {} must be an object like {{\"enabled\": true}}", source, dtype);
+    const nlohmann::json enabled = v.value("enabled", nlohmann::json(false));
+    if (is_auto(enabled)) continue;
+    if (!enabled.is_boolean())
+      return Status::invalid_argument("{}: {}.enabled must be true, false or \"auto\", got {}", source, dtype,
+                                      enabled.dump());
+    if (!enabled.get<bool>()) continue;  // its other settings (loss_scale, ...) do not matter then
     for (const auto& [k, _] : v.items()) {
       if (k != "enabled")
         return Status::invalid_argument("{}: {}.{} is not supported (only {}.enabled)", source, dtype, k, dtype);
     }
-    if (!v.value("enabled", false)) continue;
     if (std::string(dtype) == "fp16")
       return Status::invalid_argument("{}: fp16.enabled = true is not supported (no fp16 loss scaling); use "
                                       "\"bf16\": {{\"enabled\": true}} or compute.matmul_precision \"bf16\"",
@@ -89,11 +99,13 @@ Status apply_deepspeed_keys(nlohmann::json* j, const std::string& source) {
   if (j->contains("optimizer")) {
     const nlohmann::json o = (*j)["optimizer"];
     j->erase("optimizer");
-    if (!o.is_object() || !o.contains("type") || !o["type"].is_string())
+    if (!o.is_object() || (o.contains("type") && !o["type"].is_string()))
       return Status::invalid_argument("{}: optimizer must be an object with a \"type\" (\"AdamW\" or \"Adam\")",
                                       source);
-    const std::string type = o["type"];
-    if (type != "AdamW" && type != "Adam" && type != "adamw" && type != "adam")
+    std::string type = o.value("type", std::string("AdamW"));
+    std::string lower = type;
+    for (char& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    if (lower != "adamw" && lower != "adam")
       return Status::invalid_argument("{}: optimizer.type \"{}\" is not supported; the engine's optimizer is AdamW",
                                       source, type);
     for (const auto& [k, _] : o.items()) {
@@ -104,8 +116,13 @@ Status apply_deepspeed_keys(nlohmann::json* j, const std::string& source) {
     if (!p.is_object()) return Status::invalid_argument("{}: optimizer.params must be an object", source);
     for (const auto& [k, v] : p.items()) {
       const std::string from = fmt::format("optimizer.params.{} = {}", k, v.dump());
+      if (is_auto(v)) continue;
       if (k == "lr") {
         STRATA_RETURN_IF_ERROR(place(from, v, "training", "lr"));
+        // DeepSpeed without a scheduler keeps the rate constant: so here, unless the file sets the schedule.
+        nlohmann::json& t = section("training");
+        if (t.is_object() && !t.contains("min_lr")) t["min_lr"] = v;
+        if (t.is_object() && !t.contains("warmup_steps")) t["warmup_steps"] = 0;
       } else if (k == "eps") {
         STRATA_RETURN_IF_ERROR(place(from, v, "training", "eps"));
       } else if (k == "weight_decay") {
@@ -207,7 +224,8 @@ Result<RunConfig> parse_run_config(const nlohmann::json& given, const std::strin
   if (t.log_every <= 0) return bad("log_every", "must be positive");
   if (t.checkpoint_dir.empty()) return bad("checkpoint_dir", "must not be empty");
   if (t.global_batch_size < 0) return bad("global_batch_size", "(train_batch_size) must be >= 0");
-  if (t.global_batch_size > 0 && t.global_batch_size % (t.batch_size * t.grad_accum_steps) != 0)
+  if (t.global_batch_size > 0 &&
+      t.global_batch_size % (static_cast<int64_t>(t.batch_size) * t.grad_accum_steps) != 0)
     return bad("global_batch_size", fmt::format("(train_batch_size) {} is not a multiple of batch_size {} x "
                                                 "grad_accum_steps {}",
                                                 t.global_batch_size, t.batch_size, t.grad_accum_steps));

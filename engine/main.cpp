@@ -40,7 +40,7 @@ void default_omp_wait_policy(int argc, char** argv) {
   // The binary's own path rather than /proc/self/exe, which would rename the process "exe" in ps and top.
   char self[4096];
   const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
-  if (n <= 0) return;
+  if (n <= 0 || n == static_cast<ssize_t>(sizeof self) - 1) return;  // none, or perhaps cut short
   self[n] = '\0';
   if (::setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
   ::execv(self, argv);

@@ -156,9 +156,10 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   target("offload_optimizer", c->offload_optimizer, d.offload_optimizer);
   note("zero_optimization.stage3_max_reuse_distance", c->stage3_max_reuse_distance, d.stage3_max_reuse_distance);
   const bool offloading = c->offload_optimizer.device != "none" || c->offload_param.device != "none";
-  // Stages 1 and 2 (engine/sharded_optimizer.h) cut their collectives by the buckets; stage 3, and 1 and 2 with
-  // offload, which run as 3, gather and reduce whole units (stage3_prefetch_bucket_size governs the gathers).
-  if (c->stage == 3 || offloading) {
+  // Stages 1 and 2 (engine/sharded_optimizer.h) cut their collectives by the buckets; stage 0 all-reduces whole
+  // units, and stage 3 (with 1 and 2 with offload, which run as 3) gathers and reduces whole units
+  // (stage3_prefetch_bucket_size governs its gathers).
+  if ((c->stage != 1 && c->stage != 2) || offloading) {
     note("zero_optimization.reduce_bucket_size", c->reduce_bucket_size, d.reduce_bucket_size);
     note("zero_optimization.allgather_bucket_size", c->allgather_bucket_size, d.allgather_bucket_size);
   }

@@ -69,8 +69,8 @@ struct OffloadConfig {
   int64_t stage3_param_persistence_threshold = 100'000;
   // Communication keys, DeepSpeed's names and defaults. Acted on as they stand: gradients are always contiguous
   // (one flat buffer per unit), stage 2 reduce-scatters, stage 3's reduce-scatters overlap backward (its
-  // collectives run on the coordinator's queue). Collectives go per unit (or per tensor), large reductions in
-  // pieces of 1M elements per rank (comm/mpi_communicator.h), so the bucket sizes are not acted on yet.
+  // collectives run on the coordinator's queue). The bucket sizes cut stages 1 and 2's collectives
+  // (engine/sharded_optimizer.h); stage 0 and stage 3 reduce and gather whole units.
   int64_t reduce_bucket_size = 500'000'000;
   int64_t allgather_bucket_size = 500'000'000;
   bool overlap_comm = false;  // DeepSpeed's default by stage: true for stage 3, false otherwise

@@ -69,11 +69,12 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   // optimizer run the same way (see offload_runtime.h).
   const bool zero3 = dp != nullptr && (config.offload.stage == 3 ||
                                        (config.offload.stage >= 1 && offload_enabled(config.offload)));
-  if (tc.global_batch_size > 0 && tc.global_batch_size != B * tc.grad_accum_steps * dp_size)
+  const int64_t global_batch = static_cast<int64_t>(B) * tc.grad_accum_steps * dp_size;
+  if (tc.global_batch_size > 0 && tc.global_batch_size != global_batch)
     return Status::invalid_argument(
         "{}: training.global_batch_size (train_batch_size) {} is not training.batch_size {} x grad_accum_steps {} x "
         "{} data-parallel rank(s) = {}",
-        config.source, tc.global_batch_size, B, tc.grad_accum_steps, dp_size, B * tc.grad_accum_steps * dp_size);
+        config.source, tc.global_batch_size, B, tc.grad_accum_steps, dp_size, global_batch);
   if ((dp || pp || tp) && !leader) logger().set_level(spdlog::level::warn);
   std::optional<tbb::global_control> threads;
   if (config.compute.threads > 0)

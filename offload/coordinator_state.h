@@ -323,9 +323,16 @@ struct Coordinator::State {
       if (s.is_ok() || s.status().code() != StatusCode::kOutOfMemory) return s;
       STRATA_ASSIGN_OR_RETURN(const bool evicted, evict_one(sooner_than));
       if (!evicted) {
-        return Status::out_of_memory("{}: the device budget cannot hold the working set ({} MiB in offload slots, "
+        size_t resident_bytes = 0;  // ZeRO-3 units under the persistence threshold, which are never evicted
+        for (const UnitRec& r : units) resident_bytes += r.resident && r.dev_params.data() != nullptr ? r.slot_bytes : 0;
+        const std::string resident =
+            resident_bytes == 0 ? std::string()
+                                : fmt::format(", {} MiB of them units under zero_optimization."
+                                              "stage3_param_persistence_threshold, never evicted (lower it)",
+                                              resident_bytes >> 20);
+        return Status::out_of_memory("{}: the device budget cannot hold the working set ({} MiB in offload slots{}, "
                                      "{} units in use); {}",
-                                     ctx, slot_bytes >> 20, in_use_units(), s.status().message());
+                                     ctx, slot_bytes >> 20, resident, in_use_units(), s.status().message());
       }
     }
   }
@@ -375,11 +382,11 @@ struct Coordinator::State {
     const bool demand = sooner_than == 0;
     STRATA_ASSERT(r.dev_params.data() == nullptr && !r.persistent);
     STRATA_RETURN_IF_ERROR(check_written(r));
-    while (live_elements + live(r) > options.max_live_elements) {
+    while (live(r) > 0 && live_elements + live(r) > options.max_live_elements) {
       STRATA_ASSIGN_OR_RETURN(const bool evicted, evict_one(sooner_than, /*params_only=*/true));
       if (!evicted) break;  // demand loads go over the soft cap, not fail
     }
-    if (!demand && live_elements + live(r) > options.max_live_elements) return false;
+    if (!demand && live(r) > 0 && live_elements + live(r) > options.max_live_elements) return false;
     auto slot = obtain(u, r.slot_bytes, sooner_than, "parameters");
     if (!slot.is_ok()) {
       if (!demand && slot.status().code() == StatusCode::kOutOfMemory) return false;

@@ -157,6 +157,29 @@ TEST(ConfigTest, DeepSpeedTrainingKeysCarryOver) {
   EXPECT_DOUBLE_EQ(t.eps, 1e-6);
   EXPECT_DOUBLE_EQ(t.weight_decay, 0.01);
   EXPECT_EQ(c->compute.matmul_precision, kernels::MatmulPrecision::kBF16);
+  // No scheduler in DeepSpeed means a constant rate: no warmup, no decay, unless the file sets them.
+  EXPECT_DOUBLE_EQ(t.min_lr, 3e-4);
+  EXPECT_EQ(t.warmup_steps, 0);
+
+  // Hugging Face's "auto" leaves our setting; a disabled dtype's other settings do not matter; the optimizer's
+  // type is case-insensitive.
+  json hf = json::parse(R"({
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"}, "fp16": {"enabled": false, "loss_scale": 0, "initial_scale_power": 16},
+    "optimizer": {"type": "ADAMW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": 0.05}}
+  })");
+  hf["model"] = model;
+  hf["training"] = {{"seq_len", 16}};
+  auto h = parse_run_config(hf, "hf.json");
+  ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+  const TrainingConfig defaults;
+  EXPECT_EQ(h->training.batch_size, defaults.batch_size);
+  EXPECT_EQ(h->training.global_batch_size, 0);
+  EXPECT_DOUBLE_EQ(h->training.grad_clip, defaults.grad_clip);
+  EXPECT_DOUBLE_EQ(h->training.lr, defaults.lr);
+  EXPECT_DOUBLE_EQ(h->training.min_lr, defaults.min_lr) << "no lr given: our schedule stands";
+  EXPECT_DOUBLE_EQ(h->training.weight_decay, 0.05);
+  EXPECT_EQ(h->compute.matmul_precision, kernels::MatmulPrecision::kF32);
 
   auto refused = [&](json j, const std::string& words) {
     j["model"] = model;
@@ -169,6 +192,7 @@ TEST(ConfigTest, DeepSpeedTrainingKeysCarryOver) {
           "gradient_clipping = 0.5 and training.grad_clip = 1.0 say different things");
   refused({{"fp16", {{"enabled", true}}}}, "fp16.enabled = true is not supported");
   refused({{"bf16", {{"enabled", true}, {"loss_scale", 0}}}}, "bf16.loss_scale is not supported");
+  refused({{"bf16", {{"enabled", 1}}}}, "bf16.enabled must be true, false or \"auto\"");
   refused({{"optimizer", {{"type", "SGD"}}}}, "optimizer.type \"SGD\" is not supported");
   refused({{"optimizer", {{"type", "Adam"}, {"params", {{"amsgrad", true}}}}}}, "unknown key 'optimizer.params.amsgrad'");
   refused({{"optimizer", {{"type", "Adam"}, {"params", {{"adam_w_mode", false}}}}}}, "adam_w_mode = false");
