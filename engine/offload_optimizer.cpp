@@ -197,15 +197,8 @@ Result<double> OffloadedAdamW::global_norm() {
   for (size_t u = 0; u < U; ++u) per[u] = coordinator_->grad_sum_squares(u);
   // Doubles travel as pairs of fp32 words (bits copied, never converted), and every rank adds them in the
   // same order, so every rank takes the same decision.
-  if (coordinator_->sharded()) {  // each unit's shards, added in rank order
-    const size_t D = static_cast<size_t>(reducer_->size());
-    std::vector<double> all(D * U);
-    STRATA_RETURN_IF_ERROR(reducer_->all_gather(per.data(), all.data(), 2 * U, DType::kF32).with_context("gradient norm"));
-    for (size_t u = 0; u < U; ++u) {
-      per[u] = 0.0;
-      for (size_t q = 0; q < D; ++q) per[u] += all[q * U + u];
-    }
-  }
+  if (coordinator_->sharded())  // each unit's shards, added in rank order
+    STRATA_RETURN_IF_ERROR(sum_in_rank_order(*reducer_, &per, "gradient norm"));
   // Tensor parallelism: each rank's share of each unit (the coordinator leaves replicated tensors out on all
   // ranks but the first), added in rank order; pipeline: each unit's from the stage that owns it.
   return whole_model_norm(plan_, pp_, model_->norm_shares(), std::move(per));

@@ -125,20 +125,13 @@ Result<double> ShardedAdamW::pipeline_norm_stage2() {
       return device_->add_sum_squares(0.0, x, n);
     });
   }
-  const size_t D = static_cast<size_t>(group_->size());
-  std::vector<double> all(D * U);
-  STRATA_RETURN_IF_ERROR(group_->all_gather(mine.data(), all.data(), 2 * U, DType::kF32).with_context("gradient norm"));
-  std::vector<double> per(U, 0.0);
-  for (size_t u = 0; u < U; ++u) {
-    for (size_t q = 0; q < D; ++q) per[u] += all[q * U + u];
-  }
-  return whole_model_norm(plan_, pp_, shares(), std::move(per));
+  STRATA_RETURN_IF_ERROR(sum_in_rank_order(*group_, &mine, "gradient norm"));
+  return whole_model_norm(plan_, pp_, shares(), std::move(mine));
 }
 
 Result<double> ShardedAdamW::step(float lr, bool* skipped) {
   const std::vector<Unit>& units = *units_;
   double norm = 0;
-  const bool tensor_parallel = shares_ != nullptr && shares_->active();
   // Pipeline: the first and last stage both hold the tied embedding (unit 0) and add each other's gradient.
   const bool tied_end = pp_ != nullptr && pp_->size() > 1 && (pp_->rank() == 0 || pp_->rank() == pp_->size() - 1);
   if (stage_ == 1) {
@@ -157,18 +150,13 @@ Result<double> ShardedAdamW::step(float lr, bool* skipped) {
       STRATA_RETURN_IF_ERROR(tied_->all_reduce(wte.g(), wte.g(), wte.numel(), DType::kF32, comm::ReduceOp::kSum)
                                  .with_context("the tied embedding's gradient"));
     }
-    if (pp_ != nullptr) {  // the whole model's norm as PipelineAdamW takes it
-      std::vector<double> per(units.size(), 0.0);
-      for (size_t u = 0; u < units.size(); ++u) {
-        if (plan_.owner(u) == pp_->rank())
-          per[u] = unit_norm_share(shares(), u, units[u], *device_);
-      }
-      STRATA_ASSIGN_OR_RETURN(norm, whole_model_norm(plan_, pp_, shares(), std::move(per)));
-    } else if (!tensor_parallel) {
-      norm = AdamW::grad_norm(units, *device_);  // the unsharded norm, bit for bit
-    } else {
-      STRATA_ASSIGN_OR_RETURN(norm, tensor_parallel_grad_norm(units, *shares_, *device_));
+    // The unsharded norm, bit for bit: each unit's share from zero (its owner stage's), summed over the
+    // tensor-parallel group, then added in unit order, as AdamW and PipelineAdamW take it.
+    std::vector<double> per(units.size(), 0.0);
+    for (size_t u = 0; u < units.size(); ++u) {
+      if (pp_ == nullptr || plan_.owner(u) == pp_->rank()) per[u] = unit_norm_share(shares(), u, units[u], *device_);
     }
+    STRATA_ASSIGN_OR_RETURN(norm, whole_model_norm(plan_, pp_, shares(), std::move(per)));
   } else if (pp_ != nullptr) {
     for (const Slice& s : slices_) {
       float* shard = grad_shard_.data() + s.shard_offset;
@@ -184,6 +172,7 @@ Result<double> ShardedAdamW::step(float lr, bool* skipped) {
     }
     STRATA_ASSIGN_OR_RETURN(norm, pipeline_norm_stage2());
   } else {
+    const bool tensor_parallel = shares().active();
     double mine = 0.0;
     for (const Slice& s : slices_) {
       float* shard = grad_shard_.data() + s.shard_offset;
@@ -192,17 +181,14 @@ Result<double> ShardedAdamW::step(float lr, bool* skipped) {
       if (!tensor_parallel) {
         mine = device_->add_sum_squares(mine, shard, s.len);
       } else {  // the slice is elements [tensor_offset + lo, + len) of its unit
-        mine += shares_->share(s.unit, shard, s.tensor_offset + s.lo, s.len,
+        mine += shares().share(s.unit, shard, s.tensor_offset + s.lo, s.len,
                                [&](const float* x, size_t n) { return device_->add_sum_squares(0.0, x, n); });
       }
     }
-    // Every rank's sum of squares, added in rank order (the doubles travel as pairs of fp32 words: bits are
-    // copied, never converted); under tensor parallelism then summed over its group the same way.
-    std::vector<double> sums(static_cast<size_t>(group_->size()));
-    STRATA_RETURN_IF_ERROR(group_->all_gather(&mine, sums.data(), 2, DType::kF32));
-    std::vector<double> total(1, 0.0);
-    for (const double x : sums) total[0] += x;
-    if (tensor_parallel) STRATA_RETURN_IF_ERROR(shares_->sum(&total));
+    // Every rank's sum of squares, added in rank order; under tensor parallelism then summed over its group.
+    std::vector<double> total{mine};
+    STRATA_RETURN_IF_ERROR(sum_in_rank_order(*group_, &total, "gradient norm"));
+    STRATA_RETURN_IF_ERROR(shares().sum(&total));
     norm = std::sqrt(total[0]);
   }
   const std::optional<float> scale = step_scale(norm, config_.grad_clip, skipped);

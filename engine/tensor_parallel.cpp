@@ -105,19 +105,21 @@ Ranges UnitSplit::replicated_ranges(int rank) const {
   return out;
 }
 
-Status NormShares::sum(std::vector<double>* per) const {
-  if (!active()) return Status::ok();
-  const size_t U = per->size(), R = static_cast<size_t>(group->size());
+Status sum_in_rank_order(comm::Communicator& group, std::vector<double>* per, const char* what) {
+  const size_t U = per->size(), R = static_cast<size_t>(group.size());
   std::vector<double> all(U * R);
-  // Doubles travel as pairs of fp32 words (bits copied, never converted).
-  STRATA_RETURN_IF_ERROR(group->all_gather(per->data(), all.data(), 2 * U, DType::kF32)
-                             .with_context("gradient norm over the tensor-parallel group"));
+  STRATA_RETURN_IF_ERROR(group.all_gather(per->data(), all.data(), 2 * U, DType::kF32).with_context(what));
   for (size_t u = 0; u < U; ++u) {
     double s = 0.0;
     for (size_t r = 0; r < R; ++r) s += all[r * U + u];
     (*per)[u] = s;
   }
   return Status::ok();
+}
+
+Status NormShares::sum(std::vector<double>* per) const {
+  if (!active()) return Status::ok();
+  return sum_in_rank_order(*group, per, "gradient norm over the tensor-parallel group");
 }
 
 }  // namespace strata::engine

@@ -76,6 +76,11 @@ class UnitSplit {
   int size_ = 1;
 };
 
+// Every entry of `per` becomes its sum over `group`'s ranks, added in rank order; the doubles travel as pairs of
+// fp32 words (bits copied, never converted), so every rank gets the same bits. Collective; `what` names it in
+// an error.
+Status sum_in_rank_order(comm::Communicator& group, std::vector<double>* per, const char* what);
+
 // Each unit's share of the global gradient norm on one rank of a tensor-parallel group, and their sum over it.
 // Replicated tensors hold the same gradient on every rank: rank 0 counts them, the others leave them out.
 struct NormShares {
