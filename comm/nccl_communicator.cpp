@@ -17,13 +17,16 @@ namespace {
 ncclDataType_t nccl_type(DType t) { return t == DType::kF32 ? ncclFloat32 : ncclBfloat16; }
 ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::kSum ? ncclSum : ncclMax; }
 
-// Polls a non-blocking communicator until its pending initialisation or split has finished.
+// Polls a non-blocking communicator until its pending initialisation or split has finished: its state, or why
+// the state could not be read.
 ncclResult_t settle(ncclComm_t comm, double timeout_s) {
   Timer t;
-  ncclResult_t state = ncclInProgress;
-  while (ncclCommGetAsyncError(comm, &state) == ncclSuccess && state == ncclInProgress && t.seconds() < timeout_s)
+  for (;;) {
+    ncclResult_t state = ncclInProgress;
+    if (ncclResult_t r = ncclCommGetAsyncError(comm, &state); r != ncclSuccess) return r;
+    if (state != ncclInProgress || t.seconds() >= timeout_s) return state;
     std::this_thread::sleep_for(std::chrono::microseconds(100));
-  return state;
+  }
 }
 
 }  // namespace
@@ -217,10 +220,17 @@ Result<std::unique_ptr<Communicator>> NcclCommunicator::split(int color, int key
   STRATA_RETURN_IF_ERROR(impl->prepare());
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
+  // A non-blocking split runs as a job of the parent and writes the child's handle only once it has finished
+  // (NULL until then), so wait on the parent first, then on the child.
   ncclResult_t r = ncclCommSplit(impl_->comm, color, key, &impl->comm, &config);
-  if (r == ncclInProgress || r == ncclSuccess) r = settle(impl->comm, timeout_s_);
-  if (r != ncclSuccess)
-    return Status::internal("split of NCCL group '{}' into '{}': {}", name_, name, ncclGetErrorString(r));
+  if (r == ncclInProgress || r == ncclSuccess) r = settle(impl_->comm, timeout_s_);
+  if (r == ncclSuccess) r = impl->comm == nullptr ? ncclInternalError : settle(impl->comm, timeout_s_);
+  if (r != ncclSuccess) {
+    if (r == ncclInProgress) poisoned_ = true;
+    return Status(r == ncclInProgress ? StatusCode::kDeadlineExceeded : StatusCode::kInternal,
+                  fmt::format("split of NCCL group '{}' into '{}': {}", name_, name,
+                              r == ncclInProgress ? "did not finish in time" : ncclGetErrorString(r)));
+  }
   int rank = 0, size = 1;
   ncclCommUserRank(impl->comm, &rank);
   ncclCommCount(impl->comm, &size);

@@ -1,6 +1,8 @@
 #include "engine/offload_runtime.h"
 
 #include <algorithm>
+#include <set>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -21,6 +23,31 @@ offload::Tier tier_of(const std::string& device) {
 }
 
 }  // namespace
+
+void register_device_buffers(offload::PinnedPool& pool, kernels::Device& device) {
+  if (device.host_accessible()) return;
+  // Hook calls are serialised by the pool, so the state needs no lock of its own.
+  struct State {
+    std::set<void*> registered;
+    bool warned = false;
+  };
+  auto state = std::make_shared<State>();
+  auto dma = [](const std::string& purpose) { return purpose.rfind("offload.optimizer", 0) != 0; };
+  pool.set_hooks(
+      [state, dma, &device](void* p, size_t bytes, const std::string& purpose) {
+        if (!dma(purpose)) return;
+        if (Status st = device.register_host(p, bytes); !st.is_ok()) {
+          if (!std::exchange(state->warned, true))
+            STRATA_LOG_WARN("host buffer '{}' is not registered with the GPU, so its copies are staged and "
+                            "slower: {}", purpose, st.message());
+          return;
+        }
+        state->registered.insert(p);
+      },
+      [state, &device](void* p, size_t, const std::string&) {
+        if (state->registered.erase(p) == 1) device.unregister_host(p);
+      });
+}
 
 bool offload_enabled(const OffloadConfig& c) {
   return c.offload_optimizer.device != "none" || c.offload_param.device != "none";
@@ -180,6 +207,7 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   po.budget_bytes = config.host_memory_limit;
   po.lock = config.offload_param.pin_memory || config.offload_optimizer.pin_memory;
   STRATA_ASSIGN_OR_RETURN(rt->pool_, offload::PinnedPool::create(po));
+  register_device_buffers(*rt->pool_, device);
   rt->copies_ = std::make_unique<offload::CopyEngine>();
 
   std::vector<offload::CoordinatorUnit> units;

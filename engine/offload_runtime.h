@@ -43,6 +43,14 @@ namespace strata::engine {
 // True when the configuration moves any state off the device.
 bool offload_enabled(const OffloadConfig& config);
 
+// Registers with `device` (Device::register_host) each of the pool's buffers that it copies to or from — the
+// host tier's parameters, gradients and staging, host activation checkpoints — as they are mapped, and
+// unregisters them before they are unmapped. Without it a GPU stages every copy through a bounce buffer (measured
+// on an H100: ~8 GB/s instead of the link's speed). The optimizer's state and swap slots ("offload.optimizer…"),
+// which only the CPU touches, are left alone. A failed registration warns once and leaves that buffer staged.
+// Nothing to do for a host-accessible device. The device must outlive the pool's buffers.
+void register_device_buffers(offload::PinnedPool& pool, kernels::Device& device);
+
 // What one step moved and where its time went, for the progress line, the metrics file and bench step.
 struct OffloadStepReport {
   double stall_s = 0;           // training thread waiting for parameters or gradients to arrive

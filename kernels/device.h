@@ -121,6 +121,15 @@ class Device {
   virtual void download(void* dst, const void* src, size_t bytes) = 0;
   // The point the compute stream has reached (driving thread only).
   virtual DeviceFence fence() = 0;
+  // Page-locks [p, p + bytes) of host memory for this device's copy engines (CUDA: cudaHostRegister), so
+  // upload/download to and from it are DMA at the link's speed, with no staging copy through a bounce buffer.
+  // Undone by unregister_host(p) before the memory is unmapped. Any thread. A device the CPU copies for needs
+  // nothing and returns ok; a failure (the driver's error) leaves the memory usable, only slower to copy.
+  virtual Status register_host(void* p, size_t bytes) {
+    (void)p, (void)bytes;
+    return Status::ok();
+  }
+  virtual void unregister_host(void* p) { (void)p; }
   // acc + the sum of x[i]² over n floats, accumulated in double in an order fixed by n alone (deterministic),
   // so a norm over many buffers is a chain of calls. Waits.
   virtual double add_sum_squares(double acc, const float* x, size_t n) = 0;

@@ -71,7 +71,7 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(SwapStore& st
   for (int i = 0; i < options.slots; ++i) {
     auto slot = std::make_unique<Slot>();
     STRATA_ASSIGN_OR_RETURN(slot->buf, pool.try_acquire(s->regions_ * s->region_floats_ * sizeof(float),
-                                                     fmt::format("optimizer swap slot {}", i)));
+                                                     fmt::format("offload.optimizer swap slot {}", i)));
     s->slots_.push_back(std::move(slot));
   }
   return s;

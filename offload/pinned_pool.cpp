@@ -275,7 +275,7 @@ Result<PinnedBuffer> PinnedPool::acquire_impl(size_t bytes, std::string purpose,
   }
   {
     std::lock_guard<std::mutex> hk(hook_mu_);
-    if (on_map_) on_map_(*data, mapped);
+    if (on_map_) on_map_(*data, mapped, purpose);
     std::lock_guard<std::mutex> lk(mu_);
     live_.emplace(*data, Live{mapped, purpose});
   }
@@ -307,9 +307,13 @@ Result<void*> PinnedPool::map_pages(size_t mapped, const std::string& purpose) c
 void PinnedPool::release(void* data, size_t mapped) {
   {
     std::lock_guard<std::mutex> hk(hook_mu_);
-    if (on_unmap_) on_unmap_(data, mapped);
-    std::lock_guard<std::mutex> lk(mu_);
-    STRATA_ASSERT(live_.erase(data) == 1);
+    std::unique_lock<std::mutex> lk(mu_);
+    auto it = live_.find(data);
+    STRATA_ASSERT(it != live_.end());
+    const std::string purpose = std::move(it->second.purpose);
+    live_.erase(it);
+    lk.unlock();
+    if (on_unmap_) on_unmap_(data, mapped, purpose);
   }
   if (lock_) POSIX_CHECK(::munlock(data, mapped));
   POSIX_CHECK(::munmap(data, mapped));
@@ -373,17 +377,17 @@ void PinnedPool::for_each_live(const std::function<void(void*, size_t, const std
 
 void PinnedPool::set_hooks(PinnedHook on_map, PinnedHook on_unmap) {
   std::lock_guard<std::mutex> hk(hook_mu_);  // live_ cannot change while we hold this
-  std::vector<std::pair<void*, size_t>> live;
+  std::vector<std::pair<void*, Live>> live;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    for (const auto& [p, l] : live_) live.emplace_back(p, l.mapped);
+    live.assign(live_.begin(), live_.end());
   }
   if (on_unmap_)
-    for (const auto& [p, n] : live) on_unmap_(p, n);
+    for (const auto& [p, l] : live) on_unmap_(p, l.mapped, l.purpose);
   on_map_ = std::move(on_map);
   on_unmap_ = std::move(on_unmap);
   if (on_map_)
-    for (const auto& [p, n] : live) on_map_(p, n);
+    for (const auto& [p, l] : live) on_map_(p, l.mapped, l.purpose);
 }
 
 }  // namespace strata::offload

@@ -83,8 +83,8 @@ class PinnedBuffer {
   std::string purpose_;
 };
 
-// (pointer, mapped bytes) of one buffer; see set_hooks().
-using PinnedHook = std::function<void(void* data, size_t mapped_bytes)>;
+// (pointer, mapped bytes, purpose) of one buffer; see set_hooks().
+using PinnedHook = std::function<void(void* data, size_t mapped_bytes, const std::string& purpose)>;
 
 class PinnedPool {
  public:

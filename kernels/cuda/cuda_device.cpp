@@ -1,6 +1,6 @@
 // cuda_device.cpp — the "cuda" Device: cudaMalloc'ed memory, every operation in order on the compute stream.
-// Host-to-device copies are synchronous with respect to their source (pageable host memory). upload/download
-// run on two copy streams of their own, for the copy engine's threads.
+// copy_to_device/copy_to_host wait for their copy (the host side may be pageable). upload/download run on two
+// copy streams of their own, for the copy engine's threads; from memory given to register_host() they are DMA.
 #include <memory>
 #include <mutex>
 
@@ -91,6 +91,14 @@ class CudaDevice final : public Device {
     return DeviceFence([event] { CUDA_CHECK(cudaEventSynchronize(event.get())); });
   }
   double add_sum_squares(double acc, const float* x, size_t n) override { return cuda::add_sum_squares(acc, x, n); }
+  Status register_host(void* p, size_t bytes) override {
+    if (const cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterDefault); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Status::internal("cudaHostRegister of {:.1f} MiB: {}", bytes / 1048576.0, cudaGetErrorString(e));
+    }
+    return Status::ok();
+  }
+  void unregister_host(void* p) override { CUDA_CHECK(cudaHostUnregister(p)); }
 
  private:
   cudaStream_t h2d_ = nullptr, d2h_ = nullptr;

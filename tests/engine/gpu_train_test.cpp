@@ -1,12 +1,14 @@
 // gpu_train_test.cpp — GPT-2 training steps on the "cuda" device against the same steps on the "cpu" device
 // (fast kernels): same initialisation, same batches, AdamW with clipping. fp32 matches within fp32 tolerances
 // (the kernels sum in different orders), bf16 within bf16 tolerances; GPU runs are bitwise reproducible; a
-// checkpoint saved from the GPU and loaded back (on the GPU, and on the CPU) gives bitwise the same weights.
-// Skips, saying why, where no GPU is usable.
+// checkpoint saved from the GPU and loaded back (on the GPU, and on the CPU) gives bitwise the same weights;
+// offloaded training on the GPU matches the plain GPU run. Skips, saying why, where no GPU is usable.
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -18,6 +20,7 @@
 #include "engine/optimizer.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/device.h"
+#include "tests/engine/trainer_fixture.h"
 #include "tests/test_util.h"
 
 namespace strata::engine {
@@ -152,6 +155,81 @@ TEST_F(GpuTrainTest, CheckpointRoundTripsThroughTheHost) {
     EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float))) << "on " << d->name();
   }
   std::filesystem::remove_all(dir);
+}
+
+// Offloaded training on the GPU: the optimizer in host memory, the parameters too, both on NVMe (with host
+// activation checkpoints and a live-parameter cap that forces evictions). The placements run the same CUDA
+// kernels and the same CPU Adam, so they are bitwise one run; against the plain GPU run (Adam as a CUDA kernel)
+// they agree within fp32 rounding.
+class GpuOffloadTrainTest : public TrainerTest {
+ protected:
+  void SetUp() override {
+    TrainerTest::SetUp();
+    auto d = kernels::make_device("cuda", kernels::cpu_fast_kernels());
+    if (!d.is_ok()) GTEST_SKIP() << "no GPU to train on here: " << d.status().message();
+  }
+  json config(const std::string& run, json zero, const json& checkpoints = json()) const {
+    json j = base_config(run);
+    j["model"]["n_layer"] = 4;
+    j["compute"]["device"] = "cuda";
+    for (const char* t : {"offload_param", "offload_optimizer"}) {
+      if (zero.contains(t) && zero[t].value("device", "") == "nvme") zero[t]["nvme_path"] = (dir_ / "swap").string();
+    }
+    if (!zero.is_null()) j["zero_optimization"] = zero;
+    if (!checkpoints.is_null()) j["activation_checkpointing"] = checkpoints;
+    return j;
+  }
+  void run(const std::string& name, const json& j) {
+    auto r = train(j, "", (dir_ / (name + ".jsonl")).string());
+    ASSERT_TRUE(r.is_ok()) << name << ": " << r.status().to_string();
+  }
+  // One offload counter summed over a run's steps.
+  double total(const std::string& name, const char* key) const {
+    std::ifstream in(dir_ / (name + ".jsonl"));
+    double sum = 0;
+    for (std::string line; std::getline(in, line);) sum += json::parse(line).at("offload").at(key).get<double>();
+    return sum;
+  }
+};
+
+TEST_F(GpuOffloadTrainTest, EveryPlacementIsOneRunAndMatchesThePlainGpuRun) {
+  run("plain", config("plain", json()));
+  const json opt_cpu = {{"device", "cpu"}}, opt_nvme = {{"device", "nvme"}};
+  const std::vector<std::pair<std::string, json>> placements = {
+      {"optimizer_cpu", {{"stage", 2}, {"offload_optimizer", opt_cpu}}},
+      {"params_cpu",
+       {{"stage", 3}, {"offload_param", {{"device", "cpu"}}}, {"offload_optimizer", opt_cpu},
+        {"stage3_param_persistence_threshold", 0}}},
+      {"params_nvme_optimizer_nvme",
+       {{"stage", 3}, {"offload_param", {{"device", "nvme"}, {"buffer_count", 2}}}, {"offload_optimizer", opt_nvme},
+        {"stage3_param_persistence_threshold", 100}, {"sub_group_size", 3000},
+        {"stage3_max_live_parameters", 20000}, {"stage3_prefetch_bucket_size", 15000}}},
+  };
+  const auto plain = losses(dir_ / "plain.jsonl");
+  ASSERT_EQ(plain.size(), 6u);
+  for (const auto& [name, zero] : placements) {
+    SCOPED_TRACE(name);
+    run(name, config(name, zero, name == "params_nvme_optimizer_nvme" ? json{{"enabled", true},
+                                                                             {"cpu_checkpointing", true}}
+                                                                       : json()));
+    const auto got = losses(dir_ / (name + ".jsonl"));
+    ASSERT_EQ(got.size(), plain.size());
+    for (size_t s = 0; s < got.size(); ++s) {
+      EXPECT_NEAR(got[s].first, plain[s].first, 1e-4 * std::abs(plain[s].first)) << "loss of step " << s + 1;
+      EXPECT_NEAR(got[s].second, plain[s].second, 1e-4 * std::abs(plain[s].second)) << "grad norm of step " << s + 1;
+    }
+    EXPECT_GT(total(name, "d2h_bytes"), 0) << "gradients came home";
+    if (name != "optimizer_cpu") {
+      EXPECT_GT(total(name, "h2d_bytes"), 0) << "parameters were uploaded";
+    }
+    if (name == placements.front().first) continue;
+    EXPECT_EQ(got, losses(dir_ / (placements.front().first + ".jsonl")));
+    for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
+      EXPECT_TRUE(file_bytes(dir_ / placements.front().first / "step_000006" / f) ==
+                  file_bytes(dir_ / name / "step_000006" / f))
+          << f << " differs from " << placements.front().first << "'s";
+    }
+  }
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 // checkpoints on the device or in host memory), resumed runs included. Compared: the per-step loss and gradient norm, and the final checkpoint's weights and moments.
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -324,6 +326,75 @@ TEST(ActivationCheckpointingTest, KeepsLessOnTheDevice) {
   EXPECT_LT(live[1], live[0] / 2) << "checkpoints on the device";
   EXPECT_LT(live[2], live[1]) << "checkpoints in host memory";
   EXPECT_GE(host, 5u * 2 * 16 * 32 * sizeof(float)) << "the inputs of blocks 1..5 are in the host pool";
+}
+
+// A device whose memory the host cannot touch, as a GPU's, that records register_host/unregister_host; the rest
+// is the CPU device's.
+class RegisteringDevice final : public kernels::Device {
+ public:
+  const char* name() const override { return "registering"; }
+  std::string description() const override { return "registering"; }
+  const kernels::KernelSet& kernels() const override { return cpu_->kernels(); }
+  bool host_accessible() const override { return false; }
+  void zero(void* dst, size_t bytes) override { cpu_->zero(dst, bytes); }
+  void copy_to_device(void* dst, const void* src, size_t bytes) override { cpu_->copy_to_device(dst, src, bytes); }
+  void copy_to_host(void* dst, const void* src, size_t bytes) override { cpu_->copy_to_host(dst, src, bytes); }
+  void synchronize() override {}
+  void upload(void* dst, const void* src, size_t bytes) override { cpu_->upload(dst, src, bytes); }
+  void download(void* dst, const void* src, size_t bytes) override { cpu_->download(dst, src, bytes); }
+  kernels::DeviceFence fence() override { return {}; }
+  double add_sum_squares(double acc, const float* x, size_t n) override { return cpu_->add_sum_squares(acc, x, n); }
+  Status register_host(void* p, size_t bytes) override {
+    if (fail_next) {
+      fail_next = false;
+      return Status::internal("the driver says no");
+    }
+    registered[p] = bytes;
+    return Status::ok();
+  }
+  void unregister_host(void* p) override { EXPECT_EQ(registered.erase(p), 1u) << "unregistered twice or never"; }
+
+  std::map<void*, size_t> registered;
+  bool fail_next = false;
+
+ protected:
+  Result<kernels::DeviceBuffer> allocate_impl(size_t bytes, const std::string& purpose) override {
+    return cpu_->allocate(bytes, purpose);
+  }
+
+ private:
+  std::unique_ptr<kernels::Device> cpu_ = kernels::make_cpu_device(kernels::cpu_fast_kernels());
+};
+
+// What a GPU copies to and from is registered with it for DMA as it is mapped (and what was mapped before the
+// hooks, at once), and unregistered before it is unmapped; the optimizer's CPU-only state is never registered;
+// a failed registration leaves the buffer usable and is never unregistered.
+TEST(RegisterDeviceBuffersTest, RegistersWhatTheDeviceCopiesAndUnregistersBeforeUnmapping) {
+  RegisteringDevice device;
+  auto pool = offload::PinnedPool::create(offload::PinnedPoolOptions{.budget_bytes = 16 << 20, .lock = false});
+  ASSERT_TRUE(pool.is_ok());
+  auto early = pool.value()->acquire(5000, "offload.params h.0");
+  ASSERT_TRUE(early.is_ok());
+  register_device_buffers(*pool.value(), device);
+  ASSERT_EQ(device.registered.size(), 1u);
+  EXPECT_EQ(device.registered.count(early->data()), 1u);
+  EXPECT_EQ(device.registered[early->data()], early->mapped_bytes());
+  {
+    auto grads = pool.value()->acquire(100, "offload.grads h.0");
+    auto state = pool.value()->acquire(100, "offload.optimizer h.0");
+    auto slot = pool.value()->acquire(100, "offload.optimizer swap slot 0");
+    auto ckpt = pool.value()->acquire(100, "gpt2.activation_checkpoints");
+    device.fail_next = true;
+    auto refused = pool.value()->acquire(100, "offload.nvme read staging");
+    ASSERT_TRUE(grads.is_ok() && state.is_ok() && slot.is_ok() && ckpt.is_ok() && refused.is_ok());
+    EXPECT_EQ(device.registered.size(), 3u);
+    EXPECT_EQ(device.registered.count(grads->data()), 1u);
+    EXPECT_EQ(device.registered.count(ckpt->data()), 1u);
+    refused->as<char>()[99] = 1;  // still usable
+  }
+  EXPECT_EQ(device.registered.size(), 1u);
+  early->reset();
+  EXPECT_TRUE(device.registered.empty());
 }
 
 }  // namespace

@@ -134,11 +134,11 @@ TEST(PinnedPoolTest, ContendingThreadsNeverOvershootTheBudget) {
   auto pool = make_pool(8 * kPage, false);
   std::atomic<int64_t> registered{0};
   std::atomic<bool> overshoot{false};
-  auto on_map = [&](void*, size_t n) {
+  auto on_map = [&](void*, size_t n, const std::string&) {
     registered += static_cast<int64_t>(n);
     if (pool->used_bytes() > pool->budget_bytes()) overshoot = true;
   };
-  auto on_unmap = [&](void*, size_t n) { registered -= static_cast<int64_t>(n); };
+  auto on_unmap = [&](void*, size_t n, const std::string&) { registered -= static_cast<int64_t>(n); };
   std::vector<std::future<void>> workers;
   for (int t = 0; t < 4; ++t) {
     workers.push_back(std::async(std::launch::async, [&, t] {
@@ -173,8 +173,16 @@ TEST(PinnedPoolTest, RequestLargerThanTheBudgetFailsAtOnce) {
 TEST(PinnedPoolTest, HooksSeeEveryMapAndUnmapOnce) {
   auto pool = make_pool(16 * kPage);
   std::vector<std::pair<void*, size_t>> maps, unmaps;
-  pool->set_hooks([&](void* p, size_t n) { maps.emplace_back(p, n); },
-                  [&](void* p, size_t n) { unmaps.emplace_back(p, n); });
+  std::vector<std::string> map_purposes, unmap_purposes;
+  pool->set_hooks(
+      [&](void* p, size_t n, const std::string& purpose) {
+        maps.emplace_back(p, n);
+        map_purposes.push_back(purpose);
+      },
+      [&](void* p, size_t n, const std::string& purpose) {
+        unmaps.emplace_back(p, n);
+        unmap_purposes.push_back(purpose);
+      });
   auto a = pool->acquire(100, "a");
   auto b = pool->acquire(3 * kPage - 5, "b");
   ASSERT_TRUE(a.is_ok() && b.is_ok());
@@ -185,6 +193,8 @@ TEST(PinnedPoolTest, HooksSeeEveryMapAndUnmapOnce) {
   a->reset();
   ASSERT_EQ(unmaps.size(), 1u);
   EXPECT_EQ(unmaps[0], std::make_pair(a_data, kPage));
+  EXPECT_EQ(map_purposes, (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(unmap_purposes, std::vector<std::string>{"a"});
 
   size_t live = 0;
   pool->for_each_live([&](void* p, size_t n, const std::string& purpose) {
@@ -197,8 +207,12 @@ TEST(PinnedPoolTest, HooksSeeEveryMapAndUnmapOnce) {
 
   // Replacing the hooks unregisters live buffers from the old set and registers them with the new one.
   std::vector<std::pair<void*, size_t>> maps2;
-  pool->set_hooks([&](void* p, size_t n) { maps2.emplace_back(p, n); }, {});
+  pool->set_hooks([&](void* p, size_t n, const std::string& purpose) {
+    maps2.emplace_back(p, n);
+    EXPECT_EQ(purpose, "b");
+  }, {});
   ASSERT_EQ(unmaps.size(), 2u);
+  EXPECT_EQ(unmap_purposes.back(), "b");
   EXPECT_EQ(unmaps[1], std::make_pair(b->data(), 3 * kPage));
   ASSERT_EQ(maps2.size(), 1u);
   EXPECT_EQ(maps2[0], std::make_pair(b->data(), 3 * kPage));
