@@ -193,6 +193,11 @@ int run_bench_step_offload(const BenchStepOptions& o) {
   const bool offloaded = offload_enabled(oc);
   std::vector<double> steps, steps_cpu;
   std::vector<OffloadStepReport> reports;
+  // The training thread's time in each call of a step (the median step's is printed).
+  struct Phases {
+    double zero = 0, forward = 0, backward = 0, step = 0, sync = 0;
+  };
+  std::vector<Phases> phases;
   float loss = 0;
   {
     std::unique_ptr<OffloadRuntime> rt;
@@ -218,21 +223,34 @@ int run_bench_step_offload(const BenchStepOptions& o) {
     for (int s = 0; s < total; ++s) {
       Timer t;
       const double cpu0 = process_cpu_seconds();
+      Phases ph;
+      double mark = 0;
+      auto lap = [&](double* into) {
+        const double now = t.seconds();
+        *into = now - mark;
+        mark = now;
+      };
       if (Status st = m.zero_grads(); !st.is_ok()) return fail(st);
+      lap(&ph.zero);
       auto l = m.forward(x.data(), y.data(), B, T);
       if (!l.is_ok()) return fail(l.status());
       loss = l.value();
+      lap(&ph.forward);
       if (Status st = opt->begin_last_backward(1e-4f); !st.is_ok()) return fail(st);
       if (Status st = m.backward(); !st.is_ok()) return fail(st);
+      lap(&ph.backward);
       auto norm = opt->step(1e-4f, nullptr);
       if (!norm.is_ok()) return fail(norm.status());
+      lap(&ph.step);
       m.device().synchronize();
+      lap(&ph.sync);
       const double secs = t.seconds();
       OffloadStepReport r = rt ? rt->take_report() : OffloadStepReport{};
       if (s >= o.warmup) {
         steps.push_back(secs);
         steps_cpu.push_back(process_cpu_seconds() - cpu0);
         reports.push_back(r);
+        phases.push_back(ph);
       }
       if (!o.json) std::fprintf(stderr, "  step %d/%d: %.1f ms%s%s\n", s + 1, total, secs * 1e3,
                                 rt ? (" | " + r.summary()).c_str() : "", s < o.warmup ? " (warmup)" : "");
@@ -242,6 +260,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
   const double step_s = median(steps);
   const size_t mid = std::distance(steps.begin(), std::find(steps.begin(), steps.end(), step_s));
   const OffloadStepReport& r = reports[mid];
+  const Phases& ph = phases[mid];
 
   // 4. The disk term: the median step's NVMe byte mix through a store in the same folder.
   double disk_s = 0;
@@ -280,6 +299,12 @@ int run_bench_step_offload(const BenchStepOptions& o) {
                         {"compute_cpu_ms", compute_cpu_s * 1e3},
                         {"step_cpu_ms", step_cpu_s * 1e3},
                         {"loss", loss},
+                        {"phases_ms",
+                         {{"zero_grads", ph.zero * 1e3},
+                          {"forward", ph.forward * 1e3},
+                          {"backward", ph.backward * 1e3},
+                          {"optimizer_step", ph.step * 1e3},
+                          {"synchronize", ph.sync * 1e3}}},
                         {"breakdown", r.to_json()}};
     std::printf("%s\n", j.dump().c_str());
     return 0;
@@ -306,6 +331,9 @@ int run_bench_step_offload(const BenchStepOptions& o) {
                 static_cast<int>(reports.size()), redone, o.grad_clip,
                 o.no_overlap_backward ? ", off by --no-overlap-backward" : "");
   }
+  std::printf("  the training thread: zero_grads %.1f ms, forward %.1f, backward %.1f, optimizer step() %.1f, "
+              "synchronize %.1f\n",
+              ph.zero * 1e3, ph.forward * 1e3, ph.backward * 1e3, ph.step * 1e3, ph.sync * 1e3);
   std::printf("  memory: device %.1f MB (peak %.1f), host %.1f MB (peak %.1f), nvme %.1f MB\n", r.device.live / 1e6,
               r.device.peak / 1e6, r.host.live / 1e6, r.host.peak / 1e6, r.nvme.live / 1e6);
   std::printf("bound = max(compute %.1f ms, disk %.1f ms for its nvme bytes, CPU Adam %.1f ms in memory) = %.1f ms\n",

@@ -32,10 +32,8 @@ void register_device_buffers(offload::PinnedPool& pool, kernels::Device& device)
     bool warned = false;
   };
   auto state = std::make_shared<State>();
-  auto dma = [](const std::string& purpose) { return purpose.rfind("offload.optimizer", 0) != 0; };
   pool.set_hooks(
-      [state, dma, &device](void* p, size_t bytes, const std::string& purpose) {
-        if (!dma(purpose)) return;
+      [state, &device](void* p, size_t bytes, const std::string& purpose) {
         if (Status st = device.register_host(p, bytes); !st.is_ok()) {
           if (!std::exchange(state->warned, true))
             STRATA_LOG_WARN("host buffer '{}' is not registered with the GPU, so its copies are staged and "

@@ -43,12 +43,12 @@ namespace strata::engine {
 // True when the configuration moves any state off the device.
 bool offload_enabled(const OffloadConfig& config);
 
-// Registers with `device` (Device::register_host) each of the pool's buffers that it copies to or from — the
-// host tier's parameters, gradients and staging, host activation checkpoints — as they are mapped, and
-// unregisters them before they are unmapped. Without it a GPU stages every copy through a bounce buffer (measured
-// on an H100: ~8 GB/s instead of the link's speed). The optimizer's state and swap slots ("offload.optimizer…"),
-// which only the CPU touches, are left alone. A failed registration warns once and leaves that buffer staged.
-// Nothing to do for a host-accessible device. The device must outlive the pool's buffers.
+// Registers every buffer of the pool with `device` (Device::register_host) as it is mapped, and unregisters it
+// before it is unmapped: the device copies to or from nearly all of them (the parameters' and gradients' homes
+// and staging, host activation checkpoints, and the optimizer's master weights and swap slots, which the update
+// publishes from). Without it a GPU stages every copy through a bounce buffer (measured on an H100: 7.6 GB/s
+// host-to-device instead of 49). A failed registration warns once and leaves that buffer staged. Nothing to do
+// for a host-accessible device. The device must outlive the pool's buffers.
 void register_device_buffers(offload::PinnedPool& pool, kernels::Device& device);
 
 // What one step moved and where its time went, for the progress line, the metrics file and bench step.

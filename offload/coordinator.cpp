@@ -4,6 +4,8 @@
 #include <cstring>
 
 #include <fmt/format.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
 
 #include "comm/communicator.h"
 #include "common/check.h"
@@ -17,6 +19,20 @@ namespace strata::offload {
 namespace {
 // The gradient norm's sum of squares of host memory (kernels/cpu/fast.h, from 0).
 double host_sum_squares(const float* x, size_t n) { return kernels::cpu::fast::add_sum_squares(0.0, x, n); }
+
+// Publishing a step's parameters copies them on the training thread, in the next forward's path: one thread
+// copies at a fraction of the memory's bandwidth, so large copies are split over the cores.
+void copy_floats(float* dst, const float* src, size_t n) {
+  constexpr size_t kChunk = size_t{1} << 18;  // floats: 1 MiB
+  if (n <= kChunk) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, (n + kChunk - 1) / kChunk), [&](const tbb::blocked_range<size_t>& r) {
+    for (size_t c = r.begin(); c < r.end(); ++c)
+      std::memcpy(dst + c * kChunk, src + c * kChunk, std::min(kChunk, n - c * kChunk) * sizeof(float));
+  });
+}
 }  // namespace
 
 Coordinator::Coordinator(std::unique_ptr<State> s) : s_(std::move(s)), options_(s_->options) {}
@@ -166,7 +182,7 @@ Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float*
   const size_t bytes = n * sizeof(float);
   const kernels::DeviceFence fence = r.params_last_use;
   if (r.home == Tier::kHost) {
-    std::memcpy(r.host_params.as<float>() + offset, host, bytes);
+    copy_floats(r.host_params.as<float>() + offset, host, n);
   } else if (r.home == Tier::kNvme && r.dev_params.data() != nullptr && !r.persistent) {
     // Only the device copy is refreshed below; it goes home when evicted (home_stale).
     STRATA_RETURN_IF_ERROR(State::check_written(r));

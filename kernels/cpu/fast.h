@@ -36,8 +36,9 @@ void softmax_crossentropy_forward(float* losses, float* lse, const float* logits
 void softmax_crossentropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
                                    const float* dlosses, int N, int V, int vocab_start);
 void adamw_update(float* params, float* m, float* v, const float* grads, size_t n, const AdamWParams& hp);
-// acc + the sum of x[i]² over n floats: blocks of 4096 summed in double, in order, one thread. The "cpu"
-// Device's add_sum_squares, and the gradient norm of the CPU optimizer, so both give the same bits.
+// acc + the sum of x[i]² over n floats in double: blocks of 4096 (in parallel above 256K floats) over 8 lanes
+// each, added in block order, so the bits depend on n alone. The "cpu" Device's add_sum_squares, and the
+// gradient norm of the CPU optimizer, so both give the same bits.
 double add_sum_squares(double acc, const float* x, size_t n);
 // The optimizer pass of CPU offload: adamw_update fused with the write of a 16-bit working copy of the new
 // parameters, working[i] = params[i] rounded to nearest even as `working_dtype` (kBF16 or kF16; kF32 writes no

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <vector>
 
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
@@ -212,13 +213,31 @@ void adamw_update_mixed(float* params, float* m, float* v, const float* grads, u
 }
 
 double add_sum_squares(double sum, const float* x, size_t n) {
-  // Blocks of 4096 summed in float64 keep the sum accurate without a slow scalar double loop.
-  for (size_t i = 0; i < n; i += 4096) {
-    const size_t end = std::min(n, i + 4096);
-    double s = 0.0;
-    for (size_t j = i; j < end; ++j) s += static_cast<double>(x[j]) * x[j];
-    sum += s;
+  // Blocks of 4096, each summed in float64 over 8 interleaved lanes (independent chains the compiler vectorizes),
+  // the blocks in parallel, and their sums added to `sum` in block order: the order depends on n alone, so the
+  // result repeats bit for bit whatever the threads.
+  static constexpr size_t kBlock = 4096, kLanes = 8;
+  auto block_sum = [x, n](size_t b) {
+    const float* p = x + b * kBlock;
+    const size_t len = std::min(kBlock, n - b * kBlock);
+    double lane[kLanes] = {};
+    size_t j = 0;
+    for (; j + kLanes <= len; j += kLanes) {
+      for (size_t k = 0; k < kLanes; ++k) lane[k] += static_cast<double>(p[j + k]) * p[j + k];
+    }
+    for (; j < len; ++j) lane[j % kLanes] += static_cast<double>(p[j]) * p[j];
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+  };
+  const size_t blocks = (n + kBlock - 1) / kBlock;
+  if (blocks <= 64) {  // 256K floats: not worth the threads
+    for (size_t b = 0; b < blocks; ++b) sum += block_sum(b);
+    return sum;
   }
+  std::vector<double> partial(blocks);
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, blocks, 16), [&](const tbb::blocked_range<size_t>& r) {
+    for (size_t b = r.begin(); b < r.end(); ++b) partial[b] = block_sum(b);
+  });
+  for (const double p : partial) sum += p;
   return sum;
 }
 

@@ -366,9 +366,9 @@ class RegisteringDevice final : public kernels::Device {
   std::unique_ptr<kernels::Device> cpu_ = kernels::make_cpu_device(kernels::cpu_fast_kernels());
 };
 
-// What a GPU copies to and from is registered with it for DMA as it is mapped (and what was mapped before the
-// hooks, at once), and unregistered before it is unmapped; the optimizer's CPU-only state is never registered;
-// a failed registration leaves the buffer usable and is never unregistered.
+// Host buffers are registered with a GPU for DMA as they are mapped (and those mapped before the hooks, at
+// once), and unregistered before they are unmapped; a failed registration leaves the buffer usable and is never
+// unregistered.
 TEST(RegisterDeviceBuffersTest, RegistersWhatTheDeviceCopiesAndUnregistersBeforeUnmapping) {
   RegisteringDevice device;
   auto pool = offload::PinnedPool::create(offload::PinnedPoolOptions{.budget_bytes = 16 << 20, .lock = false});
@@ -387,9 +387,9 @@ TEST(RegisterDeviceBuffersTest, RegistersWhatTheDeviceCopiesAndUnregistersBefore
     device.fail_next = true;
     auto refused = pool.value()->acquire(100, "offload.nvme read staging");
     ASSERT_TRUE(grads.is_ok() && state.is_ok() && slot.is_ok() && ckpt.is_ok() && refused.is_ok());
-    EXPECT_EQ(device.registered.size(), 3u);
-    EXPECT_EQ(device.registered.count(grads->data()), 1u);
-    EXPECT_EQ(device.registered.count(ckpt->data()), 1u);
+    EXPECT_EQ(device.registered.size(), 5u);
+    for (const auto* b : {&*grads, &*state, &*slot, &*ckpt}) EXPECT_EQ(device.registered.count(b->data()), 1u);
+    EXPECT_EQ(device.registered.count(refused->data()), 0u);
     refused->as<char>()[99] = 1;  // still usable
   }
   EXPECT_EQ(device.registered.size(), 1u);
