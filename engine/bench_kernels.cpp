@@ -13,7 +13,12 @@
 #ifdef STRATA_HAVE_CUDA
 #include <cuda_bf16.h>
 
+#include <cstring>
+
 #include "common/rng.h"
+#include "common/timer.h"
+#include "engine/offload_runtime.h"
+#include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_context.h"
 #include "kernels/cuda/cuda_kernels.h"
@@ -38,6 +43,8 @@ void add_bench_kernels_command(CLI::App& bench, BenchKernelsOptions& o) {
 }
 
 #ifndef STRATA_HAVE_CUDA
+
+double measure_gemm_tflop_per_s(bool) { return 0; }
 
 int run_bench_kernels(const BenchKernelsOptions&) {
   std::fprintf(stderr, "strata bench kernels: this strata was built without the CUDA backend (STRATA_CUDA=OFF or no "
@@ -143,6 +150,56 @@ Ceilings measure_ceilings(bool bf16, int reps) {
   return {2.0 * bytes / (copy_ms * 1e-3) / 1e9, 2.0 * n * double(n) * n / (gemm_ms * 1e-3) / 1e12};
 }
 
+// Host <-> device copies of 256 MiB, wall time from the call to the bytes having arrived (median of `reps`):
+// a plain cudaMemcpyAsync between cudaMallocHost memory and the device, against Strata's path, the "cuda"
+// Device's upload/download from a pinned-pool buffer registered the way the offload runtime registers its pool.
+struct HostCopies {
+  double plain_h2d = 0, plain_d2h = 0, strata_h2d = 0, strata_d2h = 0;  // GB/s
+};
+Result<HostCopies> measure_host_copies(int reps) {
+  const size_t bytes = size_t{256} << 20;
+  auto wall_gb_per_s = [&](const std::function<void()>& fn) {
+    fn();
+    std::vector<double> s;
+    for (int r = 0; r < reps; ++r) {
+      Timer t;
+      fn();
+      s.push_back(t.seconds());
+    }
+    std::sort(s.begin(), s.end());
+    return bytes / s[s.size() / 2] / 1e9;
+  };
+  HostCopies hc;
+  void *dev = nullptr, *host = nullptr;
+  cudaStream_t stream = nullptr;
+  CUDA_CHECK(cudaMalloc(&dev, bytes));
+  CUDA_CHECK(cudaMallocHost(&host, bytes));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::memset(host, 1, bytes);
+  hc.plain_h2d = wall_gb_per_s([&] {
+    CUDA_CHECK(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+  });
+  hc.plain_d2h = wall_gb_per_s([&] {
+    CUDA_CHECK(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+  });
+  CUDA_CHECK(cudaStreamDestroy(stream));
+  CUDA_CHECK(cudaFreeHost(host));
+  {
+    STRATA_ASSIGN_OR_RETURN(auto device, kernels::make_device("cuda", kernels::cpu_fast_kernels()));
+    STRATA_ASSIGN_OR_RETURN(auto pool, offload::PinnedPool::create(
+                                           offload::PinnedPoolOptions{.budget_bytes = bytes + 4096, .lock = false}));
+    register_device_buffers(*pool, *device);
+    STRATA_ASSIGN_OR_RETURN(offload::PinnedBuffer buf, pool->acquire(bytes, "offload.params bench"));
+    std::memset(buf.data(), 1, bytes);
+    hc.strata_h2d = wall_gb_per_s([&] { device->upload(dev, buf.data(), bytes); });
+    hc.strata_d2h = wall_gb_per_s([&] { device->download(buf.data(), dev, bytes); });
+  }
+  CUDA_CHECK(cudaFree(dev));
+  return hc;
+}
+
 struct OpRow {
   std::string name;
   int per_step;  // calls in one training step
@@ -152,6 +209,11 @@ struct OpRow {
 };
 
 }  // namespace
+
+double measure_gemm_tflop_per_s(bool bf16) {
+  if (!kernels::cuda_available().is_ok()) return 0;
+  return measure_ceilings(bf16, 10).tflops;
+}
 
 int run_bench_kernels(const BenchKernelsOptions& o) {
   if (const Status s = kernels::cuda_available(); !s.is_ok()) {
@@ -177,8 +239,29 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
     std::printf("strata bench kernels on %s\n", kernels::cuda_device_description().c_str());
     std::printf("GPT-2 %d layers, width %d, %d heads, vocab %d, B=%d T=%d, matmuls %s; %.1fM parameters\n", L, C, NH,
                 V, B, T, o.precision.c_str(), params / 1e6);
-    std::printf("ceilings (measured): copy %.0f GB/s (read + write), %s GEMM %.0f TFLOP/s\n\n", ceil.gb_per_s,
+    std::printf("ceilings (measured): copy %.0f GB/s (read + write), %s GEMM %.0f TFLOP/s\n", ceil.gb_per_s,
                 o.precision.c_str(), ceil.tflops);
+  }
+  auto copies = measure_host_copies(std::max(5, o.reps / 2));
+  if (!copies.is_ok()) {
+    std::fprintf(stderr, "strata bench kernels: host copies: %s\n", copies.status().to_string().c_str());
+    return 1;
+  }
+  const HostCopies& hc = copies.value();
+  if (o.json) {
+    std::printf("%s\n", nlohmann::json{{"bench", "kernels"},
+                                       {"op", "host copies (256 MiB)"},
+                                       {"plain_h2d_gb_per_s", hc.plain_h2d},
+                                       {"plain_d2h_gb_per_s", hc.plain_d2h},
+                                       {"strata_h2d_gb_per_s", hc.strata_h2d},
+                                       {"strata_d2h_gb_per_s", hc.strata_d2h}}
+                            .dump()
+                            .c_str());
+  } else {
+    std::printf("host copies, 256 MiB: cudaMemcpyAsync from cudaMallocHost h2d %.1f GB/s, d2h %.1f; Strata's "
+                "upload/download from its registered pool h2d %.1f GB/s (%.0f%%), d2h %.1f (%.0f%%)\n\n",
+                hc.plain_h2d, hc.plain_d2h, hc.strata_h2d, 100.0 * hc.strata_h2d / hc.plain_h2d, hc.strata_d2h,
+                100.0 * hc.strata_d2h / hc.plain_d2h);
   }
 
   Rng rng(o.seed);

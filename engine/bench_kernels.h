@@ -26,4 +26,8 @@ struct BenchKernelsOptions {
 void add_bench_kernels_command(CLI::App& bench, BenchKernelsOptions& opts);
 int run_bench_kernels(const BenchKernelsOptions& opts);
 
+// The GPU's dense GEMM rate in TFLOP/s, measured as bench kernels' ceiling (8192³ through cuBLAS, bf16 inputs
+// with fp32 accumulation, or fp32): what model FLOPs utilisation is taken against. 0 without a usable GPU.
+double measure_gemm_tflop_per_s(bool bf16);
+
 }  // namespace strata::engine

@@ -38,6 +38,9 @@ void add_bench_step_command(CLI::App& bench, BenchStepOptions& o) {
   cmd->add_option("--device", o.device, "cpu, cuda, or auto (cuda where a GPU is usable)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
       ->capture_default_str();
+  cmd->add_option("--grad-accum", o.grad_accum, "Micro-batches of --batch sequences per optimizer step")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   cmd->add_option("--threads", o.threads, "Worker threads (0: all)")->capture_default_str();
   cmd->add_option("--seed", o.seed, "Seed for weights and tokens")->capture_default_str();
   cmd->add_flag("--json", o.json, "Print one JSON object instead of text");
@@ -124,15 +127,17 @@ int run_bench_step(const BenchStepOptions& o) {
       std::fprintf(stderr, "strata bench step: %s\n", st.to_string().c_str());
       return 2;
     }
-    auto l = m.forward(x.data(), y.data(), B, T);
-    if (!l.is_ok()) {
-      std::fprintf(stderr, "strata bench step: %s\n", l.status().to_string().c_str());
-      return 2;
-    }
-    loss = l.value();
-    if (Status st = m.backward(); !st.is_ok()) {
-      std::fprintf(stderr, "strata bench step: %s\n", st.to_string().c_str());
-      return 2;
+    for (int a = 0; a < o.grad_accum; ++a) {  // backward adds to the gradients
+      auto l = m.forward(x.data(), y.data(), B, T);
+      if (!l.is_ok()) {
+        std::fprintf(stderr, "strata bench step: %s\n", l.status().to_string().c_str());
+        return 2;
+      }
+      loss = l.value();
+      if (Status st = m.backward(); !st.is_ok()) {
+        std::fprintf(stderr, "strata bench step: %s\n", st.to_string().c_str());
+        return 2;
+      }
     }
     opt->step(m.units(), 1e-4f);
     m.device().synchronize();  // the GPU's optimizer kernels are still running when step() returns
@@ -142,13 +147,14 @@ int run_bench_step(const BenchStepOptions& o) {
   }
   std::sort(times.begin(), times.end());
   const double median = times[times.size() / 2];
-  const double tokens = static_cast<double>(B) * T;
-  const double gflop = m.flops_per_step(B, T) / 1e9;
+  const double tokens = static_cast<double>(B) * T * o.grad_accum;
+  const double gflop = m.flops_per_step(B, T) * o.grad_accum / 1e9;
   const int nthreads = o.threads > 0 ? o.threads : tbb::info::default_concurrency();
   if (o.json) {
     nlohmann::json j = {{"bench", "step"},         {"n_layer", o.n_layer},     {"n_head", o.n_head},
                         {"n_embd", o.n_embd},      {"vocab_size", o.vocab_size}, {"batch", B},
-                        {"context", T},            {"precision", o.precision}, {"kernels", m.kernels().name},
+                        {"context", T},            {"grad_accum", o.grad_accum},
+                        {"precision", o.precision}, {"kernels", m.kernels().name},
                         {"threads", nthreads},     {"params", m.num_params()}, {"steps", o.steps},
                         {"step_ms", median * 1e3}, {"tokens_per_s", tokens / median},
                         {"gflop_per_step", gflop}, {"gflop_per_s", gflop / median}, {"loss", loss},
@@ -156,9 +162,9 @@ int run_bench_step(const BenchStepOptions& o) {
     std::printf("%s\n", j.dump().c_str());
   } else {
     const std::string threads = m.device().host_accessible() ? fmt::format(", {} threads", nthreads) : "";
-    std::printf("GPT-2 L=%d H=%d C=%d V=%d, B=%d T=%d, %s matmuls, %s%s, %.2fM params\n", o.n_layer, o.n_head,
-                o.n_embd, o.vocab_size, B, T, o.precision.c_str(), m.device().description().c_str(), threads.c_str(),
-                m.num_params() / 1e6);
+    std::printf("GPT-2 L=%d H=%d C=%d V=%d, B=%d T=%d x %d micro-batches, %s matmuls, %s%s, %.2fM params\n",
+                o.n_layer, o.n_head, o.n_embd, o.vocab_size, B, T, o.grad_accum, o.precision.c_str(),
+                m.device().description().c_str(), threads.c_str(), m.num_params() / 1e6);
     std::printf("median of %d steps: %.1f ms/step, %.0f tokens/s, %.1f GFLOP/s (%.1f GFLOP/step)\n", o.steps,
                 median * 1e3, tokens / median, gflop / median, gflop);
   }

@@ -18,6 +18,7 @@ struct BenchStepOptions {
   int n_layer = 6, n_head = 6, n_embd = 384, vocab_size = 50257, block_size = 256;
   int batch_size = 4, seq_len = 256;
   int steps = 5, warmup = 1;
+  int grad_accum = 1;  // micro-batches of B×T per optimizer step
   std::string precision = "fp32";  // fp32 | bf16
   std::string kernels = "fast";
   std::string device = "cpu";  // cpu | cuda | auto

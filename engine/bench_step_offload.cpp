@@ -20,6 +20,7 @@
 #include "common/rng.h"
 #include "common/timer.h"
 #include "common/units.h"
+#include "engine/bench_kernels.h"
 #include "engine/bench_step.h"
 #include "engine/gpt2.h"
 #include "engine/offload_runtime.h"
@@ -84,7 +85,7 @@ Result<double> adam_seconds(size_t n) {
   STRATA_ASSIGN_OR_RETURN(AlignedBuffer buf, AlignedBuffer::allocate(4 * n * sizeof(float), "bench_step.adam"));
   float* p = buf.as<float>();
   Rng rng(3);
-  for (size_t i = 0; i < 4 * n; ++i) p[i] = static_cast<float>(rng.normal()) * 0.01f;
+  fill_normal(rng, p, 4 * n, 0.01);
   for (size_t i = 2 * n; i < 3 * n; ++i) p[i] = std::abs(p[i]);  // v >= 0
   kernels::AdamWParams hp;
   hp.lr = 1e-4f;
@@ -150,6 +151,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
   // 1. Compute: the same model kept on the device, forward + backward only.
   std::vector<double> compute, compute_cpu;
   size_t n_params = 0;
+  double step_flops = 0;
   {
     auto model = GPT2::create(mc, *device.value(), precision);
     if (!model.is_ok()) return fail(model.status());
@@ -157,13 +159,16 @@ int run_bench_step_offload(const BenchStepOptions& o) {
     m.set_activation_checkpointing(ckpt, ckpt_pool.get());
     if (Status st = m.init_gpt2(o.seed); !st.is_ok()) return fail(st);
     n_params = m.num_params();
+    step_flops = m.flops_per_step(B, T) * o.grad_accum;
     for (int s = 0; s < total; ++s) {
       Timer t;
       const double cpu0 = process_cpu_seconds();
       if (Status st = m.zero_grads(); !st.is_ok()) return fail(st);
-      auto loss = m.forward(x.data(), y.data(), B, T);
-      if (!loss.is_ok()) return fail(loss.status());
-      if (Status st = m.backward(); !st.is_ok()) return fail(st);
+      for (int a = 0; a < o.grad_accum; ++a) {
+        auto loss = m.forward(x.data(), y.data(), B, T);
+        if (!loss.is_ok()) return fail(loss.status());
+        if (Status st = m.backward(); !st.is_ok()) return fail(st);
+      }
       m.device().synchronize();
       if (s >= o.warmup) {
         compute.push_back(t.seconds());
@@ -232,13 +237,20 @@ int run_bench_step_offload(const BenchStepOptions& o) {
       };
       if (Status st = m.zero_grads(); !st.is_ok()) return fail(st);
       lap(&ph.zero);
-      auto l = m.forward(x.data(), y.data(), B, T);
-      if (!l.is_ok()) return fail(l.status());
-      loss = l.value();
-      lap(&ph.forward);
-      if (Status st = opt->begin_last_backward(1e-4f); !st.is_ok()) return fail(st);
-      if (Status st = m.backward(); !st.is_ok()) return fail(st);
-      lap(&ph.backward);
+      for (int a = 0; a < o.grad_accum; ++a) {
+        double fwd = 0, bwd = 0;
+        auto l = m.forward(x.data(), y.data(), B, T);
+        if (!l.is_ok()) return fail(l.status());
+        loss = l.value();
+        lap(&fwd);
+        if (a + 1 == o.grad_accum) {
+          if (Status st = opt->begin_last_backward(1e-4f); !st.is_ok()) return fail(st);
+        }
+        if (Status st = m.backward(); !st.is_ok()) return fail(st);
+        lap(&bwd);
+        ph.forward += fwd;
+        ph.backward += bwd;
+      }
       auto norm = opt->step(1e-4f, nullptr);
       if (!norm.is_ok()) return fail(norm.status());
       lap(&ph.step);
@@ -277,7 +289,12 @@ int run_bench_step_offload(const BenchStepOptions& o) {
   // time spread over every core.
   const int cores = tbb::info::default_concurrency();
   const double step_cpu_s = median(steps_cpu), compute_cpu_s = median(compute_cpu);
-  const double tokens = static_cast<double>(B) * T;
+  const double tokens = static_cast<double>(B) * T * o.grad_accum;
+  // Model FLOPs utilisation on a GPU: the step's model FLOPs (6 per parameter per token plus attention) per
+  // second, over the GPU's measured GEMM rate at the same precision.
+  const double gemm_tflops =
+      device.value()->host_accessible() ? 0 : measure_gemm_tflop_per_s(precision == kernels::MatmulPrecision::kBF16);
+  const double model_tflops = step_flops / step_s / 1e12;
   if (o.json) {
     nlohmann::json j = {{"bench", "step_offload"},
                         {"params", n_params},
@@ -289,7 +306,11 @@ int run_bench_step_offload(const BenchStepOptions& o) {
                         {"batch", B},
                         {"context", T},
                         {"step_ms", step_s * 1e3},
+                        {"grad_accum", o.grad_accum},
                         {"tokens_per_s", tokens / step_s},
+                        {"model_tflop_per_s", model_tflops},
+                        {"gemm_tflop_per_s", gemm_tflops},
+                        {"mfu", gemm_tflops > 0 ? model_tflops / gemm_tflops : 0.0},
                         {"compute_ms", compute_s * 1e3},
                         {"disk_ms", disk_s * 1e3},
                         {"optimizer_bound_ms", adam_s.value() * 1e3},
@@ -313,7 +334,12 @@ int run_bench_step_offload(const BenchStepOptions& o) {
               o.n_layer, o.n_head, o.n_embd, o.vocab_size, B, T, n_params / 1e6,
               device.value()->description().c_str(), o.offload_param.c_str(), o.offload_optimizer.c_str(),
               o.checkpointing.c_str());
-  std::printf("offloaded step (median of %d): %.1f ms, %.0f tokens/s\n", o.steps, step_s * 1e3, tokens / step_s);
+  std::printf("offloaded step (median of %d, %d micro-batches each): %.1f ms, %.0f tokens/s, %.1f TFLOP/s of model "
+              "FLOPs (%.1f per step)\n",
+              o.steps, o.grad_accum, step_s * 1e3, tokens / step_s, model_tflops, step_flops / 1e12);
+  if (gemm_tflops > 0)
+    std::printf("  model FLOPs utilisation: %.1f / %.0f TFLOP/s (the measured %s GEMM rate) = %.0f%%\n", model_tflops,
+                gemm_tflops, o.precision.c_str(), 100.0 * model_tflops / gemm_tflops);
   std::printf("  breakdown: stall %.1f ms, optimizer %.1f ms (of which waiting for gradients %.1f; the next forward "
               "waited %.1f for it), h2d %.1f MB (%.1f ms busy), d2h %.1f MB (%.1f ms), nvme read %.1f MB + write %.1f "
               "MB (%.1f ms busy)\n",

@@ -155,7 +155,7 @@ Status GPT2::init_gpt2(uint64_t seed) {
       if (s.shape.size() >= 2) {
         const bool residual_proj = s.name.ends_with("c_proj.weight");
         const double std = residual_proj ? residual_std : 0.02;
-        for (size_t j = 0; j < n; ++j) p[j] = static_cast<float>(std * rng.normal());
+        fill_normal(rng, p, n, std);
       } else {
         const float v = is_norm_weight ? 1.0f : 0.0f;
         for (size_t j = 0; j < n; ++j) p[j] = v;
