@@ -243,9 +243,9 @@ int run_bench_step_offload(const BenchStepOptions& o) {
         if (!l.is_ok()) return fail(l.status());
         loss = l.value();
         lap(&fwd);
-        if (a + 1 == o.grad_accum) {
-          if (Status st = opt->begin_last_backward(1e-4f); !st.is_ok()) return fail(st);
-        }
+        const Status begun =
+            a + 1 == o.grad_accum ? opt->begin_last_backward(1e-4f) : opt->begin_accumulating_backward();
+        if (!begun.is_ok()) return fail(begun);
         if (Status st = m.backward(); !st.is_ok()) return fail(st);
         lap(&bwd);
         ph.forward += fwd;

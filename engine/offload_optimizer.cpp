@@ -292,7 +292,13 @@ void OffloadedAdamW::cancel_gated() {
   stats_ = last;
 }
 
+Status OffloadedAdamW::begin_accumulating_backward() {
+  coordinator_->set_accumulating(true);
+  return Status::ok();
+}
+
 Status OffloadedAdamW::begin_last_backward(float lr) {
+  coordinator_->set_accumulating(false);
   STRATA_RETURN_IF_ERROR(finish());  // the last update: published by the forward, its writes done
   if (!swapper_ || !options_.overlap_backward || reducer_ != nullptr || pp_ != nullptr) return Status::ok();
   if (!speculate_next_) {
@@ -322,6 +328,7 @@ void OffloadedAdamW::grads_done(size_t unit) {
 }
 
 Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
+  coordinator_->set_accumulating(false);
   if (coordinator_->sharded()) return step_sharded(lr, skipped);
   bool speculating = false;
   if (handoff_) {

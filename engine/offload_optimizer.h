@@ -93,6 +93,7 @@ class OffloadedAdamW final : public Optimizer {
   Status publish_through(size_t unit);
   Status finish() override;
   Status begin_last_backward(float lr) override;
+  Status begin_accumulating_backward() override;
   // The model's hook: unit's gradient is complete for this backward (GPT2::set_on_grads_done). Training thread.
   void grads_done(size_t unit);
   // Data parallelism: step() sums every unit's gradient over `group` (in host memory, before the norm); the

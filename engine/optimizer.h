@@ -71,6 +71,9 @@ class Optimizer {
     (void)lr;
     return Status::ok();
   }
+  // The next backward is not the step's last micro-batch (gradient accumulation): OffloadedAdamW then keeps
+  // device-resident gradients on the device until the last one. Optional to call.
+  virtual Status begin_accumulating_backward() { return Status::ok(); }
 };
 
 class AdamW final : public Optimizer {

@@ -333,7 +333,11 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
       if (g % dp_size != dp_rank) continue;
       STRATA_ASSIGN_OR_RETURN(float loss, model->forward(x.data(), y.data(), B, T));
       loss_sum += loss;
-      if (g + dp_size >= micro_batches) STRATA_RETURN_IF_ERROR(opt->begin_last_backward(static_cast<float>(lr)));
+      if (g + dp_size >= micro_batches) {
+        STRATA_RETURN_IF_ERROR(opt->begin_last_backward(static_cast<float>(lr)));
+      } else {
+        STRATA_RETURN_IF_ERROR(opt->begin_accumulating_backward());
+      }
       STRATA_RETURN_IF_ERROR(model->backward(1.0f / static_cast<float>(micro_batches)));
     }
     if (dp) {  // sum the gradients (stage 0; sharded and offloaded optimizers reduce their own) and the losses

@@ -370,6 +370,16 @@ void Coordinator::release(size_t u, Pass pass) {
     if (s.next_use(true)[u] == kNever || !s.replaying()) s.to_spare(std::move(r.dev_grads), fence, {r.grads_download});
     return;
   }
+  if (s.accumulating && s.options.param_home == Tier::kDevice) {
+    r.grad_state = GradState::kDevice;  // the next micro-batch adds to it here; the last one sends it home
+    return;
+  }
+  send_grads_home(u, fence);
+}
+
+void Coordinator::send_grads_home(size_t u, const kernels::DeviceFence& fence) {
+  State& s = *s_;
+  State::UnitRec& r = s.units[u];
   // Send the gradient home now, overlapping the rest of backward; the device copy stays valid until evicted.
   kernels::Device* dev = &s.device;
   const void* src = r.dev_grads.data();
@@ -423,6 +433,8 @@ void Coordinator::release(size_t u, Pass pass) {
   }
 }
 
+void Coordinator::set_accumulating(bool on) { s_->accumulating = on; }
+
 Status Coordinator::zero_grads() {
   for (State::UnitRec& r : s_->units) {
     STRATA_RETURN_IF_ERROR(r.grads_download.wait().with_context("offload: gradients of unit '" + r.info.name + "'"));
@@ -467,8 +479,9 @@ Status Coordinator::flush_grads() {
         r.grad_state = GradState::kHost;
         if (r.dev_grads.data() != nullptr) s_->to_spare(std::move(r.dev_grads), r.grads_last_use, {});
         break;
-      case GradState::kDevice:
-        STRATA_ASSERT_MSG(false, "a device gradient without a release");
+      case GradState::kDevice:  // still accumulating (no backward after set_accumulating(false)): home now
+        send_grads_home(static_cast<size_t>(&r - s_->units.data()), s_->device.fence());
+        STRATA_RETURN_IF_ERROR(s_->wait_ticket(r.grads_download, r, "gradients"));
         break;
       case GradState::kBoth:
       case GradState::kHost:

@@ -164,6 +164,12 @@ class Coordinator {
 
   // Every gradient becomes zero (nothing is touched until a unit is next used).
   Status zero_grads();
+  // Gradient accumulation: `on` while the backward passes to come are not the step's last. With the parameters
+  // on the device (param_home kDevice, where the gradients fit beside them as in plain training) each unit's
+  // gradient then stays on the device and adds up there, and goes home from the backward after
+  // set_accumulating(false), or at flush_grads(); with the parameters offloaded it changes nothing (every
+  // backward sends its gradients home, and the next brings them back). Off by default.
+  void set_accumulating(bool on);
   // Waits until every gradient is at its home (zeros for a unit no backward touched). Then, until the next
   // acquire: host_grads(u) is unit u's accumulated gradient (grad_home host; null with nvme, where the
   // optimizer reads grad_keys(u), chunks of nvme_chunk_elements), and grad_sum_squares(u) its sum of squares
@@ -189,6 +195,9 @@ class Coordinator {
   struct Slot;
   struct State;
   explicit Coordinator(std::unique_ptr<State> s);
+  // Queues unit u's device gradient (kDevice) to its home after the kernels before `fence`: kBoth, or kHost
+  // when the step uses it no more.
+  void send_grads_home(size_t u, const kernels::DeviceFence& fence);
   std::unique_ptr<State> s_;
   CoordinatorOptions options_;
   std::function<Status(size_t)> before_use_;

@@ -135,6 +135,7 @@ struct Coordinator::State {
   // The trace.
   std::vector<Access> trace;
   bool recording = true;
+  bool accumulating = false;  // Coordinator::set_accumulating
   size_t pos = 0;  // accesses of this step so far
   uint64_t clock = 0;
   CoordinatorStats stats;

@@ -137,6 +137,25 @@ TEST_F(OffloadTrainTest, GradientAccumulationIsExactWithOffloadedGradients) {
   expect_same_run("plain", p.name, 6);
 }
 
+// With the parameters on the device (the optimizer offloaded), accumulated gradients stay on the device until
+// the last micro-batch: still bitwise the plain run, and one download per step however many micro-batches.
+TEST_F(OffloadTrainTest, AccumulatedGradientsGoHomeOncePerStep) {
+  const Placement p = placements()[2];
+  ASSERT_EQ(std::string(p.name), "optimizer_cpu");
+  run("plain", config("plain", json(), 3));
+  run("accumulated", config("accumulated", p, 3));
+  expect_same_run("plain", "accumulated", 6);
+  run("single", config("single", p, 1));
+  const json three = offload_totals(dir_ / "accumulated.jsonl"), one = offload_totals(dir_ / "single.jsonl");
+  ASSERT_TRUE(three.is_object() && one.is_object());
+  EXPECT_GT(one["d2h_bytes"].get<double>(), 0);
+  EXPECT_EQ(three["d2h_bytes"], one["d2h_bytes"]) << "gradients went home for every micro-batch";
+  // (Fewer, even: the first step, which records the trace, sends the tied embedding's gradient home between its
+  // two uses and back again, but not while it accumulates.)
+  EXPECT_LE(three["h2d_bytes"].get<double>(), one["h2d_bytes"].get<double>())
+      << "gradients came back for every micro-batch";
+}
+
 // With the optimizer on nvme, updates start during backward assuming no clipping, and are redone when the step
 // clips: with a clip threshold that some steps cross and others do not, both outcomes happen in one run, which
 // is still bitwise the plain run (with gradient accumulation too: only the last micro-batch starts updates).
