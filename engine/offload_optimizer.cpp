@@ -338,7 +338,7 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   const bool gated_update = gated();
   if (!speculating && !gated_update) STRATA_RETURN_IF_ERROR(finish());  // normally done: the forward published it
   Timer wait;
-  STRATA_RETURN_IF_ERROR(coordinator_->flush_grads());
+  STRATA_RETURN_IF_ERROR(coordinator_->flush_grads(/*take_norms=*/reducer_ == nullptr));
   if (reducer_ != nullptr) {  // the step's gradient is the sum over the data-parallel ranks
     for (size_t u = 0; u < model_->units().size(); ++u) {
       if (!model_->holds(u)) continue;  // another pipeline stage's

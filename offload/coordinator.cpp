@@ -303,6 +303,7 @@ Result<UnitView> Coordinator::acquire(size_t u, Pass pass) {
     }
   }
   if (uses_grads(pass)) {
+    r.grad_sumsq_valid = false;
     switch (r.grad_state) {
       case GradState::kDevice:
         break;
@@ -370,8 +371,12 @@ void Coordinator::release(size_t u, Pass pass) {
     if (s.next_use(true)[u] == kNever || !s.replaying()) s.to_spare(std::move(r.dev_grads), fence, {r.grads_download});
     return;
   }
-  if (s.accumulating && s.options.param_home == Tier::kDevice) {
-    r.grad_state = GradState::kDevice;  // the next micro-batch adds to it here; the last one sends it home
+  // With the parameters on the device the gradients fit beside them: one that more backward work adds to (the
+  // next micro-batch's, or this backward's own second use of the tied embedding) stays here until its last
+  // release, which sends it home once.
+  const bool added_to_again = s.accumulating || (s.replaying() && s.next_use(true)[u] != kNever);
+  if (added_to_again && s.options.param_home == Tier::kDevice) {
+    r.grad_state = GradState::kDevice;
     return;
   }
   send_grads_home(u, fence);
@@ -443,11 +448,12 @@ Status Coordinator::zero_grads() {
     r.grads_ready = CopyTicket();
     r.grad_state = GradState::kZero;
     r.grads_reduced = false;
+    r.grad_sumsq_valid = false;
   }
   return Status::ok();
 }
 
-Status Coordinator::flush_grads() {
+Status Coordinator::flush_grads(bool take_norms) {
   if (s_->sharded()) {
     for (State::UnitRec& r : s_->units) {
       STRATA_ASSERT_MSG(r.in_use == 0, "flush_grads with a unit between acquire and release");
@@ -459,7 +465,10 @@ Status Coordinator::flush_grads() {
     }
     return Status::ok();
   }
-  for (State::UnitRec& r : s_->units) {
+  // Backward's order, the order the downloads finish in (last unit first): each unit's sum of squares for the
+  // norm is taken as soon as its gradient is home, while the later ones are still arriving.
+  for (size_t i = s_->units.size(); i-- > 0;) {
+    State::UnitRec& r = s_->units[i];
     STRATA_ASSERT_MSG(r.in_use == 0, "flush_grads with a unit between acquire and release");
     if (!r.info.present) continue;
     switch (r.grad_state) {
@@ -480,13 +489,18 @@ Status Coordinator::flush_grads() {
         if (r.dev_grads.data() != nullptr) s_->to_spare(std::move(r.dev_grads), r.grads_last_use, {});
         break;
       case GradState::kDevice:  // still accumulating (no backward after set_accumulating(false)): home now
-        send_grads_home(static_cast<size_t>(&r - s_->units.data()), s_->device.fence());
+        send_grads_home(i, s_->device.fence());
         STRATA_RETURN_IF_ERROR(s_->wait_ticket(r.grads_download, r, "gradients"));
         break;
       case GradState::kBoth:
       case GradState::kHost:
         STRATA_RETURN_IF_ERROR(s_->wait_ticket(r.grads_download, r, "gradients"));
         break;
+    }
+    if (take_norms && s_->options.grad_home == Tier::kHost) {
+      r.grad_sumsq = sum_squares_excluding(r.host_grads.as<float>(), r.shard.lo, r.shard.len, r.info.norm_excluded,
+                                           host_sum_squares);
+      r.grad_sumsq_valid = true;
     }
   }
   return Status::ok();
@@ -505,6 +519,7 @@ float* Coordinator::host_grads_for_update(size_t u) {
     r.grads_ready = CopyTicket();
   }
   r.grad_state = GradState::kHost;
+  r.grad_sumsq_valid = false;  // the caller changes it
   return r.host_grads.as<float>();
 }
 
@@ -515,7 +530,7 @@ CopyTicket Coordinator::grads_home_ticket(size_t u) const { return s_->units[u].
 double Coordinator::grad_sum_squares(size_t u) const {
   const State::UnitRec& r = s_->units[u];
   if (!r.info.present) return 0.0;
-  if (s_->options.grad_home == Tier::kNvme) return r.grad_sumsq;
+  if (s_->options.grad_home == Tier::kNvme || r.grad_sumsq_valid) return r.grad_sumsq;
   return sum_squares_excluding(r.host_grads.as<float>(), r.shard.lo, r.shard.len, r.info.norm_excluded,
                                host_sum_squares);
 }

@@ -175,8 +175,10 @@ class Coordinator {
   // optimizer reads grad_keys(u), chunks of nvme_chunk_elements), and grad_sum_squares(u) its sum of squares
   // (kernels/cpu/fast.h add_sum_squares from 0 over the unit, whichever the home; less the unit's
   // norm_excluded ranges, each piece from 0, added in order). ZeRO-3: this rank's shard
-  // of the gradient summed over the group (shard(u).len elements) and its sum of squares.
-  Status flush_grads();
+  // of the gradient summed over the group (shard(u).len elements) and its sum of squares. With `take_norms`
+  // (grad_home host) each unit's sum of squares is taken as its gradient lands, overlapping the downloads still
+  // in flight; pass false when the gradients change before the norm (summed over ranks), which then takes them.
+  Status flush_grads(bool take_norms = true);
   const float* host_grads(size_t u) const;
   // The same gradient for changing in place before the optimizer reads it (summing it over data-parallel
   // ranks): any device copy of it is dropped, so nothing stale is used. grad_home host; after flush_grads().

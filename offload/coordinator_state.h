@@ -111,7 +111,9 @@ struct Coordinator::State {
     kernels::DeviceFence grads_last_use;
     PinnedBuffer host_grads;             // grad_home host
     std::vector<std::string> grad_keys;  // grad_home nvme, one per chunk
-    double grad_sumsq = 0;               // grad_home nvme: sum of squares of the last download (on d2h thread)
+    double grad_sumsq = 0;               // grad_home nvme: sum of squares of the last download (on d2h thread);
+                                         // host: taken by flush_grads when grad_sumsq_valid
+    bool grad_sumsq_valid = false;       // host: grad_sumsq is that of host_grads as they are now
     bool grads_reduced = false;          // ZeRO-3: a reduce-scatter added to the home shard since zero_grads
   };
 

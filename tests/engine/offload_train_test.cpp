@@ -148,8 +148,15 @@ TEST_F(OffloadTrainTest, AccumulatedGradientsGoHomeOncePerStep) {
   run("single", config("single", p, 1));
   const json three = offload_totals(dir_ / "accumulated.jsonl"), one = offload_totals(dir_ / "single.jsonl");
   ASSERT_TRUE(three.is_object() && one.is_object());
-  EXPECT_GT(one["d2h_bytes"].get<double>(), 0);
-  EXPECT_EQ(three["d2h_bytes"], one["d2h_bytes"]) << "gradients went home for every micro-batch";
+  // Each step's gradient once, the tied embedding's too (the step that records the trace may send it twice: the
+  // embedding's second use in backward is not known yet at its first release).
+  const double params = 97 * 32 + 16 * 32 + 4 * (12 * 32 * 32 + 13 * 32) + 2 * 32, embedding = (97 + 16) * 32;
+  EXPECT_GE(one["d2h_bytes"].get<double>(), 6 * params * sizeof(float));
+  EXPECT_LE(one["d2h_bytes"].get<double>(), (6 * params + embedding) * sizeof(float));
+  // (Accumulating, the trace is known by the first step's last micro-batch: no second embedding download.)
+  EXPECT_GE(three["d2h_bytes"].get<double>(), 6 * params * sizeof(float));
+  EXPECT_LE(three["d2h_bytes"].get<double>(), one["d2h_bytes"].get<double>())
+      << "gradients went home for every micro-batch";
   // (Fewer, even: the first step, which records the trace, sends the tied embedding's gradient home between its
   // two uses and back again, but not while it accumulates.)
   EXPECT_LE(three["h2d_bytes"].get<double>(), one["h2d_bytes"].get<double>())

@@ -160,6 +160,12 @@ struct Rig {
       }
       ASSERT_EQ(std::memcmp(got.data(), grads[u].data(), numel_of(u) * 4), 0) << "gradients of unit " << u;
       EXPECT_EQ(coord->grad_sum_squares(u), kernels::cpu::fast::add_sum_squares(0.0, grads[u].data(), numel_of(u)));
+      if (coord->options().grad_home == Tier::kHost && !coord->sharded()) {
+        // Changed in place (summed over ranks, say): the sum flush_grads took is not used.
+        coord->host_grads_for_update(u)[0] += 1.0f;
+        grads[u][0] += 1.0f;
+        EXPECT_EQ(coord->grad_sum_squares(u), kernels::cpu::fast::add_sum_squares(0.0, grads[u].data(), numel_of(u)));
+      }
       for (size_t i = 0; i < numel_of(u); ++i) params[u][i] += 0.001f * static_cast<float>(n + 1);
       ASSERT_OK(coord->write_params(u, params[u].data()));
     }
