@@ -224,12 +224,18 @@ Result<std::unique_ptr<Communicator>> NcclCommunicator::split(int color, int key
   // (NULL until then), so wait on the parent first, then on the child.
   ncclResult_t r = ncclCommSplit(impl_->comm, color, key, &impl->comm, &config);
   if (r == ncclInProgress || r == ncclSuccess) r = settle(impl_->comm, timeout_s_);
+  if (r == ncclInProgress) {
+    // The job may still write the child's handle into impl: leave it to the job (a leak on a path that has
+    // already failed), and this group's state is unknown.
+    (void)impl.release();
+    poisoned_ = true;
+    return Status::deadline_exceeded("split of NCCL group '{}' into '{}': did not finish in time", name_, name);
+  }
   if (r == ncclSuccess) r = impl->comm == nullptr ? ncclInternalError : settle(impl->comm, timeout_s_);
   if (r != ncclSuccess) {
-    if (r == ncclInProgress) poisoned_ = true;
     return Status(r == ncclInProgress ? StatusCode::kDeadlineExceeded : StatusCode::kInternal,
                   fmt::format("split of NCCL group '{}' into '{}': {}", name_, name,
-                              r == ncclInProgress ? "did not finish in time" : ncclGetErrorString(r)));
+                              r == ncclInProgress ? "the new group did not finish in time" : ncclGetErrorString(r)));
   }
   int rank = 0, size = 1;
   ncclCommUserRank(impl->comm, &rank);

@@ -198,7 +198,8 @@ int run_bench_step_offload(const BenchStepOptions& o) {
   const bool offloaded = offload_enabled(oc);
   std::vector<double> steps, steps_cpu;
   std::vector<OffloadStepReport> reports;
-  // The training thread's time in each call of a step (the median step's is printed).
+  // The training thread's time in each call of a step (the median step's is printed). "backward" includes
+  // begin_last_backward, which first completes the previous update if the forward has not.
   struct Phases {
     double zero = 0, forward = 0, backward = 0, step = 0, sync = 0;
   };

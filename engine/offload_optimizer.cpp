@@ -316,6 +316,9 @@ Status OffloadedAdamW::begin_last_backward(float lr) {
 
 void OffloadedAdamW::grads_done(size_t unit) {
   if (!handoff_ || unit >= fed_.size() || fed_[unit]) return;
+  // Still only on the device (the trace expected more of this backward to add to it): not final yet; step()
+  // feeds it after flush_grads.
+  if (coordinator_->residency(unit, offload::StateClass::kGrads).dirty) return;
   Handoff& h = *handoff_;
   std::lock_guard lock(h.mu);
   if (!h.speculative || h.closed) return;

@@ -138,6 +138,8 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
     }
   }
   std::unique_ptr<Coordinator> c(new Coordinator(std::move(s)));
+  Coordinator* self = c.get();
+  c->s_->send_grads_home = [self](size_t u, const kernels::DeviceFence& fence) { self->send_grads_home(u, fence); };
   return c;
 }
 
@@ -371,9 +373,10 @@ void Coordinator::release(size_t u, Pass pass) {
     if (s.next_use(true)[u] == kNever || !s.replaying()) s.to_spare(std::move(r.dev_grads), fence, {r.grads_download});
     return;
   }
-  // With the parameters on the device the gradients fit beside them: one that more backward work adds to (the
-  // next micro-batch's, or this backward's own second use of the tied embedding) stays here until its last
-  // release, which sends it home once.
+  // With the parameters on the device, a gradient that more backward work adds to (the next micro-batch's, or
+  // this backward's own second use of the tied embedding) stays here until its last release, which sends it
+  // home once; when device memory runs short, an eviction sends it home early (and its next use brings it
+  // back), as every backward did before.
   const bool added_to_again = s.accumulating || (s.replaying() && s.next_use(true)[u] != kNever);
   if (added_to_again && s.options.param_home == Tier::kDevice) {
     r.grad_state = GradState::kDevice;

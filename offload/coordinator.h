@@ -165,10 +165,10 @@ class Coordinator {
   // Every gradient becomes zero (nothing is touched until a unit is next used).
   Status zero_grads();
   // Gradient accumulation: `on` while the backward passes to come are not the step's last. With the parameters
-  // on the device (param_home kDevice, where the gradients fit beside them as in plain training) each unit's
-  // gradient then stays on the device and adds up there, and goes home from the backward after
-  // set_accumulating(false), or at flush_grads(); with the parameters offloaded it changes nothing (every
-  // backward sends its gradients home, and the next brings them back). Off by default.
+  // on the device (param_home kDevice) each unit's gradient then stays on the device and adds up there, and
+  // goes home from the backward after set_accumulating(false), or at flush_grads(); when device memory runs
+  // short an eviction sends one home early and its next use brings it back. With the parameters offloaded it
+  // changes nothing (every backward sends its gradients home, and the next brings them back). Off by default.
   void set_accumulating(bool on);
   // Waits until every gradient is at its home (zeros for a unit no backward touched). Then, until the next
   // acquire: host_grads(u) is unit u's accumulated gradient (grad_home host; null with nvme, where the

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -138,6 +139,9 @@ struct Coordinator::State {
   std::vector<Access> trace;
   bool recording = true;
   bool accumulating = false;  // Coordinator::set_accumulating
+  // Queues unit u's device gradient (kDevice) home after `fence` (Coordinator::send_grads_home), so that an
+  // eviction can free a gradient still being added to.
+  std::function<void(size_t u, const kernels::DeviceFence& fence)> send_grads_home;
   size_t pos = 0;  // accesses of this step so far
   uint64_t clock = 0;
   CoordinatorStats stats;
@@ -281,8 +285,8 @@ struct Coordinator::State {
   }
 
   // Frees one device buffer of a unit whose next use is farther than `sooner_than` accesses away (0: any unit
-  // not in use): a parameter copy (written home first when stale) or a gradient copy that is already on its
-  // way home. False when there is none.
+  // not in use): a parameter copy (written home first when stale) or a gradient copy (sent home first when it
+  // is only on the device: its next use brings the partial sum back and adds to it). False when there is none.
   Result<bool> evict_one(size_t sooner_than, bool params_only = false) {
     const std::vector<size_t> pd = next_use(false), gd = next_use(true);
     size_t best = SIZE_MAX, best_d = 0;
@@ -294,9 +298,8 @@ struct Coordinator::State {
           (best == SIZE_MAX || pd[u] > best_d)) {
         best = u, best_d = pd[u], best_grads = false;
       }
-      const bool grads_clean = r.grad_state == GradState::kBoth || r.grad_state == GradState::kZero ||
-                               r.grad_state == GradState::kHost;
-      if (!params_only && r.dev_grads.data() != nullptr && grads_clean && gd[u] > sooner_than &&
+      const bool grads_movable = r.grad_state != GradState::kDevice || send_grads_home != nullptr;
+      if (!params_only && r.dev_grads.data() != nullptr && grads_movable && gd[u] > sooner_than &&
           (best == SIZE_MAX || gd[u] > best_d)) {
         best = u, best_d = gd[u], best_grads = true;
       }
@@ -304,6 +307,11 @@ struct Coordinator::State {
     if (best == SIZE_MAX) return false;
     UnitRec& r = units[best];
     if (best_grads) {
+      if (r.grad_state == GradState::kDevice) send_grads_home(best, r.grads_last_use);  // now kBoth or kHost
+      if (r.dev_grads.data() == nullptr) {  // send_grads_home gave it back already
+        ++stats.evictions;
+        return true;
+      }
       if (r.grad_state == GradState::kBoth) r.grad_state = GradState::kHost;
       to_spare(std::move(r.dev_grads), r.grads_last_use, {r.grads_ready, r.grads_download});
       r.grads_ready = CopyTicket();

@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "common/log.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_context.h"
 #include "kernels/cuda/cuda_kernels.h"
@@ -98,7 +99,14 @@ class CudaDevice final : public Device {
     }
     return Status::ok();
   }
-  void unregister_host(void* p) override { CUDA_CHECK(cudaHostUnregister(p)); }
+  // Runs as a pinned buffer is freed, maybe while an error unwinds: a failure (a sticky error from earlier,
+  // most likely) is logged, not fatal, so it does not hide the error that got here.
+  void unregister_host(void* p) override {
+    if (const cudaError_t e = cudaHostUnregister(p); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      STRATA_LOG_WARN("cudaHostUnregister: {}", cudaGetErrorString(e));
+    }
+  }
 
  private:
   cudaStream_t h2d_ = nullptr, d2h_ = nullptr;

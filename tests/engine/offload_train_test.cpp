@@ -163,6 +163,21 @@ TEST_F(OffloadTrainTest, AccumulatedGradientsGoHomeOncePerStep) {
       << "gradients came back for every micro-batch";
 }
 
+// ... and when the device budget cannot hold every accumulated gradient, evictions send some home early (the
+// next micro-batch brings them back): still bitwise the plain run, where keeping them all would run out of memory.
+TEST_F(OffloadTrainTest, AccumulatedGradientsAreEvictedWhenTheDeviceIsShort) {
+  Placement p = placements()[2];
+  // Found by trying: 900K holds every gradient (no evictions), 600K not even one unit's with the activations;
+  // keeping every gradient on the device fails at 700K.
+  p.memory = {{"device_memory_limit", "700K"}};
+  run("plain", config("plain", json(), 3));
+  run("short", config("short", p, 3));
+  expect_same_run("plain", "short", 6);
+  const json t = offload_totals(dir_ / "short.jsonl");
+  ASSERT_TRUE(t.is_object());
+  EXPECT_GT(t["evictions"].get<double>(), 0);
+}
+
 // With the optimizer on nvme, updates start during backward assuming no clipping, and are redone when the step
 // clips: with a clip threshold that some steps cross and others do not, both outcomes happen in one run, which
 // is still bitwise the plain run (with gradient accumulation too: only the last micro-batch starts updates).
