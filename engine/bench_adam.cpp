@@ -78,11 +78,6 @@ void probe(float* p, float* m, float* v, const float* g, uint16_t* w, size_t n) 
   });
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 // The swap pipeline over n parameters in sub-groups of `sub`, states under `dir`; prints one row or object.
 // `adam_s` is the in-memory pass over the same parameters (bf16 copy), for the bound.
 int bench_swap(const BenchAdamOptions& o, uint64_t n, uint64_t sub, float* p, const float* g, uint16_t* w,

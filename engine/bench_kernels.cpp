@@ -98,8 +98,7 @@ double time_ms(const std::function<void()>& fn, int reps) {
   }
   CUDA_CHECK(cudaEventDestroy(a));
   CUDA_CHECK(cudaEventDestroy(b));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return median(std::move(ms));
 }
 
 // The two ceilings, measured: device-to-device copy bandwidth (bytes read + written) and the dense GEMM rate at
@@ -166,8 +165,7 @@ Result<HostCopies> measure_host_copies(int reps) {
       fn();
       s.push_back(t.seconds());
     }
-    std::sort(s.begin(), s.end());
-    return bytes / s[s.size() / 2] / 1e9;
+    return bytes / median(std::move(s)) / 1e9;
   };
   HostCopies hc;
   void *dev = nullptr, *host = nullptr;

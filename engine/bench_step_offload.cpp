@@ -36,11 +36,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
 // CPU seconds this process has used so far, every thread, user and system.
 double process_cpu_seconds() {
   rusage u{};

@@ -16,6 +16,7 @@
 #include "kernels/cpu/cpu_kernels.h"
 #include "offload/pinned_pool.h"
 #include "tests/engine/trainer_fixture.h"
+#include "tests/forwarding_device.h"
 
 namespace strata::engine {
 namespace {
@@ -371,20 +372,9 @@ TEST(ActivationCheckpointingTest, KeepsLessOnTheDevice) {
 
 // A device whose memory the host cannot touch, as a GPU's, that records register_host/unregister_host; the rest
 // is the CPU device's.
-class RegisteringDevice final : public kernels::Device {
+class RegisteringDevice final : public testing::ForwardingDevice {
  public:
-  const char* name() const override { return "registering"; }
-  std::string description() const override { return "registering"; }
-  const kernels::KernelSet& kernels() const override { return cpu_->kernels(); }
   bool host_accessible() const override { return false; }
-  void zero(void* dst, size_t bytes) override { cpu_->zero(dst, bytes); }
-  void copy_to_device(void* dst, const void* src, size_t bytes) override { cpu_->copy_to_device(dst, src, bytes); }
-  void copy_to_host(void* dst, const void* src, size_t bytes) override { cpu_->copy_to_host(dst, src, bytes); }
-  void synchronize() override {}
-  void upload(void* dst, const void* src, size_t bytes) override { cpu_->upload(dst, src, bytes); }
-  void download(void* dst, const void* src, size_t bytes) override { cpu_->download(dst, src, bytes); }
-  kernels::DeviceFence fence() override { return {}; }
-  double add_sum_squares(double acc, const float* x, size_t n) override { return cpu_->add_sum_squares(acc, x, n); }
   Status register_host(void* p, size_t bytes) override {
     if (fail_next) {
       fail_next = false;
@@ -397,14 +387,6 @@ class RegisteringDevice final : public kernels::Device {
 
   std::map<void*, size_t> registered;
   bool fail_next = false;
-
- protected:
-  Result<kernels::DeviceBuffer> allocate_impl(size_t bytes, const std::string& purpose) override {
-    return cpu_->allocate(bytes, purpose);
-  }
-
- private:
-  std::unique_ptr<kernels::Device> cpu_ = kernels::make_cpu_device(kernels::cpu_fast_kernels());
 };
 
 // Host buffers are registered with a GPU for DMA as they are mapped (and those mapped before the hooks, at

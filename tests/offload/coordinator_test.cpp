@@ -21,6 +21,7 @@
 #include "storage/io_queue.h"
 #include "storage/memory_engine.h"
 #include "storage/swap_store.h"
+#include "tests/forwarding_device.h"
 #include "tests/test_util.h"
 
 namespace strata::offload {
@@ -32,32 +33,13 @@ size_t numel_of(int u) { return 3000 + 1024 * (u % 2); }  // two sizes, so freed
 
 // The CPU device with device-to-host copies slowed down, so that anything that frees or reuses a buffer
 // while its download is still running shows up (as wrong gradients, or under ASan).
-class SlowDownloadDevice final : public kernels::Device {
+class SlowDownloadDevice final : public testing::ForwardingDevice {
  public:
-  SlowDownloadDevice() : inner_(kernels::make_cpu_device(kernels::cpu_fast_kernels())) {}
-  const char* name() const override { return "cpu"; }
   std::string description() const override { return "cpu with slow downloads"; }
-  const kernels::KernelSet& kernels() const override { return inner_->kernels(); }
-  bool host_accessible() const override { return true; }
-  void zero(void* dst, size_t bytes) override { inner_->zero(dst, bytes); }
-  void copy_to_device(void* dst, const void* src, size_t bytes) override { inner_->copy_to_device(dst, src, bytes); }
-  void copy_to_host(void* dst, const void* src, size_t bytes) override { inner_->copy_to_host(dst, src, bytes); }
-  void synchronize() override {}
-  void upload(void* dst, const void* src, size_t bytes) override { inner_->upload(dst, src, bytes); }
   void download(void* dst, const void* src, size_t bytes) override {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    inner_->download(dst, src, bytes);
+    ForwardingDevice::download(dst, src, bytes);
   }
-  kernels::DeviceFence fence() override { return {}; }
-  double add_sum_squares(double acc, const float* x, size_t n) override { return inner_->add_sum_squares(acc, x, n); }
-
- protected:
-  Result<kernels::DeviceBuffer> allocate_impl(size_t bytes, const std::string& purpose) override {
-    return inner_->allocate(bytes, purpose);
-  }
-
- private:
-  std::unique_ptr<kernels::Device> inner_;
 };
 
 // A device, a swap store on an in-memory disk (optionally failing), a pool and a copy engine, with the
