@@ -1,7 +1,6 @@
 #include "storage/swap_store.h"
 
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <bit>
@@ -13,6 +12,7 @@
 #include "common/aligned.h"
 #include "common/check.h"
 #include "common/log.h"
+#include "storage/checksum.h"
 
 namespace strata {
 
@@ -202,7 +202,7 @@ struct SwapStore::ReadOp {
   // On an engine thread, once chunk i's bytes are in `data`.
   Status verify(size_t i, const Chunk& c, const char* data) const {
     const Version& v = *version;
-    const uint64_t got = XXH3_64bits_withSeed(data, c.len, v.chunk_seed(i));
+    const uint64_t got = xxh3_64(data, c.len, v.chunk_seed(i));
     if (got == v.sums[i]) return Status::ok();
     store->checksum_failures_.fetch_add(1, std::memory_order_relaxed);
     return Status::corruption(
@@ -306,7 +306,7 @@ Status SwapStore::add_file() {
   h.checksum_chunk = options_.checksum_chunk;
   (void)::gethostname(h.host, sizeof(h.host) - 1);
   std::memcpy(block->data(), &h, sizeof(h));
-  const uint64_t sum = XXH3_64bits(block->data(), kSwapBlock - 8);
+  const uint64_t sum = xxh3_64(block->data(), kSwapBlock - 8);
   std::memcpy(block->as<char>() + kSwapBlock - 8, &sum, 8);
   if (Status st = queue_.write(id, 0, block->data(), kSwapBlock); !st.is_ok())
     return give_up(st.with_context(fmt::format("swap store: writing the header of {}", path)), true);
@@ -426,7 +426,7 @@ Result<std::shared_ptr<SwapStore::WriteOp>> SwapStore::begin_write(const std::st
   v.len = len;
   v.extent = extent.value();
   v.generation = next_generation_++;
-  v.seed = XXH3_64bits_withSeed(key.data(), key.size(), v.generation);
+  v.seed = xxh3_64(key.data(), key.size(), v.generation);
   return op;
 }
 
@@ -497,7 +497,7 @@ Status SwapStore::write(const std::string& key, const void* buf, size_t len, IoB
         r.buf = b;
       }
       // Hashed just before the chunk is queued, so hashing overlaps the I/O of the chunks before it.
-      v.sums[i] = XXH3_64bits_withSeed(r.buf, c.len, v.chunk_seed(i));
+      v.sums[i] = xxh3_64(r.buf, c.len, v.chunk_seed(i));
       r.on_complete = [state = std::move(state)] {
         state->op->written.fetch_add(1, std::memory_order_relaxed);
         return Status::ok();

@@ -96,8 +96,17 @@ TEST_F(BenchNvmeTest, JsonLinesForEveryLayerAndPatternOnBothEngines) {
     std::vector<std::string> lines;
     ASSERT_EQ(run(&lines), 0);
     std::set<std::pair<std::string, std::string>> seen;
+    size_t checksum_lines = 0;
     for (const std::string& line : lines) {
       const auto j = nlohmann::json::parse(line);
+      if (j.contains("checksum")) {  // after the store layer: the checksum's rate on both paths
+        ++checksum_lines;
+        const auto& c = j.at("checksum");
+        EXPECT_TRUE(c.at("path") == "avx2" || c.at("path") == "sse2") << line;
+        EXPECT_GT(c.at("gb_per_s").get<double>(), 0) << line;
+        EXPECT_GT(c.at("libxxhash_gb_per_s").get<double>(), 0) << line;
+        continue;
+      }
       const std::string layer = j.at("layer"), pattern = j.at("pattern");
       seen.emplace(layer, pattern);
       EXPECT_EQ(j.at("bytes").get<uint64_t>(), uint64_t{8} << 20) << line;
@@ -107,7 +116,8 @@ TEST_F(BenchNvmeTest, JsonLinesForEveryLayerAndPatternOnBothEngines) {
       EXPECT_EQ(j.at("queue_depth").get<uint64_t>(), 4u);
       EXPECT_EQ(j.at("engine").get<std::string>(), engine);
     }
-    EXPECT_EQ(lines.size(), 8u);
+    EXPECT_EQ(lines.size(), 9u);
+    EXPECT_EQ(checksum_lines, 1u);
     for (const char* layer : {"engine", "store"})
       for (const char* pattern : {"seq_write", "seq_read", "rand_write", "rand_read"})
         EXPECT_TRUE(seen.count({layer, pattern})) << layer << " " << pattern;
@@ -126,9 +136,17 @@ TEST_F(BenchNvmeTest, SweepEndsWithTheAioSection) {
   for (const char* key : {"block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events"})
     EXPECT_TRUE(aio.contains(key)) << key;
   EXPECT_GT(last.at("best").at("mib_per_s").get<double>(), 0);
-  size_t store_lines = 0;
-  for (size_t i = 0; i + 1 < lines.size(); ++i) store_lines += nlohmann::json::parse(lines[i]).at("layer") == "store";
+  size_t store_lines = 0, checksum_lines = 0;
+  for (size_t i = 0; i + 1 < lines.size(); ++i) {
+    const auto j = nlohmann::json::parse(lines[i]);
+    if (j.contains("checksum")) {
+      ++checksum_lines;
+      continue;
+    }
+    store_lines += j.at("layer") == "store";
+  }
   EXPECT_EQ(store_lines, 2u);  // seq_write and seq_read at the best settings
+  EXPECT_EQ(checksum_lines, 1u);
   EXPECT_TRUE(fs::is_empty(opts_.dir));
 }
 
