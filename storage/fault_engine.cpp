@@ -20,6 +20,7 @@ FaultEngine::FaultEngine(IoEngine& inner, const FaultOptions& options)
     : inner_(inner), options_(options), rng_(options.seed) {}
 
 FaultEngine::~FaultEngine() {
+  hold_writes(false);
   // Shadows point back at this engine; the wrapped engine finishes them (or cancels them on shutdown).
   while (shadows_.load(std::memory_order_acquire) > 0) std::this_thread::yield();
 }
@@ -27,6 +28,26 @@ FaultEngine::~FaultEngine() {
 void FaultEngine::set_enabled(bool enabled) {
   std::lock_guard<std::mutex> lock(mu_);
   enabled_ = enabled;
+}
+
+void FaultEngine::hold_writes(bool hold) {
+  std::vector<RawIo*> release;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    holding_ = hold;
+    if (!hold) release.swap(held_);
+  }
+  if (!release.empty()) submit(release.data(), release.size());
+}
+
+size_t FaultEngine::held_writes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return held_.size();
+}
+
+void FaultEngine::shutdown() {
+  hold_writes(false);  // the inner engine finishes or cancels them
+  inner_.shutdown();
 }
 
 FaultCounts FaultEngine::counts() const {
@@ -42,6 +63,10 @@ void FaultEngine::submit(RawIo* const* ios, size_t n) {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < n; ++i) {
       RawIo* io = ios[i];
+      if (holding_ && io->op == IoOp::kWrite) {
+        held_.push_back(io);
+        continue;
+      }
       if (!enabled_) {
         pass.push_back(io);
         continue;

@@ -1,7 +1,8 @@
 // fault_engine.h — an IoEngine wrapper that, by seed and rate, makes transfers fail the ways disks and kernels
 // do: EIO, ENOSPC (writes), short transfers (the rest is resumed by IoQueue and must come out right), torn
 // writes (only a prefix reaches the disk, success reported) and flipped bits (a read returns one bit wrong,
-// success reported). The last two are silent by design: only checksums can catch them.
+// success reported). The last two are silent by design: only checksums can catch them. Writes can also be
+// held back until the test lets them go, to reach the orders a slow disk gives on purpose.
 //
 // Faults are drawn from one seeded generator in submission order, so a single-threaded test replays exactly.
 // Thread-safe: forwards to the wrapped engine; its own state is behind a mutex. File operations pass through.
@@ -9,6 +10,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <vector>
 
 #include "common/rng.h"
 #include "storage/io_engine.h"
@@ -52,10 +54,14 @@ class FaultEngine final : public IoEngine {
   Status register_buffers(std::span<const iovec> regions) override { return inner_.register_buffers(regions); }
   void unregister_buffers() override { inner_.unregister_buffers(); }
   void submit(RawIo* const* ios, size_t n) override;
-  void shutdown() override { inner_.shutdown(); }
+  void shutdown() override;
 
   // Turns injection on or off (e.g. to write clean data first, then read it back under faults).
   void set_enabled(bool enabled);
+  // While on, writes are kept back instead of reaching the disk (a disk slow to write, with the test deciding
+  // when it catches up); turning it off submits them, in order. shutdown() turns it off.
+  void hold_writes(bool hold);
+  size_t held_writes() const;
   FaultCounts counts() const;
 
  private:
@@ -67,6 +73,8 @@ class FaultEngine final : public IoEngine {
   mutable std::mutex mu_;
   Rng rng_;
   bool enabled_ = true;
+  bool holding_ = false;
+  std::vector<RawIo*> held_;
   FaultCounts counts_;
   std::atomic<int64_t> shadows_{0};
 };

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 
 #include "common/check.h"
 
@@ -77,35 +78,77 @@ IoQueue::IoQueue(IoEngine& engine, const IoQueueOptions& options)
 
 IoQueue::~IoQueue() {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return total_in_flight_ == 0; });
+  cv_.wait(lock, [&] { return total_in_flight_ == 0 && waiting_reads_.empty() && waiting_writes_.empty(); });
 }
 
 IoQueueStats IoQueue::stats() const {
   return IoQueueStats{requests_.load(), pieces_.load(), resumed_short_.load(), retried_.load(), failed_.load()};
 }
 
-int IoQueue::acquire_lane(bool wait) {
-  std::unique_lock<std::mutex> lock(mu_);
-  for (;;) {
-    for (uint32_t i = 0; i < lanes_; ++i) {
-      const uint32_t lane = (next_lane_ + i) % lanes_;
-      if (in_flight_[lane] < depth_) {
-        ++in_flight_[lane];
-        ++total_in_flight_;
-        next_lane_ = (lane + 1) % lanes_;
-        return static_cast<int>(lane);
-      }
-    }
-    if (!wait) return -1;
-    cv_.wait(lock);
+void IoQueue::take_waiting(std::vector<RawIo*>* run) {
+  while (total_in_flight_ < static_cast<uint64_t>(lanes_) * depth_ &&
+         (!waiting_reads_.empty() || !waiting_writes_.empty())) {
+    std::deque<Piece*>& from = waiting_reads_.empty() ? waiting_writes_ : waiting_reads_;
+    Piece* p = from.front();
+    from.pop_front();
+    uint32_t lane = next_lane_;
+    while (in_flight_[lane] >= depth_) lane = (lane + 1) % lanes_;
+    next_lane_ = (lane + 1) % lanes_;
+    ++in_flight_[lane];
+    ++total_in_flight_;
+    p->lane = lane;
+    run->push_back(p);
   }
 }
 
+namespace {
+// Runs handed on by completions that arrived while this thread was inside an engine submit (an engine that
+// completes on the submitting thread: in-memory, or a resumed short transfer): the outermost hand-over submits
+// them, so a long line of waiting pieces is a loop, not a recursion. Their pieces hold lane slots, so their
+// queue outlives them; their engine outlives the queue.
+struct Deferred {
+  IoEngine* engine;
+  std::vector<RawIo*> run;
+};
+thread_local int t_handing_over = 0;
+thread_local std::vector<Deferred> t_deferred;
+
+void submit_run(IoEngine& engine, std::vector<RawIo*>& run) {
+  // One engine submit (one io_uring_submit per ring) for the whole run, each lane's pieces together.
+  std::stable_sort(run.begin(), run.end(), [](RawIo* a, RawIo* b) { return a->lane < b->lane; });
+  engine.submit(run.data(), run.size());
+}
+}  // namespace
+
+void IoQueue::hand_over(std::vector<RawIo*>& run) {
+  if (run.empty()) return;
+  if (t_handing_over > 0) {
+    t_deferred.push_back({&engine_, std::move(run)});
+    return;
+  }
+  // The pieces may complete, and their requests and this queue be freed, as soon as they are handed over:
+  // nothing of this queue is touched from here on.
+  ++t_handing_over;
+  submit_run(engine_, run);
+  for (size_t i = 0; i < t_deferred.size(); ++i) {  // in the order they were handed on; the loop may add more
+    Deferred d = std::move(t_deferred[i]);
+    submit_run(*d.engine, d.run);
+  }
+  t_deferred.clear();
+  --t_handing_over;
+}
+
 void IoQueue::release_lane(uint32_t lane) {
-  std::lock_guard<std::mutex> lock(mu_);
-  --in_flight_[lane];
-  --total_in_flight_;
-  cv_.notify_all();
+  std::vector<RawIo*> run;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --in_flight_[lane];
+    --total_in_flight_;
+    take_waiting(&run);  // the freed slot goes to the next waiting piece, reads first
+    // With pieces handed on, total_in_flight_ > 0 keeps ~IoQueue waiting while they are submitted below.
+    if (run.empty()) cv_.notify_all();
+  }
+  hand_over(run);  // the last touch of the queue when run is not empty
 }
 
 Status IoQueue::check_request(const IoRequest& r) const {
@@ -155,24 +198,16 @@ void IoQueue::submit(IoRequest request, IoBatch* batch) {
     p.done = &IoQueue::on_piece_done;
   }
   pieces_.fetch_add(n, std::memory_order_relaxed);
-  // Hand pieces over as lanes free up, in runs: one engine submit (one io_uring_submit) per run. `r` may be
+  // Every piece waits in the queue for a lane slot; those that find one go to the engine at once. `r` may be
   // freed by completions as soon as its last piece is handed over, so nothing of it is touched after that.
-  // Only the first piece of a run may wait for a free slot; the rest take what is free at once. A submitter
-  // never sits on slots it has not handed over, so concurrent submitters cannot starve each other.
   std::vector<RawIo*> run;
-  run.reserve(std::min<size_t>(n, depth_));
-  size_t i = 0;
-  while (i < n) {
-    run.clear();
-    int lane = acquire_lane(/*wait=*/true);
-    do {
-      RawIo* io = &r->pieces[i++];
-      io->lane = static_cast<uint32_t>(lane);
-      run.push_back(io);
-    } while (i < n && run.size() < depth_ && (lane = acquire_lane(/*wait=*/false)) >= 0);
-    std::stable_sort(run.begin(), run.end(), [](RawIo* a, RawIo* b) { return a->lane < b->lane; });
-    engine_.submit(run.data(), run.size());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::deque<Piece*>& to = r->req.op == IoOp::kRead ? waiting_reads_ : waiting_writes_;
+    for (Piece& p : r->pieces) to.push_back(&p);
+    take_waiting(&run);
   }
+  hand_over(run);
 }
 
 void IoQueue::on_piece_done(RawIo* io, int64_t res) {
@@ -228,7 +263,7 @@ void IoQueue::finish_piece(Piece* p, Status status) {
   if (!result.is_ok()) failed_.fetch_add(1, std::memory_order_relaxed);
   IoBatch* batch = r->batch;
   delete r;
-  release_lane(lane);  // the last touch of the queue: ~IoQueue waits for it
+  release_lane(lane);  // the last touch of the queue (~IoQueue waits for it) but for handing on waiting pieces
   batch->finish(result);
 }
 

@@ -6,16 +6,21 @@
 // -errno becomes a Status naming the operation, length, offset and file. Requests that O_DIRECT cannot take
 // (offset, length or buffer not aligned) fail at once with InvalidArgument, before reaching the kernel.
 //
-// Threading: submit, read and write are thread-safe. submit blocks only while every lane already has
-// queue_depth pieces in flight. A request's on_complete runs on an engine thread (on the submitting thread for a
-// zero-length request, which moves no bytes). The queue must outlive its
-// in-flight requests; the destructor waits for them.
+// Scheduling: at most queue_depth pieces per lane are in flight; the rest wait in the queue, and each slot that
+// frees goes to the next waiting piece, reads before writes (a read is what somebody waits for; a write only
+// frees its buffer), each kind in submission order. Nothing orders a read after a write of the same bytes that
+// has not completed: wait for the write first.
+//
+// Threading: submit, read and write are thread-safe, and submit never blocks. A request's on_complete runs on
+// an engine thread (on the submitting thread for a zero-length request, which moves no bytes). The queue must
+// outlive its requests; the destructor waits for them.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <mutex>
 #include <vector>
@@ -91,7 +96,9 @@ class IoQueue {
   struct Request;
   struct Piece;
   static void on_piece_done(RawIo* io, int64_t res);
-  int acquire_lane(bool wait);  // a lane with a free slot, or -1 when none and !wait
+  // Moves waiting pieces into free lane slots (reads first) and onto `run`. Caller holds mu_.
+  void take_waiting(std::vector<RawIo*>* run);
+  void hand_over(std::vector<RawIo*>& run);  // to the engine, without mu_
   void release_lane(uint32_t lane);
   Status check_request(const IoRequest& r) const;
   void finish_piece(Piece* p, Status status);
@@ -103,6 +110,7 @@ class IoQueue {
   std::condition_variable cv_;
   std::vector<uint32_t> in_flight_;  // per lane
   uint64_t total_in_flight_ = 0;
+  std::deque<Piece*> waiting_reads_, waiting_writes_;  // pieces no lane had a slot for yet
   uint32_t next_lane_ = 0;
   std::atomic<uint64_t> requests_{0}, pieces_{0}, resumed_short_{0}, retried_{0}, failed_{0};
 };
