@@ -228,35 +228,45 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
   // only after its previous sub-group's writes were issued a position earlier, and the on_updated call slots - 2
   // positions after it returned (the header's promise about `master`). Before the step's parameters are known
   // (plan.params), in the first position only, nothing is updated or written yet, so the reads fill every slot
-  // while the caller waits for them.
+  // while the caller waits for them. A read ahead whose slot is still being written waits until after this
+  // position's update: the update never waits for a write that only a later sub-group needs finished.
   const size_t num_slots = slots_.size();
-  std::vector<size_t> order;  // the sub-group at each position whose read is issued
+  std::vector<size_t> order;  // the sub-groups the plan named so far, by position
+  size_t issued = 0;          // positions whose reads are issued
   bool ended = false;
-  auto read_next = [&](bool wait) -> Status {
+  auto learn_next = [&](bool wait) -> Status {
     STRATA_ASSIGN_OR_RETURN(const size_t g, next(wait));
     if (g == kEnd) ended = true;
-    if (g == kEnd || g == kNotYet) return Status::ok();
-    order.push_back(g);
-    return issue_read(g, (order.size() - 1) % num_slots);
+    if (g != kEnd && g != kNotYet) order.push_back(g);
+    return Status::ok();
   };
-  if (Status st = read_next(true); !st.is_ok()) return drain(st);
+  // Issues the reads of the positions before `upto` that the plan knows; without `block`, stops at a slot whose
+  // writes are still in flight.
+  auto issue_reads = [&](size_t upto, bool block) -> Status {
+    while (issued < upto) {
+      if (issued == order.size()) {
+        if (ended) break;
+        STRATA_RETURN_IF_ERROR(learn_next(false));
+        if (issued == order.size()) break;  // the plan does not know the next one yet
+      }
+      const size_t s = issued % num_slots;
+      if (!block && slots_[s]->writes && !slots_[s]->writes->done()) break;
+      STRATA_RETURN_IF_ERROR(issue_read(order[issued], s));
+      ++issued;
+    }
+    return Status::ok();
+  };
+  if (Status st = learn_next(true); !st.is_ok()) return drain(st);
   static const char* kWhat[] = {"master", "m", "v"};
   kernels::AdamWParams step_hp = hp;
   bool have_hp = !plan.params;
   for (size_t pos = 0; pos < order.size(); ++pos) {
     const size_t g = order[pos];
     Slot& slot = *slots_[pos % num_slots];
-    // Read the next sub-group's state while this one is updated, as soon as the plan knows which it is.
-    if (order.size() == pos + 1 && !ended) {
-      if (Status st = read_next(false); !st.is_ok()) return drain(st);
-    }
-    if (!have_hp) {
-      while (order.size() < pos + num_slots && !ended) {
-        const size_t before = order.size();
-        if (Status st = read_next(false); !st.is_ok()) return drain(st);
-        if (order.size() == before) break;  // the plan does not know the next one yet
-      }
-    }
+    if (Status st = issue_reads(pos + 1, /*block=*/true); !st.is_ok()) return drain(st);
+    // The next sub-group's state read while this one is updated, as soon as the plan knows which it is; every
+    // slot's before the parameters are known.
+    if (Status st = issue_reads(have_hp ? pos + 2 : pos + num_slots, /*block=*/false); !st.is_ok()) return drain(st);
     Timer wait;
     const Status arrived = slot.reads->wait();
     stats_.read_wait_s += wait.seconds();
@@ -297,8 +307,9 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
         return drain(st);
     }
     stats_.bytes_written += 3 * bytes;
+    if (Status st = issue_reads(pos + 2, /*block=*/false); !st.is_ok()) return drain(st);
     if (order.size() == pos + 1 && !ended) {  // the plan did not know the next one yet: wait for it
-      if (Status st = read_next(true); !st.is_ok()) return drain(st);
+      if (Status st = learn_next(true); !st.is_ok()) return drain(st);
     }
   }
   Status result;

@@ -6,9 +6,11 @@
 #include "offload/optimizer_swap.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -263,6 +265,72 @@ TEST_P(OptimizerSwapTest, MasterWeightsStayUntilTheSlotIsReadAgain) {
       EXPECT_EQ(seen.size(), groups.size());
       check_kept();
     }
+  }
+}
+
+// A slot whose writes are still on their way holds back the read into it, never the update of a sub-group whose
+// state another slot holds already: with every write kept back by the disk, a gated step still updates each
+// sub-group its slots were filled with (the last of them used to wait for the first one's writes, to read the
+// next sub-group into that slot first). The result is the plain step's bits.
+TEST_P(OptimizerSwapTest, WritesInFlightHoldBackOnlyTheReadIntoTheirSlot) {
+  const FaultOptions no_faults;  // only hold_writes
+  Harness h(GetParam(), &no_faults);
+  ASSERT_NE(h.store, nullptr);
+  constexpr int kSlots = 4;
+  std::vector<OptimizerGroup> groups;
+  for (int g = 0; g < 7; ++g) groups.push_back({fmt::format("g{}", g), 2000u + 500u * static_cast<size_t>(g), {}, {}});
+  for (auto& g : groups) g.segments = {{0, g.numel, 0.1f}};
+  auto swapper = OptimizerSwapper::create(*h.store, *h.pool, groups, OptimizerSwapOptions{.slots = kSlots});
+  ASSERT_TRUE(swapper.is_ok()) << swapper.status().to_string();
+  OptimizerSwapper& s = *swapper.value();
+  HostState want(groups, 21);
+  for (size_t g = 0; g < groups.size(); ++g) ASSERT_TRUE(s.initialize(g, want.master[g].data()).is_ok());
+  Rng rng(23);
+  want.new_grads(rng);
+  std::vector<const float*> grads;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    grads.push_back(want.grads[g].data());
+    kernels::AdamWParams p = hyper(1);
+    p.weight_decay = 0.1f;
+    kernels::cpu::fast::adamw_update_mixed(want.master[g].data(), want.m[g].data(), want.v[g].data(),
+                                           want.grads[g].data(), nullptr, DType::kF32, groups[g].numel, p);
+  }
+
+  h.faulty->hold_writes(true);
+  // Should the step wait for the held writes after all, this lets them go after a while, so that the test
+  // fails instead of hanging.
+  std::atomic<bool> released_by_test{false}, released_by_watchdog{false};
+  std::thread watchdog([&] {
+    for (int i = 0; i < 200 && !released_by_test.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (!released_by_test.load()) {
+      released_by_watchdog.store(true);
+      h.faulty->hold_writes(false);
+    }
+  });
+  size_t updated = 0;
+  auto on_updated = [&](size_t, const float*) -> Status {
+    if (++updated == kSlots) {  // the last sub-group the gated fill read
+      EXPECT_GT(h.faulty->held_writes(), 0u);
+      released_by_test.store(true);
+      h.faulty->hold_writes(false);
+    }
+    return Status::ok();
+  };
+  OptimizerStepPlan plan;
+  plan.params = [] { return Result<kernels::AdamWParams>(hyper(1)); };
+  const Status st = s.step(grads, {}, DType::kF32, hyper(9), on_updated, plan);
+  released_by_test.store(true);
+  watchdog.join();
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_FALSE(released_by_watchdog.load())
+      << "the step waited for writes held back by the disk before updating sub-groups whose state it had read";
+  EXPECT_EQ(updated, groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::vector<float> master(groups[g].numel), m(groups[g].numel), v(groups[g].numel);
+    ASSERT_TRUE(s.read_state(g, master.data(), m.data(), v.data()).is_ok());
+    EXPECT_EQ(0, std::memcmp(master.data(), want.master[g].data(), master.size() * 4)) << groups[g].name;
+    EXPECT_EQ(0, std::memcmp(m.data(), want.m[g].data(), m.size() * 4)) << groups[g].name;
+    EXPECT_EQ(0, std::memcmp(v.data(), want.v[g].data(), v.size() * 4)) << groups[g].name;
   }
 }
 
