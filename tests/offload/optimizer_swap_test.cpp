@@ -113,6 +113,27 @@ kernels::AdamWParams hyper(int step) {
   return hp;
 }
 
+// `count` sub-groups of one decayed segment each, of first, first + step, ... elements.
+std::vector<OptimizerGroup> plain_groups(int count, size_t first, size_t step) {
+  std::vector<OptimizerGroup> groups;
+  for (int g = 0; g < count; ++g) {
+    const size_t n = first + step * static_cast<size_t>(g);
+    groups.push_back({fmt::format("g{}", g), n, {{0, n, 0.1f}}, {}});
+  }
+  return groups;
+}
+
+// The swapper's stored state of every group is bitwise `want`'s.
+void expect_state(OptimizerSwapper& s, const std::vector<OptimizerGroup>& groups, const HostState& want) {
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::vector<float> master(groups[g].numel), m(groups[g].numel), v(groups[g].numel);
+    ASSERT_TRUE(s.read_state(g, master.data(), m.data(), v.data()).is_ok());
+    EXPECT_EQ(0, std::memcmp(master.data(), want.master[g].data(), master.size() * 4)) << groups[g].name;
+    EXPECT_EQ(0, std::memcmp(m.data(), want.m[g].data(), m.size() * 4)) << groups[g].name;
+    EXPECT_EQ(0, std::memcmp(v.data(), want.v[g].data(), v.size() * 4)) << groups[g].name;
+  }
+}
+
 // Four steps through the swapper against the same fused Adam on host arrays: bitwise equal state and copies.
 // gated: each step's parameters come from plan.params (the step's own argument is wrong), and by then the reads
 // of the first `slots` sub-groups are issued: every slot is read into while the parameters are not known.
@@ -182,14 +203,9 @@ void check_bitwise(const char* engine, int slots, DType dt, bool grads_in_store 
     EXPECT_EQ(stats.bytes_read, (grads_in_store ? 16 : 12) * total);
     EXPECT_EQ(stats.bytes_written, 12 * total);
   }
-  for (size_t g = 0; g < groups.size(); ++g) {
-    std::vector<float> master(groups[g].numel), m(groups[g].numel), v(groups[g].numel);
-    ASSERT_TRUE(s.read_state(g, master.data(), m.data(), v.data()).is_ok());
-    EXPECT_EQ(0, std::memcmp(master.data(), want.master[g].data(), master.size() * 4)) << groups[g].name;
-    EXPECT_EQ(0, std::memcmp(m.data(), want.m[g].data(), m.size() * 4)) << groups[g].name;
-    EXPECT_EQ(0, std::memcmp(v.data(), want.v[g].data(), v.size() * 4)) << groups[g].name;
+  expect_state(s, groups, want);
+  for (size_t g = 0; g < groups.size(); ++g)
     EXPECT_EQ(got_working[g], want_working[g]) << groups[g].name << " working copy";
-  }
 }
 
 class OptimizerSwapTest : public ::testing::TestWithParam<const char*> {};
@@ -219,10 +235,7 @@ TEST_P(OptimizerSwapTest, GatedStepsFillEverySlotBeforeTheirParametersAndMatch) 
 // slots - 2 positions later has returned.
 TEST_P(OptimizerSwapTest, MasterWeightsStayUntilTheSlotIsReadAgain) {
   Harness h(GetParam());
-  std::vector<OptimizerGroup> groups;
-  for (int g = 0; g < 7; ++g)
-    groups.push_back({fmt::format("g{}", g), 3000u + 1000u * static_cast<size_t>(g), {}, {}});
-  for (auto& g : groups) g.segments = {{0, g.numel, 0.1f}};
+  const std::vector<OptimizerGroup> groups = plain_groups(7, 3000, 1000);
   for (int slots : {2, 3, 4}) {
     for (bool gated : {false, true}) {
       SCOPED_TRACE(fmt::format("slots={} gated={}", slots, gated));
@@ -277,9 +290,7 @@ TEST_P(OptimizerSwapTest, WritesInFlightHoldBackOnlyTheReadIntoTheirSlot) {
   Harness h(GetParam(), &no_faults);
   ASSERT_NE(h.store, nullptr);
   constexpr int kSlots = 4;
-  std::vector<OptimizerGroup> groups;
-  for (int g = 0; g < 7; ++g) groups.push_back({fmt::format("g{}", g), 2000u + 500u * static_cast<size_t>(g), {}, {}});
-  for (auto& g : groups) g.segments = {{0, g.numel, 0.1f}};
+  const std::vector<OptimizerGroup> groups = plain_groups(7, 2000, 500);
   auto swapper = OptimizerSwapper::create(*h.store, *h.pool, groups, OptimizerSwapOptions{.slots = kSlots});
   ASSERT_TRUE(swapper.is_ok()) << swapper.status().to_string();
   OptimizerSwapper& s = *swapper.value();
@@ -325,13 +336,7 @@ TEST_P(OptimizerSwapTest, WritesInFlightHoldBackOnlyTheReadIntoTheirSlot) {
   EXPECT_FALSE(released_by_watchdog.load())
       << "the step waited for writes held back by the disk before updating sub-groups whose state it had read";
   EXPECT_EQ(updated, groups.size());
-  for (size_t g = 0; g < groups.size(); ++g) {
-    std::vector<float> master(groups[g].numel), m(groups[g].numel), v(groups[g].numel);
-    ASSERT_TRUE(s.read_state(g, master.data(), m.data(), v.data()).is_ok());
-    EXPECT_EQ(0, std::memcmp(master.data(), want.master[g].data(), master.size() * 4)) << groups[g].name;
-    EXPECT_EQ(0, std::memcmp(m.data(), want.m[g].data(), m.size() * 4)) << groups[g].name;
-    EXPECT_EQ(0, std::memcmp(v.data(), want.v[g].data(), v.size() * 4)) << groups[g].name;
-  }
+  expect_state(s, groups, want);
 }
 
 // The same with every Adam pass on the calling thread: the swapper's own hand-offs between the engine threads
