@@ -188,7 +188,7 @@ Result<HostCopies> measure_host_copies(int reps) {
     STRATA_ASSIGN_OR_RETURN(auto device, kernels::make_device("cuda", kernels::cpu_fast_kernels()));
     STRATA_ASSIGN_OR_RETURN(auto pool, offload::PinnedPool::create(
                                            offload::PinnedPoolOptions{.budget_bytes = bytes + 4096, .lock = false}));
-    register_device_buffers(*pool, *device);
+    register_pool_buffers(*pool, *device);
     STRATA_ASSIGN_OR_RETURN(offload::PinnedBuffer buf, pool->acquire(bytes, "offload.params bench"));
     std::memset(buf.data(), 1, bytes);
     hc.strata_h2d = wall_gb_per_s([&] { device->upload(dev, buf.data(), bytes); });

@@ -140,7 +140,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
     auto p = offload::PinnedPool::create(offload::PinnedPoolOptions{.budget_bytes = 0, .lock = false});
     if (!p.is_ok()) return fail(p.status());
     ckpt_pool = std::move(p).value();
-    register_device_buffers(*ckpt_pool, *device.value());
+    register_pool_buffers(*ckpt_pool, *device.value());
   }
 
   // 1. Compute: the same model kept on the device, forward + backward only.

@@ -24,26 +24,37 @@ offload::Tier tier_of(const std::string& device) {
 
 }  // namespace
 
-void register_device_buffers(offload::PinnedPool& pool, kernels::Device& device) {
-  if (device.host_accessible()) return;
+void register_pool_buffers(offload::PinnedPool& pool, kernels::Device& device, IoEngine* io) {
+  const bool gpu = !device.host_accessible();
+  if (!gpu && io == nullptr) return;
   // Hook calls are serialised by the pool, so the state needs no lock of its own.
   struct State {
-    std::set<void*> registered;
-    bool warned = false;
+    std::set<void*> on_device, on_engine;
+    bool device_warned = false, engine_told = false;
   };
   auto state = std::make_shared<State>();
   pool.set_hooks(
-      [state, &device](void* p, size_t bytes, const std::string& purpose) {
-        if (Status st = device.register_host(p, bytes); !st.is_ok()) {
-          if (!std::exchange(state->warned, true))
+      [state, &device, io, gpu](void* p, size_t bytes, const std::string& purpose) {
+        if (gpu) {
+          if (Status st = device.register_host(p, bytes); st.is_ok()) {
+            state->on_device.insert(p);
+          } else if (!std::exchange(state->device_warned, true)) {
             STRATA_LOG_WARN("host buffer '{}' is not registered with the GPU, so its copies are staged and "
                             "slower: {}", purpose, st.message());
-          return;
+          }
         }
-        state->registered.insert(p);
+        if (io != nullptr) {
+          if (Status st = io->add_buffer(p, bytes); st.is_ok()) {
+            state->on_engine.insert(p);
+          } else if (!std::exchange(state->engine_told, true)) {
+            STRATA_LOG_INFO("host buffer '{}' is not registered with the I/O engine, so its NVMe transfers pin "
+                            "their pages each time: {}", purpose, st.message());
+          }
+        }
       },
-      [state, &device](void* p, size_t, const std::string&) {
-        if (state->registered.erase(p) == 1) device.unregister_host(p);
+      [state, &device, io](void* p, size_t, const std::string&) {
+        if (state->on_device.erase(p) == 1) device.unregister_host(p);
+        if (state->on_engine.erase(p) == 1) io->remove_buffer(p);
       });
 }
 
@@ -205,7 +216,7 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   po.budget_bytes = config.host_memory_limit;
   po.lock = config.offload_param.pin_memory || config.offload_optimizer.pin_memory;
   STRATA_ASSIGN_OR_RETURN(rt->pool_, offload::PinnedPool::create(po));
-  register_device_buffers(*rt->pool_, device);
+  register_pool_buffers(*rt->pool_, device, rt->io_engine_.get());
   rt->copies_ = std::make_unique<offload::CopyEngine>();
 
   std::vector<offload::CoordinatorUnit> units;

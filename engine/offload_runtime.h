@@ -43,13 +43,16 @@ namespace strata::engine {
 // True when the configuration moves any state off the device.
 bool offload_enabled(const OffloadConfig& config);
 
-// Registers every buffer of the pool with `device` (Device::register_host) as it is mapped, and unregisters it
-// before it is unmapped: the device copies to or from nearly all of them (the parameters' and gradients' homes
-// and staging, host activation checkpoints, and the optimizer's master weights and swap slots, which the update
-// publishes from). Without it a GPU stages every copy through a bounce buffer (measured on an H100: 7.6 GB/s
-// host-to-device instead of 49). A failed registration warns once and leaves that buffer staged. Nothing to do
-// for a host-accessible device. The device must outlive the pool's buffers.
-void register_device_buffers(offload::PinnedPool& pool, kernels::Device& device);
+// Registers every buffer of the pool, as it is mapped, with `device` (Device::register_host) and with `io` (the
+// NVMe tier's engine, IoEngine::add_buffer), and unregisters it from both before it is unmapped. The device
+// copies to or from nearly all of them (the parameters' and gradients' homes and staging, host activation
+// checkpoints, and the optimizer's master weights and swap slots, which the update publishes from); without it
+// a GPU stages every copy through a bounce buffer (measured on an H100: 7.6 GB/s host-to-device instead of 49).
+// The NVMe tier reads into and writes from them, and registered the kernel does not pin their pages again for
+// every transfer (on the CI machine 75 ms of system time per GiB written; see README). A failed registration
+// says so once (a warning for the device, a note for the engine) and leaves that buffer working unregistered.
+// Nothing to do for a host-accessible device without an engine. Both must outlive the pool's buffers.
+void register_pool_buffers(offload::PinnedPool& pool, kernels::Device& device, IoEngine* io = nullptr);
 
 // What one step moved and where its time went, for the progress line, the metrics file and bench step.
 struct OffloadStepReport {

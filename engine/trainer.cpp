@@ -179,7 +179,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
       STRATA_ASSIGN_OR_RETURN(checkpoint_pool, offload::PinnedPool::create(offload::PinnedPoolOptions{
                                                    .budget_bytes = config.offload.host_memory_limit, .lock = false}));
       pool = checkpoint_pool.get();
-      register_device_buffers(*pool, *device);
+      register_pool_buffers(*pool, *device);
     }
     model->set_activation_checkpointing(
         acfg.cpu_checkpointing ? ActivationCheckpointing::kHost : ActivationCheckpointing::kDevice, pool);

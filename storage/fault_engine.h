@@ -51,6 +51,8 @@ class FaultEngine final : public IoEngine {
   Status remove(const std::string& path) override { return inner_.remove(path); }
   Result<std::vector<std::string>> list(const std::string& dir) const override { return inner_.list(dir); }
   size_t alignment(int file) const override { return inner_.alignment(file); }
+  Status add_buffer(void* data, size_t len) override { return inner_.add_buffer(data, len); }
+  void remove_buffer(void* data) override { inner_.remove_buffer(data); }
   Status register_buffers(std::span<const iovec> regions) override { return inner_.register_buffers(regions); }
   void unregister_buffers() override { inner_.unregister_buffers(); }
   void submit(RawIo* const* ios, size_t n) override;

@@ -72,6 +72,17 @@ Result<std::unique_ptr<UringEngine>> UringEngine::create(const EngineOptions& op
   } else {
     for (auto& r : e->rings_) (void)io_uring_unregister_files(&r->ring);
   }
+  // And a sparse fixed-buffer table, filled by add_buffer. Without one (before Linux 5.19) transfers pin their
+  // pages each time, as unregistered memory always does.
+  e->sparse_buffers_ = true;
+  for (auto& r : e->rings_) {
+    if (io_uring_register_buffers_sparse(&r->ring, kMaxBuffers) < 0) e->sparse_buffers_ = false;
+  }
+  if (e->sparse_buffers_) {
+    for (int i = kMaxBuffers - 1; i >= 0; --i) e->free_entries_.push_back(i);
+  } else {
+    for (auto& r : e->rings_) (void)io_uring_unregister_buffers(&r->ring);
+  }
   for (auto& r : e->rings_) {
     Ring* ring = r.get();
     UringEngine* self = e.get();
@@ -109,6 +120,7 @@ void UringEngine::submit(RawIo* const* ios, size_t n) {
 
 void UringEngine::submit_to(Ring& ring, RawIo* const* ios, size_t n) {
   std::unique_lock<std::mutex> lock(ring.sq_mu);
+  std::shared_lock<std::shared_mutex> buffers(buffers_mu_);  // until the SQEs naming table entries are submitted
   // Checked under the ring lock, which shutdown also takes before its stop NOP: a transfer either goes in
   // before the NOP (and the completion thread waits for it) or is cancelled here.
   if (stopping_.load(std::memory_order_acquire)) {
@@ -186,28 +198,92 @@ void UringEngine::reap(Ring& ring) {
   }
 }
 
-Status UringEngine::register_buffers(std::span<const iovec> regions) {
-  unregister_buffers();
-  if (regions.empty()) return Status::ok();
-  for (auto& r : rings_) {
-    const int rc = io_uring_register_buffers(&r->ring, regions.data(), static_cast<unsigned>(regions.size()));
+size_t UringEngine::fixed_buffers() const {
+  std::shared_lock<std::shared_mutex> lock(buffers_mu_);
+  return buffers_.size();
+}
+
+int UringEngine::update_table(int index, const iovec& iov) {
+  for (size_t k = 0; k < rings_.size(); ++k) {
+    iovec one = iov;
+    __u64 tag = 0;
+    const int rc = io_uring_register_buffers_update_tag(&rings_[k]->ring, static_cast<unsigned>(index), &one, &tag, 1);
     if (rc < 0) {
-      for (auto& u : rings_) (void)io_uring_unregister_buffers(&u->ring);
-      return Status::io_error("io_uring_register_buffers ({} regions): {}", regions.size(), errno_text(-rc));
+      iovec none{nullptr, 0};
+      for (size_t j = 0; j < k; ++j)  // the entry stays empty everywhere
+        (void)io_uring_register_buffers_update_tag(&rings_[j]->ring, static_cast<unsigned>(index), &none, &tag, 1);
+      return rc;
     }
   }
-  for (size_t i = 0; i < regions.size(); ++i) {
-    const auto b = reinterpret_cast<uintptr_t>(regions[i].iov_base);
-    buffers_.push_back({b, b + regions[i].iov_len, static_cast<int>(i)});
+  return 0;
+}
+
+Status UringEngine::add_locked(void* data, size_t len, bool bulk) {
+  if (!sparse_buffers_) return Status::unimplemented("io_uring fixed buffers need Linux 5.19 or later");
+  // With SQPOLL the kernel takes SQEs after submit returns, so an entry could change under one.
+  if (options_.sqpoll && !bulk)
+    return Status::unimplemented("io_uring fixed buffers are added only while nothing is in flight with SQPOLL: "
+                                 "use register_buffers");
+  const auto owner = reinterpret_cast<uintptr_t>(data);
+  constexpr size_t kMaxEntry = size_t{1} << 30;  // the kernel's limit per table entry
+  for (size_t at = 0; at < len; at += kMaxEntry) {
+    const size_t part = std::min(kMaxEntry, len - at);
+    if (free_entries_.empty()) {
+      remove_locked(owner, false);
+      return Status::out_of_memory("io_uring fixed-buffer table full ({} entries)", kMaxBuffers);
+    }
+    const int index = free_entries_.back();
+    const int rc = update_table(index, iovec{static_cast<char*>(data) + at, part});
+    if (rc < 0) {
+      remove_locked(owner, false);
+      return Status::io_error("io_uring fixed buffer of {} bytes: {}", part, errno_text(-rc));
+    }
+    free_entries_.pop_back();
+    const Region r{owner + at, owner + at + part, index, owner, bulk};
+    buffers_.insert(std::upper_bound(buffers_.begin(), buffers_.end(), r,
+                                     [](const Region& a, const Region& b) { return a.begin < b.begin; }),
+                    r);
   }
-  std::sort(buffers_.begin(), buffers_.end(), [](const Region& a, const Region& b) { return a.begin < b.begin; });
+  return Status::ok();
+}
+
+void UringEngine::remove_locked(uintptr_t owner, bool bulk_only) {
+  const iovec none{nullptr, 0};
+  std::erase_if(buffers_, [&](const Region& r) {
+    if (bulk_only ? !r.bulk : r.owner != owner) return false;
+    (void)update_table(r.index, none);
+    free_entries_.push_back(r.index);
+    return true;
+  });
+}
+
+Status UringEngine::add_buffer(void* data, size_t len) {
+  if (data == nullptr || len == 0) return Status::invalid_argument("io_uring fixed buffer: empty");
+  std::unique_lock<std::shared_mutex> lock(buffers_mu_);
+  return add_locked(data, len, /*bulk=*/false);
+}
+
+void UringEngine::remove_buffer(void* data) {
+  std::unique_lock<std::shared_mutex> lock(buffers_mu_);
+  remove_locked(reinterpret_cast<uintptr_t>(data), /*bulk_only=*/false);
+}
+
+Status UringEngine::register_buffers(std::span<const iovec> regions) {
+  std::unique_lock<std::shared_mutex> lock(buffers_mu_);
+  remove_locked(0, /*bulk_only=*/true);
+  for (const iovec& r : regions) {
+    if (r.iov_len == 0) continue;
+    if (Status st = add_locked(r.iov_base, r.iov_len, /*bulk=*/true); !st.is_ok()) {
+      remove_locked(0, /*bulk_only=*/true);
+      return st.with_context(fmt::format("registering {} regions", regions.size()));
+    }
+  }
   return Status::ok();
 }
 
 void UringEngine::unregister_buffers() {
-  if (buffers_.empty()) return;
-  for (auto& r : rings_) (void)io_uring_unregister_buffers(&r->ring);
-  buffers_.clear();
+  std::unique_lock<std::shared_mutex> lock(buffers_mu_);
+  remove_locked(0, /*bulk_only=*/true);
 }
 
 void UringEngine::shutdown() {

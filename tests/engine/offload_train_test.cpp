@@ -15,6 +15,7 @@
 #include "engine/offload_runtime.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "offload/pinned_pool.h"
+#include "storage/uring_engine.h"
 #include "tests/engine/trainer_fixture.h"
 #include "tests/forwarding_device.h"
 
@@ -398,7 +399,7 @@ TEST(RegisterDeviceBuffersTest, RegistersWhatTheDeviceCopiesAndUnregistersBefore
   ASSERT_TRUE(pool.is_ok());
   auto early = pool.value()->acquire(5000, "offload.params h.0");
   ASSERT_TRUE(early.is_ok());
-  register_device_buffers(*pool.value(), device);
+  register_pool_buffers(*pool.value(), device);
   ASSERT_EQ(device.registered.size(), 1u);
   EXPECT_EQ(device.registered.count(early->data()), 1u);
   EXPECT_EQ(device.registered[early->data()], early->mapped_bytes());
@@ -417,6 +418,31 @@ TEST(RegisterDeviceBuffersTest, RegistersWhatTheDeviceCopiesAndUnregistersBefore
   }
   EXPECT_EQ(device.registered.size(), 1u);
   early->reset();
+  EXPECT_TRUE(device.registered.empty());
+}
+
+// The NVMe tier's engine gets the same buffers as io_uring fixed buffers (so its transfers do not pin their
+// pages each time), next to the GPU's registration, and loses them before they are unmapped.
+TEST(RegisterDeviceBuffersTest, RegistersThePoolWithTheIoEngineToo) {
+  auto engine = UringEngine::create(EngineOptions{.kind = EngineKind::kUring, .lanes = 2, .queue_depth = 4});
+  if (!engine.is_ok()) GTEST_SKIP() << "no io_uring here: " << engine.status().message();
+  UringEngine& io = *engine.value();
+  RegisteringDevice device;
+  auto pool = offload::PinnedPool::create(offload::PinnedPoolOptions{.budget_bytes = 16 << 20, .lock = false});
+  ASSERT_TRUE(pool.is_ok());
+  auto early = pool.value()->acquire(5000, "offload.params h.0");
+  ASSERT_TRUE(early.is_ok());
+  register_pool_buffers(*pool.value(), device, &io);
+  EXPECT_EQ(io.fixed_buffers(), 1u);
+  {
+    auto slot = pool.value()->acquire(3 << 20, "offload.optimizer swap slot 0");
+    ASSERT_TRUE(slot.is_ok());
+    EXPECT_EQ(io.fixed_buffers(), 2u);
+    EXPECT_EQ(device.registered.size(), 2u);
+  }
+  EXPECT_EQ(io.fixed_buffers(), 1u);
+  early->reset();
+  EXPECT_EQ(io.fixed_buffers(), 0u);
   EXPECT_TRUE(device.registered.empty());
 }
 
