@@ -496,9 +496,13 @@ Status SwapStore::write(const std::string& key, const void* buf, size_t len, IoB
         std::memset(b + c.len, 0, r.len - c.len);  // the padding is zeros, not another key's bytes
         r.buf = b;
       }
-      // Hashed just before the chunk is queued, so hashing overlaps the I/O of the chunks before it.
-      v.sums[i] = xxh3_64(r.buf, c.len, v.chunk_seed(i));
-      r.on_complete = [state = std::move(state)] {
+      // Hashed once the chunk is written, on the engine's thread: its bytes stay put until the batch completes
+      // (the caller's, or the bounce this request holds), so the caller only queues, and a key's chunks are
+      // hashed while its later chunks are still moving. Each chunk has its own entry of `sums`, and the version
+      // is committed only after every on_complete has run (the last reference to `op` goes with them).
+      r.on_complete = [state = std::move(state), i, bytes = static_cast<const char*>(r.buf), len = c.len,
+                       seed = v.chunk_seed(i)] {
+        state->op->version->sums[i] = xxh3_64(bytes, len, seed);
         state->op->written.fetch_add(1, std::memory_order_relaxed);
         return Status::ok();
       };

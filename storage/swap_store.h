@@ -15,10 +15,10 @@
 // each other and a later overwrite or free of it: the old extent is released when its last reader finishes.
 //
 // Threading: every method is thread-safe; the index and allocator sit behind one mutex and no I/O happens
-// under it. Write checksums are computed on the calling thread chunk by chunk just before each chunk is
-// queued (hashing overlaps the I/O of earlier chunks); read checksums are verified in each chunk's
-// completion on the engine's threads. The async write/read return once every chunk is queued; they block
-// only when the queue is full or every bounce buffer is in flight. The caller keeps `buf` alive and unchanged
+// under it. Checksums are taken in each chunk's completion on the engine's threads: a written chunk's once
+// it is on disk (from the bytes the caller keeps until the batch completes), a read chunk's verified before
+// the read succeeds; the calling thread only queues. The async write/read return once every chunk is
+// queued; they block only while every bounce buffer is in flight. The caller keeps `buf` alive and unchanged
 // until the batch completes; after a failed read its contents are unspecified.
 #pragma once
 
