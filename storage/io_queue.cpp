@@ -148,7 +148,8 @@ void IoQueue::release_lane(uint32_t lane) {
     // With pieces handed on, total_in_flight_ > 0 keeps ~IoQueue waiting while they are submitted below.
     if (run.empty()) cv_.notify_all();
   }
-  hand_over(run);  // the last touch of the queue when run is not empty
+  // Without a run, the notify above was the last touch of the queue (~IoQueue may be done with it already).
+  if (!run.empty()) hand_over(run);
 }
 
 Status IoQueue::check_request(const IoRequest& r) const {
