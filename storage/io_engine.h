@@ -86,10 +86,11 @@ class IoEngine {
 
   // Registers memory that transfers will use (io_uring fixed buffers: the pages are pinned once, not per
   // transfer). Engines without the notion accept and ignore it; where the engine has it but cannot register
-  // (no room left, a memlock limit, an old kernel) the error says why and transfers work as before.
-  // add_buffer / remove_buffer: one buffer at a time, at any time, transfers in flight included (those from a
-  // removed buffer finish normally). register_buffers replaces what an earlier register_buffers gave, and
-  // unregister_buffers removes it; buffers given to add_buffer stay until remove_buffer.
+  // (no room left, a memlock limit, a kernel before 5.19, SQPOLL) the error says why and transfers work as
+  // before. add_buffer / remove_buffer: one buffer at a time, at any time, transfers in flight included (those
+  // from a removed buffer finish normally); not with SQPOLL. register_buffers replaces what an earlier
+  // register_buffers gave, and unregister_buffers removes it, only while nothing is in flight; buffers given to
+  // add_buffer stay until remove_buffer.
   virtual Status add_buffer(void* data, size_t len) { return Status::ok(); }
   virtual void remove_buffer(void* data) {}
   virtual Status register_buffers(std::span<const iovec> regions) { return Status::ok(); }

@@ -88,7 +88,16 @@ IoQueueStats IoQueue::stats() const {
 void IoQueue::take_waiting(std::vector<RawIo*>* run) {
   while (total_in_flight_ < static_cast<uint64_t>(lanes_) * depth_ &&
          (!waiting_reads_.empty() || !waiting_writes_.empty())) {
-    std::deque<Piece*>& from = waiting_reads_.empty() ? waiting_writes_ : waiting_reads_;
+    // Reads first, but never more than a full queue's worth of them ahead of a waiting write: somebody may be
+    // waiting for that write too (to reuse its buffer), and a stream of reads must not hold it back for ever.
+    const bool write = !waiting_writes_.empty() &&
+                       (waiting_reads_.empty() || reads_past_writes_ >= static_cast<uint64_t>(lanes_) * depth_);
+    if (write) {
+      reads_past_writes_ = 0;
+    } else if (!waiting_writes_.empty()) {
+      ++reads_past_writes_;
+    }
+    std::deque<Piece*>& from = write ? waiting_writes_ : waiting_reads_;
     Piece* p = from.front();
     from.pop_front();
     uint32_t lane = next_lane_;

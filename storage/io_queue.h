@@ -7,13 +7,16 @@
 // (offset, length or buffer not aligned) fail at once with InvalidArgument, before reaching the kernel.
 //
 // Scheduling: at most queue_depth pieces per lane are in flight; the rest wait in the queue, and each slot that
-// frees goes to the next waiting piece, reads before writes (a read is what somebody waits for; a write only
-// frees its buffer), each kind in submission order. Nothing orders a read after a write of the same bytes that
-// has not completed: wait for the write first.
+// frees goes to the next waiting piece, reads before writes (a read is usually what somebody waits for; a write
+// usually only frees its buffer), each kind in submission order, but at most queue_depth x lanes reads ahead of
+// a waiting write, so writes are never starved. Nothing orders a read after a write of the same bytes that has
+// not completed: wait for the write first.
 //
 // Threading: submit, read and write are thread-safe, and submit never blocks. A request's on_complete runs on
-// an engine thread (on the submitting thread for a zero-length request, which moves no bytes). The queue must
-// outlive its requests; the destructor waits for them.
+// an engine thread (on the submitting thread for a zero-length request, which moves no bytes) and must never
+// wait for I/O (IoBatch::wait, read, write): with an engine that completes on the submitting thread, pieces it
+// frees slots for are handed over only after it returns. The queue must outlive its requests; the destructor
+// waits for them.
 #pragma once
 
 #include <atomic>
@@ -111,6 +114,7 @@ class IoQueue {
   std::vector<uint32_t> in_flight_;  // per lane
   uint64_t total_in_flight_ = 0;
   std::deque<Piece*> waiting_reads_, waiting_writes_;  // pieces no lane had a slot for yet
+  uint64_t reads_past_writes_ = 0;  // reads taken since the oldest waiting write began to wait
   uint32_t next_lane_ = 0;
   std::atomic<uint64_t> requests_{0}, pieces_{0}, resumed_short_{0}, retried_{0}, failed_{0};
 };

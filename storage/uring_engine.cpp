@@ -120,14 +120,14 @@ void UringEngine::submit(RawIo* const* ios, size_t n) {
 
 void UringEngine::submit_to(Ring& ring, RawIo* const* ios, size_t n) {
   std::unique_lock<std::mutex> lock(ring.sq_mu);
-  std::shared_lock<std::shared_mutex> buffers(buffers_mu_);  // until the SQEs naming table entries are submitted
   // Checked under the ring lock, which shutdown also takes before its stop NOP: a transfer either goes in
-  // before the NOP (and the completion thread waits for it) or is cancelled here.
+  // before the NOP (and the completion thread waits for it) or is cancelled here, with no lock held.
   if (stopping_.load(std::memory_order_acquire)) {
     lock.unlock();
     for (size_t i = 0; i < n; ++i) ios[i]->done(ios[i], -ECANCELED);
     return;
   }
+  std::shared_lock<std::shared_mutex> buffers(buffers_mu_);  // until the SQEs naming table entries are submitted
   ring.in_flight.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed);
   for (size_t i = 0; i < n; ++i) {
     RawIo* io = ios[i];
@@ -226,19 +226,27 @@ Status UringEngine::add_locked(void* data, size_t len, bool bulk) {
                                  "use register_buffers");
   const auto owner = reinterpret_cast<uintptr_t>(data);
   constexpr size_t kMaxEntry = size_t{1} << 30;  // the kernel's limit per table entry
+  std::vector<int> added;                        // this call's entries, undone if a later part fails
+  auto undo = [&] {
+    std::erase_if(buffers_, [&](const Region& r) {
+      return std::find(added.begin(), added.end(), r.index) != added.end();
+    });
+    for (const int index : added) clear_entry(index);
+  };
   for (size_t at = 0; at < len; at += kMaxEntry) {
     const size_t part = std::min(kMaxEntry, len - at);
     if (free_entries_.empty()) {
-      remove_locked(owner, false);
+      undo();
       return Status::out_of_memory("io_uring fixed-buffer table full ({} entries)", kMaxBuffers);
     }
     const int index = free_entries_.back();
     const int rc = update_table(index, iovec{static_cast<char*>(data) + at, part});
     if (rc < 0) {
-      remove_locked(owner, false);
+      undo();
       return Status::io_error("io_uring fixed buffer of {} bytes: {}", part, errno_text(-rc));
     }
     free_entries_.pop_back();
+    added.push_back(index);
     const Region r{owner + at, owner + at + part, index, owner, bulk};
     buffers_.insert(std::upper_bound(buffers_.begin(), buffers_.end(), r,
                                      [](const Region& a, const Region& b) { return a.begin < b.begin; }),
@@ -247,12 +255,15 @@ Status UringEngine::add_locked(void* data, size_t len, bool bulk) {
   return Status::ok();
 }
 
-void UringEngine::remove_locked(uintptr_t owner, bool bulk_only) {
-  const iovec none{nullptr, 0};
+void UringEngine::clear_entry(int index) {
+  // An entry the kernel would not clear stays out of use: reusing it could name the old memory.
+  if (update_table(index, iovec{nullptr, 0}) == 0) free_entries_.push_back(index);
+}
+
+void UringEngine::remove_locked(uintptr_t owner, bool bulk) {
   std::erase_if(buffers_, [&](const Region& r) {
-    if (bulk_only ? !r.bulk : r.owner != owner) return false;
-    (void)update_table(r.index, none);
-    free_entries_.push_back(r.index);
+    if (r.bulk != bulk || (!bulk && r.owner != owner)) return false;
+    clear_entry(r.index);
     return true;
   });
 }
@@ -265,25 +276,52 @@ Status UringEngine::add_buffer(void* data, size_t len) {
 
 void UringEngine::remove_buffer(void* data) {
   std::unique_lock<std::shared_mutex> lock(buffers_mu_);
-  remove_locked(reinterpret_cast<uintptr_t>(data), /*bulk_only=*/false);
+  remove_locked(reinterpret_cast<uintptr_t>(data), /*bulk=*/false);
 }
 
 Status UringEngine::register_buffers(std::span<const iovec> regions) {
   std::unique_lock<std::shared_mutex> lock(buffers_mu_);
-  remove_locked(0, /*bulk_only=*/true);
+  if (!sparse_buffers_) return register_whole_table(regions);
+  remove_locked(0, /*bulk=*/true);
   for (const iovec& r : regions) {
     if (r.iov_len == 0) continue;
     if (Status st = add_locked(r.iov_base, r.iov_len, /*bulk=*/true); !st.is_ok()) {
-      remove_locked(0, /*bulk_only=*/true);
+      remove_locked(0, /*bulk=*/true);
       return st.with_context(fmt::format("registering {} regions", regions.size()));
     }
   }
   return Status::ok();
 }
 
+Status UringEngine::register_whole_table(std::span<const iovec> regions) {
+  // Kernels before 5.19 have no sparse table: the whole table at once (Linux 5.1), while nothing is in flight.
+  if (!buffers_.empty()) {
+    for (auto& r : rings_) (void)io_uring_unregister_buffers(&r->ring);
+    buffers_.clear();
+  }
+  if (regions.empty()) return Status::ok();
+  for (auto& r : rings_) {
+    const int rc = io_uring_register_buffers(&r->ring, regions.data(), static_cast<unsigned>(regions.size()));
+    if (rc < 0) {
+      for (auto& u : rings_) (void)io_uring_unregister_buffers(&u->ring);
+      return Status::io_error("io_uring_register_buffers ({} regions): {}", regions.size(), errno_text(-rc));
+    }
+  }
+  for (size_t i = 0; i < regions.size(); ++i) {
+    const auto b = reinterpret_cast<uintptr_t>(regions[i].iov_base);
+    buffers_.push_back({b, b + regions[i].iov_len, static_cast<int>(i), b, true});
+  }
+  std::sort(buffers_.begin(), buffers_.end(), [](const Region& a, const Region& b) { return a.begin < b.begin; });
+  return Status::ok();
+}
+
 void UringEngine::unregister_buffers() {
   std::unique_lock<std::shared_mutex> lock(buffers_mu_);
-  remove_locked(0, /*bulk_only=*/true);
+  if (!sparse_buffers_) {
+    (void)register_whole_table({});
+    return;
+  }
+  remove_locked(0, /*bulk=*/true);
 }
 
 void UringEngine::shutdown() {

@@ -61,8 +61,12 @@ class UringEngine final : public FileTable {
   void reap(Ring& ring);
   void submit_to(Ring& ring, RawIo* const* ios, size_t n);
   int find_buffer(const void* buf, size_t len) const;  // caller holds buffers_mu_
+  // The caller holds buffers_mu_ exclusively. remove_locked: the bulk regions, or else those add_buffer gave
+  // for `owner`.
   Status add_locked(void* data, size_t len, bool bulk);
-  void remove_locked(uintptr_t owner, bool bulk_only);
+  void remove_locked(uintptr_t owner, bool bulk);
+  void clear_entry(int index);
+  Status register_whole_table(std::span<const iovec> regions);  // no sparse table (Linux < 5.19)
   int update_table(int index, const iovec& iov);  // every ring; 0 or -errno
 
   EngineOptions options_;

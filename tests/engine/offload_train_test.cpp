@@ -427,6 +427,12 @@ TEST(RegisterDeviceBuffersTest, RegistersThePoolWithTheIoEngineToo) {
   auto engine = UringEngine::create(EngineOptions{.kind = EngineKind::kUring, .lanes = 2, .queue_depth = 4});
   if (!engine.is_ok()) GTEST_SKIP() << "no io_uring here: " << engine.status().message();
   UringEngine& io = *engine.value();
+  {
+    std::vector<char> probe(4096);
+    const Status st = io.add_buffer(probe.data(), probe.size());
+    if (!st.is_ok()) GTEST_SKIP() << "io_uring fixed buffers are not available here: " << st.to_string();
+    io.remove_buffer(probe.data());
+  }
   RegisteringDevice device;
   auto pool = offload::PinnedPool::create(offload::PinnedPoolOptions{.budget_bytes = 16 << 20, .lock = false});
   ASSERT_TRUE(pool.is_ok());

@@ -681,6 +681,9 @@ TEST_P(IoEngineTest, BuffersAddedAndRemovedWhileTransfersRun) {
   auto* uring = dynamic_cast<UringEngine*>(engine_.get());
   const bool sqpoll = GetParam() == "io_uring_sqpoll";
   const Status added = engine_->add_buffer(src.data(), kBytes);
+  if (!sqpoll && !added.is_ok() && (added.code() == StatusCode::kUnimplemented ||
+                                    added.message().find("ENOMEM") != std::string::npos))
+    GTEST_SKIP() << "io_uring fixed buffers are not available here: " << added.to_string();
   if (sqpoll) {
     EXPECT_EQ(added.code(), StatusCode::kUnimplemented) << added.to_string();
   } else {
@@ -822,6 +825,39 @@ TEST(IoQueueTest, SubmitNeverBlocksAndReadsGoBeforeWaitingWrites) {
   EXPECT_LT(at("r"), at("w2")) << fmt::format("completion order: {}", fmt::join(done, ","));
   EXPECT_LT(at("r"), at("w3")) << fmt::format("completion order: {}", fmt::join(done, ","));
   EXPECT_EQ(std::string(back.begin(), back.end()), std::string(kBlock, 'w'));
+}
+
+// Reads go first, but no more than a full queue's worth past a waiting write: a write somebody waits on (to
+// reuse its buffer) is not held back by a stream of reads.
+TEST(IoQueueTest, WaitingWritesAreNotStarvedByReads) {
+  MemoryEngine memory(MemoryEngineOptions{.lanes = 1, .queue_depth = 1});
+  ASSERT_OK(memory.create_dirs("/mem"));
+  ASSERT_OK_AND_ASSIGN(const int f, memory.open("/mem/starve.bin", OpenOptions{.create = true, .direct = false}));
+  FaultEngine disk(memory, FaultOptions{});
+  IoQueue q(disk, IoQueueOptions{.block_size = kBlock});
+  std::vector<char> data(4 * kBlock, 'd');
+  ASSERT_OK(q.write(f, 0, data.data(), data.size()));
+  std::mutex mu;
+  std::vector<std::string> done;
+  auto note = [&](std::string what) {
+    return [&, what] {
+      std::lock_guard<std::mutex> lock(mu);
+      done.push_back(what);
+      return Status::ok();
+    };
+  };
+  disk.hold_writes(true);
+  IoBatch batch;
+  std::vector<char> back(3 * kBlock);
+  q.submit(IoRequest{IoOp::kWrite, f, 0, data.data(), kBlock, note("w0")}, &batch);  // the one slot, held
+  q.submit(IoRequest{IoOp::kWrite, f, kBlock, data.data() + kBlock, kBlock, note("w1")}, &batch);
+  for (int i = 0; i < 3; ++i)
+    q.submit(IoRequest{IoOp::kRead, f, (1 + i) * kBlock, back.data() + i * kBlock, kBlock, note(fmt::format("r{}", i))},
+             &batch);
+  disk.hold_writes(false);
+  ASSERT_OK(batch.wait());
+  EXPECT_EQ(fmt::format("{}", fmt::join(done, ",")), "w0,r0,w1,r1,r2")
+      << "one read (a queue of one slot) may pass the waiting write, then the write goes";
 }
 
 // Pieces that wait for a slot behind an engine that completes on the submitting thread are handed on in a loop,
