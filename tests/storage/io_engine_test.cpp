@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -787,6 +788,19 @@ TEST(IoQueueTest, RunGroupsEachLanesPiecesTogether) {
                         << " (each change of lane costs UringEngine one more io_uring_submit)";
 }
 
+// Names requests' on_complete calls in the order they ran.
+struct CompletionOrder {
+  std::mutex mu;
+  std::vector<std::string> done;
+  std::function<Status()> note(std::string what) {
+    return [this, what = std::move(what)] {
+      std::lock_guard<std::mutex> lock(mu);
+      done.push_back(what);
+      return Status::ok();
+    };
+  }
+};
+
 // A full queue makes a submit wait in the queue, not block the caller; and a slot that frees goes to a waiting
 // read before the writes that came earlier (the optimizer's swap pipeline relies on both: its next update
 // needs the read, while the writes only free their buffers).
@@ -798,15 +812,8 @@ TEST(IoQueueTest, SubmitNeverBlocksAndReadsGoBeforeWaitingWrites) {
   IoQueue q(disk, IoQueueOptions{.block_size = kBlock});
   std::vector<char> data(5 * kBlock, 'w');
   ASSERT_OK(q.write(f, 0, data.data(), data.size()));  // something to read back
-  std::mutex mu;
-  std::vector<std::string> done;
-  auto note = [&](std::string what) {
-    return [&, what] {
-      std::lock_guard<std::mutex> lock(mu);
-      done.push_back(what);
-      return Status::ok();
-    };
-  };
+  CompletionOrder order;
+  auto note = [&](std::string what) { return order.note(std::move(what)); };
   disk.hold_writes(true);
   IoBatch writes, read;
   // Two writes fill the lane's two slots (held by the disk), two more wait in the queue: none of these blocks.
@@ -820,6 +827,7 @@ TEST(IoQueueTest, SubmitNeverBlocksAndReadsGoBeforeWaitingWrites) {
   disk.hold_writes(false);
   ASSERT_OK(writes.wait());
   ASSERT_OK(read.wait());
+  const std::vector<std::string>& done = order.done;
   const auto at = [&](const std::string& what) { return std::find(done.begin(), done.end(), what) - done.begin(); };
   ASSERT_EQ(done.size(), 5u);
   EXPECT_LT(at("r"), at("w2")) << fmt::format("completion order: {}", fmt::join(done, ","));
@@ -837,15 +845,8 @@ TEST(IoQueueTest, WaitingWritesAreNotStarvedByReads) {
   IoQueue q(disk, IoQueueOptions{.block_size = kBlock});
   std::vector<char> data(4 * kBlock, 'd');
   ASSERT_OK(q.write(f, 0, data.data(), data.size()));
-  std::mutex mu;
-  std::vector<std::string> done;
-  auto note = [&](std::string what) {
-    return [&, what] {
-      std::lock_guard<std::mutex> lock(mu);
-      done.push_back(what);
-      return Status::ok();
-    };
-  };
+  CompletionOrder order;
+  auto note = [&](std::string what) { return order.note(std::move(what)); };
   disk.hold_writes(true);
   IoBatch batch;
   std::vector<char> back(3 * kBlock);
@@ -856,7 +857,7 @@ TEST(IoQueueTest, WaitingWritesAreNotStarvedByReads) {
              &batch);
   disk.hold_writes(false);
   ASSERT_OK(batch.wait());
-  EXPECT_EQ(fmt::format("{}", fmt::join(done, ",")), "w0,r0,w1,r1,r2")
+  EXPECT_EQ(fmt::format("{}", fmt::join(order.done, ",")), "w0,r0,w1,r1,r2")
       << "one read (a queue of one slot) may pass the waiting write, then the write goes";
 }
 
