@@ -67,6 +67,9 @@ void add_bench_step_command(CLI::App& bench, BenchStepOptions& o) {
   cmd->add_option("--grad-clip", o.grad_clip, "Global-norm gradient clip (0: none)")->capture_default_str();
   cmd->add_flag("--no-overlap-backward", o.no_overlap_backward,
                 "Optimizer on nvme: do not start updates during backward (offload_optimizer.overlap_backward)");
+  cmd->add_option("--trace", o.trace_path,
+                  "Offloaded step: write the steps' timeline (threads, waits, transfers) here as Chrome trace JSON, "
+                  "for ui.perfetto.dev");
   cmd->add_flag("--pipeline", o.pipeline,
                 "Under mpirun -np P: one pipeline stage per rank; print the schedules' bubble against (p-1)/(m+p-1)");
   cmd->add_option("--micro-batches", o.micro_batches, "With --pipeline: micro-batch counts m, comma-separated")

@@ -19,6 +19,7 @@
 #include "common/aligned.h"
 #include "common/rng.h"
 #include "common/timer.h"
+#include "common/trace.h"
 #include "common/units.h"
 #include "engine/bench_kernels.h"
 #include "engine/bench_step.h"
@@ -221,7 +222,12 @@ int run_bench_step_offload(const BenchStepOptions& o) {
     m.set_activation_checkpointing(ckpt, rt ? &rt->pool() : ckpt_pool.get());
     if (Status st = m.init_gpt2(o.seed); !st.is_ok()) return fail(st);
     if (Status st = opt->adopt_params(); !st.is_ok()) return fail(st);
+    if (!o.trace_path.empty()) {
+      trace::start();
+      trace::name_thread("training");
+    }
     for (int s = 0; s < total; ++s) {
+      trace::Span step_span("step", s);
       Timer t;
       const double cpu0 = process_cpu_seconds();
       Phases ph;
@@ -235,22 +241,31 @@ int run_bench_step_offload(const BenchStepOptions& o) {
       lap(&ph.zero);
       for (int a = 0; a < o.grad_accum; ++a) {
         double fwd = 0, bwd = 0;
-        auto l = m.forward(x.data(), y.data(), B, T);
+        auto l = m.forward(x.data(), y.data(), B, T);  // traced as "forward", "backward" by the model
         if (!l.is_ok()) return fail(l.status());
         loss = l.value();
         lap(&fwd);
-        const Status begun =
-            a + 1 == o.grad_accum ? opt->begin_last_backward(1e-4f) : opt->begin_accumulating_backward();
-        if (!begun.is_ok()) return fail(begun);
+        {
+          trace::Span span("begin_last_backward");
+          const Status begun =
+              a + 1 == o.grad_accum ? opt->begin_last_backward(1e-4f) : opt->begin_accumulating_backward();
+          if (!begun.is_ok()) return fail(begun);
+        }
         if (Status st = m.backward(); !st.is_ok()) return fail(st);
         lap(&bwd);
         ph.forward += fwd;
         ph.backward += bwd;
       }
-      auto norm = opt->step(1e-4f, nullptr);
-      if (!norm.is_ok()) return fail(norm.status());
+      {
+        trace::Span span("optimizer step()");
+        auto norm = opt->step(1e-4f, nullptr);
+        if (!norm.is_ok()) return fail(norm.status());
+      }
       lap(&ph.step);
-      m.device().synchronize();
+      {
+        trace::Span span("synchronize");
+        m.device().synchronize();
+      }
       lap(&ph.sync);
       const double secs = t.seconds();
       OffloadStepReport r = rt ? rt->take_report() : OffloadStepReport{};
@@ -262,6 +277,13 @@ int run_bench_step_offload(const BenchStepOptions& o) {
       }
       if (!o.json) std::fprintf(stderr, "  step %d/%d: %.1f ms%s%s\n", s + 1, total, secs * 1e3,
                                 rt ? (" | " + r.summary()).c_str() : "", s < o.warmup ? " (warmup)" : "");
+    }
+    if (!o.trace_path.empty()) {  // before the runtime's threads go
+      const size_t dropped = trace::dropped();
+      if (Status st = trace::write(o.trace_path); !st.is_ok()) return fail(st);
+      if (!o.json)
+        std::fprintf(stderr, "  trace: %zu events in %s%s\n", trace::recorded(), o.trace_path.c_str(),
+                     dropped > 0 ? fmt::format(" ({} dropped: the buffer was full)", dropped).c_str() : "");
     }
   }
   // The median step's report.

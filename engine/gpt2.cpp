@@ -5,6 +5,7 @@
 
 #include "common/check.h"
 #include "common/rng.h"
+#include "common/trace.h"
 
 namespace strata::engine {
 
@@ -431,6 +432,7 @@ const float* GPT2::stage_output() const {
 const float* GPT2::stage_input_grad() const { return grads_.dres; }
 
 Result<float> GPT2::forward_stage(const int32_t* inputs, const int32_t* targets, const float* x_in, int B, int T) {
+  trace::Span span("forward");
   if (B <= 0 || T <= 0) return Status::invalid_argument("forward: batch {}x{} is empty", B, T);
   if (T > config_.block_size) {
     return Status::invalid_argument("sequence length {} is longer than the model's context (model.block_size = {})",
@@ -610,6 +612,7 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
 Status GPT2::backward(float loss_scale) { return backward_stage(nullptr, loss_scale); }
 
 Status GPT2::backward_stage(const float* dy, float loss_scale) {
+  trace::Span span("backward");
   using offload::Pass;
   char& ready = ready_for_backward_[static_cast<size_t>(slot_)];
   STRATA_ASSERT_MSG(ready, "backward() needs a forward() with targets (of this slot)");

@@ -11,6 +11,7 @@
 
 #include "comm/grid.h"
 #include "comm/mpi_communicator.h"
+#include "common/trace.h"
 
 #include "engine/bench_adam.h"
 #include "engine/bench_comm.h"
@@ -52,6 +53,7 @@ struct TrainArgs {
   std::vector<std::string> sets;
   std::string metrics;
   std::string resume;
+  std::string trace;  // Chrome trace JSON of the run's timeline (common/trace.h); one file per rank
   bool resume_flag = false;
   bool quiet = false;
   // Shortcuts for the most-changed fields; each becomes a --set.
@@ -117,9 +119,22 @@ int run_train(TrainArgs& a) {
   opts.data_parallel = dp_group;
   opts.pipeline = ranks.value().grid ? &ranks.value().grid->pp() : nullptr;
   opts.tensor_parallel = ranks.value().grid ? &ranks.value().grid->tp() : nullptr;
-  auto summary = strata::engine::run_training(cfg.value(), opts);
   const bool several = world && world->size() > 1;
   const int rank = world ? world->rank() : 0;
+  if (!a.trace.empty()) {
+    strata::trace::start();
+    strata::trace::name_thread("training");
+  }
+  auto summary = strata::engine::run_training(cfg.value(), opts);
+  if (!a.trace.empty()) {  // also after a failure: the timeline up to it is what explains it
+    const std::string path = several ? fmt::format("{}.rank{}", a.trace, rank) : a.trace;
+    const size_t dropped = strata::trace::dropped();
+    if (const strata::Status st = strata::trace::write(path); !st.is_ok())
+      std::fprintf(stderr, "strata train: %s\n", st.to_string().c_str());
+    else if (dropped > 0)
+      std::fprintf(stderr, "strata train: trace %s: the last %zu events were dropped (its buffer was full)\n",
+                   path.c_str(), dropped);
+  }
   if (!summary.is_ok()) {
     const strata::StatusCode code = summary.status().code();
     const bool input = code == strata::StatusCode::kInvalidArgument || code == strata::StatusCode::kNotFound ||
@@ -162,6 +177,9 @@ int main(int argc, char** argv) {
       ->expected(0, 1)
       ->each([&](const std::string&) { ta.resume_flag = true; });
   train->add_flag("--quiet,-q", ta.quiet, "No per-step progress line");
+  train->add_option("--trace", ta.trace,
+                    "Write the run's timeline (steps, waits, transfers, the optimizer's work) here as Chrome trace "
+                    "JSON, for ui.perfetto.dev; under mpirun one file per rank (FILE.rankN)");
   train->add_option("--max-steps", ta.max_steps, "= --set training.max_steps=N");
   train->add_option("--batch-size", ta.batch_size, "= --set training.batch_size=N");
   train->add_option("--seq-len", ta.seq_len, "= --set training.seq_len=N");

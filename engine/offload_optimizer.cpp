@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "common/timer.h"
+#include "common/trace.h"
 #include "kernels/cpu/fast.h"
 
 namespace strata::engine {
@@ -244,6 +245,7 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
   for (const Group& g : groups_)
     grads.push_back(grads_on_nvme ? nullptr : coordinator_->host_grads(g.unit) + g.shard_offset);
   worker_ = std::thread([this, hp, speculative, grads = std::move(grads)] {
+    trace::name_thread("optimizer update");
     Timer update;
     Status st = run_update(hp, grads, speculative);
     Handoff& h = *handoff_;
@@ -435,7 +437,6 @@ Result<size_t> OffloadedAdamW::take_next(bool wait) {
 }
 
 Status OffloadedAdamW::deliver(size_t group, const float* master) {
-  (void)group;
   Handoff& h = *handoff_;
   std::unique_lock lock(h.mu);
   const size_t pos = h.master.size();
@@ -446,6 +447,7 @@ Status OffloadedAdamW::deliver(size_t group, const float* master) {
   // position `slots` later, whose read it issues `slots - 2` positions from now — so this waits until the
   // position that far back is published; or the sub-group's own state (cpu), untouched until the next update.
   const size_t lag = swapper_ ? static_cast<size_t>(std::max(2, options_.swap_slots)) - 2 : groups_.size();
+  trace::Span span("waiting for publication", static_cast<int64_t>(group));
   h.cv.wait(lock, [&] { return h.published + lag > pos || h.abandoned; });
   if (h.abandoned) return Status::internal("optimizer step {}: abandoned by the training thread", t_ + 1);
   return Status::ok();
@@ -466,6 +468,7 @@ Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp, const std::vec
     if (gated) {  // reads first; the parameters once step() knows the norm
       plan.params = [this]() -> Result<kernels::AdamWParams> {
         Handoff& h = *handoff_;
+        trace::Span span("waiting for the norm");
         Timer gate;
         std::unique_lock lock(h.mu);
         h.cv.wait(lock, [&] { return h.opened || h.abandoned; });
@@ -523,6 +526,7 @@ Status OffloadedAdamW::publish_next() {
     group = h.feed[next_publish_].group;
   }
   const Group& g = groups_[group];
+  trace::Span span("publish", static_cast<int64_t>(group));
   Timer writing;
   const Status status = coordinator_->write_params(g.unit, g.offset, g.spec.numel, master);
   std::lock_guard lock(h.mu);
@@ -617,6 +621,7 @@ Status OffloadedAdamW::publish_through(size_t unit) {
   };
   while (status.is_ok() && needed()) {
     {
+      trace::Span span("waiting for the update", static_cast<int64_t>(unit));
       Timer waited;
       std::unique_lock lock(h.mu);
       h.cv.wait(lock, [&] { return h.ready > next_publish_ || h.done; });

@@ -14,6 +14,7 @@
 
 #include "common/log.h"
 #include "common/timer.h"
+#include "common/trace.h"
 #include "engine/checkpoint.h"
 #include "engine/dataloader.h"
 #include "engine/gpt2.h"
@@ -288,6 +289,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   const int first_step = state.step;
   int skipped_in_a_row = 0;
   for (; state.step < tc.max_steps; ++state.step) {
+    trace::Span step_span("step", state.step + 1);
     // Every rank stops at the same step (the checkpoint is collective), whichever saw the signal first.
     float stop = static_cast<float>(g_stop_signal);
     for (comm::Communicator* group : {dp, pp, tp}) {
@@ -353,7 +355,9 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     }
     const float loss = static_cast<float>(loss_sum / micro_batches);
     bool skipped = false;
+    std::optional<trace::Span> step_call(std::in_place, "optimizer step()");
     STRATA_ASSIGN_OR_RETURN(const double norm, opt->step(static_cast<float>(lr), &skipped));
+    step_call.reset();
     if (state.step == first_step) STRATA_LOG_INFO("{} memory: {}", device->name(), device->memory_report());
     std::optional<OffloadStepReport> report;
     if (offload_stack) report = offload_stack->take_report();

@@ -20,6 +20,7 @@
 #include "common/check.h"
 #include "common/log.h"
 #include "common/timer.h"
+#include "common/trace.h"
 #include "kernels/cpu/fast.h"
 #include "offload/coordinator.h"
 #include "offload/staging_buffers.h"
@@ -548,7 +549,13 @@ struct Coordinator::State {
   // Waits for a unit's copy, counting the wait as a stall; the error names the unit.
   Status wait_ticket(const CopyTicket& t, const UnitRec& r, const char* what) {
     Timer timer;
-    const Status s = t.wait();
+    Status s;
+    if (t.done()) {
+      s = t.wait();
+    } else {
+      trace::Span span("stall", static_cast<int64_t>(&r - units.data()));
+      s = t.wait();
+    }
     stats.stall_s += timer.seconds();
     if (!s.is_ok()) return s.with_context(fmt::format("loading {} of unit '{}'", what, r.info.name));
     return Status::ok();

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "common/timer.h"
+#include "common/trace.h"
 #include "kernels/cpu/fast.h"
 
 namespace strata::offload {
@@ -146,6 +147,7 @@ Status OptimizerSwapper::initialize(size_t g, const float* master, const float* 
 
 Status OptimizerSwapper::finish_writes(Slot& slot) {
   if (!slot.writes) return Status::ok();
+  trace::Span span("waiting for a write", static_cast<int64_t>(slot.group));
   Timer t;
   const Status written = slot.writes->wait();
   stats_.write_wait_s += t.seconds();
@@ -268,7 +270,11 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
     // slot's before the parameters are known.
     if (Status st = issue_reads(have_hp ? pos + 2 : pos + num_slots, /*block=*/false); !st.is_ok()) return drain(st);
     Timer wait;
-    const Status arrived = slot.reads->wait();
+    Status arrived;
+    {
+      trace::Span span("waiting for a read", static_cast<int64_t>(g));
+      arrived = slot.reads->wait();
+    }
     stats_.read_wait_s += wait.seconds();
     slot.reads.reset();
     if (!arrived.is_ok())
@@ -285,15 +291,18 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
       have_hp = true;
     }
     Timer update;
-    for (const OptimizerSegment& sg : groups_[g].segments) {
-      kernels::AdamWParams p = step_hp;
-      p.weight_decay = sg.weight_decay;
-      uint16_t* w16 = working_dtype == DType::kF32 ? nullptr : static_cast<uint16_t*>(working[g]) + sg.offset;
-      kernels::cpu::fast::adamw_update_mixed(master + sg.offset, m + sg.offset, v + sg.offset, grad + sg.offset, w16,
-                                             working_dtype, sg.numel, p);
+    {
+      trace::Span span("adam", static_cast<int64_t>(g));
+      for (const OptimizerSegment& sg : groups_[g].segments) {
+        kernels::AdamWParams p = step_hp;
+        p.weight_decay = sg.weight_decay;
+        uint16_t* w16 = working_dtype == DType::kF32 ? nullptr : static_cast<uint16_t*>(working[g]) + sg.offset;
+        kernels::cpu::fast::adamw_update_mixed(master + sg.offset, m + sg.offset, v + sg.offset, grad + sg.offset,
+                                               w16, working_dtype, sg.numel, p);
+      }
+      if (working_dtype == DType::kF32 && !working.empty())
+        std::memcpy(working[g], master, groups_[g].numel * sizeof(float));
     }
-    if (working_dtype == DType::kF32 && !working.empty())
-      std::memcpy(working[g], master, groups_[g].numel * sizeof(float));
     stats_.update_s += update.seconds();
     if (on_updated) {
       if (Status st = on_updated(g, master); !st.is_ok()) return drain(st);

@@ -12,6 +12,7 @@
 #include "common/aligned.h"
 #include "common/check.h"
 #include "common/log.h"
+#include "common/trace.h"
 #include "storage/checksum.h"
 
 namespace strata {
@@ -188,15 +189,22 @@ struct SwapStore::WriteOp {
   std::shared_ptr<Version> version;
   bool queued_all = false;         // every chunk was handed to the queue
   std::atomic<size_t> written{0};  // chunks whose every byte was written
-  ~WriteOp() { store->finish_write(*this); }
+  uint64_t traced = trace::begin();  // when it was queued, for the trace (common/trace.h)
+  ~WriteOp() {
+    trace::end_async("nvme write", traced, version ? static_cast<int64_t>(version->len) : -1);
+    store->finish_write(*this);
+  }
 };
 
 // A read in flight: keeps its version's extent allocated (readers > 0) until the last chunk's request is gone.
 struct SwapStore::ReadOp {
   SwapStore* store = nullptr;
   std::shared_ptr<Version> version;
+  uint64_t traced = trace::begin();
   ~ReadOp() {
-    if (version) store->finish_read(version);
+    if (!version) return;
+    trace::end_async("nvme read", traced, static_cast<int64_t>(version->len));
+    store->finish_read(version);
   }
 
   // On an engine thread, once chunk i's bytes are in `data`.

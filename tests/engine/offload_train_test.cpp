@@ -6,11 +6,13 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "common/trace.h"
 #include "engine/gpt2.h"
 #include "engine/offload_runtime.h"
 #include "kernels/cpu/cpu_kernels.h"
@@ -318,6 +320,38 @@ TEST_F(OffloadTrainTest, ResumeFromAnOffloadedCheckpointIsBitwiseAStraightRun) {
     EXPECT_TRUE(file_bytes(dir_ / "straight" / "step_000006" / f) == file_bytes(dir_ / "resumed" / "step_000006" / f))
         << f;
   }
+}
+
+// `strata train --trace`: the timeline holds every step, the model's passes, the optimizer worker's updates and
+// the swap store's transfers, each on its thread.
+TEST_F(OffloadTrainTest, TheTraceShowsStepsUpdatesAndTransfers) {
+  const json zero = {{"stage", 3}, {"offload_param", {{"device", "nvme"}}}, {"offload_optimizer", {{"device", "nvme"}}},
+                     {"stage3_param_persistence_threshold", 0}, {"sub_group_size", 3000}};
+  trace::start();
+  trace::name_thread("training");
+  run("traced", config("traced", zero));
+  const fs::path path = dir_ / "trace.json";
+  ASSERT_TRUE(trace::write(path.string()).is_ok());
+  std::ifstream in(path);
+  const json j = json::parse(in);
+  std::map<int, std::string> threads;
+  std::map<std::string, std::set<std::string>> where;  // event name -> thread names
+  std::set<int> steps;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] == "M") threads[e["tid"]] = e["args"]["name"];
+  }
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] == "M") continue;
+    where[e["name"]].insert(threads.count(e["tid"]) ? threads[e["tid"]] : "?");
+    if (e["name"] == "step") steps.insert(e["args"]["arg"].get<int>());
+  }
+  EXPECT_EQ(steps, (std::set<int>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(where["forward"], std::set<std::string>{"training"});
+  EXPECT_EQ(where["backward"], std::set<std::string>{"training"});
+  EXPECT_EQ(where["adam"], std::set<std::string>{"optimizer update"});
+  EXPECT_EQ(where["publish"], std::set<std::string>{"training"});
+  EXPECT_FALSE(where["nvme read"].empty());
+  EXPECT_FALSE(where["nvme write"].empty());
 }
 
 TEST_F(OffloadTrainTest, ParamOffloadWithoutOptimizerOffloadIsRefusedByName) {
