@@ -373,12 +373,13 @@ void Coordinator::release(size_t u, Pass pass) {
     if (s.next_use(true)[u] == kNever || !s.replaying()) s.to_spare(std::move(r.dev_grads), fence, {r.grads_download});
     return;
   }
-  // With the parameters on the device, a gradient that more backward work adds to (the next micro-batch's, or
-  // this backward's own second use of the tied embedding) stays here until its last release, which sends it
-  // home once; when device memory runs short, an eviction sends it home early (and its next use brings it
-  // back), as every backward did before.
-  const bool added_to_again = s.accumulating || (s.replaying() && s.next_use(true)[u] != kNever);
-  if (added_to_again && s.options.param_home == Tier::kDevice) {
+  // A gradient that more backward work adds to stays here until its last release, which sends it home once:
+  // this backward's own second use of the tied embedding (whose device copy stayed anyway), and, with the
+  // parameters on the device (so the gradients fit beside them, as in plain training), the next micro-batch's.
+  // When device memory runs short, an eviction sends it home early and its next use brings it back.
+  const bool again_this_backward = s.replaying() && s.next_use(true)[u] != kNever;
+  const bool next_micro_batch = s.accumulating && s.options.param_home == Tier::kDevice;
+  if (again_this_backward || next_micro_batch) {
     r.grad_state = GradState::kDevice;
     return;
   }
