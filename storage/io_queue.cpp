@@ -74,6 +74,8 @@ IoQueue::IoQueue(IoEngine& engine, const IoQueueOptions& options)
   STRATA_ASSERT_MSG(options_.block_size > 0 && options_.block_size % 4096 == 0 && options_.block_size <= (1u << 30),
                     "block_size must be a positive multiple of 4096, at most 1 GiB");
   in_flight_.assign(lanes_, 0);
+  const uint64_t slots = static_cast<uint64_t>(lanes_) * depth_;
+  max_writes_ = options_.max_writes_in_flight == 0 ? slots : std::min<uint64_t>(options_.max_writes_in_flight, slots);
 }
 
 IoQueue::~IoQueue() {
@@ -86,14 +88,18 @@ IoQueueStats IoQueue::stats() const {
 }
 
 void IoQueue::take_waiting(std::vector<RawIo*>* run) {
-  while (total_in_flight_ < static_cast<uint64_t>(lanes_) * depth_ &&
-         (!waiting_reads_.empty() || !waiting_writes_.empty())) {
+  while (total_in_flight_ < static_cast<uint64_t>(lanes_) * depth_) {
     // Reads first, but never more than a full queue's worth of them ahead of a waiting write: somebody may be
     // waiting for that write too (to reuse its buffer), and a stream of reads must not hold it back for ever.
-    const bool write = !waiting_writes_.empty() &&
-                       (waiting_reads_.empty() || reads_past_writes_ >= static_cast<uint64_t>(lanes_) * depth_);
+    // Writes beyond max_writes_in_flight wait even for a free slot: a read that comes later then finds at most
+    // that many writes ahead of it in the device.
+    const bool write_may_go = !waiting_writes_.empty() && writes_in_flight_ < max_writes_;
+    if (waiting_reads_.empty() && !write_may_go) break;
+    const bool write =
+        write_may_go && (waiting_reads_.empty() || reads_past_writes_ >= static_cast<uint64_t>(lanes_) * depth_);
     if (write) {
       reads_past_writes_ = 0;
+      ++writes_in_flight_;
     } else if (!waiting_writes_.empty()) {
       ++reads_past_writes_;
     }
@@ -147,12 +153,13 @@ void IoQueue::hand_over(std::vector<RawIo*>& run) {
   --t_handing_over;
 }
 
-void IoQueue::release_lane(uint32_t lane) {
+void IoQueue::release_lane(uint32_t lane, IoOp op) {
   std::vector<RawIo*> run;
   {
     std::lock_guard<std::mutex> lock(mu_);
     --in_flight_[lane];
     --total_in_flight_;
+    if (op == IoOp::kWrite) --writes_in_flight_;
     take_waiting(&run);  // the freed slot goes to the next waiting piece, reads first
     // With pieces handed on, total_in_flight_ > 0 keeps ~IoQueue waiting while they are submitted below.
     if (run.empty()) cv_.notify_all();
@@ -259,12 +266,13 @@ void IoQueue::on_piece_done(RawIo* io, int64_t res) {
 void IoQueue::finish_piece(Piece* p, Status status) {
   Request* r = p->parent;
   const uint32_t lane = p->lane;
+  const IoOp op = p->op;
   if (!status.is_ok()) {
     std::lock_guard<std::mutex> lock(r->mu);
     if (r->error.is_ok()) r->error = std::move(status);
   }
   if (r->remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) {
-    release_lane(lane);
+    release_lane(lane, op);
     return;
   }
   // The last piece: every other piece's writes to r happened before their decrement (acq_rel above).
@@ -273,7 +281,7 @@ void IoQueue::finish_piece(Piece* p, Status status) {
   if (!result.is_ok()) failed_.fetch_add(1, std::memory_order_relaxed);
   IoBatch* batch = r->batch;
   delete r;
-  release_lane(lane);  // the last touch of the queue (~IoQueue waits for it) but for handing on waiting pieces
+  release_lane(lane, op);  // the last touch of the queue (~IoQueue waits for it) but for handing on waiting pieces
   batch->finish(result);
 }
 

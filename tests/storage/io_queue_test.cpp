@@ -1,7 +1,7 @@
 // IoQueue's scheduling: a full queue makes submits wait in the queue rather than block their callers, freed
-// slots go to waiting reads before waiting writes (but never starve the writes), and a line of waiting pieces
-// behind an engine that completes on the submitting thread is handed on in a loop. (Splitting, resumes and
-// errors run against every engine in io_engine_test.cpp.)
+// slots go to waiting reads before waiting writes (but never starve the writes), writes in flight can be
+// capped, and a line of waiting pieces behind an engine that completes on the submitting thread is handed on
+// in a loop. (Splitting, resumes and errors run against every engine in io_engine_test.cpp.)
 #include "storage/io_queue.h"
 
 #include <pthread.h>
@@ -95,6 +95,43 @@ TEST(IoQueueTest, WaitingWritesAreNotStarvedByReads) {
   ASSERT_OK(batch.wait());
   EXPECT_EQ(fmt::format("{}", fmt::join(order.done, ",")), "w0,r0,w1,r1,r2")
       << "one read (a queue of one slot) may pass the waiting write, then the write goes";
+}
+
+// max_writes_in_flight keeps writes out of the engine beyond that many even where slots are free, so a read that
+// comes later finds a slot and goes at once instead of queueing in the device behind every write (the offload
+// runtime's reads of optimizer state behind a sub-group's writes).
+TEST(IoQueueTest, WritesInFlightAreCappedAndAReadPassesTheRest) {
+  MemoryEngine memory(MemoryEngineOptions{.lanes = 1, .queue_depth = 4});
+  ASSERT_OK(memory.create_dirs("/mem"));
+  ASSERT_OK_AND_ASSIGN(const int f, memory.open("/mem/cap.bin", OpenOptions{.create = true, .direct = false}));
+  FaultEngine disk(memory, FaultOptions{});
+  std::vector<char> data(7 * kBlock);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>('a' + (i * 7) % 23);
+  for (const uint32_t cap : {0u, 2u}) {
+    SCOPED_TRACE(fmt::format("max_writes_in_flight {}", cap));
+    IoQueue q(disk, IoQueueOptions{.block_size = kBlock, .max_writes_in_flight = cap});
+    ASSERT_OK(q.write(f, 6 * kBlock, data.data() + 6 * kBlock, kBlock));  // what the read gets
+    disk.hold_writes(true);
+    IoBatch writes, read;
+    for (int i = 0; i < 6; ++i)
+      q.submit(IoRequest{IoOp::kWrite, f, i * kBlock, data.data() + i * kBlock, kBlock, nullptr}, &writes);
+    EXPECT_EQ(disk.held_writes(), cap == 0 ? 4u : cap) << "writes handed to the engine";
+    std::vector<char> back(kBlock);
+    q.submit(IoRequest{IoOp::kRead, f, 6 * kBlock, back.data(), kBlock, nullptr}, &read);
+    if (cap > 0) {
+      ASSERT_OK(read.wait());  // a slot was free: it did not wait for any held write
+      EXPECT_EQ(disk.held_writes(), cap);
+      EXPECT_TRUE(std::equal(back.begin(), back.end(), data.begin() + 6 * kBlock));
+    } else {
+      EXPECT_FALSE(read.done()) << "every slot holds a write";
+    }
+    disk.hold_writes(false);
+    ASSERT_OK(writes.wait());
+    ASSERT_OK(read.wait());
+    std::vector<char> all(data.size());
+    ASSERT_OK(q.read(f, 0, all.data(), all.size()));
+    EXPECT_TRUE(all == data);
+  }
 }
 
 // Pieces that wait for a slot behind an engine that completes on the submitting thread are handed on in a loop,
