@@ -99,13 +99,15 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   STRATA_RETURN_IF_ERROR(a.get_bool("single_submit", &c->aio.single_submit));
   STRATA_RETURN_IF_ERROR(a.get_bool("overlap_events", &c->aio.overlap_events));
   STRATA_RETURN_IF_ERROR(a.finish());
-  if (c->aio.block_size < 4096 || c->aio.block_size % 4096 != 0) {
-    return Status::invalid_argument("{}: aio.block_size must be a positive multiple of 4096 (O_DIRECT), got {}", source,
-                                    c->aio.block_size);
+  if (c->aio.block_size < 4096 || c->aio.block_size % 4096 != 0 || c->aio.block_size > (int64_t{1} << 30)) {
+    return Status::invalid_argument("{}: aio.block_size must be a multiple of 4096 (O_DIRECT) up to 1 GiB, got {}",
+                                    source, c->aio.block_size);
   }
-  if (c->aio.queue_depth <= 0 || c->aio.intra_op_parallelism <= 0) {
-    return Status::invalid_argument("{}: aio.queue_depth and aio.intra_op_parallelism must be positive", source);
-  }
+  if (c->aio.queue_depth <= 0 || c->aio.queue_depth > 4096)
+    return Status::invalid_argument("{}: aio.queue_depth must be in [1, 4096], got {}", source, c->aio.queue_depth);
+  if (c->aio.intra_op_parallelism <= 0 || c->aio.intra_op_parallelism > 64)
+    return Status::invalid_argument("{}: aio.intra_op_parallelism must be in [1, 64], got {}", source,
+                                    c->aio.intra_op_parallelism);
 
   JsonSection ac = root.section("activation_checkpointing");
   ActivationCheckpointConfig& act = c->activation_checkpointing;
@@ -170,9 +172,6 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   note("zero_optimization.contiguous_gradients", c->contiguous_gradients, d.contiguous_gradients);
   if (!c->reduce_scatter && c->stage == 2) c->not_acted_on.push_back("zero_optimization.reduce_scatter = false");
   note("zero_optimization.allgather_partitions", c->allgather_partitions, d.allgather_partitions);
-  note("aio.block_size", c->aio.block_size, d.aio.block_size);
-  note("aio.queue_depth", c->aio.queue_depth, d.aio.queue_depth);
-  note("aio.intra_op_parallelism", c->aio.intra_op_parallelism, d.aio.intra_op_parallelism);
   note("aio.single_submit", c->aio.single_submit, d.aio.single_submit);
   note("aio.overlap_events", c->aio.overlap_events, d.aio.overlap_events);
   const ActivationCheckpointConfig& da = d.activation_checkpointing;

@@ -41,10 +41,15 @@ inline OffloadTargetConfig optimizer_target_defaults() {
   return t;
 }
 
-struct AioConfig {  // DeepSpeed's "aio" section, for the NVMe tier
+// DeepSpeed's "aio" section, for the NVMe tier: the piece size, pieces in flight per ring and rings (threads) of
+// the I/O engine every swap store of the run shares. The defaults are ours, not DeepSpeed's (8 in flight on one
+// thread): what the runtime used before these keys were acted on; `strata bench nvme --sweep` prints the best
+// section for a disk. Submission is always batched and overlapped with completion: single_submit = true and
+// overlap_events = false are warned about, not acted on.
+struct AioConfig {
   int64_t block_size = 1'048'576;
-  int64_t queue_depth = 8;
-  int64_t intra_op_parallelism = 1;
+  int64_t queue_depth = 32;
+  int64_t intra_op_parallelism = 2;
   bool single_submit = false;
   bool overlap_events = true;
 };

@@ -100,7 +100,7 @@ class OffloadRuntime {
 
  private:
   OffloadRuntime() = default;
-  Status open_store(const std::string& path, uint64_t file_bytes, uint32_t max_files);
+  Status open_store(const std::string& path, uint64_t file_bytes, uint32_t max_files, const AioConfig& aio);
 
   kernels::Device* device_ = nullptr;
   std::string placements_;

@@ -86,7 +86,7 @@ TEST(ConfigTest, DeepSpeedOffloadSectionsCarryOver) {
       "overlap_comm": true, "contiguous_gradients": true, "reduce_scatter": true, "allgather_partitions": true,
       "reduce_bucket_size": 2e8, "allgather_bucket_size": "auto"
     },
-    "aio": {"block_size": 262144, "queue_depth": 32, "intra_op_parallelism": 1, "single_submit": false,
+    "aio": {"block_size": 262144, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": true,
             "overlap_events": true},
     "memory": {"host_memory_limit": "4G", "device_memory_limit": 8589934592}
   })");
@@ -103,7 +103,8 @@ TEST(ConfigTest, DeepSpeedOffloadSectionsCarryOver) {
   EXPECT_EQ(o.stage3_prefetch_bucket_size, 50000000) << "\"auto\" keeps the default";
   EXPECT_EQ(o.stage3_max_live_parameters, 2000000000);
   EXPECT_EQ(o.aio.block_size, 262144);
-  EXPECT_EQ(o.aio.queue_depth, 32);
+  EXPECT_EQ(o.aio.queue_depth, 8);
+  EXPECT_EQ(o.aio.intra_op_parallelism, 1);
   EXPECT_EQ(o.host_memory_limit, uint64_t{4} << 30);
   EXPECT_EQ(o.device_memory_limit, uint64_t{8} << 30);
   std::string listed;
@@ -111,12 +112,13 @@ TEST(ConfigTest, DeepSpeedOffloadSectionsCarryOver) {
   // Set away from their defaults: the ones nothing acts on yet are listed, the acted-on ones are not.
   EXPECT_EQ(o.reduce_bucket_size, 200000000);
   EXPECT_TRUE(o.overlap_comm);
-  for (const char* key : {"zero_optimization.offload_optimizer.pipeline_read = true", "aio.block_size = 262144",
+  for (const char* key : {"zero_optimization.offload_optimizer.pipeline_read = true", "aio.single_submit = true",
                           "zero_optimization.reduce_bucket_size = 200000000"})
     EXPECT_NE(listed.find(key), std::string::npos) << key << " not in:\n" << listed;
   for (const char* key : {"zero_optimization.stage", "offload_param.device", "offload_optimizer.device",
                           "host_memory_limit", "device_memory_limit", "overlap_comm", "contiguous_gradients",
-                          "reduce_scatter", "allgather"})
+                          "reduce_scatter", "allgather", "aio.block_size", "aio.queue_depth",
+                          "aio.intra_op_parallelism"})
     EXPECT_EQ(listed.find(key), std::string::npos) << key << " is acted on, yet listed in:\n" << listed;
   EXPECT_EQ(listed.find("sub_group_size"), std::string::npos) << "a default value is not worth a warning";
   // Stages 1 and 2 without offload cut their collectives by the buckets: not listed there.
@@ -229,6 +231,9 @@ TEST(ConfigTest, BadOffloadValuesAreRejectedByName) {
   expect_error(json::parse(R"({"zero_optimization": {"offload_optimizer": {"buffer_size": 5}}})"), "buffer_size");
   expect_error(json::parse(R"({"zero_optimization": {"offload_optimizer": {"buffer_count": 0}}})"), "buffer_count");
   expect_error(json::parse(R"({"aio": {"block_size": 1000}})"), "aio.block_size");
+  expect_error(json::parse(R"({"aio": {"block_size": 2147483648}})"), "aio.block_size");
+  expect_error(json::parse(R"({"aio": {"queue_depth": 0}})"), "aio.queue_depth");
+  expect_error(json::parse(R"({"aio": {"intra_op_parallelism": 1000}})"), "aio.intra_op_parallelism");
   expect_error(json::parse(R"({"aio": {"depth": 8}})"), "queue_depth");  // unknown key lists the valid ones
   expect_error(json::parse(R"({"memory": {"host_memory_limit": "lots"}})"), "memory.host_memory_limit");
 }
