@@ -514,7 +514,10 @@ Status GPT2::forward_units(int B, int T) {
   const int C = config_.n_embd, L = config_.n_layer;
   const int N = B * T, Nr = static_cast<int>(rows_here(N));
   const size_t RC = residual_floats(B, T);
-  if (coordinator_ != nullptr && marks_steps_) coordinator_->begin_step();
+  if (coordinator_ != nullptr) {
+    coordinator_->set_step_is_one_pass(marks_steps_);
+    if (marks_steps_) coordinator_->begin_step();
+  }
   const size_t wpe_offset = units_[0].layout.specs()[1].offset;
   if (stage_.embedding) {
     // Vocab-parallel: each rank embeds the tokens of its rows (rank 0 adds the positions), summed over the group.

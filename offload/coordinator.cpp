@@ -375,11 +375,13 @@ void Coordinator::release(size_t u, Pass pass) {
   }
   // A gradient that more backward work adds to stays here until its last release, which sends it home once:
   // this backward's own second use of the tied embedding (whose device copy stayed anyway), and, with the
-  // parameters on the device (so the gradients fit beside them, as in plain training), the next micro-batch's.
-  // When device memory runs short, an eviction sends it home early and its next use brings it back.
-  const bool again_this_backward = s.replaying() && s.next_use(true)[u] != kNever;
-  const bool next_micro_batch = s.accumulating && s.options.param_home == Tier::kDevice;
-  if (again_this_backward || next_micro_batch) {
+  // parameters on the device (so the gradients fit beside them, as in plain training), the next micro-batch's
+  // (and under a pipeline schedule, whose trace step is the whole schedule, any later use). When device memory
+  // runs short, an eviction sends it home early and its next use brings it back.
+  const bool used_again = s.replaying() && s.next_use(true)[u] != kNever;
+  const bool again_this_backward = used_again && s.step_is_one_pass;
+  const bool params_on_device = s.options.param_home == Tier::kDevice && (s.accumulating || used_again);
+  if (again_this_backward || params_on_device) {
     r.grad_state = GradState::kDevice;
     return;
   }
@@ -443,6 +445,8 @@ void Coordinator::send_grads_home(size_t u, const kernels::DeviceFence& fence) {
 }
 
 void Coordinator::set_accumulating(bool on) { s_->accumulating = on; }
+
+void Coordinator::set_step_is_one_pass(bool on) { s_->step_is_one_pass = on; }
 
 Status Coordinator::zero_grads() {
   for (State::UnitRec& r : s_->units) {

@@ -159,6 +159,10 @@ class Coordinator {
 
   // The step protocol. begin_step() marks the start of a forward pass (a step, or one micro-batch of it).
   void begin_step();
+  // Whether each step of the trace is one forward and backward (true unless a pipeline schedule makes the
+  // whole schedule one step): then a gradient used again later in the trace is used again in this backward
+  // (the tied embedding), and stays on the device until then even with the parameters offloaded.
+  void set_step_is_one_pass(bool on);
   Result<UnitView> acquire(size_t u, Pass pass);
   void release(size_t u, Pass pass);
 

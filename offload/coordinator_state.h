@@ -140,6 +140,7 @@ struct Coordinator::State {
   std::vector<Access> trace;
   bool recording = true;
   bool accumulating = false;  // Coordinator::set_accumulating
+  bool step_is_one_pass = true;  // Coordinator::set_step_is_one_pass
   // Queues unit u's device gradient (kDevice) home after `fence` (Coordinator::send_grads_home), so that an
   // eviction can free a gradient still being added to.
   std::function<void(size_t u, const kernels::DeviceFence& fence)> send_grads_home;
