@@ -37,9 +37,11 @@ Recorder& recorder() {
   return *r;
 }
 
+thread_local uint32_t t_tid = 0;  // 0: none yet
+
 uint32_t this_tid() {
-  thread_local uint32_t tid = recorder().next_tid.fetch_add(1);
-  return tid;
+  if (t_tid == 0) t_tid = recorder().next_tid.fetch_add(1);
+  return t_tid;
 }
 
 // JSON string contents: the names are our own literals, but a quote or backslash must not break the file.
@@ -95,6 +97,10 @@ void start(size_t capacity) {
   for (size_t i = 0; i < r.capacity; ++i) r.events[i].ready.store(false, std::memory_order_relaxed);
   r.next.store(0);
   r.dropped.store(0);
+  {
+    std::lock_guard lock(r.mu);
+    r.names.clear();
+  }
   r.origin = std::chrono::steady_clock::now();
   detail::g_on.store(true);
 }
@@ -107,10 +113,17 @@ size_t recorded() {
 size_t dropped() { return recorder().dropped.load(); }
 
 void name_thread(const char* name) {
+  if (!on()) return;
   Recorder& r = recorder();
-  const uint32_t tid = this_tid();
   std::lock_guard lock(r.mu);
-  r.names[tid] = name;
+  // A thread that takes the name of one before it (a worker started anew each step) continues its row.
+  for (const auto& [tid, known] : r.names) {
+    if (known == name) {
+      t_tid = tid;
+      return;
+    }
+  }
+  r.names[this_tid()] = name;
 }
 
 Status write(const std::string& path) {

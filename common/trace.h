@@ -36,7 +36,8 @@ Status write(const std::string& path);
 size_t recorded();
 size_t dropped();
 
-// Names the calling thread in the trace (kept for the whole process; a name given before start() counts).
+// Names the calling thread in the trace, while recording (a no-op when off). A thread given the name of an
+// earlier one continues that one's row: the optimizer's worker, started anew each step, is one row.
 void name_thread(const char* name);
 
 // A span on the calling thread, from construction to destruction; `arg` (a sub-group, a unit; -1: none) is

@@ -106,22 +106,28 @@ std::string OffloadStepReport::summary() const {
 
 OffloadRuntime::~OffloadRuntime() = default;
 
+Result<std::pair<EngineOptions, IoQueueOptions>> nvme_io_options(const AioConfig& aio) {
+  if (aio.block_size < 4096 || aio.block_size % 4096 != 0 || aio.block_size > (int64_t{1} << 30) ||
+      aio.queue_depth < 1 || aio.queue_depth > 4096 || aio.intra_op_parallelism < 1 || aio.intra_op_parallelism > 64)
+    return Status::invalid_argument("aio: block_size {} (a multiple of 4096 up to 1 GiB), queue_depth {} ([1, 4096]) "
+                                    "or intra_op_parallelism {} ([1, 64]) out of range",
+                                    aio.block_size, aio.queue_depth, aio.intra_op_parallelism);
+  EngineOptions e;
+  e.kind = EngineKind::kAuto;
+  e.lanes = static_cast<uint32_t>(aio.intra_op_parallelism);
+  e.queue_depth = static_cast<uint32_t>(aio.queue_depth);
+  IoQueueOptions q;
+  q.block_size = static_cast<size_t>(aio.block_size);
+  q.max_write_bytes_in_flight = kNvmeWriteBytesInFlight;
+  return std::pair{e, q};
+}
+
 Status OffloadRuntime::open_store(const std::string& path, uint64_t file_bytes, uint32_t max_files,
                                   const AioConfig& aio) {
   if (!io_engine_) {
-    STRATA_ASSIGN_OR_RETURN(io_engine_,
-                            make_io_engine(EngineOptions{.kind = EngineKind::kAuto,
-                                                         .lanes = static_cast<uint32_t>(aio.intra_op_parallelism),
-                                                         .queue_depth = static_cast<uint32_t>(aio.queue_depth)}));
-    // Writes keep at most kWriteBytesInFlight in the device: a read (what the optimizer or a prefetch waits
-    // for) that comes while sub-groups are written then waits behind that much, not behind a full queue of
-    // writes. Measured on the CI machine (the trace of `bench step`): a 48 MB read issued behind a sub-group's
-    // writes took 18-22 ms with 64 MiB of writes in flight and 7-11 ms with 8 MiB.
-    constexpr uint64_t kWriteBytesInFlight = 8 << 20;
-    IoQueueOptions qo;
-    qo.block_size = static_cast<size_t>(aio.block_size);
-    qo.max_writes_in_flight = static_cast<uint32_t>(std::max<uint64_t>(1, kWriteBytesInFlight / qo.block_size));
-    io_queue_ = std::make_unique<IoQueue>(*io_engine_, qo);
+    STRATA_ASSIGN_OR_RETURN(const auto options, nvme_io_options(aio));
+    STRATA_ASSIGN_OR_RETURN(io_engine_, make_io_engine(options.first));
+    io_queue_ = std::make_unique<IoQueue>(*io_engine_, options.second);
   }
   SwapStoreOptions so;
   so.dir = path;

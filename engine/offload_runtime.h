@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -42,6 +43,15 @@ namespace strata::engine {
 
 // True when the configuration moves any state off the device.
 bool offload_enabled(const OffloadConfig& config);
+
+// Writes keep at most this many bytes in the NVMe engine: a read (what the optimizer or a prefetch waits for)
+// that comes while sub-groups are written then waits behind that much in the device, not behind a full queue
+// of writes. Measured on the CI machine (the trace of `bench step`): a 48 MB read issued behind a sub-group's
+// writes took 18-22 ms with 64 MiB of writes in flight and 7-11 ms with 8 MiB.
+inline constexpr uint64_t kNvmeWriteBytesInFlight = uint64_t{8} << 20;
+// The NVMe engine and queue every swap store of a run shares, from the aio section (InvalidArgument names a
+// value out of range).
+Result<std::pair<EngineOptions, IoQueueOptions>> nvme_io_options(const AioConfig& aio);
 
 // Registers every buffer of the pool, as it is mapped, with `device` (Device::register_host) and with `io` (the
 // NVMe tier's engine, IoEngine::add_buffer), and unregisters it from both before it is unmapped. The device

@@ -74,8 +74,6 @@ IoQueue::IoQueue(IoEngine& engine, const IoQueueOptions& options)
   STRATA_ASSERT_MSG(options_.block_size > 0 && options_.block_size % 4096 == 0 && options_.block_size <= (1u << 30),
                     "block_size must be a positive multiple of 4096, at most 1 GiB");
   in_flight_.assign(lanes_, 0);
-  const uint64_t slots = static_cast<uint64_t>(lanes_) * depth_;
-  max_writes_ = options_.max_writes_in_flight == 0 ? slots : std::min<uint64_t>(options_.max_writes_in_flight, slots);
 }
 
 IoQueue::~IoQueue() {
@@ -91,15 +89,18 @@ void IoQueue::take_waiting(std::vector<RawIo*>* run) {
   while (total_in_flight_ < static_cast<uint64_t>(lanes_) * depth_) {
     // Reads first, but never more than a full queue's worth of them ahead of a waiting write: somebody may be
     // waiting for that write too (to reuse its buffer), and a stream of reads must not hold it back for ever.
-    // Writes beyond max_writes_in_flight wait even for a free slot: a read that comes later then finds at most
-    // that many writes ahead of it in the device.
-    const bool write_may_go = !waiting_writes_.empty() && writes_in_flight_ < max_writes_;
+    // Writes beyond max_write_bytes_in_flight wait even for a free slot: a read that comes later then finds at
+    // most that many bytes of writes ahead of it in the device.
+    const uint64_t cap = options_.max_write_bytes_in_flight;
+    const bool write_may_go =
+        !waiting_writes_.empty() &&
+        (cap == 0 || write_bytes_in_flight_ == 0 || write_bytes_in_flight_ + waiting_writes_.front()->full <= cap);
     if (waiting_reads_.empty() && !write_may_go) break;
     const bool write =
         write_may_go && (waiting_reads_.empty() || reads_past_writes_ >= static_cast<uint64_t>(lanes_) * depth_);
     if (write) {
       reads_past_writes_ = 0;
-      ++writes_in_flight_;
+      write_bytes_in_flight_ += waiting_writes_.front()->full;
     } else if (!waiting_writes_.empty()) {
       ++reads_past_writes_;
     }
@@ -153,13 +154,13 @@ void IoQueue::hand_over(std::vector<RawIo*>& run) {
   --t_handing_over;
 }
 
-void IoQueue::release_lane(uint32_t lane, IoOp op) {
+void IoQueue::release_lane(uint32_t lane, IoOp op, uint32_t bytes) {
   std::vector<RawIo*> run;
   {
     std::lock_guard<std::mutex> lock(mu_);
     --in_flight_[lane];
     --total_in_flight_;
-    if (op == IoOp::kWrite) --writes_in_flight_;
+    if (op == IoOp::kWrite) write_bytes_in_flight_ -= bytes;
     take_waiting(&run);  // the freed slot goes to the next waiting piece, reads first
     // With pieces handed on, total_in_flight_ > 0 keeps ~IoQueue waiting while they are submitted below.
     if (run.empty()) cv_.notify_all();
@@ -267,12 +268,13 @@ void IoQueue::finish_piece(Piece* p, Status status) {
   Request* r = p->parent;
   const uint32_t lane = p->lane;
   const IoOp op = p->op;
+  const uint32_t bytes = p->full;
   if (!status.is_ok()) {
     std::lock_guard<std::mutex> lock(r->mu);
     if (r->error.is_ok()) r->error = std::move(status);
   }
   if (r->remaining.fetch_sub(1, std::memory_order_acq_rel) != 1) {
-    release_lane(lane, op);
+    release_lane(lane, op, bytes);
     return;
   }
   // The last piece: every other piece's writes to r happened before their decrement (acq_rel above).
@@ -281,7 +283,7 @@ void IoQueue::finish_piece(Piece* p, Status status) {
   if (!result.is_ok()) failed_.fetch_add(1, std::memory_order_relaxed);
   IoBatch* batch = r->batch;
   delete r;
-  release_lane(lane, op);  // the last touch of the queue (~IoQueue waits for it) but for handing on waiting pieces
+  release_lane(lane, op, bytes);  // the last touch of the queue (~IoQueue waits for it) but for handing on waiting pieces
   batch->finish(result);
 }
 

@@ -9,7 +9,7 @@
 // Scheduling: at most queue_depth pieces per lane are in flight; the rest wait in the queue, and each slot that
 // frees goes to the next waiting piece, reads before writes (a read is usually what somebody waits for; a write
 // usually only frees its buffer), each kind in submission order, but at most queue_depth x lanes reads ahead of
-// a waiting write, so writes are never starved. With max_writes_in_flight, writes beyond it wait even while
+// a waiting write, so writes are never starved. With max_write_bytes_in_flight, writes beyond it wait even while
 // slots are free, so a read that comes later has a slot and goes into the device behind no more than that.
 // Nothing orders a read after a write of the same bytes that has not completed: wait for the write first.
 //
@@ -73,10 +73,10 @@ struct IoRequest {
 struct IoQueueOptions {
   size_t block_size = size_t{1} << 20;  // largest piece handed to the engine; a multiple of 4096
   int max_retries = 16;                 // EINTR/EAGAIN resubmissions of one piece before giving up
-  // Write pieces in flight at most (0: as many as the engine's slots). A read waits in the device behind the
-  // writes in flight when it came, so a smaller number keeps reads quick while writes stream; the device
-  // needs a few in flight for its bandwidth.
-  uint32_t max_writes_in_flight = 0;
+  // Bytes of writes in flight at most (0: no cap but the engine's slots; one write piece always may go). A read
+  // waits in the device behind the writes in flight when it came, so a smaller cap keeps reads quick while
+  // writes stream; the device needs a few in flight for its bandwidth.
+  uint64_t max_write_bytes_in_flight = 0;
 };
 
 struct IoQueueStats {
@@ -107,7 +107,7 @@ class IoQueue {
   // Moves waiting pieces into free lane slots (reads first) and onto `run`. Caller holds mu_.
   void take_waiting(std::vector<RawIo*>* run);
   void hand_over(std::vector<RawIo*>& run);  // to the engine, without mu_
-  void release_lane(uint32_t lane, IoOp op);
+  void release_lane(uint32_t lane, IoOp op, uint32_t bytes);
   Status check_request(const IoRequest& r) const;
   void finish_piece(Piece* p, Status status);
 
@@ -118,7 +118,7 @@ class IoQueue {
   std::condition_variable cv_;
   std::vector<uint32_t> in_flight_;  // per lane
   uint64_t total_in_flight_ = 0;
-  uint64_t writes_in_flight_ = 0, max_writes_ = 0;
+  uint64_t write_bytes_in_flight_ = 0;
   std::deque<Piece*> waiting_reads_, waiting_writes_;  // pieces no lane had a slot for yet
   uint64_t reads_past_writes_ = 0;  // reads taken since the oldest waiting write began to wait
   uint32_t next_lane_ = 0;

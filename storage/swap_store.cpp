@@ -191,7 +191,7 @@ struct SwapStore::WriteOp {
   std::atomic<size_t> written{0};  // chunks whose every byte was written
   uint64_t traced = trace::begin();  // when it was queued, for the trace (common/trace.h)
   ~WriteOp() {
-    trace::end_async("nvme write", traced, version ? static_cast<int64_t>(version->len) : -1);
+    if (queued_all) trace::end_async("nvme write", traced, static_cast<int64_t>(version->len));
     store->finish_write(*this);
   }
 };

@@ -346,9 +346,14 @@ TEST_F(OffloadTrainTest, TheTraceShowsStepsUpdatesAndTransfers) {
                      {"stage3_param_persistence_threshold", 0}, {"sub_group_size", 3000}};
   trace::start();
   trace::name_thread("training");
-  run("traced", config("traced", zero));
   const fs::path path = dir_ / "trace.json";
-  ASSERT_TRUE(trace::write(path.string()).is_ok());
+  {
+    struct Stop {  // recording stops (and its file is written) even when the run fails the test
+      const fs::path& path;
+      ~Stop() { EXPECT_TRUE(trace::write(path.string()).is_ok()); }
+    } stop{path};
+    run("traced", config("traced", zero));
+  }
   std::ifstream in(path);
   const json j = json::parse(in);
   std::map<int, std::string> threads;

@@ -97,7 +97,8 @@ TEST(IoQueueTest, WaitingWritesAreNotStarvedByReads) {
       << "one read (a queue of one slot) may pass the waiting write, then the write goes";
 }
 
-// max_writes_in_flight keeps writes out of the engine beyond that many even where slots are free, so a read that
+// max_write_bytes_in_flight keeps writes out of the engine beyond that many bytes even where slots are free, so a
+// read that
 // comes later finds a slot and goes at once instead of queueing in the device behind every write (the offload
 // runtime's reads of optimizer state behind a sub-group's writes).
 TEST(IoQueueTest, WritesInFlightAreCappedAndAReadPassesTheRest) {
@@ -107,9 +108,9 @@ TEST(IoQueueTest, WritesInFlightAreCappedAndAReadPassesTheRest) {
   FaultEngine disk(memory, FaultOptions{});
   std::vector<char> data(7 * kBlock);
   for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>('a' + (i * 7) % 23);
-  for (const uint32_t cap : {0u, 2u}) {
-    SCOPED_TRACE(fmt::format("max_writes_in_flight {}", cap));
-    IoQueue q(disk, IoQueueOptions{.block_size = kBlock, .max_writes_in_flight = cap});
+  for (const uint32_t cap : {0u, 2u}) {  // in pieces of kBlock bytes
+    SCOPED_TRACE(fmt::format("max_write_bytes_in_flight {} blocks", cap));
+    IoQueue q(disk, IoQueueOptions{.block_size = kBlock, .max_write_bytes_in_flight = cap * kBlock});
     ASSERT_OK(q.write(f, 6 * kBlock, data.data() + 6 * kBlock, kBlock));  // what the read gets
     disk.hold_writes(true);
     IoBatch writes, read;
