@@ -67,6 +67,11 @@ void add_bench_step_command(CLI::App& bench, BenchStepOptions& o) {
   cmd->add_option("--grad-clip", o.grad_clip, "Global-norm gradient clip (0: none)")->capture_default_str();
   cmd->add_flag("--no-overlap-backward", o.no_overlap_backward,
                 "Optimizer on nvme: do not start updates during backward (offload_optimizer.overlap_backward)");
+  cmd->add_option("--rounds", o.rounds,
+                  "Offloaded step: alternate plain and offloaded steps in this many blocks, so that the machine's "
+                  "drift reaches both terms (keeps both models in memory; 1: all plain steps first)")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
   cmd->add_option("--trace", o.trace_path,
                   "Offloaded step: write the steps' timeline (threads, waits, transfers) here as Chrome trace JSON, "
                   "for ui.perfetto.dev");

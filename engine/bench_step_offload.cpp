@@ -45,13 +45,14 @@ double process_cpu_seconds() {
   return s(u.ru_utime) + s(u.ru_stime);
 }
 
-// Seconds the disk takes to read `read` bytes while writing `write` bytes, everything in flight at once,
-// through a swap store in `dir` (8 MiB keys, the reads' keys written beforehand).
+// Seconds the disk takes to read `read` bytes while writing `write` bytes, everything queued at once, through
+// a swap store in `dir` (8 MiB keys, the reads' keys written beforehand) on the runtime's engine and queue
+// settings (the aio defaults, the cap on writes in flight).
 Result<double> disk_seconds(const std::string& dir, uint64_t read, uint64_t write) {
   constexpr uint64_t kKey = 8 << 20;
-  STRATA_ASSIGN_OR_RETURN(auto engine, make_io_engine(EngineOptions{.kind = EngineKind::kAuto, .lanes = 2,
-                                                                    .queue_depth = 32}));
-  IoQueue queue(*engine);
+  STRATA_ASSIGN_OR_RETURN(const auto io, nvme_io_options(AioConfig{}));
+  STRATA_ASSIGN_OR_RETURN(auto engine, make_io_engine(io.first));
+  IoQueue queue(*engine, io.second);
   const uint64_t reads = (read + kKey - 1) / kKey, writes = (write + kKey - 1) / kKey;
   SwapStoreOptions so;
   so.dir = dir;
@@ -144,33 +145,43 @@ int run_bench_step_offload(const BenchStepOptions& o) {
     register_pool_buffers(*ckpt_pool, *device.value());
   }
 
-  // 1. Compute: the same model kept on the device, forward + backward only.
+  // 1. Compute: the same model kept on the device, forward + backward only. With --rounds, kept while the
+  // offloaded model runs, and its steps alternate with the offloaded ones in blocks.
   std::vector<double> compute, compute_cpu;
   size_t n_params = 0;
   double step_flops = 0;
+  const int rounds = std::max(1, std::min(o.rounds, o.steps));
+  std::unique_ptr<GPT2> plain;
   {
     auto model = GPT2::create(mc, *device.value(), precision);
     if (!model.is_ok()) return fail(model.status());
-    GPT2& m = *model.value();
-    m.set_activation_checkpointing(ckpt, ckpt_pool.get());
-    if (Status st = m.init_gpt2(o.seed); !st.is_ok()) return fail(st);
-    n_params = m.num_params();
-    step_flops = m.flops_per_step(B, T) * o.grad_accum;
-    for (int s = 0; s < total; ++s) {
-      Timer t;
-      const double cpu0 = process_cpu_seconds();
-      if (Status st = m.zero_grads(); !st.is_ok()) return fail(st);
-      for (int a = 0; a < o.grad_accum; ++a) {
-        auto loss = m.forward(x.data(), y.data(), B, T);
-        if (!loss.is_ok()) return fail(loss.status());
-        if (Status st = m.backward(); !st.is_ok()) return fail(st);
-      }
-      m.device().synchronize();
-      if (s >= o.warmup) {
-        compute.push_back(t.seconds());
-        compute_cpu.push_back(process_cpu_seconds() - cpu0);
-      }
+    plain = std::move(model).value();
+    plain->set_activation_checkpointing(ckpt, ckpt_pool.get());
+    if (Status st = plain->init_gpt2(o.seed); !st.is_ok()) return fail(st);
+    n_params = plain->num_params();
+    step_flops = plain->flops_per_step(B, T) * o.grad_accum;
+  }
+  auto plain_step = [&](bool measured) -> Status {
+    GPT2& m = *plain;
+    Timer t;
+    const double cpu0 = process_cpu_seconds();
+    STRATA_RETURN_IF_ERROR(m.zero_grads());
+    for (int a = 0; a < o.grad_accum; ++a) {
+      STRATA_RETURN_IF_ERROR(m.forward(x.data(), y.data(), B, T).status());
+      STRATA_RETURN_IF_ERROR(m.backward());
     }
+    m.device().synchronize();
+    if (measured) {
+      compute.push_back(t.seconds());
+      compute_cpu.push_back(process_cpu_seconds() - cpu0);
+    }
+    return Status::ok();
+  };
+  if (rounds == 1) {
+    for (int s = 0; s < total; ++s) {
+      if (Status st = plain_step(s >= o.warmup); !st.is_ok()) return fail(st);
+    }
+    plain.reset();
   }
   // 2. The optimizer term: the CPU Adam pass over the same parameters in memory.
   auto adam_s = adam_seconds(n_params);
@@ -226,8 +237,8 @@ int run_bench_step_offload(const BenchStepOptions& o) {
       trace::start();
       trace::name_thread("training");
     }
-    for (int s = 0; s < total; ++s) {
-      trace::Span step_span("step", s);
+    auto offloaded_step = [&](int s, bool measured) -> Status {
+      trace::Span step_span("step", s + 1);
       Timer t;
       const double cpu0 = process_cpu_seconds();
       Phases ph;
@@ -237,29 +248,25 @@ int run_bench_step_offload(const BenchStepOptions& o) {
         *into = now - mark;
         mark = now;
       };
-      if (Status st = m.zero_grads(); !st.is_ok()) return fail(st);
+      STRATA_RETURN_IF_ERROR(m.zero_grads());
       lap(&ph.zero);
       for (int a = 0; a < o.grad_accum; ++a) {
         double fwd = 0, bwd = 0;
-        auto l = m.forward(x.data(), y.data(), B, T);  // traced as "forward", "backward" by the model
-        if (!l.is_ok()) return fail(l.status());
-        loss = l.value();
+        STRATA_ASSIGN_OR_RETURN(loss, m.forward(x.data(), y.data(), B, T));  // traced by the model
         lap(&fwd);
         {
-          trace::Span span("begin_last_backward");
-          const Status begun =
-              a + 1 == o.grad_accum ? opt->begin_last_backward(1e-4f) : opt->begin_accumulating_backward();
-          if (!begun.is_ok()) return fail(begun);
+          trace::Span span("begin backward");
+          STRATA_RETURN_IF_ERROR(a + 1 == o.grad_accum ? opt->begin_last_backward(1e-4f)
+                                                       : opt->begin_accumulating_backward());
         }
-        if (Status st = m.backward(); !st.is_ok()) return fail(st);
+        STRATA_RETURN_IF_ERROR(m.backward());
         lap(&bwd);
         ph.forward += fwd;
         ph.backward += bwd;
       }
       {
         trace::Span span("optimizer step()");
-        auto norm = opt->step(1e-4f, nullptr);
-        if (!norm.is_ok()) return fail(norm.status());
+        STRATA_RETURN_IF_ERROR(opt->step(1e-4f, nullptr).status());
       }
       lap(&ph.step);
       {
@@ -269,14 +276,39 @@ int run_bench_step_offload(const BenchStepOptions& o) {
       lap(&ph.sync);
       const double secs = t.seconds();
       OffloadStepReport r = rt ? rt->take_report() : OffloadStepReport{};
-      if (s >= o.warmup) {
+      if (measured) {
         steps.push_back(secs);
         steps_cpu.push_back(process_cpu_seconds() - cpu0);
         reports.push_back(r);
         phases.push_back(ph);
       }
-      if (!o.json) std::fprintf(stderr, "  step %d/%d: %.1f ms%s%s\n", s + 1, total, secs * 1e3,
-                                rt ? (" | " + r.summary()).c_str() : "", s < o.warmup ? " (warmup)" : "");
+      if (!o.json)
+        std::fprintf(stderr, "  step %d: %.1f ms%s%s\n", s + 1, secs * 1e3, rt ? (" | " + r.summary()).c_str() : "",
+                     measured ? "" : " (not measured)");
+      return Status::ok();
+    };
+    if (rounds == 1) {
+      for (int s = 0; s < total; ++s) {
+        if (Status st = offloaded_step(s, s >= o.warmup); !st.is_ok()) return fail(st);
+      }
+    } else {
+      // Blocks of plain steps then offloaded steps, each block led by an unmeasured step (the warmup steps in
+      // the first): the machine's drift between blocks reaches both terms alike. Each offloaded block ends
+      // with its last update completed, unmeasured, so that it does not run into the plain block after it;
+      // the block's first step then has no update to wait for, which is why it is not measured.
+      const int per_round = (o.steps + rounds - 1) / rounds;
+      for (int round = 0, measured = 0, s = 0; round < rounds && measured < o.steps; ++round) {
+        const int lead = round == 0 ? std::max(1, o.warmup) : 1;
+        const int n = std::min(per_round, o.steps - measured);
+        for (int i = 0; i < lead + n; ++i) {
+          if (Status st = plain_step(i >= lead); !st.is_ok()) return fail(st);
+        }
+        for (int i = 0; i < lead + n; ++i) {
+          if (Status st = offloaded_step(s++, i >= lead); !st.is_ok()) return fail(st);
+        }
+        if (Status st = opt->finish(); !st.is_ok()) return fail(st);
+        measured += n;
+      }
     }
     if (!o.trace_path.empty()) {  // before the runtime's threads go
       const size_t dropped = trace::dropped();
@@ -325,6 +357,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
                         {"context", T},
                         {"step_ms", step_s * 1e3},
                         {"grad_accum", o.grad_accum},
+                        {"rounds", rounds},
                         {"tokens_per_s", tokens / step_s},
                         {"model_tflop_per_s", model_tflops},
                         {"gemm_tflop_per_s", gemm_tflops},
@@ -352,9 +385,10 @@ int run_bench_step_offload(const BenchStepOptions& o) {
               o.n_layer, o.n_head, o.n_embd, o.vocab_size, B, T, n_params / 1e6,
               device.value()->description().c_str(), o.offload_param.c_str(), o.offload_optimizer.c_str(),
               o.checkpointing.c_str());
-  std::printf("offloaded step (median of %d, %d micro-batches each): %.1f ms, %.0f tokens/s, %.1f TFLOP/s of model "
-              "FLOPs (%.1f per step)\n",
-              o.steps, o.grad_accum, step_s * 1e3, tokens / step_s, model_tflops, step_flops / 1e12);
+  std::printf("offloaded step (median of %d, %d micro-batches each%s): %.1f ms, %.0f tokens/s, %.1f TFLOP/s of "
+              "model FLOPs (%.1f per step)\n",
+              o.steps, o.grad_accum,
+              rounds > 1 ? fmt::format("; alternated with the plain steps in {} rounds", rounds).c_str() : "", step_s * 1e3, tokens / step_s, model_tflops, step_flops / 1e12);
   if (gemm_tflops > 0)
     std::printf("  model FLOPs utilisation: %.1f / %.0f TFLOP/s (the measured %s GEMM rate) = %.0f%%\n", model_tflops,
                 gemm_tflops, o.precision.c_str(), 100.0 * model_tflops / gemm_tflops);
