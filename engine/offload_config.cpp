@@ -172,6 +172,12 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   note("zero_optimization.contiguous_gradients", c->contiguous_gradients, d.contiguous_gradients);
   if (!c->reduce_scatter && c->stage == 2) c->not_acted_on.push_back("zero_optimization.reduce_scatter = false");
   note("zero_optimization.allgather_partitions", c->allgather_partitions, d.allgather_partitions);
+  // The aio section configures the NVMe tier's engine: with nothing placed on nvme it has nothing to act on.
+  if (c->offload_param.device != "nvme" && c->offload_optimizer.device != "nvme" && c->gradients != "nvme") {
+    note("aio.block_size", c->aio.block_size, d.aio.block_size);
+    note("aio.queue_depth", c->aio.queue_depth, d.aio.queue_depth);
+    note("aio.intra_op_parallelism", c->aio.intra_op_parallelism, d.aio.intra_op_parallelism);
+  }
   note("aio.single_submit", c->aio.single_submit, d.aio.single_submit);
   note("aio.overlap_events", c->aio.overlap_events, d.aio.overlap_events);
   const ActivationCheckpointConfig& da = d.activation_checkpointing;

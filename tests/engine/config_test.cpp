@@ -214,6 +214,17 @@ TEST(ConfigTest, DeepSpeedTrainingKeysCarryOver) {
   std::remove(path.c_str());
 }
 
+// The aio section acts on the NVMe tier's engine: with nothing on nvme a value set there is warned about.
+TEST(ConfigTest, AioWithoutAnNvmeTierIsNotActedOn) {
+  auto c = parse_run_config(json::parse(R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                                            "aio": {"queue_depth": 8}})"),
+                            "cpu.json");
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  std::string listed;
+  for (const auto& k : c->offload.not_acted_on) listed += k + "\n";
+  EXPECT_NE(listed.find("aio.queue_depth = 8"), std::string::npos) << listed;
+}
+
 TEST(ConfigTest, BadOffloadValuesAreRejectedByName) {
   auto expect_error = [](const json& j, const char* needle) {
     auto c = parse_run_config(j, "ds.json");
