@@ -233,6 +233,21 @@ int run_bench_step_offload(const BenchStepOptions& o) {
     m.set_activation_checkpointing(ckpt, rt ? &rt->pool() : ckpt_pool.get());
     if (Status st = m.init_gpt2(o.seed); !st.is_ok()) return fail(st);
     if (Status st = opt->adopt_params(); !st.is_ok()) return fail(st);
+    // Written when this scope ends, after a failed step too (the timeline up to it explains it), and before
+    // the runtime's threads go.
+    struct TraceFile {
+      const BenchStepOptions& o;
+      ~TraceFile() {
+        if (o.trace_path.empty()) return;
+        const size_t dropped = trace::dropped();
+        if (Status st = trace::write(o.trace_path); !st.is_ok()) {
+          std::fprintf(stderr, "strata bench step: %s\n", st.to_string().c_str());
+        } else if (!o.json) {
+          std::fprintf(stderr, "  trace: %zu events in %s%s\n", trace::recorded(), o.trace_path.c_str(),
+                       dropped > 0 ? fmt::format(" ({} dropped: the buffer was full)", dropped).c_str() : "");
+        }
+      }
+    } trace_file{o};
     if (!o.trace_path.empty()) {
       trace::start();
       trace::name_thread("training");
@@ -309,13 +324,6 @@ int run_bench_step_offload(const BenchStepOptions& o) {
         if (Status st = opt->finish(); !st.is_ok()) return fail(st);
         measured += n;
       }
-    }
-    if (!o.trace_path.empty()) {  // before the runtime's threads go
-      const size_t dropped = trace::dropped();
-      if (Status st = trace::write(o.trace_path); !st.is_ok()) return fail(st);
-      if (!o.json)
-        std::fprintf(stderr, "  trace: %zu events in %s%s\n", trace::recorded(), o.trace_path.c_str(),
-                     dropped > 0 ? fmt::format(" ({} dropped: the buffer was full)", dropped).c_str() : "");
     }
   }
   // The median step's report.
