@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one command: build (or take a prebuilt bundle), run the CUDA tests, the GPU
-# benchmarks (`strata bench kernels`, and the PyTorch GPT-2 step it is judged against where PyTorch with CUDA is
-# installed), and print a short table. Run on a machine with an NVIDIA GPU, the CUDA toolkit and Strata's build dependencies:
+# benchmarks (`strata bench step` plain and with offload, `strata bench kernels`, and the PyTorch GPT-2 step it is
+# judged against where PyTorch with CUDA is installed), and print a short table. Run on a machine with an NVIDIA
+# GPU, the CUDA toolkit and Strata's build dependencies:
 #   scripts/gpu-check.sh                      build into build-gpu/ and check
 #   scripts/gpu-check.sh --bundle DIR         (on a build machine, no GPU needed) copy the CUDA test binaries,
 #                                             build/strata and the shared libraries they need beyond libc/CUDA
@@ -97,6 +98,19 @@ if [[ $bench == 1 ]]; then
   "$strata" bench step --device cuda --precision bf16 --layers 12 --heads 12 --width 768 --vocab 50257 \
     --context 1024 --batch 8 --steps 10 --warmup 2 --json 2>"$out/bench_step.log" | tee "$out/bench_step.jsonl" ||
     { status=1; tail -20 "$out/bench_step.log"; }
+  # Offload on the GPU (issue 4's overlap ratio, issue 6's model FLOPs utilisation): one JSON line each.
+  gpt2_124m=(--device cuda --precision bf16 --layers 12 --heads 12 --width 768 --vocab 50257 --context 1024 --batch 8)
+  for placement in "cpu cpu" "nvme nvme"; do
+    set -- $placement
+    echo; echo "== strata bench step, GPT-2 124M, parameters on $1, optimizer on $2 (step / max(compute, disk, Adam))"
+    "$strata" bench step "${gpt2_124m[@]}" --offload-param "$1" --offload-optimizer "$2" --steps 6 --warmup 2 \
+      --rounds 2 --json 2>"$out/bench_offload_$1_$2.log" | tee "$out/bench_offload_$1_$2.jsonl" ||
+      { status=1; tail -20 "$out/bench_offload_$1_$2.log"; }
+  done
+  echo; echo "== strata bench step, GPT-2 2.5B (48 layers, width 2048), optimizer on the CPU: model FLOPs utilisation"
+  "$strata" bench step --device cuda --precision bf16 --layers 48 --heads 32 --width 2048 --context 1024 --batch 2 \
+    --grad-accum 8 --steps 2 --warmup 1 --offload-optimizer cpu --json 2>"$out/bench_mfu.log" |
+    tee "$out/bench_mfu.jsonl" || { status=1; tail -20 "$out/bench_mfu.log"; }
   echo; echo "== strata bench kernels (GPT-2 124M shapes, bf16 matmuls)"
   "$strata" bench kernels | tee "$out/bench_kernels.txt" || status=1
   "$strata" bench kernels --json >"$out/bench_kernels.jsonl" 2>&1 || status=1
