@@ -1,5 +1,6 @@
 #include "storage/fault_engine.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <thread>
 #include <vector>
@@ -45,6 +46,23 @@ size_t FaultEngine::held_writes() const {
   return held_.size();
 }
 
+void FaultEngine::release_writes(size_t n) {
+  std::vector<RawIo*> release;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    n = std::min(n, held_.size());
+    release.assign(held_.begin(), held_.begin() + static_cast<std::ptrdiff_t>(n));
+    held_.erase(held_.begin(), held_.begin() + static_cast<std::ptrdiff_t>(n));
+  }
+  // Past the hold (submit would keep them back again), through the same fault draws as any other transfer.
+  if (!release.empty()) pass_on(release.data(), release.size(), /*may_hold=*/false);
+}
+
+uint64_t FaultEngine::reads_submitted() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return reads_;
+}
+
 void FaultEngine::shutdown() {
   hold_writes(false);  // the inner engine finishes or cancels them
   inner_.shutdown();
@@ -55,7 +73,9 @@ FaultCounts FaultEngine::counts() const {
   return counts_;
 }
 
-void FaultEngine::submit(RawIo* const* ios, size_t n) {
+void FaultEngine::submit(RawIo* const* ios, size_t n) { pass_on(ios, n, /*may_hold=*/true); }
+
+void FaultEngine::pass_on(RawIo* const* ios, size_t n, bool may_hold) {
   std::vector<RawIo*> pass;
   std::vector<std::pair<RawIo*, int64_t>> failed;
   pass.reserve(n);
@@ -63,10 +83,11 @@ void FaultEngine::submit(RawIo* const* ios, size_t n) {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < n; ++i) {
       RawIo* io = ios[i];
-      if (holding_ && io->op == IoOp::kWrite) {
+      if (may_hold && holding_ && io->op == IoOp::kWrite) {
         held_.push_back(io);
         continue;
       }
+      if (io->op == IoOp::kRead) ++reads_;
       if (!enabled_) {
         pass.push_back(io);
         continue;

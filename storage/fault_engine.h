@@ -64,11 +64,15 @@ class FaultEngine final : public IoEngine {
   // when it catches up); turning it off submits them, in order. shutdown() turns it off.
   void hold_writes(bool hold);
   size_t held_writes() const;
+  // Submits the first n held writes (all of them if fewer), in order, and keeps holding what comes after.
+  void release_writes(size_t n);
+  uint64_t reads_submitted() const;  // reads that reached this engine so far
   FaultCounts counts() const;
 
  private:
   struct Shadow;
   static void on_shadow_done(RawIo* io, int64_t res);
+  void pass_on(RawIo* const* ios, size_t n, bool may_hold);  // submit's work; may_hold: writes obey hold_writes
 
   IoEngine& inner_;
   FaultOptions options_;
@@ -77,6 +81,7 @@ class FaultEngine final : public IoEngine {
   bool enabled_ = true;
   bool holding_ = false;
   std::vector<RawIo*> held_;
+  uint64_t reads_ = 0;
   FaultCounts counts_;
   std::atomic<int64_t> shadows_{0};
 };
