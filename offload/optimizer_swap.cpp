@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <set>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -12,13 +13,19 @@
 
 namespace strata::offload {
 
-// One staging slot: master, m and v of one sub-group, each region padded to 4 KiB so all three stay
-// page-aligned for O_DIRECT; the batches of its reads and of its writes.
+// One staging slot: master, m and v of one sub-group (and its gradient, when read from a key), each region
+// padded to 4 KiB so all stay page-aligned for O_DIRECT; the batch of its reads, and one batch per region of
+// its writes, so that a region is read into again as soon as its own write is done.
 struct OptimizerSwapper::Slot {
   PinnedBuffer buf;
-  std::unique_ptr<IoBatch> reads, writes;
-  size_t group = SIZE_MAX;  // the sub-group its reads were issued for (and its writes, once issued)
+  std::unique_ptr<IoBatch> reads;
+  std::unique_ptr<IoBatch> writes[3];  // master, m, v of `written`
+  size_t group = SIZE_MAX;             // the sub-group its reads were issued for
+  size_t written = SIZE_MAX;           // the sub-group whose writes are in flight (SIZE_MAX: none)
+  int regions_read = 0;                // of `group`'s master, m, v: how many reads are issued
+  Status write_error;                  // the first failed write of `written`
   float* region(size_t region_floats, int k) const { return buf.as<float>() + region_floats * k; }
+  bool region_free(int k) const { return !writes[k] || writes[k]->done(); }
 };
 
 namespace {
@@ -81,7 +88,9 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::create(SwapStore& st
 OptimizerSwapper::~OptimizerSwapper() {
   for (auto& slot : slots_) {  // nothing may still point into the slots or at the keys
     if (slot->reads) (void)slot->reads->wait();
-    if (slot->writes) (void)slot->writes->wait();
+    for (auto& w : slot->writes) {
+      if (w) (void)w->wait();
+    }
   }
   for (size_t g = 0; g < groups_.size(); ++g) {
     free_version(g, 0);
@@ -127,7 +136,7 @@ Status OptimizerSwapper::initialize(size_t g, const float* master, const float* 
   }
   const size_t bytes = groups_[g].numel * sizeof(float);
   Slot& slot = *slots_[0];
-  if (slot.writes) STRATA_RETURN_IF_ERROR(slot.writes->wait());
+  STRATA_RETURN_IF_ERROR(finish_writes(slot));
   std::memcpy(slot.region(region_floats_, 0), master, bytes);
   const float* moments[] = {m, v};
   for (int k = 1; k < 3; ++k) {
@@ -145,15 +154,22 @@ Status OptimizerSwapper::initialize(size_t g, const float* master, const float* 
   return Status::ok();
 }
 
-Status OptimizerSwapper::finish_writes(Slot& slot) {
-  if (!slot.writes) return Status::ok();
-  trace::Span span("waiting for a write", static_cast<int64_t>(slot.group));
+void OptimizerSwapper::wait_write(Slot& slot, int k) {
+  if (!slot.writes[k]) return;
+  trace::Span span("waiting for a write", static_cast<int64_t>(slot.written));
   Timer t;
-  const Status written = slot.writes->wait();
+  Status written = slot.writes[k]->wait();
   stats_.write_wait_s += t.seconds();
-  slot.writes.reset();
-  const size_t g = slot.group;
-  if (!written.is_ok())
+  slot.writes[k].reset();
+  if (slot.write_error.is_ok()) slot.write_error = std::move(written);
+}
+
+Status OptimizerSwapper::finish_writes(Slot& slot) {
+  if (slot.written == SIZE_MAX) return Status::ok();
+  for (int k = 0; k < 3; ++k) wait_write(slot, k);
+  const size_t g = slot.written;
+  slot.written = SIZE_MAX;
+  if (Status written = std::exchange(slot.write_error, Status::ok()); !written.is_ok())
     return written.with_context(fmt::format("optimizer swap: writing sub-group '{}' ({})", groups_[g].name,
                                             key(g, "{master,m,v}", version_[g] ^ 1)));
   if (keep_old_) {
@@ -165,22 +181,31 @@ Status OptimizerSwapper::finish_writes(Slot& slot) {
   return Status::ok();
 }
 
-Status OptimizerSwapper::issue_read(size_t g, size_t s) {
+Result<bool> OptimizerSwapper::issue_read(size_t g, size_t s, bool block) {
   Slot& slot = *slots_[s];
-  // The slot's previous sub-group must be on disk before its memory is reused.
-  STRATA_RETURN_IF_ERROR(finish_writes(slot));
   const size_t bytes = groups_[g].numel * sizeof(float);
-  slot.reads = std::make_unique<IoBatch>();
-  slot.group = g;
+  if (slot.group != g || !slot.reads) {  // a new sub-group for this slot (else: the rest of its regions)
+    slot.reads = std::make_unique<IoBatch>();
+    slot.group = g;
+    slot.regions_read = 0;
+    if (!groups_[g].grad_key.empty()) {  // a region nothing writes
+      STRATA_RETURN_IF_ERROR(
+          store_.read(groups_[g].grad_key, slot.region(region_floats_, 3), bytes, slot.reads.get()));
+      stats_.bytes_read += bytes;
+    }
+  }
+  // The slot's previous sub-group must be on disk before its memory is reused, but only region by region: the
+  // read of the master weights overlaps the writes of the moments.
   static const char* kWhat[] = {"master", "m", "v"};
-  for (int k = 0; k < 3; ++k)
+  for (int& k = slot.regions_read; k < 3; ++k) {
+    if (!block && !slot.region_free(k)) return false;
+    wait_write(slot, k);
+    if (!slot.write_error.is_ok()) return finish_writes(slot);  // the error, naming the sub-group written
     STRATA_RETURN_IF_ERROR(store_.read(key(g, kWhat[k]), slot.region(region_floats_, k), bytes, slot.reads.get()));
-  stats_.bytes_read += 3 * bytes;
-  if (!groups_[g].grad_key.empty()) {
-    STRATA_RETURN_IF_ERROR(store_.read(groups_[g].grad_key, slot.region(region_floats_, 3), bytes, slot.reads.get()));
     stats_.bytes_read += bytes;
   }
-  return Status::ok();
+  STRATA_RETURN_IF_ERROR(finish_writes(slot));  // every region is written: the new version is current
+  return true;
 }
 
 Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std::vector<void*>& working,
@@ -251,9 +276,8 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
         STRATA_RETURN_IF_ERROR(learn_next(false));
         if (issued == order.size()) break;  // the plan does not know the next one yet
       }
-      const size_t s = issued % num_slots;
-      if (!block && slots_[s]->writes && !slots_[s]->writes->done()) break;
-      STRATA_RETURN_IF_ERROR(issue_read(order[issued], s));
+      STRATA_ASSIGN_OR_RETURN(const bool all, issue_read(order[issued], issued % num_slots, block));
+      if (!all) break;  // the rest of that slot's regions are still being written
       ++issued;
     }
     return Status::ok();
@@ -308,10 +332,11 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
       if (Status st = on_updated(g, master); !st.is_ok()) return drain(st);
     }
     const size_t bytes = groups_[g].numel * sizeof(float);
-    slot.writes = std::make_unique<IoBatch>();
+    slot.written = g;
     for (int k = 0; k < 3; ++k) {
+      slot.writes[k] = std::make_unique<IoBatch>();
       if (Status st = store_.write(key(g, kWhat[k], version_[g] ^ 1), slot.region(region_floats_, k), bytes,
-                                   slot.writes.get());
+                                   slot.writes[k].get());
           !st.is_ok())
         return drain(st);
     }

@@ -137,7 +137,10 @@ class OptimizerSwapper {
   std::string key(size_t g, const char* what, int version) const;
   std::string key(size_t g, const char* what) const { return key(g, what, version_[g]); }
   void free_version(size_t g, int version);
-  Status issue_read(size_t g, size_t slot);
+  // Issues sub-group g's reads into slot s region by region, each once the slot's previous write of it is done
+  // (waiting for it when `block`); true when all are issued. Called again with the same g, it goes on.
+  Result<bool> issue_read(size_t g, size_t s, bool block);
+  void wait_write(Slot& slot, int region);  // a failure is kept in the slot for finish_writes
   Status finish_writes(Slot& slot);  // waits for the slot's writes; the group's new version then is written
 
   SwapStore& store_;

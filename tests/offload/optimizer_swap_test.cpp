@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -336,6 +337,56 @@ TEST_P(OptimizerSwapTest, WritesInFlightHoldBackOnlyTheReadIntoTheirSlot) {
   EXPECT_FALSE(released_by_watchdog.load())
       << "the step waited for writes held back by the disk before updating sub-groups whose state it had read";
   EXPECT_EQ(updated, groups.size());
+  expect_state(s, groups, want);
+}
+
+// A slot is read into region by region: the next sub-group's master weights are read as soon as the slot's
+// previous master weights are on disk, while its moments are still being written (the read used to wait for
+// all three). The disk is held, then let through one write at a time by the test.
+TEST_P(OptimizerSwapTest, ASlotIsReadIntoAsEachOfItsRegionsIsWritten) {
+  const FaultOptions no_faults;  // only the hold
+  Harness h(GetParam(), &no_faults);
+  ASSERT_NE(h.store, nullptr);
+  const std::vector<OptimizerGroup> groups = plain_groups(4, 1024, 0);  // 4 KiB keys: one write each
+  auto swapper = OptimizerSwapper::create(*h.store, *h.pool, groups, OptimizerSwapOptions{.slots = 2});
+  ASSERT_TRUE(swapper.is_ok()) << swapper.status().to_string();
+  OptimizerSwapper& s = *swapper.value();
+  HostState want(groups, 31);
+  for (size_t g = 0; g < groups.size(); ++g) ASSERT_TRUE(s.initialize(g, want.master[g].data()).is_ok());
+  Rng rng(37);
+  want.new_grads(rng);
+  std::vector<const float*> grads;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    grads.push_back(want.grads[g].data());
+    kernels::AdamWParams p = hyper(1);
+    p.weight_decay = 0.1f;
+    kernels::cpu::fast::adamw_update_mixed(want.master[g].data(), want.m[g].data(), want.v[g].data(),
+                                           want.grads[g].data(), nullptr, DType::kF32, groups[g].numel, p);
+  }
+  // Polls `done` for up to 5 s.
+  auto eventually = [](const std::function<bool()>& done) {
+    for (int i = 0; i < 500; ++i) {
+      if (done()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return done();
+  };
+
+  h.faulty->hold_writes(true);
+  Status st;
+  std::thread stepper([&] { st = s.step(grads, {}, DType::kF32, hyper(1)); });
+  // Sub-groups 0 and 1 updated, their writes held (master, m, v each); the third sub-group goes into the first
+  // slot, whose writes are held.
+  const bool both_written = eventually([&] { return h.faulty->held_writes() == 6; });
+  EXPECT_TRUE(both_written) << h.faulty->held_writes() << " writes held";
+  const uint64_t reads = h.faulty->reads_submitted();
+  h.faulty->release_writes(1);  // sub-group 0's master weights reach the disk; its m and v do not yet
+  const bool master_read = eventually([&] { return h.faulty->reads_submitted() > reads; });
+  EXPECT_TRUE(master_read) << "the read into the first slot waited for the writes of its other regions";
+  EXPECT_EQ(h.faulty->held_writes(), 5u);
+  h.faulty->hold_writes(false);
+  stepper.join();
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
   expect_state(s, groups, want);
 }
 
