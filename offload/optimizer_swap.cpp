@@ -337,8 +337,10 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
       slot.writes[k] = std::make_unique<IoBatch>();
       if (Status st = store_.write(key(g, kWhat[k], version_[g] ^ 1), slot.region(region_floats_, k), bytes,
                                    slot.writes[k].get());
-          !st.is_ok())
+          !st.is_ok()) {
+        slot.write_error = st;  // the new version is incomplete: the old one stays current
         return drain(st);
+      }
     }
     stats_.bytes_written += 3 * bytes;
     if (Status st = issue_reads(pos + 2, /*block=*/false); !st.is_ok()) return drain(st);

@@ -390,6 +390,39 @@ TEST_P(OptimizerSwapTest, ASlotIsReadIntoAsEachOfItsRegionsIsWritten) {
   expect_state(s, groups, want);
 }
 
+// A write the store refuses at once (it is full) fails the step and leaves the sub-group's old state current:
+// the new version, whose master and m went in and v did not, must not replace it (it used to, and the old
+// keys were freed).
+TEST(OptimizerSwapFaultTest, AWriteTheStoreRefusesKeepsTheOldState) {
+  const std::string dir = (fs::temp_directory_path() / fmt::format("strata_optswap_full_{}", ::getpid())).string();
+  MemoryEngine engine(MemoryEngineOptions{.direct_alignment = 4096});
+  IoQueue queue(engine, IoQueueOptions{64 << 10});
+  SwapStoreOptions so;
+  so.dir = dir;
+  so.file_bytes = 1 << 20;  // 255 blocks of 4 KiB after the header: five keys of 48 blocks, not six
+  so.max_files = 1;
+  so.checksum_chunk = 64 << 10;
+  auto store = SwapStore::open(queue, so);
+  ASSERT_TRUE(store.is_ok()) << store.status().to_string();
+  auto pool = PinnedPool::create(PinnedPoolOptions{.budget_bytes = 4 << 20, .lock = false});
+  ASSERT_TRUE(pool.is_ok());
+  const std::vector<OptimizerGroup> groups = plain_groups(1, 48 * 1024, 0);
+  auto swapper = OptimizerSwapper::create(*store.value(), *pool.value(), groups, OptimizerSwapOptions{.slots = 2});
+  ASSERT_TRUE(swapper.is_ok()) << swapper.status().to_string();
+  OptimizerSwapper& s = *swapper.value();
+  HostState want(groups, 41);
+  ASSERT_TRUE(s.initialize(0, want.master[0].data()).is_ok());
+  Rng rng(43);
+  want.new_grads(rng);
+  const Status st = s.step({want.grads[0].data()}, {}, DType::kF32, hyper(1));
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.to_string().find("is full"), std::string::npos) << st.to_string();
+  expect_state(s, groups, want);  // as initialized: master, zero moments
+  swapper.value().reset();
+  store.value().reset();
+  fs::remove_all(dir);
+}
+
 // The same with every Adam pass on the calling thread: the swapper's own hand-offs between the engine threads
 // and the caller are then all that ThreadSanitizer sees (the Debian TBB is not instrumented, so work it hands
 // to its workers shows up as false races in a TSan build).
