@@ -130,10 +130,10 @@ void OptimizerSwapper::rollback() {
 
 Status OptimizerSwapper::initialize(size_t g, const float* master, const float* m, const float* v) {
   if (g >= groups_.size()) return Status::invalid_argument("optimizer swap: no sub-group {}", g);
-  if (pending_[g]) {  // new contents replace whatever a step left undecided
-    free_version(g, version_[g] ^ 1);
-    pending_[g] = false;
-  }
+  // New contents replace whatever a step left undecided; they are written as the other version, which becomes
+  // current once all three keys are written (a refused write leaves the state as it was).
+  free_version(g, version_[g] ^ 1);
+  pending_[g] = false;
   const size_t bytes = groups_[g].numel * sizeof(float);
   Slot& slot = *slots_[0];
   STRATA_RETURN_IF_ERROR(finish_writes(slot));
@@ -146,20 +146,31 @@ Status OptimizerSwapper::initialize(size_t g, const float* master, const float* 
       std::memset(slot.region(region_floats_, k), 0, bytes);
     }
   }
+  const int next = version_[g] ^ 1;
   for (int k = 0; k < 3; ++k) {
     static const char* kWhat[] = {"master", "m", "v"};
-    STRATA_RETURN_IF_ERROR(store_.write(key(g, kWhat[k]), slot.region(region_floats_, k), bytes));
+    if (Status st = store_.write(key(g, kWhat[k], next), slot.region(region_floats_, k), bytes); !st.is_ok()) {
+      free_version(g, next);
+      return st;
+    }
   }
+  free_version(g, version_[g]);
+  version_[g] = next;
   initialized_[g] = true;
   return Status::ok();
 }
 
 void OptimizerSwapper::wait_write(Slot& slot, int k) {
   if (!slot.writes[k]) return;
-  trace::Span span("waiting for a write", static_cast<int64_t>(slot.written));
-  Timer t;
-  Status written = slot.writes[k]->wait();
-  stats_.write_wait_s += t.seconds();
+  Status written;
+  if (slot.writes[k]->done()) {
+    written = slot.writes[k]->wait();
+  } else {
+    trace::Span span("waiting for a write", static_cast<int64_t>(slot.written));
+    Timer t;
+    written = slot.writes[k]->wait();
+    stats_.write_wait_s += t.seconds();
+  }
   slot.writes[k].reset();
   if (slot.write_error.is_ok()) slot.write_error = std::move(written);
 }
@@ -169,9 +180,13 @@ Status OptimizerSwapper::finish_writes(Slot& slot) {
   for (int k = 0; k < 3; ++k) wait_write(slot, k);
   const size_t g = slot.written;
   slot.written = SIZE_MAX;
-  if (Status written = std::exchange(slot.write_error, Status::ok()); !written.is_ok())
+  if (Status written = std::exchange(slot.write_error, Status::ok()); !written.is_ok()) {
+    // The old version stays; what was written of the new one goes, so that a retry or a restart from a
+    // checkpoint (initialize) finds the store as it was.
+    free_version(g, version_[g] ^ 1);
     return written.with_context(fmt::format("optimizer swap: writing sub-group '{}' ({})", groups_[g].name,
                                             key(g, "{master,m,v}", version_[g] ^ 1)));
+  }
   if (keep_old_) {
     pending_[g] = true;
   } else {
@@ -267,8 +282,8 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
     if (g != kEnd && g != kNotYet) order.push_back(g);
     return Status::ok();
   };
-  // Issues the reads of the positions before `upto` that the plan knows; without `block`, stops at a slot whose
-  // writes are still in flight.
+  // Issues the reads of the positions before `upto` that the plan knows; without `block`, stops at a slot region
+  // whose write is still in flight (and goes on with that slot the next time).
   auto issue_reads = [&](size_t upto, bool block) -> Status {
     while (issued < upto) {
       if (issued == order.size()) {

@@ -53,7 +53,7 @@ struct OptimizerGroup {
 
 struct OptimizerSwapOptions {
   std::string key_prefix = "opt.";
-  int slots = 3;  // staging slots: 3 overlaps read, update and write; 2 reads only after the slot's write
+  int slots = 3;  // staging slots: 3 overlaps read, update and write; 2 reads into a slot only as it is written
 };
 
 // Where a step's time went (seconds), and what it moved.
@@ -97,7 +97,8 @@ class OptimizerSwapper {
   // The swap key holding sub-group g's current `what` ("master", "m" or "v").
   std::string state_key(size_t g, const char* what) const { return key(g, what); }
 
-  // Stores sub-group g's fp32 master weights (`master`, group layout) and moments (zeros where null).
+  // Stores sub-group g's fp32 master weights (`master`, group layout) and moments (zeros where null), as a new
+  // version that replaces the old once all three keys are written: on failure the old state stays.
   Status initialize(size_t g, const float* master, const float* m = nullptr, const float* v = nullptr);
 
   // One AdamW step over every sub-group (in index order, or the order plan.next gives; a plan that ends early

@@ -392,7 +392,7 @@ TEST_P(OptimizerSwapTest, ASlotIsReadIntoAsEachOfItsRegionsIsWritten) {
 
 // A write the store refuses at once (it is full) fails the step and leaves the sub-group's old state current:
 // the new version, whose master and m went in and v did not, must not replace it (it used to, and the old
-// keys were freed).
+// keys were freed), and what went in of it is freed. The same for initialize.
 TEST(OptimizerSwapFaultTest, AWriteTheStoreRefusesKeepsTheOldState) {
   const std::string dir = (fs::temp_directory_path() / fmt::format("strata_optswap_full_{}", ::getpid())).string();
   MemoryEngine engine(MemoryEngineOptions{.direct_alignment = 4096});
@@ -414,10 +414,21 @@ TEST(OptimizerSwapFaultTest, AWriteTheStoreRefusesKeepsTheOldState) {
   ASSERT_TRUE(s.initialize(0, want.master[0].data()).is_ok());
   Rng rng(43);
   want.new_grads(rng);
+  const SwapStoreStats before = store.value()->stats();
   const Status st = s.step({want.grads[0].data()}, {}, DType::kF32, hyper(1));
   ASSERT_FALSE(st.is_ok());
   EXPECT_NE(st.to_string().find("is full"), std::string::npos) << st.to_string();
   expect_state(s, groups, want);  // as initialized: master, zero moments
+  // What was written of the new version is gone again (it stayed, filling the store, until the swapper died).
+  EXPECT_EQ(store.value()->stats().used_bytes, before.used_bytes);
+  EXPECT_EQ(store.value()->stats().keys, before.keys);
+  // Re-initializing (a restart from a checkpoint) writes a new version beside the old too: this store refuses
+  // its third key, and the old state reads back.
+  std::vector<float> other(groups[0].numel, 0.5f);
+  const Status refused = s.initialize(0, other.data(), other.data(), other.data());
+  EXPECT_FALSE(refused.is_ok());
+  expect_state(s, groups, want);
+  EXPECT_EQ(store.value()->stats().used_bytes, before.used_bytes);
   swapper.value().reset();
   store.value().reset();
   fs::remove_all(dir);
