@@ -1,8 +1,12 @@
 #include "engine/checkpoint.h"
 
+#include <fcntl.h>
+#include <stdio.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -161,6 +165,64 @@ Status load_model(GPT2& model, const std::string& path) {
   return Status::ok();
 }
 
+namespace {
+
+// The step a checkpoint folder's name gives ("step_001200": 1200), or -1 for any other name.
+int64_t checkpoint_step(const std::string& name) {
+  if (!name.starts_with("step_") || name.size() == 5) return -1;
+  int64_t step = 0;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9' || step > (INT64_MAX - 9) / 10) return -1;
+    step = step * 10 + (name[i] - '0');
+  }
+  return step;
+}
+
+// Puts the folder `from` in place of `to`. Where `to` exists, the two are exchanged in one step where the
+// filesystem can (renameat2 RENAME_EXCHANGE), so `to` always names a whole checkpoint, and `from` then holds
+// the old one; elsewhere the old one is moved aside to `from` first.
+Status replace_dir(const fs::path& from, const fs::path& to) {
+  std::error_code ec;
+  if (fs::exists(to, ec)) {
+    if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_EXCHANGE) == 0) return Status::ok();
+    if (errno != EINVAL && errno != ENOSYS)
+      return Status::io_error("cannot exchange {} with {}: {}", from.string(), to.string(), std::strerror(errno));
+    const fs::path aside = from.string() + ".old";
+    fs::remove_all(aside, ec);
+    fs::rename(to, aside, ec);
+    if (ec) return Status::io_error("cannot move {} aside: {}", to.string(), ec.message());
+    fs::rename(from, to, ec);
+    if (ec) return Status::io_error("cannot rename {} to {}: {}", from.string(), to.string(), ec.message());
+    fs::rename(aside, from, ec);  // for the caller to remove with the rest
+    return Status::ok();
+  }
+  fs::rename(from, to, ec);
+  if (ec) return Status::io_error("cannot rename {} to {}: {}", from.string(), to.string(), ec.message());
+  return Status::ok();
+}
+
+// Keeps the `keep` checkpoints with the highest steps, counting `written` (the one just saved, never removed:
+// after a resume from an earlier step, the later steps of the abandoned run sort above it), and removes the
+// leftovers of saves that failed or were killed ("step_*.tmp", "step_*.tmp.old").
+void prune_checkpoints(const std::string& checkpoint_dir, const std::string& written, int keep) {
+  std::error_code ec;
+  std::vector<std::pair<int64_t, fs::path>> others;
+  for (const auto& e : fs::directory_iterator(checkpoint_dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (!e.is_directory(ec) || !n.starts_with("step_") || n == written) continue;
+    if (n.ends_with(".tmp") || n.ends_with(".tmp.old")) {
+      fs::remove_all(e.path(), ec);
+      continue;
+    }
+    if (const int64_t step = checkpoint_step(n); step >= 0) others.emplace_back(step, e.path());
+  }
+  std::sort(others.begin(), others.end());
+  const size_t kept = static_cast<size_t>(keep) - 1;
+  for (size_t i = 0; i + kept < others.size(); ++i) fs::remove_all(others[i].second, ec);
+}
+
+}  // namespace
+
 Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT2& model, Optimizer& opt,
                                     const TrainState& state, int keep) {
   const std::string name = fmt::format("step_{:06d}", state.step);
@@ -188,20 +250,13 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
   };
   STRATA_RETURN_IF_ERROR(write_text_atomic((tmp_dir / "state.json").string(), js.dump(2) + "\n"));
 
-  fs::remove_all(final_dir, ec);  // a checkpoint of the same step from an earlier, resumed run
-  fs::rename(tmp_dir, final_dir, ec);
-  if (ec) return Status::io_error("cannot rename {} to {}: {}", tmp_dir.string(), final_dir.string(), ec.message());
+  // In place; a checkpoint of the same step already there (a signal right after a periodic save, or an earlier
+  // run's) ends up in tmp_dir, and goes only once `latest` names the new one.
+  STRATA_RETURN_IF_ERROR(replace_dir(tmp_dir, final_dir));
+  STRATA_RETURN_IF_ERROR(fsync_parent_dir(final_dir.string()));
   STRATA_RETURN_IF_ERROR(write_text_atomic((fs::path(checkpoint_dir) / "latest").string(), name + "\n"));
-
-  if (keep > 0) {
-    std::vector<std::string> steps;
-    for (const auto& e : fs::directory_iterator(checkpoint_dir, ec)) {
-      const std::string n = e.path().filename().string();
-      if (e.is_directory() && n.starts_with("step_") && !n.ends_with(".tmp")) steps.push_back(n);
-    }
-    std::sort(steps.begin(), steps.end());
-    for (size_t i = 0; i + keep < steps.size(); ++i) fs::remove_all(fs::path(checkpoint_dir) / steps[i], ec);
-  }
+  fs::remove_all(tmp_dir, ec);
+  if (keep > 0) prune_checkpoints(checkpoint_dir, name, keep);
   return final_dir.string();
 }
 
@@ -231,6 +286,9 @@ Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimiz
     in >> name;
     if (name.empty()) return Status::corruption("{} is empty", (dir / "latest").string());
     dir /= name;
+    if (!fs::exists(dir / "state.json", ec))
+      return Status::not_found("{} names '{}', which is not a checkpoint (no {})", (fs::path(path) / "latest").string(),
+                               name, (dir / "state.json").string());
   }
   if (!fs::exists(dir / "state.json", ec)) {
     return Status::not_found("{} is not a checkpoint (no state.json, and no 'latest' file naming one)", path);

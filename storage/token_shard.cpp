@@ -48,7 +48,8 @@ Status write_all(int fd, const std::byte* p, size_t n, const std::string& path, 
   return Status::ok();
 }
 
-// fsync of the containing directory makes the rename durable, not just the file's bytes.
+}  // namespace
+
 Status fsync_parent_dir(const std::string& path) {
   std::filesystem::path dir = std::filesystem::path(path).parent_path();
   if (dir.empty()) dir = ".";
@@ -58,8 +59,6 @@ Status fsync_parent_dir(const std::string& path) {
   if (::fsync(fd) != 0) return Status::io_error("{}: fsync of directory failed: {}", dir.string(), std::strerror(errno));
   return Status::ok();
 }
-
-}  // namespace
 
 Status write_file_atomic(const std::string& path, std::span<const std::span<const std::byte>> parts) {
   return write_file_atomic(path, [&](const AppendFn& append) -> Status {

@@ -55,6 +55,9 @@ class TokenShard {
 // Writes n tokens as a shard at `path` (via "<path>.tmp", fsync, rename). n must fit the int32 count field.
 Status write_token_shard(const std::string& path, const uint16_t* tokens, size_t n);
 
+// fsync of the directory holding `path`: makes a rename or creation there durable, not just the file's bytes.
+Status fsync_parent_dir(const std::string& path);
+
 // Writes the concatenation of `parts` to `path` crash-safely: "<path>.tmp" is written, fsynced and renamed
 // over `path`, then the directory is fsynced so the rename itself survives a crash. On failure the temporary
 // file is removed and the error names it. Shared by the token-shard and safetensors writers.

@@ -1,0 +1,141 @@
+// checkpoint_test.cpp — saving a checkpoint never loses the last good one: `keep` counts checkpoints by their
+// step number and never removes the one just written (also after a resume from an earlier step, and past
+// step 999999, where the names stop sorting as text), a second save of the same step replaces the first
+// whole, leftovers of failed saves go, and a `latest` naming a missing folder is an error naming it.
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "engine/checkpoint.h"
+#include "engine/gpt2.h"
+#include "engine/optimizer.h"
+#include "kernels/cpu/cpu_kernels.h"
+#include "kernels/device.h"
+#include "tests/test_util.h"
+
+namespace strata::engine {
+namespace {
+
+namespace fs = std::filesystem;
+
+const GPT2Config kConfig{.n_layer = 1, .n_head = 2, .n_embd = 32, .vocab_size = 67, .block_size = 16};
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (fs::temp_directory_path() / fmt::format("strata_ckpt_{}_{}", ::getpid(), counter_++)).string();
+    ASSERT_OK_AND_ASSIGN(device_, kernels::make_device("cpu", *kernels::find_kernel_set("fast")));
+    ASSERT_OK_AND_ASSIGN(model_, GPT2::create(kConfig, *device_, kernels::MatmulPrecision::kF32));
+    ASSERT_OK(model_->init_gpt2(3));
+    auto opt = AdamW::create(model_->units(), AdamWConfig{}, *device_);
+    ASSERT_TRUE(opt.is_ok()) << opt.status().to_string();
+    opt_ = std::make_unique<AdamW>(std::move(opt).value());
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // One training step, so that every save below has different parameters.
+  void train_step() {
+    std::vector<int32_t> x(2 * 8, 5), y(2 * 8, 9);
+    ASSERT_TRUE(model_->forward(x.data(), y.data(), 2, 8).is_ok());
+    ASSERT_OK(model_->backward());
+    opt_->step(model_->units(), 1e-2f);
+  }
+  void save(int step, int keep) {
+    auto saved = save_checkpoint(dir_, *model_, *opt_, TrainState{.step = step, .train_pos = {}, .config = {}}, keep);
+    ASSERT_TRUE(saved.is_ok()) << saved.status().to_string();
+  }
+  // A folder that looks like another run's checkpoint to the pruning.
+  void fake(const std::string& name) {
+    fs::create_directories(fs::path(dir_) / name);
+    std::ofstream(fs::path(dir_) / name / "state.json") << "{}";
+  }
+  bool has(const std::string& name) const { return fs::exists(fs::path(dir_) / name); }
+  std::string latest() const {
+    std::ifstream in(fs::path(dir_) / "latest");
+    std::string name;
+    in >> name;
+    return name;
+  }
+  static std::vector<float> params_of(const GPT2& model) {
+    std::vector<float> all;
+    for (size_t u = 0; u < model.units().size(); ++u) {
+      std::vector<float> p(model.whole_layout(u).numel());
+      EXPECT_TRUE(model.read_params(u, p.data()).is_ok());
+      all.insert(all.end(), p.begin(), p.end());
+    }
+    return all;
+  }
+  // Loads the checkpoint `latest` names into a fresh model; its parameters go to *got.
+  Result<TrainState> load_fresh(std::vector<float>* got = nullptr) {
+    STRATA_ASSIGN_OR_RETURN(auto other, GPT2::create(kConfig, *device_, kernels::MatmulPrecision::kF32));
+    STRATA_ASSIGN_OR_RETURN(AdamW other_opt, AdamW::create(other->units(), AdamWConfig{}, *device_));
+    STRATA_ASSIGN_OR_RETURN(TrainState state, load_checkpoint(dir_, *other, other_opt));
+    if (got != nullptr) *got = params_of(*other);
+    return state;
+  }
+
+  static inline int counter_ = 0;
+  std::string dir_;
+  std::unique_ptr<kernels::Device> device_;
+  std::unique_ptr<GPT2> model_;
+  std::unique_ptr<AdamW> opt_;
+};
+
+TEST_F(CheckpointTest, KeepCountsByStepNumberPastSixDigits) {
+  save(999999, 2);
+  save(1000000, 2);
+  save(1000001, 2);  // "step_1000000" sorts before "step_999999" as text: it used to be the one removed
+  EXPECT_FALSE(has("step_999999"));
+  EXPECT_TRUE(has("step_1000000"));
+  EXPECT_TRUE(has("step_1000001"));
+  EXPECT_EQ(latest(), "step_1000001");
+}
+
+TEST_F(CheckpointTest, AfterAResumeFromAnEarlierStepTheNewCheckpointsStay) {
+  fake("step_002500");  // the abandoned run's, above the step it was resumed from
+  fake("step_003000");
+  save(2100, 2);
+  EXPECT_TRUE(has("step_002100")) << "the checkpoint just written was removed";
+  EXPECT_EQ(latest(), "step_002100");
+  EXPECT_TRUE(has("step_003000"));
+  EXPECT_FALSE(has("step_002500"));
+  save(2200, 2);
+  EXPECT_TRUE(has("step_002200"));
+  EXPECT_FALSE(has("step_002100"));
+  EXPECT_TRUE(has("step_003000"));
+  auto state = load_fresh();
+  ASSERT_TRUE(state.is_ok()) << state.status().to_string();
+  EXPECT_EQ(state.value().step, 2200);
+}
+
+TEST_F(CheckpointTest, ASecondSaveOfAStepReplacesTheFirstWhole) {
+  fake("step_000004.tmp");  // a save that failed or was killed
+  save(5, 2);
+  train_step();
+  const std::vector<float> want = params_of(*model_);
+  save(5, 2);  // e.g. the signal handler's save right after a periodic one
+  EXPECT_FALSE(has("step_000005.tmp"));
+  EXPECT_FALSE(has("step_000004.tmp"));
+  std::vector<float> got;
+  auto state = load_fresh(&got);
+  ASSERT_TRUE(state.is_ok()) << state.status().to_string();
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
+}
+
+TEST_F(CheckpointTest, ALatestNamingAMissingFolderIsAnErrorNamingIt) {
+  save(7, 0);
+  fs::remove_all(fs::path(dir_) / "step_000007");
+  auto state = load_checkpoint(dir_, *model_, *opt_);
+  ASSERT_FALSE(state.is_ok());
+  EXPECT_NE(state.status().to_string().find("step_000007"), std::string::npos) << state.status().to_string();
+}
+
+}  // namespace
+}  // namespace strata::engine
