@@ -203,14 +203,15 @@ Status replace_dir(const fs::path& from, const fs::path& to) {
 
 // Keeps the `keep` checkpoints with the highest steps, counting `written` (the one just saved, never removed:
 // after a resume from an earlier step, the later steps of the abandoned run sort above it), and removes the
-// leftovers of saves that failed or were killed ("step_*.tmp", "step_*.tmp.old").
+// leftovers of saves that failed or were killed ("step_*.tmp": never a checkpoint `latest` could name). A
+// "step_*.tmp.old" (replace_dir's fallback, killed halfway) may hold the only copy of a step: it stays.
 void prune_checkpoints(const std::string& checkpoint_dir, const std::string& written, int keep) {
   std::error_code ec;
   std::vector<std::pair<int64_t, fs::path>> others;
   for (const auto& e : fs::directory_iterator(checkpoint_dir, ec)) {
     const std::string n = e.path().filename().string();
     if (!e.is_directory(ec) || !n.starts_with("step_") || n == written) continue;
-    if (n.ends_with(".tmp") || n.ends_with(".tmp.old")) {
+    if (n.ends_with(".tmp")) {
       fs::remove_all(e.path(), ec);
       continue;
     }
