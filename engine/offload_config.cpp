@@ -170,7 +170,10 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   if (c->overlap_comm && (c->stage == 1 || c->stage == 2) && !offloading)  // with offload they run as stage 3
     c->not_acted_on.push_back("zero_optimization.overlap_comm = true (stages 1 and 2 reduce after backward)");
   note("zero_optimization.contiguous_gradients", c->contiguous_gradients, d.contiguous_gradients);
-  if (!c->reduce_scatter && c->stage == 2) c->not_acted_on.push_back("zero_optimization.reduce_scatter = false");
+  // Stage 2 reduce-scatters its gradients, and so does stage 3 (which stages 1 and 2 with offload run as); stages
+  // 0 and 1 all-reduce, which is what false asks for.
+  if (!c->reduce_scatter && (c->stage >= 2 || offloading))
+    c->not_acted_on.push_back("zero_optimization.reduce_scatter = false");
   note("zero_optimization.allgather_partitions", c->allgather_partitions, d.allgather_partitions);
   // The aio section configures the NVMe tier's engine: with nothing placed on nvme it has nothing to act on.
   if (c->offload_param.device != "nvme" && c->offload_optimizer.device != "nvme" && c->gradients != "nvme") {

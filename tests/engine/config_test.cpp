@@ -121,6 +121,17 @@ TEST(ConfigTest, DeepSpeedOffloadSectionsCarryOver) {
                           "aio.intra_op_parallelism"})
     EXPECT_EQ(listed.find(key), std::string::npos) << key << " is acted on, yet listed in:\n" << listed;
   EXPECT_EQ(listed.find("sub_group_size"), std::string::npos) << "a default value is not worth a warning";
+  // reduce_scatter = false: stage 3 reduce-scatters anyway (it was listed only under stage 2); stage 1
+  // all-reduces, as false asks.
+  for (int stage : {1, 2, 3}) {
+    auto rs = parse_run_config(
+        json::parse(fmt::format(R"({{"zero_optimization": {{"stage": {}, "reduce_scatter": false}}}})", stage)),
+        "rs.json");
+    ASSERT_TRUE(rs.is_ok()) << rs.status().to_string();
+    std::string all;
+    for (const std::string& k : rs->offload.not_acted_on) all += k + "\n";
+    EXPECT_EQ(all.find("reduce_scatter") != std::string::npos, stage >= 2) << "stage " << stage << ":\n" << all;
+  }
   // Stages 1 and 2 without offload cut their collectives by the buckets: not listed there.
   auto z2 = parse_run_config(json::parse(R"({"zero_optimization": {"stage": 2, "reduce_bucket_size": 1e6,
                                                                      "allgather_bucket_size": 2e6}})"),
