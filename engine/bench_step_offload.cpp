@@ -396,7 +396,8 @@ int run_bench_step_offload(const BenchStepOptions& o) {
   std::printf("offloaded step (median of %d, %d micro-batches each%s): %.1f ms, %.0f tokens/s, %.1f TFLOP/s of "
               "model FLOPs (%.1f per step)\n",
               o.steps, o.grad_accum,
-              rounds > 1 ? fmt::format("; alternated with the plain steps in {} rounds", rounds).c_str() : "", step_s * 1e3, tokens / step_s, model_tflops, step_flops / 1e12);
+              rounds > 1 ? fmt::format("; alternated with the plain steps in {} rounds", rounds).c_str() : "",
+              step_s * 1e3, tokens / step_s, model_tflops, step_flops / 1e12);
   if (gemm_tflops > 0)
     std::printf("  model FLOPs utilisation: %.1f / %.0f TFLOP/s (the measured %s GEMM rate) = %.0f%%\n", model_tflops,
                 gemm_tflops, o.precision.c_str(), 100.0 * model_tflops / gemm_tflops);

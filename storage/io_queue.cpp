@@ -283,7 +283,8 @@ void IoQueue::finish_piece(Piece* p, Status status) {
   if (!result.is_ok()) failed_.fetch_add(1, std::memory_order_relaxed);
   IoBatch* batch = r->batch;
   delete r;
-  release_lane(lane, op, bytes);  // the last touch of the queue (~IoQueue waits for it) but for handing on waiting pieces
+  // The last touch of the queue (~IoQueue waits for it) but for handing on waiting pieces.
+  release_lane(lane, op, bytes);
   batch->finish(result);
 }
 

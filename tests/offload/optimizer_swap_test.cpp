@@ -124,6 +124,19 @@ std::vector<OptimizerGroup> plain_groups(int count, size_t first, size_t step) {
   return groups;
 }
 
+// The swapper's first step over plain_groups, done on `want` in memory (hyper(1), decay 0.1): its gradients.
+std::vector<const float*> plain_step(const std::vector<OptimizerGroup>& groups, HostState& want) {
+  std::vector<const float*> grads;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    grads.push_back(want.grads[g].data());
+    kernels::AdamWParams p = hyper(1);
+    p.weight_decay = 0.1f;
+    kernels::cpu::fast::adamw_update_mixed(want.master[g].data(), want.m[g].data(), want.v[g].data(),
+                                           want.grads[g].data(), nullptr, DType::kF32, groups[g].numel, p);
+  }
+  return grads;
+}
+
 // The swapper's stored state of every group is bitwise `want`'s.
 void expect_state(OptimizerSwapper& s, const std::vector<OptimizerGroup>& groups, const HostState& want) {
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -299,14 +312,7 @@ TEST_P(OptimizerSwapTest, WritesInFlightHoldBackOnlyTheReadIntoTheirSlot) {
   for (size_t g = 0; g < groups.size(); ++g) ASSERT_TRUE(s.initialize(g, want.master[g].data()).is_ok());
   Rng rng(23);
   want.new_grads(rng);
-  std::vector<const float*> grads;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    grads.push_back(want.grads[g].data());
-    kernels::AdamWParams p = hyper(1);
-    p.weight_decay = 0.1f;
-    kernels::cpu::fast::adamw_update_mixed(want.master[g].data(), want.m[g].data(), want.v[g].data(),
-                                           want.grads[g].data(), nullptr, DType::kF32, groups[g].numel, p);
-  }
+  const std::vector<const float*> grads = plain_step(groups, want);
 
   h.faulty->hold_writes(true);
   // Should the step wait for the held writes after all, this lets them go after a while, so that the test
@@ -355,14 +361,7 @@ TEST_P(OptimizerSwapTest, ASlotIsReadIntoAsEachOfItsRegionsIsWritten) {
   for (size_t g = 0; g < groups.size(); ++g) ASSERT_TRUE(s.initialize(g, want.master[g].data()).is_ok());
   Rng rng(37);
   want.new_grads(rng);
-  std::vector<const float*> grads;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    grads.push_back(want.grads[g].data());
-    kernels::AdamWParams p = hyper(1);
-    p.weight_decay = 0.1f;
-    kernels::cpu::fast::adamw_update_mixed(want.master[g].data(), want.m[g].data(), want.v[g].data(),
-                                           want.grads[g].data(), nullptr, DType::kF32, groups[g].numel, p);
-  }
+  const std::vector<const float*> grads = plain_step(groups, want);
   // Polls `done` for up to 5 s.
   auto eventually = [](const std::function<bool()>& done) {
     for (int i = 0; i < 500; ++i) {
