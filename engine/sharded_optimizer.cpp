@@ -21,11 +21,6 @@ Result<std::unique_ptr<ShardedAdamW>> ShardedAdamW::create(const std::vector<Uni
   const std::vector<bool>& held = options.held;
   if (stage != 1 && stage != 2)
     return Status::invalid_argument("ShardedAdamW: zero_optimization.stage must be 1 or 2, got {}", stage);
-  if (!device.host_accessible())
-    return Status(StatusCode::kUnimplemented,
-                  fmt::format("ZeRO stage {} over MPI needs host-accessible parameters; the {} device needs the NCCL "
-                              "communicator, not built yet",
-                              stage, device.name()));
   std::unique_ptr<ShardedAdamW> opt(new ShardedAdamW());
   opt->held_ = held;
   opt->config_ = config;
@@ -55,7 +50,9 @@ Result<std::unique_ptr<ShardedAdamW>> ShardedAdamW::create(const std::vector<Uni
   const size_t bytes = std::max<size_t>(opt->shard_numel_, 1) * sizeof(float);
   STRATA_ASSIGN_OR_RETURN(opt->m_, device.allocate(bytes, "adamw.m (zero shard)"));
   STRATA_ASSIGN_OR_RETURN(opt->v_, device.allocate(bytes, "adamw.v (zero shard)"));
-  if (stage == 2) opt->grad_shard_.assign(opt->shard_numel_, 0.0f);
+  if (stage == 2) {
+    STRATA_ASSIGN_OR_RETURN(opt->grad_shard_, device.allocate(bytes, "adamw.grad (zero shard)"));
+  }
   auto piece = [&](size_t bucket) {
     return std::clamp<size_t>(bucket / dp, 1, ShardedAdamWOptions::kMaxPiece);
   };
@@ -83,15 +80,23 @@ Status ShardedAdamW::adopt_params() {
 
 Status ShardedAdamW::all_gather_tensor(const Slice& s, const float* shard, float* whole) {
   const size_t dp = static_cast<size_t>(group_->size());
+  const bool to_device = device_->owns(whole, 0);  // the parameters, or a checkpoint's host copy of the moments
   for (size_t a = 0; a < s.c; a += gather_piece_) {
     const size_t k = std::min(gather_piece_, s.c - a);
     const size_t mine = s.len > a ? std::min(k, s.len - a) : 0;
-    std::memcpy(send_.data(), shard + a, mine * sizeof(float));
+    if (mine > 0) device_->copy_to_host(send_.data(), shard + a, mine * sizeof(float));
     std::fill(send_.begin() + mine, send_.begin() + k, 0.0f);
     STRATA_RETURN_IF_ERROR(group_->all_gather(send_.data(), recv_.data(), k, DType::kF32));
     for (size_t q = 0; q < dp; ++q) {
       const size_t len = slice_len(s.tensor_numel, s.c, q);
-      if (len > a) std::memcpy(whole + q * s.c + a, recv_.data() + q * k, std::min(k, len - a) * sizeof(float));
+      if (len <= a) continue;
+      float* dst = whole + q * s.c + a;
+      const size_t bytes = std::min(k, len - a) * sizeof(float);
+      if (to_device) {
+        device_->copy_to_device(dst, recv_.data() + q * k, bytes);
+      } else {
+        std::memcpy(dst, recv_.data() + q * k, bytes);
+      }
     }
   }
   return Status::ok();
@@ -105,11 +110,11 @@ Status ShardedAdamW::reduce_scatter_tensor(const Slice& s, const float* whole, f
       const size_t len = slice_len(s.tensor_numel, s.c, q);
       const size_t have = len > a ? std::min(k, len - a) : 0;
       float* dst = recv_.data() + q * k;
-      std::memcpy(dst, whole + q * s.c + a, have * sizeof(float));
+      if (have > 0) device_->copy_to_host(dst, whole + q * s.c + a, have * sizeof(float));
       std::fill(dst + have, dst + k, 0.0f);
     }
     STRATA_RETURN_IF_ERROR(group_->reduce_scatter(recv_.data(), send_.data(), k, DType::kF32, comm::ReduceOp::kSum));
-    if (s.len > a) std::memcpy(shard + a, send_.data(), std::min(k, s.len - a) * sizeof(float));
+    if (s.len > a) device_->copy_to_device(shard + a, send_.data(), std::min(k, s.len - a) * sizeof(float));
   }
   return Status::ok();
 }
@@ -120,7 +125,7 @@ Result<double> ShardedAdamW::pipeline_norm_stage2() {
   const size_t U = units.size();
   std::vector<double> mine(U, 0.0);
   for (const Slice& s : slices_) {
-    const float* shard = grad_shard_.data() + s.shard_offset;
+    const float* shard = grad_shard_.as<float>() + s.shard_offset;
     mine[s.unit] += shares().share(s.unit, shard, s.tensor_offset + s.lo, s.len, [&](const float* x, size_t n) {
       return device_->add_sum_squares(0.0, x, n);
     });
@@ -159,14 +164,14 @@ Result<double> ShardedAdamW::step(float lr, bool* skipped) {
     STRATA_ASSIGN_OR_RETURN(norm, whole_model_norm(plan_, pp_, shares(), std::move(per)));
   } else if (pp_ != nullptr) {
     for (const Slice& s : slices_) {
-      float* shard = grad_shard_.data() + s.shard_offset;
+      float* shard = grad_shard_.as<float>() + s.shard_offset;
       STRATA_RETURN_IF_ERROR(reduce_scatter_tensor(s, units[s.unit].g() + s.tensor_offset, shard)
                                  .with_context("gradients of " + units[s.unit].name));
     }
     if (tied_end) {  // the embedding's slices come first in the shard, and are the same slices on both ends
       size_t n = 0;
       for (const Slice& s : slices_) n += s.unit == 0 ? s.len : 0;
-      STRATA_RETURN_IF_ERROR(tied_->all_reduce(grad_shard_.data(), grad_shard_.data(), n, DType::kF32,
+      STRATA_RETURN_IF_ERROR(tied_->all_reduce(grad_shard_.as<float>(), grad_shard_.as<float>(), n, DType::kF32,
                                                comm::ReduceOp::kSum)
                                  .with_context("the tied embedding's gradient"));
     }
@@ -175,7 +180,7 @@ Result<double> ShardedAdamW::step(float lr, bool* skipped) {
     const bool tensor_parallel = shares().active();
     double mine = 0.0;
     for (const Slice& s : slices_) {
-      float* shard = grad_shard_.data() + s.shard_offset;
+      float* shard = grad_shard_.as<float>() + s.shard_offset;
       STRATA_RETURN_IF_ERROR(reduce_scatter_tensor(s, units[s.unit].g() + s.tensor_offset, shard)
                                  .with_context("gradients of " + units[s.unit].name));
       if (!tensor_parallel) {
@@ -200,7 +205,7 @@ Result<double> ShardedAdamW::step(float lr, bool* skipped) {
     kernels::AdamWParams hp = adamw_params(config_, lr, t_, *scale);
     hp.weight_decay = s.weight_decay;
     const Unit& u = units[s.unit];
-    const float* g = stage_ == 1 ? u.g() + s.tensor_offset + s.lo : grad_shard_.data() + s.shard_offset;
+    const float* g = stage_ == 1 ? u.g() + s.tensor_offset + s.lo : grad_shard_.as<float>() + s.shard_offset;
     k.adamw_update(u.p() + s.tensor_offset + s.lo, m_.as<float>() + s.shard_offset,
                    v_.as<float>() + s.shard_offset, g, s.len, hp);
   }
@@ -254,8 +259,8 @@ Status ShardedAdamW::serve_checkpoint() {
 Status ShardedAdamW::write_moments(size_t unit, const float* m, const float* v) {
   for (const Slice& s : slices_) {
     if (s.unit != unit) continue;
-    std::memcpy(m_.as<float>() + s.shard_offset, m + s.tensor_offset + s.lo, s.len * sizeof(float));
-    std::memcpy(v_.as<float>() + s.shard_offset, v + s.tensor_offset + s.lo, s.len * sizeof(float));
+    device_->copy_to_device(m_.as<float>() + s.shard_offset, m + s.tensor_offset + s.lo, s.len * sizeof(float));
+    device_->copy_to_device(v_.as<float>() + s.shard_offset, v + s.tensor_offset + s.lo, s.len * sizeof(float));
   }
   return Status::ok();
 }

@@ -1,5 +1,6 @@
 // sharded_optimizer.h — AdamW under ZeRO stages 1 and 2 over a data-parallel group (DeepSpeed's
-// zero_optimization.stage 1 and 2), for models whose units live in host-addressable memory (the CPU backend).
+// zero_optimization.stage 1 and 2), on any device: the pieces of each collective are packed in host memory
+// (copied from and to the device where the host cannot address it).
 //
 // Every tensor of every unit is cut into `dp` contiguous slices of c = ceil(numel / dp) elements rounded up to
 // 16 (so the fused Adam's vector blocks fall where they fall in the unsharded update; the last slices are
@@ -49,7 +50,7 @@ struct ShardedAdamWOptions {
 
 class ShardedAdamW final : public Optimizer {
  public:
-  // `units` (host-accessible device memory), `device` and `group` must outlive the optimizer.
+  // `units` (the device's memory), `device` and `group` must outlive the optimizer.
   static Result<std::unique_ptr<ShardedAdamW>> create(const std::vector<Unit>& units, const AdamWConfig& config,
                                                       kernels::Device& device, comm::Communicator& group,
                                                       const ShardedAdamWOptions& options);
@@ -110,10 +111,11 @@ class ShardedAdamW final : public Optimizer {
   std::vector<Slice> slices_;
   size_t shard_numel_ = 0;
   kernels::DeviceBuffer m_, v_;      // this rank's slices of the moments
-  std::vector<float> grad_shard_;    // stage 2: the summed gradient of this rank's slices
+  kernels::DeviceBuffer grad_shard_;  // stage 2: the summed gradient of this rank's slices (device memory)
   size_t reduce_bucket_ = 0;                   // stage 1's all-reduce: elements per call
   size_t reduce_piece_ = 0, gather_piece_ = 0;  // elements per rank of one reduce-scatter or all-gather
-  std::vector<float> send_, recv_;  // one piece of a padded collective: the larger piece, and dp times it
+  std::vector<float> send_, recv_;  // one piece of a padded collective, in host memory: the larger piece, and dp
+                                    // times it
 };
 
 }  // namespace strata::engine

@@ -22,6 +22,7 @@
 #include "engine/optimizer.h"
 #include "engine/pipeline.h"
 #include "engine/sharded_optimizer.h"
+#include "engine/staged_communicator.h"
 #include "kernels/cpu/cpu_kernels.h"
 
 namespace strata::engine {
@@ -100,13 +101,20 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   STRATA_ASSERT(k != nullptr);  // parse_run_config validated the name
   // "auto" picks the GPU where there is one, unless the CPU reference kernels were asked for.
   const std::string device_name = config.compute.kernels == "reference" ? "cpu" : config.compute.device;
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Device> device, kernels::make_device(device_name, *k));
+  std::unique_ptr<kernels::Device> own_device;
+  if (options.device == nullptr) {
+    STRATA_ASSIGN_OR_RETURN(own_device, kernels::make_device(device_name, *k));
+  }
+  kernels::Device* const device = options.device != nullptr ? options.device : own_device.get();
   device->set_memory_limit(config.offload.device_memory_limit);
-  if ((dp || pp || tp) && !device->host_accessible())
-    return Status(StatusCode::kUnimplemented,
-                  fmt::format("{}: data, tensor and pipeline parallelism on the {} device need the NCCL communicator "
-                              "wired into training, not built yet; use compute.device cpu",
-                              config.source, device->name()));
+  // On a device the host cannot address, the groups' collectives on device buffers are staged through host
+  // memory (engine/staged_communicator.h); host buffers (the losses, norms, checkpoints) pass straight through.
+  std::unique_ptr<comm::Communicator> staged[3];
+  dp = staged_if_needed(dp, *device, &staged[0]);
+  pp = staged_if_needed(pp, *device, &staged[1]);
+  tp = staged_if_needed(tp, *device, &staged[2]);
+  if (staged[0] || staged[1] || staged[2])
+    STRATA_LOG_INFO("collectives: the {} device's buffers staged through host memory over MPI", device->name());
   const bool offloaded = offload_enabled(config.offload) || zero3;
   // The offload stack and the host pool of activation checkpoints are declared before the model, so the
   // model (whose host checkpoints come from a pool) is destroyed first.

@@ -12,6 +12,10 @@
 #include "common/status.h"
 #include "engine/config.h"
 
+namespace strata::kernels {
+class Device;
+}  // namespace strata::kernels
+
 namespace strata::engine {
 
 struct TrainOptions {
@@ -23,8 +27,8 @@ struct TrainOptions {
   // summed over the group (ZeRO stage 0: all-reduced, every rank takes the same step; 1 and 2: the moments
   // sharded; 3, and 1 or 2 with offload: every unit sharded through the offload stack, README "Several
   // processes"), so every rank keeps the same weights. Rank 0 alone prints, writes metrics and checkpoints
-  // (the others take part where the state is sharded). Null or a group of one: this process alone. CPU backend
-  // only (the GPU needs NCCL).
+  // (the others take part where the state is sharded). Null or a group of one: this process alone. On the GPU
+  // the collectives on device buffers are staged through host memory (engine/staged_communicator.h).
   comm::Communicator* data_parallel = nullptr;
   // Pipeline parallelism (parallel.pipeline_parallel_size = its size): this rank runs stage pipeline->rank()
   // of the model on parallel.pipeline_schedule (engine/pipeline.h), each data-parallel rank's micro-batches
@@ -34,6 +38,9 @@ struct TrainOptions {
   // the heads and the vocabulary (engine/tensor_parallel.h) and run every micro-batch together; works with
   // data and pipeline parallelism, offload and ZeRO-3 (not ZeRO 1 or 2 without offload).
   comm::Communicator* tensor_parallel = nullptr;
+  // Train on this device instead of the one compute.device names (tests: a device posing as one the host
+  // cannot address). Must outlive the call.
+  kernels::Device* device = nullptr;
 };
 
 struct TrainSummary {

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
@@ -104,6 +105,9 @@ class Device {
   // "2.3 GiB live (peak 2.4), limit 8.0 GiB: gpt2.activations 1.2 GiB, adamw.m 0.5 GiB, ..." by purpose, the
   // purpose's text up to its first space (so "gpt2.params h.3" counts as "gpt2.params").
   std::string memory_report() const;
+  // Whether [p, p + bytes) lies within one live buffer from allocate() (bytes 0: whether p does). What code
+  // that is handed a pointer uses to tell this device's memory from the host's (engine/staged_communicator.h).
+  bool owns(const void* p, size_t bytes) const;
   // In order with the kernels: dst[0..bytes) = 0.
   virtual void zero(void* dst, size_t bytes) = 0;
   // Host -> device, in order with the kernels; `src` may be reused when the call returns.
@@ -144,6 +148,7 @@ class Device {
     std::mutex mu;
     uint64_t limit = 0, live = 0, peak = 0;
     std::map<std::string, uint64_t> by_purpose;
+    std::map<uintptr_t, size_t> buffers;  // live allocations: start -> bytes
   };
   std::shared_ptr<Ledger> ledger_ = std::make_shared<Ledger>();
 };

@@ -53,10 +53,29 @@ Result<DeviceBuffer> Device::allocate(size_t bytes, std::string purpose) {
   // Rewrap so that releasing the buffer also returns its bytes to the ledger.
   auto inner = std::make_shared<DeviceBuffer>(std::move(raw).value());
   void* data = inner->data();
-  return DeviceBuffer(data, bytes, std::move(purpose), [inner, unreserve]() mutable {
+  const auto start = reinterpret_cast<uintptr_t>(data);
+  if (data != nullptr && bytes > 0) {
+    std::lock_guard<std::mutex> lock(ledger_->mu);
+    ledger_->buffers[start] = bytes;
+  }
+  return DeviceBuffer(data, bytes, std::move(purpose), [inner, unreserve, ledger = ledger_, start]() mutable {
+    {
+      std::lock_guard<std::mutex> lock(ledger->mu);
+      ledger->buffers.erase(start);
+    }
     inner->reset();
     unreserve();
   });
+}
+
+bool Device::owns(const void* p, size_t bytes) const {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(ledger_->mu);
+  auto it = ledger_->buffers.upper_bound(a);  // the first buffer starting after p
+  if (it == ledger_->buffers.begin()) return false;
+  --it;
+  const uintptr_t end = it->first + it->second;
+  return a < end && bytes <= end - a;
 }
 
 uint64_t Device::live_bytes() const {

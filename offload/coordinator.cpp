@@ -53,11 +53,6 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
       return Status(StatusCode::kUnimplemented,
                     "offload: zero_optimization.stage 3 with gradients on nvme (memory.gradients) is not built yet; "
                     "use host");
-    if (!device.host_accessible())
-      return Status(StatusCode::kUnimplemented,
-                    fmt::format("offload: zero_optimization.stage 3 over MPI needs device memory the host can "
-                                "address; the {} device needs the NCCL communicator, not built yet",
-                                device.name()));
   }
   if (options.nvme_chunk_elements == 0 || options.nvme_chunk_elements % 1024 != 0)
     return Status::invalid_argument("offload: nvme_chunk_elements must be a positive multiple of 1024, got {}",

@@ -45,6 +45,8 @@ if [[ $mode == bundle ]]; then
       grep -v -E '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/libcu|/libnv|/libnccl' |
       xargs -r -I{} cp -L {} "$bundle/lib/"
   done
+  # The demo's token shards, for the runs of several ranks on the GPU (data/ is not part of the tree).
+  if compgen -G "data/sotu/sotu_*.bin" >/dev/null; then mkdir -p "$bundle/data" && cp data/sotu/sotu_*.bin "$bundle/data/"; fi
   echo "gpu-check.sh: bundle in $bundle ($(du -sh "$bundle" | cut -f1)): ${tests[*]}"
   exit 0
 fi
@@ -122,6 +124,52 @@ if [[ $bench == 1 ]]; then
   else
     echo "(PyTorch with CUDA not installed here: the PyTorch peer is not run)"
   fi
+fi
+
+# Several ranks sharing the GPU (NCCL refuses two ranks on one device, so their collectives on device buffers
+# are staged through host memory over MPI: engine/staged_communicator.h): data parallelism with ZeRO 0-3, tensor
+# and pipeline parallelism, each against the single process on the same GPU with the same global batch. The
+# same sums in another association: the losses agree to about 1e-5 relative, not bitwise.
+data_dir=data/sotu
+[[ $mode == from-bundle ]] && data_dir="$bundle/data"
+if ! command -v mpiexec >/dev/null; then
+  rows+=("$(printf '%-28s %-7s %s' "train on 2 ranks, one GPU" "not run" "no mpiexec here")")
+elif ! compgen -G "$data_dir/sotu_train_*.bin" >/dev/null; then
+  rows+=("$(printf '%-28s %-7s %s' "train on 2 ranks, one GPU" "not run" "no token shards in $data_dir (make data)")")
+else
+  mpi=(mpiexec -np 2)
+  mpiexec --version 2>&1 | grep -q "Open MPI" && mpi+=(--oversubscribe --allow-run-as-root)
+  cat >"$out/multi.json" <<JSON
+{"model": {"n_layer": 4, "n_head": 4, "n_embd": 256, "vocab_size": 50257, "block_size": 128},
+ "data": {"train": "$data_dir/sotu_train_*.bin", "val": "$data_dir/sotu_val_*.bin"},
+ "training": {"batch_size": 4, "seq_len": 128, "grad_accum_steps": 2, "max_steps": 8, "lr": 0.001, "warmup_steps": 2,
+              "val_every": 8, "val_batches": 2, "checkpoint_every": 0, "keep_checkpoints": 1, "seed": 1337},
+ "compute": {"device": "cuda", "matmul_precision": "fp32"}}
+JSON
+  ckpt=$(mktemp -d)  # checkpoints stay out of $out, which holds logs only
+  final_loss() { sed -n 's/.*final loss \([0-9.]*\).*/\1/p' "$1" | tail -1; }
+  echo; echo "== strata train on 2 ranks sharing the GPU (collectives staged through host memory)"
+  for one in 2 4; do
+    "$strata" train --config "$out/multi.json" --set training.grad_accum_steps=$one --checkpoint-dir "$ckpt/one$one" \
+      >"$out/multi_one$one.log" 2>&1 || { status=1; tail -20 "$out/multi_one$one.log"; }
+  done
+  for run in "dp_zero0 4 zero_optimization.stage=0" "dp_zero1 4 zero_optimization.stage=1" \
+             "dp_zero2 4 zero_optimization.stage=2" "dp_zero3 4 zero_optimization.stage=3" \
+             "tp 2 parallel.tensor_parallel_size=2" "pp 2 parallel.pipeline_parallel_size=2"; do
+    set -- $run
+    if "${mpi[@]}" "$strata" train --config "$out/multi.json" --set "$3" --checkpoint-dir "$ckpt/$1" \
+        >"$out/multi_$1.log" 2>&1; then
+      got=$(final_loss "$out/multi_$1.log") want=$(final_loss "$out/multi_one$2.log")
+      ok=$(python3 -c "import sys; g, w = float(sys.argv[1]), float(sys.argv[2]); print('ok' if abs(g - w) <= 1e-4 * abs(w) else 'FAILED')" "$got" "$want" 2>/dev/null || echo FAILED)
+      [[ $ok == ok ]] || status=1
+      rows+=("$(printf '%-28s %-7s loss %s, one process %s' "train 2 ranks: $1" "$ok" "$got" "$want")")
+    else
+      status=1
+      rows+=("$(printf '%-28s %-7s' "train 2 ranks: $1" FAILED)")
+      tail -20 "$out/multi_$1.log"
+    fi
+  done
+  rm -rf "$ckpt"
 fi
 
 echo

@@ -2,6 +2,7 @@
 // one behaviour they change (slow downloads, host registration, a device the host cannot address).
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -32,6 +33,23 @@ class ForwardingDevice : public kernels::Device {
 
  private:
   std::unique_ptr<kernels::Device> inner_ = kernels::make_cpu_device(kernels::cpu_fast_kernels());
+};
+
+// The CPU device posing as one whose memory the host cannot address (a GPU's), so that what stages device
+// memory through the host (engine/staged_communicator.h) runs in CPU-only CI; counts the bytes its copy
+// streams move.
+class UnaddressableDevice : public ForwardingDevice {
+ public:
+  bool host_accessible() const override { return false; }
+  void upload(void* dst, const void* src, size_t bytes) override {
+    uploaded += bytes;
+    ForwardingDevice::upload(dst, src, bytes);
+  }
+  void download(void* dst, const void* src, size_t bytes) override {
+    downloaded += bytes;
+    ForwardingDevice::download(dst, src, bytes);
+  }
+  std::atomic<size_t> uploaded{0}, downloaded{0};
 };
 
 }  // namespace strata::testing

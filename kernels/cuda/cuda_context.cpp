@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <cstdint>
+#include <cstdlib>
 
 #include <fmt/format.h>
 
@@ -17,7 +18,22 @@ namespace {
 struct Availability {
   Status status;
   std::string description;
+  int device = 0;
 };
+
+// The GPU this process uses: under a launcher that says the process's rank on its node (Open MPI, MPICH, Slurm),
+// that rank modulo the GPUs it can see, so the ranks of a node spread over its GPUs (several ranks share one
+// where there are fewer GPUs than ranks); else GPU 0. CUDA_VISIBLE_DEVICES narrows what it can see, as usual.
+int chosen_device(int count) {
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
+    const char* v = std::getenv(var);
+    if (v == nullptr || *v == '\0') continue;
+    char* end = nullptr;
+    const long rank = std::strtol(v, &end, 10);
+    if (*end == '\0' && rank >= 0) return static_cast<int>(rank % count);
+  }
+  return 0;
+}
 
 const Availability& availability() {
   static const Availability a = [] {
@@ -38,14 +54,16 @@ const Availability& availability() {
       r.status = Status(StatusCode::kNotFound, "no CUDA device: the driver reports 0 devices");
       return r;
     }
+    r.device = chosen_device(count);
     cudaDeviceProp p{};
-    if (const cudaError_t e = cudaGetDeviceProperties(&p, 0); e != cudaSuccess) {
+    if (const cudaError_t e = cudaGetDeviceProperties(&p, r.device); e != cudaSuccess) {
       r.status = Status(StatusCode::kNotFound,
-                        fmt::format("CUDA device 0 cannot be queried: {}", cudaGetErrorString(e)));
+                        fmt::format("CUDA device {} cannot be queried: {}", r.device, cudaGetErrorString(e)));
       return r;
     }
-    r.description = fmt::format("{}, sm_{}{}, {} SMs, {:.1f} GiB", p.name, p.major, p.minor, p.multiProcessorCount,
-                                static_cast<double>(p.totalGlobalMem) / (1u << 30));
+    r.description = fmt::format("{}, sm_{}{}, {} SMs, {:.1f} GiB{}", p.name, p.major, p.minor, p.multiProcessorCount,
+                                static_cast<double>(p.totalGlobalMem) / (1u << 30),
+                                count > 1 ? fmt::format(" (GPU {} of {})", r.device, count) : std::string());
     r.status = cuda::cublas_load_status();  // loaded here, the first time a GPU is there to use
     return r;
   }();
@@ -66,6 +84,7 @@ CudaContext& cuda_context() {
     const Status ok = cuda_available();
     STRATA_ASSERT_MSG(ok.is_ok(), "cuda_context() needs a CUDA device; ask cuda_available() first");
     auto* c = new CudaContext;  // lives for the process: streams and handles must outlive static destructors
+    c->device = availability().device;
     CUDA_CHECK(cudaSetDevice(c->device));
     CUDA_CHECK(cudaGetDeviceProperties(&c->props, c->device));
     CUDA_CHECK(cudaStreamCreateWithFlags(&c->compute, cudaStreamNonBlocking));

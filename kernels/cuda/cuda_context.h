@@ -18,7 +18,7 @@
 namespace strata::kernels::cuda {
 
 struct CudaContext {
-  int device = 0;
+  int device = 0;  // this process's GPU: its rank on the node modulo the GPUs (cuda_context.cpp)
   cudaDeviceProp props{};
   cudaStream_t compute = nullptr;  // non-blocking; all kernels/cuda ops run here, in call order
   cublasHandle_t blas = nullptr;   // strided-batched GEMMs of attention; bound to `compute`

@@ -19,6 +19,7 @@ namespace {
 class CudaDevice final : public Device {
  public:
   CudaDevice() {
+    bind();  // the copy streams belong to this process's GPU
     CUDA_CHECK(cudaStreamCreateWithFlags(&h2d_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaStreamCreateWithFlags(&d2h_, cudaStreamNonBlocking));
   }
@@ -32,7 +33,7 @@ class CudaDevice final : public Device {
   bool host_accessible() const override { return false; }
 
   Result<DeviceBuffer> allocate_impl(size_t bytes, const std::string& purpose) override {
-    const cuda::CudaContext& ctx = cuda::cuda_context();
+    const cuda::CudaContext& ctx = bind();
     void* p = nullptr;
     if (bytes > 0) {
       if (const cudaError_t e = cudaMalloc(&p, bytes); e != cudaSuccess) {
@@ -48,7 +49,7 @@ class CudaDevice final : public Device {
     return DeviceBuffer(p, bytes, purpose, [p] {
       if (p != nullptr) {
         // Work still queued may use it: free after the stream drains.
-        CUDA_CHECK(cudaStreamSynchronize(cuda::cuda_context().compute));
+        CUDA_CHECK(cudaStreamSynchronize(bind().compute));
         CUDA_CHECK(cudaFree(p));
       }
     });
@@ -74,12 +75,14 @@ class CudaDevice final : public Device {
   // and the compute stream. Returning only once the copy is done keeps the callers' ordering host-side.
   void upload(void* dst, const void* src, size_t bytes) override {
     if (bytes == 0) return;
+    bind();
     std::lock_guard lock(h2d_mu_);
     CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, h2d_));
     CUDA_CHECK(cudaStreamSynchronize(h2d_));
   }
   void download(void* dst, const void* src, size_t bytes) override {
     if (bytes == 0) return;
+    bind();
     std::lock_guard lock(d2h_mu_);
     CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, d2h_));
     CUDA_CHECK(cudaStreamSynchronize(d2h_));
@@ -92,8 +95,10 @@ class CudaDevice final : public Device {
     return DeviceFence([event] { CUDA_CHECK(cudaEventSynchronize(event.get())); });
   }
   double add_sum_squares(double acc, const float* x, size_t n) override { return cuda::add_sum_squares(acc, x, n); }
+  // Portable: page-locked for every device context, whichever thread registers it.
   Status register_host(void* p, size_t bytes) override {
-    if (const cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterDefault); e != cudaSuccess) {
+    bind();
+    if (const cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterPortable); e != cudaSuccess) {
       (void)cudaGetLastError();
       return Status::internal("cudaHostRegister of {:.1f} MiB: {}", bytes / 1048576.0, cudaGetErrorString(e));
     }
@@ -102,6 +107,7 @@ class CudaDevice final : public Device {
   // Runs as a pinned buffer is freed, maybe while an error unwinds: a failure (a sticky error from earlier,
   // most likely) is logged, not fatal, so it does not hide the error that got here.
   void unregister_host(void* p) override {
+    bind();
     if (const cudaError_t e = cudaHostUnregister(p); e != cudaSuccess) {
       (void)cudaGetLastError();
       STRATA_LOG_WARN("cudaHostUnregister: {}", cudaGetErrorString(e));
@@ -109,6 +115,13 @@ class CudaDevice final : public Device {
   }
 
  private:
+  // Makes this process's GPU the calling thread's current device (a thread starts on GPU 0): copy threads,
+  // the optimizer's and the collectives' threads call in too. Returns the context.
+  static const cuda::CudaContext& bind() {
+    const cuda::CudaContext& ctx = cuda::cuda_context();
+    CUDA_CHECK(cudaSetDevice(ctx.device));
+    return ctx;
+  }
   cudaStream_t h2d_ = nullptr, d2h_ = nullptr;
   std::mutex h2d_mu_, d2h_mu_;
 };

@@ -64,6 +64,7 @@ class TrainerTest : public ::testing::Test {
     o.data_parallel = data_parallel;
     o.pipeline = pipeline;
     o.tensor_parallel = tensor_parallel;
+    o.device = device_;
     return run_training(c.value(), o);
   }
   // Loss and grad_norm of every step, in order, from a metrics file.
@@ -82,6 +83,7 @@ class TrainerTest : public ::testing::Test {
     return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   }
   fs::path dir_;
+  kernels::Device* device_ = nullptr;  // train() trains on this device when set (else compute.device's)
 };
 
 }  // namespace strata::engine

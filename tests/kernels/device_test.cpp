@@ -67,6 +67,30 @@ TEST(DeviceTest, BuffersAreZeroedAndCopiesRoundTrip) {
   }
 }
 
+// owns() tells a device's buffers (and ranges inside one) from anything else, and forgets a released buffer.
+TEST(DeviceTest, OwnsItsLiveBuffersAndNothingElse) {
+  for (auto& d : devices()) {
+    SCOPED_TRACE(d->name());
+    auto a = d->allocate(4096, "a");
+    auto b = d->allocate(100, "b");
+    ASSERT_TRUE(a.is_ok() && b.is_ok());
+    const auto* pa = static_cast<const std::byte*>(a->data());
+    EXPECT_TRUE(d->owns(pa, 4096));
+    EXPECT_TRUE(d->owns(pa + 1000, 3096)) << "a range inside the buffer";
+    EXPECT_TRUE(d->owns(pa + 4095, 0));
+    EXPECT_FALSE(d->owns(pa + 1000, 3097)) << "past its end";
+    if (pa + 4096 != b->data()) EXPECT_FALSE(d->owns(pa + 4096, 1)) << "one past its end";
+    EXPECT_TRUE(d->owns(b->data(), 100));
+    std::vector<float> host(10);
+    EXPECT_FALSE(d->owns(host.data(), sizeof(float)));
+    int local = 0;
+    EXPECT_FALSE(d->owns(&local, sizeof(local)));
+    const void* gone = b->data();
+    b.value().reset();
+    EXPECT_FALSE(d->owns(gone, 1)) << "released";
+  }
+}
+
 TEST(DeviceTest, MakeDeviceExplainsWhatItCannotRun) {
   auto bad = make_device("tpu", cpu_fast_kernels());
   ASSERT_FALSE(bad.is_ok());
