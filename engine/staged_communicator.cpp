@@ -37,6 +37,15 @@ Result<std::byte*> StagedCommunicator::staging(int which, size_t bytes) {
   return b.as<std::byte>();
 }
 
+Result<bool> StagedCommunicator::on_device(const void* p, size_t bytes) const {
+  if (bytes == 0 || !device_.owns(p, 0)) return false;
+  if (!device_.owns(p, bytes))
+    return Status::internal("group '{}': a buffer of {} bytes starts in {} device memory but runs past the end of its "
+                            "allocation",
+                            name(), bytes, device_.name());
+  return true;
+}
+
 Result<const void*> StagedCommunicator::outgoing(const void* send, size_t bytes, bool on_dev) {
   if (!on_dev) return send;
   STRATA_ASSIGN_OR_RETURN(std::byte* st, staging(0, bytes));
@@ -62,7 +71,8 @@ void StagedCommunicator::up(void* dev, const void* host, size_t bytes) {
 
 Status StagedCommunicator::all_reduce(const void* send, void* recv, size_t count, DType dtype, comm::ReduceOp op) {
   const size_t n = count * dtype_size(dtype);
-  const bool sd = on_device(send, n), rd = on_device(recv, n);
+  STRATA_ASSIGN_OR_RETURN(const bool sd, on_device(send, n));
+  STRATA_ASSIGN_OR_RETURN(const bool rd, on_device(recv, n));
   if (!sd && !rd) return host_->all_reduce(send, recv, count, dtype, op);
   device_.synchronize();  // the kernels that wrote `send` are done; none still reads `recv`
   STRATA_ASSIGN_OR_RETURN(void* r, incoming(recv, n, rd));
@@ -79,7 +89,8 @@ Status StagedCommunicator::all_reduce(const void* send, void* recv, size_t count
 
 Status StagedCommunicator::all_gather(const void* send, void* recv, size_t count, DType dtype) {
   const size_t n = count * dtype_size(dtype), all = n * static_cast<size_t>(size());
-  const bool sd = on_device(send, n), rd = on_device(recv, all);
+  STRATA_ASSIGN_OR_RETURN(const bool sd, on_device(send, n));
+  STRATA_ASSIGN_OR_RETURN(const bool rd, on_device(recv, all));
   if (!sd && !rd) return host_->all_gather(send, recv, count, dtype);
   device_.synchronize();
   const size_t mine = n * static_cast<size_t>(rank());
@@ -99,7 +110,8 @@ Status StagedCommunicator::all_gather(const void* send, void* recv, size_t count
 Status StagedCommunicator::reduce_scatter(const void* send, void* recv, size_t count, DType dtype,
                                           comm::ReduceOp op) {
   const size_t n = count * dtype_size(dtype), all = n * static_cast<size_t>(size());
-  const bool sd = on_device(send, all), rd = on_device(recv, n);
+  STRATA_ASSIGN_OR_RETURN(const bool sd, on_device(send, all));
+  STRATA_ASSIGN_OR_RETURN(const bool rd, on_device(recv, n));
   if (!sd && !rd) return host_->reduce_scatter(send, recv, count, dtype, op);
   device_.synchronize();
   STRATA_ASSIGN_OR_RETURN(const void* s, outgoing(send, all, sd));
@@ -111,7 +123,8 @@ Status StagedCommunicator::reduce_scatter(const void* send, void* recv, size_t c
 
 Status StagedCommunicator::broadcast(void* buf, size_t count, DType dtype, int root) {
   const size_t n = count * dtype_size(dtype);
-  if (!on_device(buf, n)) return host_->broadcast(buf, count, dtype, root);
+  STRATA_ASSIGN_OR_RETURN(const bool dev, on_device(buf, n));
+  if (!dev) return host_->broadcast(buf, count, dtype, root);
   device_.synchronize();
   STRATA_ASSIGN_OR_RETURN(std::byte* b, staging(1, n));
   if (rank() == root) down(b, buf, n);
@@ -122,7 +135,8 @@ Status StagedCommunicator::broadcast(void* buf, size_t count, DType dtype, int r
 
 Status StagedCommunicator::send(const void* buf, size_t count, DType dtype, int peer, int tag) {
   const size_t n = count * dtype_size(dtype);
-  if (!on_device(buf, n)) return host_->send(buf, count, dtype, peer, tag);
+  STRATA_ASSIGN_OR_RETURN(const bool dev, on_device(buf, n));
+  if (!dev) return host_->send(buf, count, dtype, peer, tag);
   device_.synchronize();
   STRATA_ASSIGN_OR_RETURN(const void* b, outgoing(buf, n, true));
   return host_->send(b, count, dtype, peer, tag);
@@ -130,7 +144,8 @@ Status StagedCommunicator::send(const void* buf, size_t count, DType dtype, int 
 
 Status StagedCommunicator::recv(void* buf, size_t count, DType dtype, int peer, int tag) {
   const size_t n = count * dtype_size(dtype);
-  if (!on_device(buf, n)) return host_->recv(buf, count, dtype, peer, tag);
+  STRATA_ASSIGN_OR_RETURN(const bool dev, on_device(buf, n));
+  if (!dev) return host_->recv(buf, count, dtype, peer, tag);
   device_.synchronize();
   STRATA_ASSIGN_OR_RETURN(std::byte* b, staging(1, n));
   STRATA_RETURN_IF_ERROR(host_->recv(b, count, dtype, peer, tag));
@@ -141,7 +156,8 @@ Status StagedCommunicator::recv(void* buf, size_t count, DType dtype, int peer, 
 Status StagedCommunicator::send_recv(const void* send, size_t send_count, int dest, void* recv, size_t recv_count,
                                      int src, DType dtype, int tag) {
   const size_t sn = send_count * dtype_size(dtype), rn = recv_count * dtype_size(dtype);
-  const bool sd = on_device(send, sn), rd = on_device(recv, rn);
+  STRATA_ASSIGN_OR_RETURN(const bool sd, on_device(send, sn));
+  STRATA_ASSIGN_OR_RETURN(const bool rd, on_device(recv, rn));
   if (!sd && !rd) return host_->send_recv(send, send_count, dest, recv, recv_count, src, dtype, tag);
   device_.synchronize();
   STRATA_ASSIGN_OR_RETURN(const void* s, outgoing(send, sn, sd));

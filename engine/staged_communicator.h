@@ -8,7 +8,8 @@
 // ranks sharing one GPU (NCCL refuses two ranks on one device), or a build without NCCL. With one GPU per rank,
 // NCCL (comm/nccl_communicator.h) is the faster plane; it is not wired into training yet.
 //
-// A buffer is the device's when Device::owns() says so (it lies within a live allocate()d buffer). Before it
+// A buffer is the device's when it starts in a live allocate()d buffer (Device::owns); one that starts there
+// and runs past the buffer's end is an error. Before it
 // touches device memory a call waits for the device's compute stream (Device::synchronize(), which any thread
 // may call), so the kernels that wrote a send buffer have finished and none still reads a receive buffer; the
 // copies run on the device's copy streams (upload/download), so a call may come from any thread — ZeRO-3's
@@ -62,7 +63,9 @@ class StagedCommunicator final : public comm::Communicator {
   Result<const void*> outgoing(const void* send, size_t bytes, bool on_dev);
   // Where the host call receives: `recv` itself, or (on the device) the receive staging memory.
   Result<void*> incoming(void* recv, size_t bytes, bool on_dev);
-  bool on_device(const void* p, size_t bytes) const { return bytes > 0 && device_.owns(p, bytes); }
+  // Whether [p, p + bytes) is the device's memory (by where it starts); an error if it starts in a device buffer
+  // and runs past its end, which MPI would otherwise be handed as host memory.
+  Result<bool> on_device(const void* p, size_t bytes) const;
   void down(void* host, const void* dev, size_t bytes);
   void up(void* dev, const void* host, size_t bytes);
 

@@ -22,10 +22,12 @@ class CudaDevice final : public Device {
     bind();  // the copy streams belong to this process's GPU
     CUDA_CHECK(cudaStreamCreateWithFlags(&h2d_, cudaStreamNonBlocking));
     CUDA_CHECK(cudaStreamCreateWithFlags(&d2h_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&zero_, cudaStreamNonBlocking));
   }
   ~CudaDevice() override {
     CUDA_CHECK(cudaStreamDestroy(h2d_));
     CUDA_CHECK(cudaStreamDestroy(d2h_));
+    CUDA_CHECK(cudaStreamDestroy(zero_));
   }
   const char* name() const override { return "cuda"; }
   std::string description() const override { return "cuda (" + cuda_device_description() + ")"; }
@@ -33,7 +35,7 @@ class CudaDevice final : public Device {
   bool host_accessible() const override { return false; }
 
   Result<DeviceBuffer> allocate_impl(size_t bytes, const std::string& purpose) override {
-    const cuda::CudaContext& ctx = bind();
+    bind();
     void* p = nullptr;
     if (bytes > 0) {
       if (const cudaError_t e = cudaMalloc(&p, bytes); e != cudaSuccess) {
@@ -44,7 +46,11 @@ class CudaDevice final : public Device {
                                      bytes / 1048576.0, purpose, cudaGetErrorString(e), free_bytes / 1048576.0,
                                      total / 1048576.0);
       }
-      CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, ctx.compute));
+      // Zeroed before it is returned, on a stream of its own: a zero-fill queued on the compute stream could
+      // land after an upload into the buffer on a copy stream (nothing orders the two), wiping it.
+      std::lock_guard lock(zero_mu_);
+      CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, zero_));
+      CUDA_CHECK(cudaStreamSynchronize(zero_));
     }
     return DeviceBuffer(p, bytes, purpose, [p] {
       if (p != nullptr) {
@@ -55,22 +61,22 @@ class CudaDevice final : public Device {
     });
   }
   void zero(void* dst, size_t bytes) override {
-    if (bytes) CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, cuda::cuda_context().compute));
+    if (bytes) CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, bind().compute));
   }
   void copy_to_device(void* dst, const void* src, size_t bytes) override {
     if (bytes == 0) return;
-    const cudaStream_t s = cuda::cuda_context().compute;
+    const cudaStream_t s = bind().compute;
     CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
     // Pageable source: the call may return before the copy has read it, so wait before the caller reuses it.
     CUDA_CHECK(cudaStreamSynchronize(s));
   }
   void copy_to_host(void* dst, const void* src, size_t bytes) override {
     if (bytes == 0) return;
-    const cudaStream_t s = cuda::cuda_context().compute;
+    const cudaStream_t s = bind().compute;
     CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
     CUDA_CHECK(cudaStreamSynchronize(s));
   }
-  void synchronize() override { cuda_synchronize(); }
+  void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(bind().compute)); }
   // One stream per direction, each serialized by its mutex, so an upload and a download overlap each other
   // and the compute stream. Returning only once the copy is done keeps the callers' ordering host-side.
   void upload(void* dst, const void* src, size_t bytes) override {
@@ -88,13 +94,21 @@ class CudaDevice final : public Device {
     CUDA_CHECK(cudaStreamSynchronize(d2h_));
   }
   DeviceFence fence() override {
+    const cuda::CudaContext& ctx = bind();
     cudaEvent_t e = nullptr;
     CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    CUDA_CHECK(cudaEventRecord(e, cuda::cuda_context().compute));
+    CUDA_CHECK(cudaEventRecord(e, ctx.compute));
     auto event = std::shared_ptr<CUevent_st>(e, [](cudaEvent_t ev) { CUDA_CHECK(cudaEventDestroy(ev)); });
-    return DeviceFence([event] { CUDA_CHECK(cudaEventSynchronize(event.get())); });
+    // Waited on from other threads (copy jobs, the collectives thread), which must not wake up on GPU 0.
+    return DeviceFence([event, device = ctx.device] {
+      CUDA_CHECK(cudaSetDevice(device));
+      CUDA_CHECK(cudaEventSynchronize(event.get()));
+    });
   }
-  double add_sum_squares(double acc, const float* x, size_t n) override { return cuda::add_sum_squares(acc, x, n); }
+  double add_sum_squares(double acc, const float* x, size_t n) override {
+    bind();
+    return cuda::add_sum_squares(acc, x, n);
+  }
   // Portable: page-locked for every device context, whichever thread registers it.
   Status register_host(void* p, size_t bytes) override {
     bind();
@@ -122,8 +136,8 @@ class CudaDevice final : public Device {
     CUDA_CHECK(cudaSetDevice(ctx.device));
     return ctx;
   }
-  cudaStream_t h2d_ = nullptr, d2h_ = nullptr;
-  std::mutex h2d_mu_, d2h_mu_;
+  cudaStream_t h2d_ = nullptr, d2h_ = nullptr, zero_ = nullptr;
+  std::mutex h2d_mu_, d2h_mu_, zero_mu_;
 };
 
 }  // namespace

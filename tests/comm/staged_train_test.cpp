@@ -46,12 +46,68 @@ std::vector<float> to_host(kernels::Device& d, const kernels::DeviceBuffer& b, s
   return x;
 }
 
+// What MPI is handed, checked: a Communicator that forwards to another and records a failure for every buffer
+// that is `device`'s memory (MPI would read a GPU's pointer as host memory). Its splits check too.
+class HostOnly final : public comm::Communicator {
+ public:
+  HostOnly(comm::Communicator& inner, const kernels::Device& device) : inner_(&inner), device_(device) {}
+  HostOnly(std::unique_ptr<comm::Communicator> inner, const kernels::Device& device)
+      : owned_(std::move(inner)), inner_(owned_.get()), device_(device) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  const std::string& name() const override { return inner_->name(); }
+  Status all_reduce(const void* s, void* r, size_t n, DType t, comm::ReduceOp op) override {
+    return check(s, r, "all_reduce") ? inner_->all_reduce(s, r, n, t, op) : refused();
+  }
+  Status all_gather(const void* s, void* r, size_t n, DType t) override {
+    return check(s, r, "all_gather") ? inner_->all_gather(s, r, n, t) : refused();
+  }
+  Status reduce_scatter(const void* s, void* r, size_t n, DType t, comm::ReduceOp op) override {
+    return check(s, r, "reduce_scatter") ? inner_->reduce_scatter(s, r, n, t, op) : refused();
+  }
+  Status broadcast(void* b, size_t n, DType t, int root) override {
+    return check(b, b, "broadcast") ? inner_->broadcast(b, n, t, root) : refused();
+  }
+  Status send(const void* b, size_t n, DType t, int peer, int tag) override {
+    return check(b, b, "send") ? inner_->send(b, n, t, peer, tag) : refused();
+  }
+  Status recv(void* b, size_t n, DType t, int peer, int tag) override {
+    return check(b, b, "recv") ? inner_->recv(b, n, t, peer, tag) : refused();
+  }
+  Status send_recv(const void* s, size_t sn, int dest, void* r, size_t rn, int src, DType t, int tag) override {
+    return check(s, r, "send_recv") ? inner_->send_recv(s, sn, dest, r, rn, src, t, tag) : refused();
+  }
+  Status barrier() override { return inner_->barrier(); }
+  Result<std::unique_ptr<comm::Communicator>> split(int color, int key, const std::string& name) override {
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> part, inner_->split(color, key, name));
+    if (part == nullptr) return part;
+    return std::unique_ptr<comm::Communicator>(std::make_unique<HostOnly>(std::move(part), device_));
+  }
+
+ private:
+  bool check(const void* s, const void* r, const char* what) const {
+    for (const void* p : {s, r}) {
+      if (p != nullptr && device_.owns(p, 0)) {
+        ADD_FAILURE() << what << " on group '" << name() << "' was handed device memory";
+        return false;
+      }
+    }
+    return true;
+  }
+  // Still collective: a refused call would leave the other ranks waiting, so the run stops here.
+  static Status refused() { return Status::internal("device memory handed to MPI"); }
+  std::unique_ptr<comm::Communicator> owned_;
+  comm::Communicator* inner_;
+  const kernels::Device& device_;
+};
+
 TEST(StagedCommunicator, EveryCallOnDeviceBuffersGivesTheHostCallsBits) {
   auto world = world_or_die();
   ASSERT_NE(world, nullptr);
   ASSERT_EQ(world->size(), 2) << "run under mpiexec -np 2 (CTest does)";
   UnaddressableDevice dev;
-  StagedCommunicator staged(*world, dev);
+  HostOnly checked(*world, dev);
+  StagedCommunicator staged(checked, dev);
   const int r = world->rank(), R = world->size();
   const size_t n = 1000;
   const std::vector<float> x = input(r, n);
@@ -133,13 +189,18 @@ TEST(StagedCommunicator, EveryCallOnDeviceBuffersGivesTheHostCallsBits) {
   ASSERT_TRUE(half.value()->all_reduce(s.data(), d.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
   EXPECT_EQ(to_host(dev, d, n), want);
   EXPECT_GT(static_cast<StagedCommunicator&>(*half.value()).bytes_up(), 0u);
+  // A range that starts in a device buffer and runs past its end is an error (every rank, before any call),
+  // not host memory for MPI to read.
+  const Status past = staged.all_reduce(s.data(), s.data(), n + 1, DType::kF32, comm::ReduceOp::kSum);
+  EXPECT_FALSE(past.is_ok());
+  EXPECT_NE(past.message().find("runs past the end of its allocation"), std::string::npos) << past.to_string();
 }
 
 using StagedTrainTest = TrainerTest;
 
 // Data parallelism with ZeRO stages 0-3, tensor parallelism (with and without sequence parallelism) and a
 // two-stage 1F1B pipeline, each trained on the CPU device and on the same device posing as one the host cannot
-// address: the same losses and norms, and the same checkpoint bytes.
+// address: the same losses and norms, and the same checkpoint bytes; and MPI is never handed the device's memory.
 TEST_F(StagedTrainTest, EveryParallelModeOnAnUnaddressableDeviceIsBitwiseTheCpuRun) {
   auto world = world_or_die();
   ASSERT_NE(world, nullptr);
@@ -176,8 +237,8 @@ TEST_F(StagedTrainTest, EveryParallelModeOnAnUnaddressableDeviceIsBitwiseTheCpuR
                        {"sequence_parallel", run.sequence_parallel}};
       if (!run.zero.is_null()) j["zero_optimization"] = run.zero;
       device_ = staged ? &posing : nullptr;
-      const auto trained = train(j, "", (dir_ / (name + ".jsonl")).string(), &grid.value()->dp(),
-                                 &grid.value()->pp(), &grid.value()->tp());
+      HostOnly dp(grid.value()->dp(), posing), pp(grid.value()->pp(), posing), tp(grid.value()->tp(), posing);
+      const auto trained = train(j, "", (dir_ / (name + ".jsonl")).string(), &dp, &pp, &tp);
       device_ = nullptr;
       ASSERT_TRUE(trained.is_ok()) << trained.status().to_string();
     }
