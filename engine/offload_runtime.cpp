@@ -8,6 +8,7 @@
 
 #include "comm/mpi_communicator.h"
 #include "common/log.h"
+#include "engine/staged_communicator.h"
 
 namespace strata::engine {
 namespace {
@@ -203,6 +204,10 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
                     "zero_optimization.stage 3 over several ranks needs an MPI library with MPI_THREAD_MULTIPLE; this "
                     "one gives less");
     STRATA_ASSIGN_OR_RETURN(rt->shard_group_, dp->split(0, dp->rank(), "dp.zero3"));
+    // On a GPU its collectives are staged through host memory; the coordinator fences every one of them (the
+    // slot's last use before a gather, backward's gradients before a reduce-scatter), so they need not wait for
+    // the compute stream to drain, which would keep prefetches from overlapping the kernels.
+    if (auto* staged = dynamic_cast<StagedCommunicator*>(rt->shard_group_.get())) staged->set_caller_fenced(true);
   }
 
   // One file size that holds the largest key; files are preallocated, so no bigger than the state needs.

@@ -74,7 +74,7 @@ Status StagedCommunicator::all_reduce(const void* send, void* recv, size_t count
   STRATA_ASSIGN_OR_RETURN(const bool sd, on_device(send, n));
   STRATA_ASSIGN_OR_RETURN(const bool rd, on_device(recv, n));
   if (!sd && !rd) return host_->all_reduce(send, recv, count, dtype, op);
-  device_.synchronize();  // the kernels that wrote `send` are done; none still reads `recv`
+  sync();  // the kernels that wrote `send` are done; none still reads `recv`
   STRATA_ASSIGN_OR_RETURN(void* r, incoming(recv, n, rd));
   const void* s = r;
   if (sd && send == recv) {  // in place: the host call runs in place too
@@ -92,7 +92,7 @@ Status StagedCommunicator::all_gather(const void* send, void* recv, size_t count
   STRATA_ASSIGN_OR_RETURN(const bool sd, on_device(send, n));
   STRATA_ASSIGN_OR_RETURN(const bool rd, on_device(recv, all));
   if (!sd && !rd) return host_->all_gather(send, recv, count, dtype);
-  device_.synchronize();
+  sync();
   const size_t mine = n * static_cast<size_t>(rank());
   const bool in_place = send == static_cast<const std::byte*>(recv) + mine;
   STRATA_ASSIGN_OR_RETURN(void* r, incoming(recv, all, rd));
@@ -113,7 +113,7 @@ Status StagedCommunicator::reduce_scatter(const void* send, void* recv, size_t c
   STRATA_ASSIGN_OR_RETURN(const bool sd, on_device(send, all));
   STRATA_ASSIGN_OR_RETURN(const bool rd, on_device(recv, n));
   if (!sd && !rd) return host_->reduce_scatter(send, recv, count, dtype, op);
-  device_.synchronize();
+  sync();
   STRATA_ASSIGN_OR_RETURN(const void* s, outgoing(send, all, sd));
   STRATA_ASSIGN_OR_RETURN(void* r, incoming(recv, n, rd));
   STRATA_RETURN_IF_ERROR(host_->reduce_scatter(s, r, count, dtype, op));
@@ -125,7 +125,7 @@ Status StagedCommunicator::broadcast(void* buf, size_t count, DType dtype, int r
   const size_t n = count * dtype_size(dtype);
   STRATA_ASSIGN_OR_RETURN(const bool dev, on_device(buf, n));
   if (!dev) return host_->broadcast(buf, count, dtype, root);
-  device_.synchronize();
+  sync();
   STRATA_ASSIGN_OR_RETURN(std::byte* b, staging(1, n));
   if (rank() == root) down(b, buf, n);
   STRATA_RETURN_IF_ERROR(host_->broadcast(b, count, dtype, root));
@@ -137,7 +137,7 @@ Status StagedCommunicator::send(const void* buf, size_t count, DType dtype, int 
   const size_t n = count * dtype_size(dtype);
   STRATA_ASSIGN_OR_RETURN(const bool dev, on_device(buf, n));
   if (!dev) return host_->send(buf, count, dtype, peer, tag);
-  device_.synchronize();
+  sync();
   STRATA_ASSIGN_OR_RETURN(const void* b, outgoing(buf, n, true));
   return host_->send(b, count, dtype, peer, tag);
 }
@@ -146,7 +146,7 @@ Status StagedCommunicator::recv(void* buf, size_t count, DType dtype, int peer, 
   const size_t n = count * dtype_size(dtype);
   STRATA_ASSIGN_OR_RETURN(const bool dev, on_device(buf, n));
   if (!dev) return host_->recv(buf, count, dtype, peer, tag);
-  device_.synchronize();
+  sync();
   STRATA_ASSIGN_OR_RETURN(std::byte* b, staging(1, n));
   STRATA_RETURN_IF_ERROR(host_->recv(b, count, dtype, peer, tag));
   up(buf, b, n);
@@ -159,7 +159,7 @@ Status StagedCommunicator::send_recv(const void* send, size_t send_count, int de
   STRATA_ASSIGN_OR_RETURN(const bool sd, on_device(send, sn));
   STRATA_ASSIGN_OR_RETURN(const bool rd, on_device(recv, rn));
   if (!sd && !rd) return host_->send_recv(send, send_count, dest, recv, recv_count, src, dtype, tag);
-  device_.synchronize();
+  sync();
   STRATA_ASSIGN_OR_RETURN(const void* s, outgoing(send, sn, sd));
   STRATA_ASSIGN_OR_RETURN(void* r, incoming(recv, rn, rd));
   STRATA_RETURN_IF_ERROR(host_->send_recv(s, send_count, dest, r, recv_count, src, dtype, tag));
@@ -170,7 +170,9 @@ Status StagedCommunicator::send_recv(const void* send, size_t send_count, int de
 Result<std::unique_ptr<comm::Communicator>> StagedCommunicator::split(int color, int key, const std::string& name) {
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> part, host_->split(color, key, name));
   if (part == nullptr) return part;
-  return std::unique_ptr<comm::Communicator>(std::make_unique<StagedCommunicator>(std::move(part), device_));
+  auto staged = std::make_unique<StagedCommunicator>(std::move(part), device_);
+  staged->set_caller_fenced(caller_fenced_);
+  return std::unique_ptr<comm::Communicator>(std::move(staged));
 }
 
 comm::Communicator* staged_if_needed(comm::Communicator* group, kernels::Device& device,

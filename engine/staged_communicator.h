@@ -11,7 +11,8 @@
 // A buffer is the device's when it starts in a live allocate()d buffer (Device::owns); one that starts there
 // and runs past the buffer's end is an error. Before it
 // touches device memory a call waits for the device's compute stream (Device::synchronize(), which any thread
-// may call), so the kernels that wrote a send buffer have finished and none still reads a receive buffer; the
+// may call; unless the caller fences, set_caller_fenced), so the kernels that wrote a send buffer have finished
+// and none still reads a receive buffer; the
 // copies run on the device's copy streams (upload/download), so a call may come from any thread — ZeRO-3's
 // collectives thread included — one at a time per communicator, as for every Communicator. The staging memory
 // is this communicator's, grown to the largest call and registered with the device (page-locked).
@@ -52,6 +53,12 @@ class StagedCommunicator final : public comm::Communicator {
   // The split of the host communicator, staged through this device too.
   Result<std::unique_ptr<comm::Communicator>> split(int color, int key, const std::string& name) override;
 
+  // The caller waits, before each call, for the kernels that wrote what it sends and those that read what it
+  // receives into (a fence, as ZeRO-3's collectives thread does): the calls then skip waiting for the whole
+  // compute stream, which would hold each prefetch back until every kernel queued so far had run. Its splits
+  // inherit it.
+  void set_caller_fenced(bool fenced) { caller_fenced_ = fenced; }
+
   // Bytes copied each way since creation (tests; a figure for logs).
   size_t bytes_down() const { return bytes_down_; }
   size_t bytes_up() const { return bytes_up_; }
@@ -66,6 +73,9 @@ class StagedCommunicator final : public comm::Communicator {
   // Whether [p, p + bytes) is the device's memory (by where it starts); an error if it starts in a device buffer
   // and runs past its end, which MPI would otherwise be handed as host memory.
   Result<bool> on_device(const void* p, size_t bytes) const;
+  void sync() {
+    if (!caller_fenced_) device_.synchronize();
+  }
   void down(void* host, const void* dev, size_t bytes);
   void up(void* dev, const void* host, size_t bytes);
 
@@ -75,6 +85,7 @@ class StagedCommunicator final : public comm::Communicator {
   AlignedBuffer stage_[2];
   bool registered_[2] = {false, false};
   size_t bytes_down_ = 0, bytes_up_ = 0;
+  bool caller_fenced_ = false;
 };
 
 // `group` itself when the device's memory is the host's (nothing to stage), else `group` staged through
