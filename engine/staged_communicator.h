@@ -9,13 +9,13 @@
 // NCCL (comm/nccl_communicator.h) is the faster plane; it is not wired into training yet.
 //
 // A buffer is the device's when it starts in a live allocate()d buffer (Device::owns); one that starts there
-// and runs past the buffer's end is an error. Before it
-// touches device memory a call waits for the device's compute stream (Device::synchronize(), which any thread
-// may call; unless the caller fences, set_caller_fenced), so the kernels that wrote a send buffer have finished
-// and none still reads a receive buffer; the
-// copies run on the device's copy streams (upload/download), so a call may come from any thread — ZeRO-3's
-// collectives thread included — one at a time per communicator, as for every Communicator. The staging memory
-// is this communicator's, grown to the largest call and registered with the device (page-locked).
+// and runs past the buffer's end is an error. Before a call touches device memory it waits for the device's
+// compute stream (Device::synchronize(), which any thread may call), so the kernels that wrote a send buffer
+// have finished and none still reads a receive buffer, unless the caller fences (set_caller_fenced). The copies
+// run on the device's copy streams (upload/download), so a call may come from any thread (ZeRO-3's collectives
+// thread included), one at a time per communicator, as for every Communicator. The staging memory is this
+// communicator's, grown to the largest call and registered with the device (page-locked); it is outside
+// host_memory_limit (about twice the largest call, per group).
 #pragma once
 
 #include <cstddef>

@@ -22,9 +22,9 @@ struct Availability {
 };
 
 // The GPU this process uses: under a launcher that says the process's rank on its node (Open MPI, MPICH, Slurm,
-// PMI, MVAPICH, PALS),
-// that rank modulo the GPUs it can see, so the ranks of a node spread over its GPUs (several ranks share one
-// where there are fewer GPUs than ranks); else GPU 0. CUDA_VISIBLE_DEVICES narrows what it can see, as usual.
+// PMI, MVAPICH, PALS), that rank modulo the GPUs it can see, so the ranks of a node spread over its GPUs
+// (several ranks share one where there are fewer GPUs than ranks); else GPU 0. CUDA_VISIBLE_DEVICES narrows
+// what it can see, as usual.
 int chosen_device(int count) {
   for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "PMI_LOCAL_RANK",
                           "MV2_COMM_WORLD_LOCAL_RANK", "PALS_LOCAL_RANKID"}) {
