@@ -174,9 +174,6 @@ Status OffloadedAdamW::gather_moments(size_t unit, float* m, float* v) {
 }
 
 Status OffloadedAdamW::set_pipeline(const PipelinePlan& plan, comm::Communicator& pp) {
-  if (coordinator_->options().grad_home != offload::Tier::kHost)
-    return Status(StatusCode::kUnimplemented,
-                  "pipeline parallelism with gradients on nvme (memory.gradients) is not built yet; use host");
   plan_ = plan;
   pp_ = &pp;
   STRATA_ASSIGN_OR_RETURN(tied_, split_tied_group(pp));
@@ -186,6 +183,7 @@ Status OffloadedAdamW::set_pipeline(const PipelinePlan& plan, comm::Communicator
 Status OffloadedAdamW::sum_tied_embedding() {
   if (pp_ == nullptr || pp_->size() < 2 || (pp_->rank() != 0 && pp_->rank() != pp_->size() - 1)) return Status::ok();
   // Both ends hold the embedding (the same shard of it under ZeRO-3): each adds the other's half.
+  if (coordinator_->options().grad_home == offload::Tier::kNvme) return coordinator_->sum_grads_over(0, *tied_);
   const size_t n = coordinator_->shard(0).len;
   float* g = coordinator_->sharded() ? const_cast<float*>(coordinator_->host_grads(0))
                                      : coordinator_->host_grads_for_update(0);
@@ -261,9 +259,6 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
 }
 
 Status OffloadedAdamW::set_gradient_reducer(comm::Communicator* group) {
-  if (group != nullptr && coordinator_->options().grad_home != offload::Tier::kHost)
-    return Status(StatusCode::kUnimplemented,
-                  "data parallelism with gradients on nvme (memory.gradients) is not built yet; use host");
   reducer_ = group;
   return Status::ok();
 }
@@ -347,6 +342,10 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   if (reducer_ != nullptr) {  // the step's gradient is the sum over the data-parallel ranks
     for (size_t u = 0; u < model_->units().size(); ++u) {
       if (!model_->holds(u)) continue;  // another pipeline stage's
+      if (coordinator_->options().grad_home == offload::Tier::kNvme) {  // summed where they lie
+        STRATA_RETURN_IF_ERROR(coordinator_->sum_grads_over(u, *reducer_));
+        continue;
+      }
       float* g = coordinator_->host_grads_for_update(u);
       STRATA_RETURN_IF_ERROR(reducer_->all_reduce(g, g, model_->units()[u].numel(), DType::kF32, comm::ReduceOp::kSum)
                                  .with_context("gradients of " + model_->units()[u].name));

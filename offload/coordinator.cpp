@@ -526,6 +526,35 @@ float* Coordinator::host_grads_for_update(size_t u) {
   return r.host_grads.as<float>();
 }
 
+Status Coordinator::sum_grads_over(size_t u, comm::Communicator& group) {
+  State& s = *s_;
+  State::UnitRec& r = s.units[u];
+  STRATA_ASSERT_MSG(s.options.grad_home == Tier::kNvme, "sum_grads_over with gradients in host memory");
+  STRATA_ASSERT_MSG(!s.sharded(), "sum_grads_over under ZeRO-3 (the gradients are reduced already)");
+  STRATA_ASSERT_MSG(r.grad_state == GradState::kHost || r.grad_state == GradState::kBoth,
+                    "sum_grads_over before flush_grads");
+  STRATA_RETURN_IF_ERROR(s.wait_ticket(r.grads_download, r, "gradients"));
+  if (r.dev_grads.data() != nullptr) {  // stale once summed
+    s.to_spare(std::move(r.dev_grads), r.grads_last_use, {r.grads_ready, r.grads_download});
+    r.grads_ready = CopyTicket();
+  }
+  r.grad_state = GradState::kHost;
+  StagingLease staging(&s.write_staging);
+  staging.take();
+  float* g = staging.buf->as<float>();
+  const size_t chunk = s.options.nvme_chunk_elements * sizeof(float);
+  const Status read = read_chunks(*s.grad_store, r.grad_keys, chunk, g, r.bytes);
+  s.stats.nvme_read_bytes += r.bytes;
+  STRATA_RETURN_IF_ERROR(group.all_reduce(g, g, r.info.numel, DType::kF32, comm::ReduceOp::kSum)
+                             .with_context("gradients of " + r.info.name));
+  STRATA_RETURN_IF_ERROR(read.with_context("offload: reading the gradient of '" + r.info.name + "' to sum it"));
+  STRATA_RETURN_IF_ERROR(write_chunks(*s.grad_store, r.grad_keys, chunk, g, r.bytes)
+                             .with_context("offload: writing the summed gradient of '" + r.info.name + "'"));
+  s.stats.nvme_write_bytes += r.bytes;
+  r.grad_sumsq = sum_squares_excluding(g, 0, r.info.numel, r.info.norm_excluded, host_sum_squares);
+  return Status::ok();
+}
+
 const std::vector<std::string>& Coordinator::grad_keys(size_t u) const { return s_->units[u].grad_keys; }
 
 CopyTicket Coordinator::grads_home_ticket(size_t u) const { return s_->units[u].grads_download; }

@@ -187,6 +187,12 @@ class Coordinator {
   // The same gradient for changing in place before the optimizer reads it (summing it over data-parallel
   // ranks): any device copy of it is dropped, so nothing stale is used. grad_home host; after flush_grads().
   float* host_grads_for_update(size_t u);
+  // grad_home nvme: unit u's gradient summed over `group` where it lies (read through a write-staging buffer,
+  // all-reduced, written back to the same keys), and its sum of squares taken again from the sum, so that the
+  // optimizer reads, and the norm counts, the group's gradient. A rank whose read failed still takes part, so the
+  // ranks stay in step, and fails after. Collective over `group`; after flush_grads(); any device copy of the
+  // gradient is dropped. Not under ZeRO-3 (whose gradients are reduced into their shards already).
+  Status sum_grads_over(size_t u, comm::Communicator& group);
   const std::vector<std::string>& grad_keys(size_t u) const;
   double grad_sum_squares(size_t u) const;
   // The job that brings unit u's gradient home after its last release (host memory, or its nvme keys written):

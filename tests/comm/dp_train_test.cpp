@@ -126,20 +126,25 @@ TEST_F(DataParallelTest, ZeroStagesOneAndTwoShardTheMomentsExactly) {
 TEST_F(DataParallelTest, OffloadedOptimizerOverTwoRanksIsBitwiseThePlainDataParallelRun) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
   ASSERT_TRUE(w.is_ok());
-  const json placements[] = {
-      json(),
-      {{"stage", 0}, {"offload_optimizer", {{"device", "cpu"}}}},
-      {{"stage", 0}, {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
-       {"sub_group_size", 3000}},
+  const json nvme_optimizer = {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}};
+  const json grads_nvme = {{"gradients", "nvme"}};
+  const std::pair<json, json> placements[] = {  // zero_optimization, memory
+      {json(), json()},
+      {{{"stage", 0}, {"offload_optimizer", {{"device", "cpu"}}}}, json()},
+      {{{"stage", 0}, {"offload_optimizer", nvme_optimizer}, {"sub_group_size", 3000}}, json()},
+      // Gradients on nvme: summed over the ranks where they lie (read, all-reduced, written back).
+      {{{"stage", 0}, {"offload_optimizer", nvme_optimizer}, {"sub_group_size", 3000}}, grads_nvme},
   };
   for (size_t i = 0; i < std::size(placements); ++i) {
     const std::string name = fmt::format("offload{}", i);
     json j = base_config(name);
-    if (!placements[i].is_null()) j["zero_optimization"] = placements[i];
-    ASSERT_TRUE(train(j, "", (dir_ / (name + ".jsonl")).string(), w.value().get()).is_ok()) << name;
+    if (!placements[i].first.is_null()) j["zero_optimization"] = placements[i].first;
+    if (!placements[i].second.is_null()) j["memory"] = placements[i].second;
+    const auto trained = train(j, "", (dir_ / (name + ".jsonl")).string(), w.value().get());
+    ASSERT_TRUE(trained.is_ok()) << name << ": " << trained.status().to_string();
   }
   if (w.value()->rank() == 0) {
-    for (const char* name : {"offload1", "offload2"}) {
+    for (const char* name : {"offload1", "offload2", "offload3"}) {
       EXPECT_EQ(losses(dir_ / "offload0.jsonl"), losses(dir_ / (std::string(name) + ".jsonl"))) << name;
       for (const char* f : {"model.safetensors", "optimizer.safetensors"})
         EXPECT_TRUE(file_bytes(dir_ / "offload0" / "step_000006" / f) == file_bytes(dir_ / name / "step_000006" / f))

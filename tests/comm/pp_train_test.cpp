@@ -43,6 +43,7 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
     json zero = json::object();
     json checkpointing = json::object();  // activation_checkpointing
     int layers = 4;
+    json memory = json::object();
   };
   // Each stage's parameters and optimizer state on NVMe (ZeRO-3 over the 2 data-parallel ranks of a stage in
   // pp2z3), sub-groups, and a live-parameter cap that evicts within a step.
@@ -61,6 +62,13 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
       {"pp2resumed", 2, "1f1b", 6, true},
       {"pp4nvme", 4, "1f1b", 6, false, nvme},
       {"pp2off", 2, "1f1b", 6, false, {{"stage", 0}, {"offload_optimizer", {{"device", "cpu"}}}}},
+      // The same with the optimizer and the gradients on NVMe: the gradients summed over the data-parallel ranks
+      // and the tied embedding's over the two ends where they lie.
+      {"pp2offnvme", 2, "1f1b", 6, false,
+       {{"stage", 0},
+        {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
+        {"sub_group_size", 3000}},
+       json::object(), 4, {{"gradients", "nvme"}}},
       // ZeRO-1 and -2 over each stage's 2 data-parallel ranks, without offload; stage 2 resumed mid-run.
       {"pp2z1", 2, "1f1b", 6, false, {{"stage", 1}}},
       {"pp2z2", 2, "1f1b", 6, false, {{"stage", 2}}},
@@ -86,6 +94,7 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
     j["parallel"] = {{"pipeline_parallel_size", r.pp}, {"pipeline_schedule", r.schedule}};
     if (!r.zero.empty()) j["zero_optimization"] = r.zero;
     if (!r.checkpointing.empty()) j["activation_checkpointing"] = r.checkpointing;
+    if (!r.memory.empty()) j["memory"] = r.memory;
     const std::string metrics = r.resume ? "" : (dir_ / (r.name + ".jsonl")).string();
     const auto trained = train(j, r.resume ? (shared / r.name).string() : "", metrics, &grid.value()->dp(),
                                &grid.value()->pp());
@@ -117,11 +126,15 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
     // ZeRO-1 all-reduces the gradients and takes the norm as stage 0 does: bitwise the stage-0 pipeline run.
     EXPECT_EQ(losses(dir_ / "pp2dp2.jsonl"), losses(dir_ / "pp2z1.jsonl"));
     EXPECT_EQ(losses(dir_ / "pp4.jsonl"), losses(dir_ / "pp4gpipe.jsonl"));
+    EXPECT_EQ(losses(dir_ / "pp2off.jsonl"), losses(dir_ / "pp2offnvme.jsonl"));
     EXPECT_EQ(losses(dir_ / "pp2l6.jsonl"), losses(dir_ / "pp2l6ckdev.jsonl"));
     EXPECT_EQ(losses(dir_ / "pp2l6.jsonl"), losses(dir_ / "pp2l6ckhost.jsonl"));
     for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
       EXPECT_TRUE(file_bytes(shared / "pp4" / "step_000006" / f) == file_bytes(shared / "pp4gpipe" / "step_000006" / f))
           << "GPipe vs 1F1B: " << f;
+      EXPECT_TRUE(file_bytes(shared / "pp2off" / "step_000006" / f) ==
+                  file_bytes(shared / "pp2offnvme" / "step_000006" / f))
+          << "optimizer and gradients on NVMe vs in host memory: " << f;
       EXPECT_TRUE(file_bytes(shared / "pp2dp2" / "step_000006" / f) ==
                   file_bytes(shared / "pp2resumed" / "step_000006" / f))
           << "resumed vs straight: " << f;
