@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include <fmt/format.h>
 #include <tbb/blocked_range.h>
@@ -539,15 +540,23 @@ Status Coordinator::sum_grads_over(size_t u, comm::Communicator& group) {
     r.grads_ready = CopyTicket();
   }
   r.grad_state = GradState::kHost;
+  // Until the sum is written back its norm is not a number: a step that goes on after a failure here skips
+  // its update instead of using a half-summed gradient.
+  r.grad_sumsq = std::numeric_limits<double>::quiet_NaN();
   StagingLease staging(&s.write_staging);
   staging.take();
   float* g = staging.buf->as<float>();
   const size_t chunk = s.options.nvme_chunk_elements * sizeof(float);
-  const Status read = read_chunks(*s.grad_store, r.grad_keys, chunk, g, r.bytes);
+  const Status read = read_chunks(*s.grad_store, r.grad_keys, chunk, g, r.bytes)
+                          .with_context("offload: reading the gradient of '" + r.info.name + "' to sum it");
   s.stats.nvme_read_bytes += r.bytes;
-  STRATA_RETURN_IF_ERROR(group.all_reduce(g, g, r.info.numel, DType::kF32, comm::ReduceOp::kSum)
-                             .with_context("gradients of " + r.info.name));
-  STRATA_RETURN_IF_ERROR(read.with_context("offload: reading the gradient of '" + r.info.name + "' to sum it"));
+  // A rank whose read failed still takes part, so the ranks stay in step, with NaN: every rank's sum and norm
+  // are then not finite, and every rank skips the update rather than the others using what was in the buffer.
+  if (!read.is_ok()) std::fill(g, g + r.info.numel, std::numeric_limits<float>::quiet_NaN());
+  const Status summed = group.all_reduce(g, g, r.info.numel, DType::kF32, comm::ReduceOp::kSum)
+                            .with_context("gradients of " + r.info.name);
+  STRATA_RETURN_IF_ERROR(read);  // the cause, if both failed
+  STRATA_RETURN_IF_ERROR(summed);
   STRATA_RETURN_IF_ERROR(write_chunks(*s.grad_store, r.grad_keys, chunk, g, r.bytes)
                              .with_context("offload: writing the summed gradient of '" + r.info.name + "'"));
   s.stats.nvme_write_bytes += r.bytes;

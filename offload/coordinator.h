@@ -189,9 +189,11 @@ class Coordinator {
   float* host_grads_for_update(size_t u);
   // grad_home nvme: unit u's gradient summed over `group` where it lies (read through a write-staging buffer,
   // all-reduced, written back to the same keys), and its sum of squares taken again from the sum, so that the
-  // optimizer reads, and the norm counts, the group's gradient. A rank whose read failed still takes part, so the
-  // ranks stay in step, and fails after. Collective over `group`; after flush_grads(); any device copy of the
-  // gradient is dropped. Not under ZeRO-3 (whose gradients are reduced into their shards already).
+  // optimizer reads, and the norm counts, the group's gradient. A rank whose read failed still takes part with
+  // NaN (every rank's norm is then not finite and the step skipped everywhere) and fails after; until the sum is
+  // written back the unit's sum of squares is NaN. Collective over `group`; after flush_grads(); any device copy
+  // of the gradient is dropped. Synchronous, on the calling thread (counted in the step's gradient wait). Not
+  // under ZeRO-3 (whose gradients are reduced into their shards already).
   Status sum_grads_over(size_t u, comm::Communicator& group);
   const std::vector<std::string>& grad_keys(size_t u) const;
   double grad_sum_squares(size_t u) const;
