@@ -56,7 +56,7 @@ struct OffloadedAdamWOptions {
 
 // Where the last step's time went (seconds) and what it moved.
 struct OffloadedStepStats {
-  double grads_wait_s = 0;  // waiting for gradients to arrive in host memory
+  double grads_wait_s = 0;  // waiting for gradients to arrive home, and summing them over ranks there
   double update_wait_s = 0;  // the training thread waiting for new parameters and putting them in place
   double update_s = 0;      // the fused Adam passes (with nvme: the whole swap pipeline)
   uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;

@@ -69,7 +69,9 @@ struct OffloadStepReport {
   double stall_s = 0;           // training thread waiting for parameters or gradients to arrive
   double optimizer_s = 0;       // the CPU optimizer (with nvme: its whole swap pipeline)
   double grads_wait_s = 0;      // the optimizer waiting for the last gradients to reach host memory (and
-                                // taking the norm's sums of those already there)
+                                // taking the norm's sums of those already there; summing them over the
+                                // data-parallel ranks and the pipeline's ends, with nvme gradients their
+                                // synchronous reads and writes too, outside nvme_busy_s)
   double update_wait_s = 0;     // the training thread waiting for the optimizer's new parameters
   double h2d_busy_s = 0, d2h_busy_s = 0, nvme_busy_s = 0;  // copy queues' busy time
   uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_write_bytes = 0;
