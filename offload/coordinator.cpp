@@ -518,10 +518,7 @@ float* Coordinator::host_grads_for_update(size_t u) {
   STRATA_ASSERT_MSG(!s_->sharded(), "host_grads_for_update under ZeRO-3 (the gradients are reduced already)");
   STRATA_ASSERT_MSG(r.grad_state == GradState::kHost || r.grad_state == GradState::kBoth,
                     "host_grads_for_update before flush_grads");
-  if (r.dev_grads.data() != nullptr) {
-    s_->to_spare(std::move(r.dev_grads), r.grads_last_use, {r.grads_ready, r.grads_download});
-    r.grads_ready = CopyTicket();
-  }
+  if (r.dev_grads.data() != nullptr) s_->drop_device_grads(r);
   r.grad_state = GradState::kHost;
   r.grad_sumsq_valid = false;  // the caller changes it
   return r.host_grads.as<float>();
@@ -535,10 +532,7 @@ Status Coordinator::sum_grads_over(size_t u, comm::Communicator& group) {
   STRATA_ASSERT_MSG(r.grad_state == GradState::kHost || r.grad_state == GradState::kBoth,
                     "sum_grads_over before flush_grads");
   STRATA_RETURN_IF_ERROR(s.wait_ticket(r.grads_download, r, "gradients"));
-  if (r.dev_grads.data() != nullptr) {  // stale once summed
-    s.to_spare(std::move(r.dev_grads), r.grads_last_use, {r.grads_ready, r.grads_download});
-    r.grads_ready = CopyTicket();
-  }
+  if (r.dev_grads.data() != nullptr) s.drop_device_grads(r);  // stale once summed
   r.grad_state = GradState::kHost;
   // Until the sum is written back its norm is not a number: a step that goes on after a failure here skips
   // its update instead of using a half-summed gradient.

@@ -201,6 +201,13 @@ struct Coordinator::State {
   // Keeps a freed buffer for reuse: new_slot takes it back by size, and drops every spare when an allocation
   // would not fit. (Trimming spares eagerly instead cost the demo a third of its step time in allocation and
   // page faults on the CPU backend.)
+  // Gives r's device gradient back to the spares once the jobs that read or filled it are done; its home copy
+  // is then the only one.
+  void drop_device_grads(UnitRec& r) {
+    to_spare(std::move(r.dev_grads), r.grads_last_use, {r.grads_ready, r.grads_download});
+    r.grads_ready = CopyTicket();
+  }
+
   void to_spare(kernels::DeviceBuffer buf, kernels::DeviceFence fence, std::vector<CopyTicket> after) {
     spares.push_back(Slot{std::move(buf), std::move(fence), std::move(after)});
   }
@@ -315,8 +322,7 @@ struct Coordinator::State {
         return true;
       }
       if (r.grad_state == GradState::kBoth) r.grad_state = GradState::kHost;
-      to_spare(std::move(r.dev_grads), r.grads_last_use, {r.grads_ready, r.grads_download});
-      r.grads_ready = CopyTicket();
+      drop_device_grads(r);
     } else {
       if (r.home_stale) STRATA_RETURN_IF_ERROR(write_back(r));
       to_spare(std::move(r.dev_params), r.params_last_use, {r.params_ready});
