@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -169,13 +170,11 @@ namespace {
 
 // The step a checkpoint folder's name gives ("step_001200": 1200), or -1 for any other name.
 int64_t checkpoint_step(const std::string& name) {
-  if (!name.starts_with("step_") || name.size() == 5) return -1;
+  if (!name.starts_with("step_") || name.size() == 5 || name[5] < '0' || name[5] > '9') return -1;  // no sign
   int64_t step = 0;
-  for (size_t i = 5; i < name.size(); ++i) {
-    if (name[i] < '0' || name[i] > '9' || step > (INT64_MAX - 9) / 10) return -1;
-    step = step * 10 + (name[i] - '0');
-  }
-  return step;
+  const char* end = name.data() + name.size();
+  const auto [ptr, ec] = std::from_chars(name.data() + 5, end, step);
+  return ec == std::errc() && ptr == end ? step : -1;
 }
 
 // Puts the folder `from` in place of `to`. Where `to` exists, the two are exchanged in one step where the

@@ -108,13 +108,17 @@ void OptimizerSwapper::free_version(size_t g, int version) {
   }
 }
 
+void OptimizerSwapper::promote(size_t g) {
+  free_version(g, version_[g]);
+  version_[g] ^= 1;
+}
+
 size_t OptimizerSwapper::pending() const { return static_cast<size_t>(std::count(pending_.begin(), pending_.end(), true)); }
 
 Status OptimizerSwapper::commit() {
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (!pending_[g]) continue;
-    free_version(g, version_[g]);
-    version_[g] ^= 1;
+    promote(g);
     pending_[g] = false;
   }
   return Status::ok();
@@ -131,12 +135,14 @@ void OptimizerSwapper::rollback() {
 Status OptimizerSwapper::initialize(size_t g, const float* master, const float* m, const float* v) {
   if (g >= groups_.size()) return Status::invalid_argument("optimizer swap: no sub-group {}", g);
   // New contents replace whatever a step left undecided; they are written as the other version, which becomes
-  // current once all three keys are written (a refused write leaves the state as it was).
-  free_version(g, version_[g] ^ 1);
-  pending_[g] = false;
-  const size_t bytes = groups_[g].numel * sizeof(float);
+  // current once all three keys are written (a refused write leaves the state as it was). The staging slot's
+  // writes finish first: were they g's, they would otherwise land in the version freed here.
   Slot& slot = *slots_[0];
   STRATA_RETURN_IF_ERROR(finish_writes(slot));
+  const int next = version_[g] ^ 1;
+  free_version(g, next);
+  pending_[g] = false;
+  const size_t bytes = groups_[g].numel * sizeof(float);
   std::memcpy(slot.region(region_floats_, 0), master, bytes);
   const float* moments[] = {m, v};
   for (int k = 1; k < 3; ++k) {
@@ -146,7 +152,6 @@ Status OptimizerSwapper::initialize(size_t g, const float* master, const float* 
       std::memset(slot.region(region_floats_, k), 0, bytes);
     }
   }
-  const int next = version_[g] ^ 1;
   for (int k = 0; k < 3; ++k) {
     static const char* kWhat[] = {"master", "m", "v"};
     if (Status st = store_.write(key(g, kWhat[k], next), slot.region(region_floats_, k), bytes); !st.is_ok()) {
@@ -154,8 +159,7 @@ Status OptimizerSwapper::initialize(size_t g, const float* master, const float* 
       return st;
     }
   }
-  free_version(g, version_[g]);
-  version_[g] = next;
+  promote(g);
   initialized_[g] = true;
   return Status::ok();
 }
@@ -190,8 +194,7 @@ Status OptimizerSwapper::finish_writes(Slot& slot) {
   if (keep_old_) {
     pending_[g] = true;
   } else {
-    free_version(g, version_[g]);
-    version_[g] ^= 1;
+    promote(g);
   }
   return Status::ok();
 }

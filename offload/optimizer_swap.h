@@ -138,6 +138,7 @@ class OptimizerSwapper {
   std::string key(size_t g, const char* what, int version) const;
   std::string key(size_t g, const char* what) const { return key(g, what, version_[g]); }
   void free_version(size_t g, int version);
+  void promote(size_t g);  // the other version becomes g's current one; the current one is freed
   // Issues sub-group g's reads into slot s region by region, each once the slot's previous write of it is done
   // (waiting for it when `block`); true when all are issued. Called again with the same g, it goes on.
   Result<bool> issue_read(size_t g, size_t s, bool block);
