@@ -187,9 +187,6 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
                                 offload::tier_name(param_tier), offload::tier_name(opt_tier),
                                 offload::tier_name(grad_tier));
   if (zero3) {
-    if (grad_tier != offload::Tier::kHost)
-      return Status(StatusCode::kUnimplemented,
-                    "zero_optimization.stage 3 with gradients on nvme (memory.gradients) is not built yet; use host");
     size_t small = 0;
     for (const Unit& u : model.units()) small += u.numel() <= static_cast<size_t>(config.stage3_param_persistence_threshold);
     if (small > 0)

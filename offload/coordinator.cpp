@@ -50,10 +50,6 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
     if (options.param_home != Tier::kHost && options.param_home != Tier::kNvme)
       return Status::invalid_argument("offload: zero_optimization.stage 3 keeps each rank's parameter shard in host "
                                       "memory or on nvme (offload_param.device cpu or nvme), not on the device");
-    if (options.grad_home != Tier::kHost)
-      return Status(StatusCode::kUnimplemented,
-                    "offload: zero_optimization.stage 3 with gradients on nvme (memory.gradients) is not built yet; "
-                    "use host");
   }
   if (options.nvme_chunk_elements == 0 || options.nvme_chunk_elements % 1024 != 0)
     return Status::invalid_argument("offload: nvme_chunk_elements must be a positive multiple of 1024, got {}",
@@ -121,6 +117,7 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
   if (shard_group != nullptr) {
     STRATA_ASSIGN_OR_RETURN(s->reduce_scratch,
                             pool->try_acquire(largest_stride * sizeof(float), "offload.zero3 reduce-scatter"));
+    if (options.grad_home == Tier::kNvme) s->grad_io = std::make_unique<CopyQueue>("gradient io");
     s->collectives = std::make_unique<CopyQueue>("collectives");
   }
   for (int i = 0; i < options.nvme_buffers; ++i) {
@@ -464,7 +461,13 @@ Status Coordinator::flush_grads(bool take_norms) {
       STRATA_ASSERT_MSG(r.grad_state == GradState::kZero, "a device gradient without a release");
       if (!r.info.present) continue;
       STRATA_RETURN_IF_ERROR(s_->wait_ticket(r.grads_download, r, "gradients"));
-      if (!r.grads_reduced) std::memset(r.host_grads.data(), 0, r.home_bytes);  // no backward used it
+      if (!r.grads_reduced) {  // no backward used it
+        if (s_->options.grad_home == Tier::kHost) {
+          std::memset(r.host_grads.data(), 0, r.home_bytes);
+        } else {
+          STRATA_RETURN_IF_ERROR(s_->write_zero_grads(r));
+        }
+      }
       if (r.dev_grads.data() != nullptr) s_->to_spare(std::move(r.dev_grads), r.grads_last_use, {});
     }
     return Status::ok();
@@ -480,14 +483,8 @@ Status Coordinator::flush_grads(bool take_norms) {
         (void)r.grads_home_read.wait();  // a read of the home copy may still be in flight
         if (s_->options.grad_home == Tier::kHost) {
           std::memset(r.host_grads.data(), 0, r.bytes);
-        } else {  // every key must hold this step's (zero) gradient for the optimizer to read
-          const size_t chunk = s_->options.nvme_chunk_elements;
-          const std::vector<float> zeros(std::min(chunk, r.info.numel), 0.0f);
-          for (size_t k = 0; k < r.grad_keys.size(); ++k) {
-            const size_t len = std::min(chunk, r.info.numel - k * chunk);
-            STRATA_RETURN_IF_ERROR(s_->grad_store->write(r.grad_keys[k], zeros.data(), len * sizeof(float)));
-          }
-          r.grad_sumsq = 0.0;
+        } else {
+          STRATA_RETURN_IF_ERROR(s_->write_zero_grads(r));
         }
         r.grad_state = GradState::kHost;
         if (r.dev_grads.data() != nullptr) s_->to_spare(std::move(r.dev_grads), r.grads_last_use, {});
@@ -528,12 +525,17 @@ Status Coordinator::sum_grads_over(size_t u, comm::Communicator& group) {
   State& s = *s_;
   State::UnitRec& r = s.units[u];
   STRATA_ASSERT_MSG(s.options.grad_home == Tier::kNvme, "sum_grads_over with gradients in host memory");
-  STRATA_ASSERT_MSG(!s.sharded(), "sum_grads_over under ZeRO-3 (the gradients are reduced already)");
-  STRATA_ASSERT_MSG(r.grad_state == GradState::kHost || r.grad_state == GradState::kBoth,
-                    "sum_grads_over before flush_grads");
-  STRATA_RETURN_IF_ERROR(s.wait_ticket(r.grads_download, r, "gradients"));
-  if (r.dev_grads.data() != nullptr) s.drop_device_grads(r);  // stale once summed
-  r.grad_state = GradState::kHost;
+  if (s.sharded()) {  // this rank's shard, reduce-scattered into its keys already
+    STRATA_ASSERT_MSG(r.grad_state == GradState::kZero && r.dev_grads.data() == nullptr,
+                      "sum_grads_over before flush_grads");
+    STRATA_RETURN_IF_ERROR(s.wait_ticket(r.grads_download, r, "gradients"));
+  } else {
+    STRATA_ASSERT_MSG(r.grad_state == GradState::kHost || r.grad_state == GradState::kBoth,
+                      "sum_grads_over before flush_grads");
+    STRATA_RETURN_IF_ERROR(s.wait_ticket(r.grads_download, r, "gradients"));
+    if (r.dev_grads.data() != nullptr) s.drop_device_grads(r);  // stale once summed
+    r.grad_state = GradState::kHost;
+  }
   // Until the sum is written back its norm is not a number: a step that goes on after a failure here skips
   // its update instead of using a half-summed gradient.
   r.grad_sumsq = std::numeric_limits<double>::quiet_NaN();
@@ -541,20 +543,21 @@ Status Coordinator::sum_grads_over(size_t u, comm::Communicator& group) {
   staging.take();
   float* g = staging.buf->as<float>();
   const size_t chunk = s.options.nvme_chunk_elements * sizeof(float);
-  const Status read = read_chunks(*s.grad_store, r.grad_keys, chunk, g, r.bytes)
+  const size_t len = r.shard.len;  // the whole unit unless ZeRO-3
+  const Status read = read_chunks(*s.grad_store, r.grad_keys, chunk, g, r.home_bytes)
                           .with_context("offload: reading the gradient of '" + r.info.name + "' to sum it");
-  s.stats.nvme_read_bytes += r.bytes;
+  s.stats.nvme_read_bytes += r.home_bytes;
   // A rank whose read failed still takes part, so the ranks stay in step, with NaN: every rank's sum and norm
   // are then not finite, and every rank skips the update rather than the others using what was in the buffer.
-  if (!read.is_ok()) std::fill(g, g + r.info.numel, std::numeric_limits<float>::quiet_NaN());
-  const Status summed = group.all_reduce(g, g, r.info.numel, DType::kF32, comm::ReduceOp::kSum)
+  if (!read.is_ok()) std::fill(g, g + len, std::numeric_limits<float>::quiet_NaN());
+  const Status summed = group.all_reduce(g, g, len, DType::kF32, comm::ReduceOp::kSum)
                             .with_context("gradients of " + r.info.name);
   STRATA_RETURN_IF_ERROR(read);  // the cause, if both failed
   STRATA_RETURN_IF_ERROR(summed);
-  STRATA_RETURN_IF_ERROR(write_chunks(*s.grad_store, r.grad_keys, chunk, g, r.bytes)
+  STRATA_RETURN_IF_ERROR(write_chunks(*s.grad_store, r.grad_keys, chunk, g, r.home_bytes)
                              .with_context("offload: writing the summed gradient of '" + r.info.name + "'"));
-  s.stats.nvme_write_bytes += r.bytes;
-  r.grad_sumsq = sum_squares_excluding(g, 0, r.info.numel, r.info.norm_excluded, host_sum_squares);
+  s.stats.nvme_write_bytes += r.home_bytes;
+  r.grad_sumsq = sum_squares_excluding(g, r.shard.lo, len, r.info.norm_excluded, host_sum_squares);
   return Status::ok();
 }
 

@@ -29,8 +29,10 @@
 // `stride` elements (a multiple of 16) and this rank keeps only its own, [rank * stride, (rank + 1) * stride)
 // clipped to the unit, at home (host or nvme). Loading a unit onto the device all-gathers the shards into a
 // slot of D x stride elements; releasing it after a backward reduce-scatters the gradient and adds this rank's
-// part to its gradient shard at home (host), so gradients sum over the micro-batches as they go (another
-// association than one rank's local accumulation: equal within fp32 rounding). A unit of at most
+// part to its gradient shard at home, so gradients sum over the micro-batches as they go (another association
+// than one rank's local accumulation: equal within fp32 rounding). With grad_home nvme the shard's keys are
+// written by the first reduce-scatter of a step and read, added to and written back by the later ones, on a
+// queue of their own ("gradient io") behind the collectives: the same additions as in host memory. A unit of at most
 // `persistence_threshold` elements is resident instead of persistent: gathered for use like the others, but
 // never evicted and not counted against `max_live_elements`, so it is gathered once per step (after the
 // optimizer changed its shards) instead of at every use a live-parameter cap would evict it between. The
@@ -121,7 +123,7 @@ class Coordinator {
   // `pool` holds the host tier's buffers; `store` is needed when param_home is nvme, `grad_store` (default:
   // `store`) when grad_home is. Call write_params for each unit before the first step (parameters at home on
   // the device or host start as zeros; on nvme a unit has none until written, and using it is an error).
-  // `shard_group` (size > 1): ZeRO-3 over its ranks (param_home host or nvme, grad_home host, a device whose
+  // `shard_group` (size > 1): ZeRO-3 over its ranks (param_home host or nvme, grad_home host or nvme, a device whose
   // memory the communicator can address); the coordinator alone issues collectives on it, from its queue.
   static Result<std::unique_ptr<Coordinator>> create(kernels::Device& device, CopyEngine& copies, PinnedPool* pool,
                                                      SwapStore* store, std::vector<CoordinatorUnit> units,
@@ -192,8 +194,8 @@ class Coordinator {
   // optimizer reads, and the norm counts, the group's gradient. A rank whose read failed still takes part with
   // NaN (every rank's norm is then not finite and the step skipped everywhere) and fails after; until the sum is
   // written back the unit's sum of squares is NaN. Collective over `group`; after flush_grads(); any device copy
-  // of the gradient is dropped. Synchronous, on the calling thread (counted in the step's gradient wait). Not
-  // under ZeRO-3 (whose gradients are reduced into their shards already).
+  // of the gradient is dropped. Synchronous, on the calling thread (counted in the step's gradient wait). Under
+  // ZeRO-3, this rank's shard (the tied embedding's between the pipeline's ends, which hold the same shard).
   Status sum_grads_over(size_t u, comm::Communicator& group);
   const std::vector<std::string>& grad_keys(size_t u) const;
   double grad_sum_squares(size_t u) const;

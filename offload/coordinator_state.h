@@ -150,7 +150,12 @@ struct Coordinator::State {
   // ZeRO-3: the group, one shard's worth of reduce-scatter output (used by one collective at a time), and the
   // queue that runs every collective in order (declared last: destroyed first, while what its jobs use lives).
   comm::Communicator* group = nullptr;
+  // With gradients on nvme, reduce_scratch is the gradient I/O queue's instead (one job at a time reads a
+  // shard's sum so far into it), and that queue runs after the collectives (declared before them: destroyed
+  // after, so a reduce-scatter waiting for a write-staging buffer is never left without the queue that gives
+  // it back).
   PinnedBuffer reduce_scratch;
+  std::unique_ptr<CopyQueue> grad_io;
   std::unique_ptr<CopyQueue> collectives;
 
   State(kernels::Device& d, CopyEngine& c, PinnedPool* p, SwapStore* s, const CoordinatorOptions& o)
@@ -466,6 +471,7 @@ struct Coordinator::State {
     const bool first = !r.grads_reduced;
     r.grads_reduced = true;
     stats.reduce_bytes += r.slot_bytes;
+    if (options.grad_home == Tier::kNvme) return reduce_grads_to_nvme(r, fence, first);
     r.grads_download = collectives->submit(
         [g = group, src = r.dev_grads.data(), home = r.host_grads.as<float>(), scratch = reduce_scratch.as<float>(),
          stride = r.shard.stride, len = r.shard.len, first, fence] {
@@ -478,6 +484,59 @@ struct Coordinator::State {
           return Status::ok();
         },
         r.slot_bytes);
+  }
+
+  // ZeRO-3 with gradients on nvme: the reduce-scatter lands in a write-staging buffer (collectives queue); the
+  // gradient I/O queue then writes it to the shard's keys (the first since zero_grads) or reads the shard's sum
+  // so far into reduce_scratch, adds (the same additions as the host shard's home += part) and writes the sum
+  // back; the sum of squares for the norm is taken from what it writes, and is NaN until then. A failed read or
+  // write fails this and every later job of the unit (grads_download), which flush_grads reports.
+  void reduce_grads_to_nvme(UnitRec& r, kernels::DeviceFence fence, bool first) {
+    auto staging = std::make_shared<StagingLease>(&write_staging);
+    const CopyTicket reduced = collectives->submit(
+        [g = group, src = r.dev_grads.data(), staging, stride = r.shard.stride, fence] {
+          staging->take();
+          fence.wait();
+          return g->reduce_scatter(src, staging->buf->data(), stride, DType::kF32, comm::ReduceOp::kSum);
+        },
+        r.slot_bytes);
+    const size_t bytes = r.home_bytes;
+    if (!first) stats.nvme_read_bytes += bytes;
+    stats.nvme_write_bytes += bytes;
+    r.grads_download = grad_io->submit(
+        [st = grad_store, keys = r.grad_keys, chunk = options.nvme_chunk_elements * sizeof(float), bytes,
+         sum = reduce_scratch.as<float>(), lo = r.shard.lo, excluded = &r.info.norm_excluded, sumsq = &r.grad_sumsq,
+         staging, first]() mutable {
+          *sumsq = std::numeric_limits<double>::quiet_NaN();
+          float* part = staging->buf->as<float>();
+          const size_t len = bytes / sizeof(float);
+          if (!first) {
+            STRATA_RETURN_IF_ERROR(read_chunks(*st, keys, chunk, sum, bytes));
+            for (size_t i = 0; i < len; ++i) part[i] = sum[i] + part[i];
+          }
+          STRATA_RETURN_IF_ERROR(write_chunks(*st, keys, chunk, part, bytes));
+          *sumsq = sum_squares_excluding(part, lo, len, *excluded, [](const float* x, size_t n) {
+            return kernels::cpu::fast::add_sum_squares(0.0, x, n);
+          });
+          staging.reset();
+          return Status::ok();
+        },
+        bytes, {reduced, r.grads_download});
+  }
+
+  // Every key of r's gradient (this rank's part) holds zeros: the step's gradient of a unit no backward used,
+  // for the optimizer to read.
+  Status write_zero_grads(UnitRec& r) {
+    const size_t chunk = options.nvme_chunk_elements;
+    const std::vector<float> zeros(std::min(chunk, r.shard.len), 0.0f);
+    for (size_t k = 0; k < r.grad_keys.size(); ++k) {
+      const size_t len = std::min(chunk, r.shard.len - k * chunk);
+      STRATA_RETURN_IF_ERROR(grad_store->write(r.grad_keys[k], zeros.data(), len * sizeof(float))
+                                 .with_context("offload: zeroing the gradient of unit '" + r.info.name + "'"));
+    }
+    stats.nvme_write_bytes += r.home_bytes;
+    r.grad_sumsq = 0.0;
+    return Status::ok();
   }
 
   void drop_params(UnitRec& r) {  // under ZeRO-3, whose home copies are never stale

@@ -77,6 +77,8 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
       {"pp2z3", 2, "1f1b", 6, false, nvme},
       {"pp2z3resumed", 2, "1f1b", 3, false, nvme},
       {"pp2z3resumed", 2, "1f1b", 6, true, nvme},
+      // Gradient shards on NVMe too: the tied embedding's shard summed over the two ends where it lies.
+      {"pp2z3grads", 2, "1f1b", 6, false, nvme, json::object(), 4, {{"gradients", "nvme"}}},
       // 3 blocks per stage: the middle one is recomputed from its checkpoint, with 2 micro-batches in flight.
       {"pp2l6", 2, "1f1b", 6, false, json::object(), json::object(), 6},
       {"pp2l6ckdev", 2, "1f1b", 6, false, json::object(), {{"enabled", true}}, 6},
@@ -127,6 +129,7 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
     EXPECT_EQ(losses(dir_ / "pp2dp2.jsonl"), losses(dir_ / "pp2z1.jsonl"));
     EXPECT_EQ(losses(dir_ / "pp4.jsonl"), losses(dir_ / "pp4gpipe.jsonl"));
     EXPECT_EQ(losses(dir_ / "pp2off.jsonl"), losses(dir_ / "pp2offnvme.jsonl"));
+    EXPECT_EQ(losses(dir_ / "pp2z3.jsonl"), losses(dir_ / "pp2z3grads.jsonl"));
     EXPECT_EQ(losses(dir_ / "pp2l6.jsonl"), losses(dir_ / "pp2l6ckdev.jsonl"));
     EXPECT_EQ(losses(dir_ / "pp2l6.jsonl"), losses(dir_ / "pp2l6ckhost.jsonl"));
     for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
@@ -135,6 +138,8 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
       EXPECT_TRUE(file_bytes(shared / "pp2off" / "step_000006" / f) ==
                   file_bytes(shared / "pp2offnvme" / "step_000006" / f))
           << "optimizer and gradients on NVMe vs in host memory: " << f;
+      EXPECT_TRUE(file_bytes(shared / "pp2z3" / "step_000006" / f) == file_bytes(shared / "pp2z3grads" / "step_000006" / f))
+          << "ZeRO-3 stages with gradient shards on NVMe vs in host memory: " << f;
       EXPECT_TRUE(file_bytes(shared / "pp2dp2" / "step_000006" / f) ==
                   file_bytes(shared / "pp2resumed" / "step_000006" / f))
           << "resumed vs straight: " << f;
