@@ -129,8 +129,9 @@ fi
 
 # Several ranks sharing the GPU (NCCL refuses two ranks on one device, so their collectives on device buffers
 # are staged through host memory over MPI: engine/staged_communicator.h): data parallelism with ZeRO 0-3, tensor
-# and pipeline parallelism, each against the single process on the same GPU with the same global batch. The
-# same sums in another association: the losses agree to about 1e-5 relative, not bitwise.
+# and pipeline parallelism (ZeRO-3 also with every shard on NVMe), each against the single process on the same
+# GPU with the same global batch. The same sums in another association: the losses agree to about 1e-5
+# relative, not bitwise.
 data_dir=data/sotu
 [[ $mode == from-bundle ]] && data_dir="$bundle/data"
 if ! command -v mpiexec >/dev/null; then
@@ -154,11 +155,17 @@ JSON
     "$strata" train --config "$out/multi.json" --set training.grad_accum_steps=$one --checkpoint-dir "$ckpt/one$one" \
       >"$out/multi_one$one.log" 2>&1 || { status=1; tail -20 "$out/multi_one$one.log"; }
   done
-  for run in "dp_zero0 4 zero_optimization.stage=0" "dp_zero1 4 zero_optimization.stage=1" \
-             "dp_zero2 4 zero_optimization.stage=2" "dp_zero3 4 zero_optimization.stage=3" \
-             "tp 2 parallel.tensor_parallel_size=2" "pp 2 parallel.pipeline_parallel_size=2"; do
+  # ZeRO-3 with parameter, optimizer and gradient shards on NVMe: gathers from and reduce-scatters to pinned
+  # memory through the staging, the gradient shards read, added to and written back per micro-batch.
+  z=zero_optimization
+  nvme3="$z.stage=3 $z.offload_param.device=nvme $z.offload_param.nvme_path=$ckpt/swap"
+  nvme3+=" $z.offload_optimizer.device=nvme $z.offload_optimizer.nvme_path=$ckpt/swap memory.gradients=nvme"
+  for run in "dp_zero0 4 $z.stage=0" "dp_zero1 4 $z.stage=1" "dp_zero2 4 $z.stage=2" "dp_zero3 4 $z.stage=3" \
+             "dp_zero3_nvme 4 $nvme3" "tp 2 parallel.tensor_parallel_size=2" "pp 2 parallel.pipeline_parallel_size=2"; do
     set -- $run
-    if "${mpi[@]}" "$strata" train --config "$out/multi.json" --set "$3" --checkpoint-dir "$ckpt/$1" \
+    sets=()
+    for kv in "${@:3}"; do sets+=(--set "$kv"); done
+    if "${mpi[@]}" "$strata" train --config "$out/multi.json" "${sets[@]}" --checkpoint-dir "$ckpt/$1" \
         >"$out/multi_$1.log" 2>&1; then
       got=$(final_loss "$out/multi_$1.log") want=$(final_loss "$out/multi_one$2.log")
       ok=$(python3 -c "import sys; g, w = float(sys.argv[1]), float(sys.argv[2]); print('ok' if abs(g - w) <= 1e-4 * abs(w) else 'FAILED')" "$got" "$want" 2>/dev/null || echo FAILED)
