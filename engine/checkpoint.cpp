@@ -17,6 +17,7 @@
 
 #include <fmt/format.h>
 
+#include "common/log.h"
 #include "storage/safetensors.h"
 #include "storage/token_shard.h"
 
@@ -203,22 +204,52 @@ Status replace_dir(const fs::path& from, const fs::path& to) {
 // Keeps the `keep` checkpoints with the highest steps, counting `written` (the one just saved, never removed:
 // after a resume from an earlier step, the later steps of the abandoned run sort above it), and removes the
 // leftovers of saves that failed or were killed ("step_*.tmp": never a checkpoint `latest` could name). A
-// "step_*.tmp.old" (replace_dir's fallback, killed halfway) may hold the only copy of a step: it stays.
+// "step_N.tmp.old" is replace_dir's fallback killed halfway: the old step_N moved aside. With a step_N beside
+// it, the new one made it into place and the old one goes; without, it is the only copy of step N and goes
+// back to its name (load_checkpoint reads it from there meanwhile).
 void prune_checkpoints(const std::string& checkpoint_dir, const std::string& written, int keep) {
   std::error_code ec;
   std::vector<std::pair<int64_t, fs::path>> others;
+  std::vector<fs::path> entries;
   for (const auto& e : fs::directory_iterator(checkpoint_dir, ec)) {
-    const std::string n = e.path().filename().string();
-    if (!e.is_directory(ec) || !n.starts_with("step_") || n == written) continue;
+    if (e.is_directory(ec)) entries.push_back(e.path());
+  }
+  for (fs::path p : entries) {  // listed first: renaming while iterating may skip or repeat entries
+    std::string n = p.filename().string();
+    if (!n.starts_with("step_") || n == written) continue;
     if (n.ends_with(".tmp")) {
-      fs::remove_all(e.path(), ec);
+      fs::remove_all(p, ec);
       continue;
     }
-    if (const int64_t step = checkpoint_step(n); step >= 0) others.emplace_back(step, e.path());
+    if (n.ends_with(".tmp.old")) {
+      const fs::path original = p.parent_path() / n.substr(0, n.size() - 8);
+      if (fs::exists(original, ec)) {
+        fs::remove_all(p, ec);
+        continue;
+      }
+      fs::rename(p, original, ec);
+      if (ec) continue;  // left where load_checkpoint still finds it
+      STRATA_LOG_WARN("checkpoint: {} was moved aside by a save that did not finish; restored", original.string());
+      p = original;
+      n = p.filename().string();
+    }
+    if (const int64_t step = checkpoint_step(n); step >= 0) others.emplace_back(step, p);
   }
   std::sort(others.begin(), others.end());
   const size_t kept = static_cast<size_t>(keep) - 1;
   for (size_t i = 0; i + kept < others.size(); ++i) fs::remove_all(others[i].second, ec);
+}
+
+// `dir`, or where replace_dir's fallback moved it aside ("<dir>.tmp.old") when a save of the same step was
+// killed before putting the new one in its place: the checkpoint `latest` named is then there, whole.
+fs::path moved_aside_if_missing(const fs::path& dir) {
+  std::error_code ec;
+  if (fs::exists(dir / "state.json", ec)) return dir;
+  const fs::path aside = dir.string() + ".tmp.old";
+  if (!fs::exists(aside / "state.json", ec)) return dir;
+  STRATA_LOG_WARN("checkpoint: {} is missing; reading the copy a save that did not finish moved aside, {}",
+                  dir.string(), aside.string());
+  return aside;
 }
 
 }  // namespace
@@ -286,10 +317,12 @@ Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimiz
     in >> name;
     if (name.empty()) return Status::corruption("{} is empty", (dir / "latest").string());
     dir /= name;
+    dir = moved_aside_if_missing(dir);
     if (!fs::exists(dir / "state.json", ec))
       return Status::not_found("{} names '{}', which is not a checkpoint (no {})", (fs::path(path) / "latest").string(),
                                name, (dir / "state.json").string());
   }
+  dir = moved_aside_if_missing(dir);
   if (!fs::exists(dir / "state.json", ec)) {
     return Status::not_found("{} is not a checkpoint (no state.json, and no 'latest' file naming one)", path);
   }

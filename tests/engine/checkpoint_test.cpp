@@ -1,7 +1,8 @@
 // checkpoint_test.cpp — saving a checkpoint never loses the last good one: `keep` counts checkpoints by their
 // step number and never removes the one just written (also after a resume from an earlier step, and past
 // step 999999, where the names stop sorting as text), a second save of the same step replaces the first
-// whole, leftovers of failed saves go, and a `latest` naming a missing folder is an error naming it.
+// whole, leftovers of failed saves go, a checkpoint moved aside by a save killed halfway is read and restored,
+// and a `latest` naming a missing folder is an error naming it.
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -135,6 +136,39 @@ TEST_F(CheckpointTest, ALatestNamingAMissingFolderIsAnErrorNamingIt) {
   auto state = load_checkpoint(dir_, *model_, *opt_);
   ASSERT_FALSE(state.is_ok());
   EXPECT_NE(state.status().to_string().find("step_000007"), std::string::npos) << state.status().to_string();
+}
+
+// Where the filesystem cannot exchange two folders in one step, a second save of a step moves the old folder
+// aside ("step_N.tmp.old") before putting the new one in place. Killed in between, `latest` names a folder that
+// is not there: the load reads the copy moved aside, and the next save puts it back (or, where the new one made
+// it into place, removes the old one).
+TEST_F(CheckpointTest, ACheckpointMovedAsideByAKilledSaveIsReadAndRestored) {
+  save(8, 3);
+  const std::vector<float> want = params_of(*model_);
+  fs::rename(fs::path(dir_) / "step_000008", fs::path(dir_) / "step_000008.tmp.old");
+  std::vector<float> got;
+  auto state = load_fresh(&got);
+  ASSERT_TRUE(state.is_ok()) << state.status().to_string();
+  EXPECT_EQ(state.value().step, 8);
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
+
+  fake("step_000006.tmp.old");  // killed after the new step 6 was in place: the old copy is left over
+  fake("step_000006");
+  train_step();
+  save(9, 3);
+  EXPECT_TRUE(has("step_000008")) << "the only copy of step 8 goes back to its name";
+  EXPECT_FALSE(has("step_000008.tmp.old"));
+  EXPECT_FALSE(has("step_000006.tmp.old"));
+  EXPECT_TRUE(has("step_000006"));
+  EXPECT_TRUE(has("step_000009"));
+  // Restored checkpoints count against `keep` like the others.
+  train_step();
+  save(10, 2);
+  EXPECT_FALSE(has("step_000008"));
+  EXPECT_FALSE(has("step_000006"));
+  EXPECT_TRUE(has("step_000009"));
+  EXPECT_TRUE(has("step_000010"));
 }
 
 }  // namespace
