@@ -511,10 +511,12 @@ struct Coordinator::State {
           float* part = staging->buf->as<float>();
           const size_t len = bytes / sizeof(float);
           if (!first) {
-            STRATA_RETURN_IF_ERROR(read_chunks(*st, keys, chunk, sum, bytes));
+            STRATA_RETURN_IF_ERROR(read_chunks(*st, keys, chunk, sum, bytes)
+                                       .with_context("offload: reading this rank's gradient shard to add to it"));
             for (size_t i = 0; i < len; ++i) part[i] = sum[i] + part[i];
           }
-          STRATA_RETURN_IF_ERROR(write_chunks(*st, keys, chunk, part, bytes));
+          STRATA_RETURN_IF_ERROR(write_chunks(*st, keys, chunk, part, bytes)
+                                     .with_context("offload: writing this rank's gradient shard"));
           *sumsq = sum_squares_excluding(part, lo, len, *excluded, [](const float* x, size_t n) {
             return kernels::cpu::fast::add_sum_squares(0.0, x, n);
           });
