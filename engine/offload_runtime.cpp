@@ -176,10 +176,12 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
     total += u.numel() * sizeof(float);
   }
   const bool have_nvme = param_tier == offload::Tier::kNvme || opt_tier == offload::Tier::kNvme;
+  // What this rank's gradients take in host memory: under ZeRO-3, its shards.
+  const size_t grad_bytes = zero3 ? total / static_cast<size_t>(dp->size()) : total;
   const offload::Tier grad_tier =
       config.gradients == "nvme" ||
               (config.gradients == "auto" && have_nvme && config.host_memory_limit > 0 &&
-               total > config.host_memory_limit / 2)
+               grad_bytes > config.host_memory_limit / 2)
           ? offload::Tier::kNvme
           : offload::Tier::kHost;
   rt->placements_ = fmt::format("{}parameters on {}, optimizer state on {}, gradients to {}",
@@ -307,7 +309,7 @@ OffloadStepReport OffloadRuntime::take_report() {
   };
   r.h2d_busy_s = delta(copies_->h2d.stats(), &last_h2d_);
   r.d2h_busy_s = delta(copies_->d2h.stats(), &last_d2h_);
-  r.nvme_busy_s = delta(copies_->nvme.stats(), &last_nvme_);
+  r.nvme_busy_s = delta(copies_->nvme.stats(), &last_nvme_) + delta(coordinator_->gradient_io_stats(), &last_grad_io_);
   r.collectives_busy_s = delta(coordinator_->collective_stats(), &last_collectives_);
   r.gather_bytes = cs.gather_bytes;
   r.reduce_bytes = cs.reduce_bytes;

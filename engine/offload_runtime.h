@@ -73,7 +73,8 @@ struct OffloadStepReport {
                                 // data-parallel ranks and the pipeline's ends, with nvme gradients their
                                 // synchronous reads and writes too, outside nvme_busy_s)
   double update_wait_s = 0;     // the training thread waiting for the optimizer's new parameters
-  double h2d_busy_s = 0, d2h_busy_s = 0, nvme_busy_s = 0;  // copy queues' busy time
+  // Copy queues' busy time; nvme includes ZeRO-3's gradient shard I/O (a queue of its own).
+  double h2d_busy_s = 0, d2h_busy_s = 0, nvme_busy_s = 0;
   uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_write_bytes = 0;
   uint64_t fetches = 0, prefetch_hits = 0, evictions = 0, retraces = 0;
   uint64_t write_backs = 0;  // evicted parameters newer than their nvme home, written there first
@@ -125,7 +126,7 @@ class OffloadRuntime {
   std::unique_ptr<comm::Communicator> shard_group_;  // ZeRO-3: the coordinator's own copy of the dp group
   std::unique_ptr<offload::Coordinator> coordinator_;
   std::unique_ptr<OffloadedAdamW> optimizer_;
-  offload::CopyQueueStats last_h2d_, last_d2h_, last_nvme_, last_collectives_;
+  offload::CopyQueueStats last_h2d_, last_d2h_, last_nvme_, last_collectives_, last_grad_io_;
   uint64_t nvme_peak_ = 0;
 };
 

@@ -111,7 +111,9 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
   size_t largest_read = 0, largest_write = 0;
   for (const State::UnitRec& r : s->units) {
     const size_t capacity = r.shard.stride * sizeof(float);  // a gather sends a whole padded shard
-    if (r.home == Tier::kNvme || options.grad_home == Tier::kNvme) largest_read = std::max(largest_read, capacity);
+    // Gradients come back from nvme only unsharded (ZeRO-3 reduces each micro-batch's into its home shard).
+    const bool grads_read = options.grad_home == Tier::kNvme && shard_group == nullptr;
+    if (r.home == Tier::kNvme || grads_read) largest_read = std::max(largest_read, capacity);
     if (options.grad_home == Tier::kNvme) largest_write = std::max(largest_write, capacity);
   }
   if (shard_group != nullptr) {
@@ -303,7 +305,7 @@ Result<UnitView> Coordinator::acquire(size_t u, Pass pass) {
       case GradState::kDevice:
         break;
       case GradState::kBoth:  // the kernels are about to change the copy being downloaded
-        if (Status st = s.wait_ticket(r.grads_download, r, "gradients"); !st.is_ok()) return fail(st);
+        if (Status st = s.wait_ticket(r.grads_download, r, "bringing gradients home"); !st.is_ok()) return fail(st);
         r.grad_state = GradState::kDevice;
         break;
       case GradState::kZero: {
@@ -315,7 +317,8 @@ Result<UnitView> Coordinator::acquire(size_t u, Pass pass) {
           s.stats.stall_s += wait.seconds();
           r.dev_grads = std::move(slot->buf);
         } else {
-          (void)r.grads_download.wait();  // the stale copy's last reader; the zeros replace it anyway
+          // The stale copy's last reader; the zeros replace it anyway.
+          (void)(s.sharded() ? r.grads_reduce : r.grads_download).wait();
         }
         s.device.zero(r.dev_grads.data(), r.slot_bytes);  // in order with the kernels (and a shard's padding)
         r.grad_state = GradState::kDevice;
@@ -325,7 +328,7 @@ Result<UnitView> Coordinator::acquire(size_t u, Pass pass) {
         if (r.dev_grads.data() == nullptr) {
           if (auto loaded = s.load_grads(u, 0); !loaded.is_ok()) return fail(loaded.status());
         }
-        if (Status st = s.wait_ticket(r.grads_ready, r, "gradients"); !st.is_ok()) {
+        if (Status st = s.wait_ticket(r.grads_ready, r, "loading gradients"); !st.is_ok()) {
           // The copy never arrived: give the buffer back so the next acquire uploads again.
           s.to_spare(std::move(r.dev_grads), r.grads_last_use, {r.grads_ready});
           r.grads_ready = CopyTicket();
@@ -340,7 +343,7 @@ Result<UnitView> Coordinator::acquire(size_t u, Pass pass) {
   // A prefetch that fails is reported by the acquire of the unit it was for, not this one.
   if (Status st = s.prefetch(); !st.is_ok()) STRATA_LOG_DEBUG("offload: prefetch: {}", st.to_string());
   if (uses_params(pass)) {
-    if (Status st = s.wait_ticket(r.params_ready, r, "parameters"); !st.is_ok()) {
+    if (Status st = s.wait_ticket(r.params_ready, r, "loading parameters"); !st.is_ok()) {
       s.drop_failed_params(r);
       return fail(st);
     }
@@ -363,7 +366,7 @@ void Coordinator::release(size_t u, Pass pass) {
   if (s.sharded()) {
     s.reduce_grads(r, fence);
     r.grad_state = GradState::kZero;  // consumed: a later use this step starts from zeros again
-    if (s.next_use(true)[u] == kNever || !s.replaying()) s.to_spare(std::move(r.dev_grads), fence, {r.grads_download});
+    if (s.next_use(true)[u] == kNever || !s.replaying()) s.to_spare(std::move(r.dev_grads), fence, {r.grads_reduce});
     return;
   }
   // A gradient that more backward work adds to stays here until its last release, which sends it home once:
@@ -446,6 +449,7 @@ Status Coordinator::zero_grads() {
     STRATA_RETURN_IF_ERROR(r.grads_download.wait().with_context("offload: gradients of unit '" + r.info.name + "'"));
     STRATA_RETURN_IF_ERROR(r.grads_ready.wait().with_context("offload: gradients of unit '" + r.info.name + "'"));
     r.grads_download = CopyTicket();
+    r.grads_reduce = CopyTicket();
     r.grads_ready = CopyTicket();
     r.grad_state = GradState::kZero;
     r.grads_reduced = false;
@@ -460,7 +464,10 @@ Status Coordinator::flush_grads(bool take_norms) {
       STRATA_ASSERT_MSG(r.in_use == 0, "flush_grads with a unit between acquire and release");
       STRATA_ASSERT_MSG(r.grad_state == GradState::kZero, "a device gradient without a release");
       if (!r.info.present) continue;
-      STRATA_RETURN_IF_ERROR(s_->wait_ticket(r.grads_download, r, "gradients"));
+      if (Status st = s_->wait_ticket(r.grads_download, r, "bringing gradients home"); !st.is_ok()) {
+        r.grad_sumsq = std::numeric_limits<double>::quiet_NaN();  // a failed reduce never took it
+        return st;
+      }
       if (!r.grads_reduced) {  // no backward used it
         if (s_->options.grad_home == Tier::kHost) {
           std::memset(r.host_grads.data(), 0, r.home_bytes);
@@ -491,11 +498,11 @@ Status Coordinator::flush_grads(bool take_norms) {
         break;
       case GradState::kDevice:  // still accumulating (no backward after set_accumulating(false)): home now
         send_grads_home(i, s_->device.fence());
-        STRATA_RETURN_IF_ERROR(s_->wait_ticket(r.grads_download, r, "gradients"));
+        STRATA_RETURN_IF_ERROR(s_->wait_ticket(r.grads_download, r, "bringing gradients home"));
         break;
       case GradState::kBoth:
       case GradState::kHost:
-        STRATA_RETURN_IF_ERROR(s_->wait_ticket(r.grads_download, r, "gradients"));
+        STRATA_RETURN_IF_ERROR(s_->wait_ticket(r.grads_download, r, "bringing gradients home"));
         break;
     }
     if (take_norms && s_->options.grad_home == Tier::kHost) {
@@ -528,11 +535,11 @@ Status Coordinator::sum_grads_over(size_t u, comm::Communicator& group) {
   if (s.sharded()) {  // this rank's shard, reduce-scattered into its keys already
     STRATA_ASSERT_MSG(r.grad_state == GradState::kZero && r.dev_grads.data() == nullptr,
                       "sum_grads_over before flush_grads");
-    STRATA_RETURN_IF_ERROR(s.wait_ticket(r.grads_download, r, "gradients"));
+    STRATA_RETURN_IF_ERROR(s.wait_ticket(r.grads_download, r, "bringing gradients home"));
   } else {
     STRATA_ASSERT_MSG(r.grad_state == GradState::kHost || r.grad_state == GradState::kBoth,
                       "sum_grads_over before flush_grads");
-    STRATA_RETURN_IF_ERROR(s.wait_ticket(r.grads_download, r, "gradients"));
+    STRATA_RETURN_IF_ERROR(s.wait_ticket(r.grads_download, r, "bringing gradients home"));
     if (r.dev_grads.data() != nullptr) s.drop_device_grads(r);  // stale once summed
     r.grad_state = GradState::kHost;
   }
@@ -597,6 +604,8 @@ Residency Coordinator::residency(size_t u, StateClass what) const {
 CopyQueueStats Coordinator::collective_stats() const {
   return s_->collectives ? s_->collectives->stats() : CopyQueueStats{};
 }
+
+CopyQueueStats Coordinator::gradient_io_stats() const { return s_->grad_io ? s_->grad_io->stats() : CopyQueueStats{}; }
 
 CoordinatorStats Coordinator::take_stats() {
   CoordinatorStats out = s_->stats;

@@ -109,11 +109,15 @@ struct Coordinator::State {
     kernels::DeviceBuffer dev_grads;
     CopyTicket grads_ready;     // an upload of the host copy into dev_grads (prefetch)
     CopyTicket grads_home_read; // the last job reading the home copy (kept across evictions)
-    CopyTicket grads_download;  // kBoth: the download into host_grads
+    CopyTicket grads_download;  // kBoth: the download into host_grads (ZeRO-3: the reduce into the home shard)
+    // ZeRO-3: the reduce-scatter that reads dev_grads (before grads_download with gradients on nvme, whose
+    // shard I/O follows it), which a reuse of the device buffer waits for.
+    CopyTicket grads_reduce;
     kernels::DeviceFence grads_last_use;
     PinnedBuffer host_grads;             // grad_home host
     std::vector<std::string> grad_keys;  // grad_home nvme, one per chunk
-    double grad_sumsq = 0;               // grad_home nvme: sum of squares of the last download (on d2h thread);
+    double grad_sumsq = 0;               // grad_home nvme: sum of squares of the last download (on the d2h
+                                         // thread; ZeRO-3: of the shard's last write, on the gradient io thread);
                                          // host: taken by flush_grads when grad_sumsq_valid
     bool grad_sumsq_valid = false;       // host: grad_sumsq is that of host_grads as they are now
     bool grads_reduced = false;          // ZeRO-3: a reduce-scatter added to the home shard since zero_grads
@@ -209,7 +213,7 @@ struct Coordinator::State {
   // Gives r's device gradient back to the spares once the jobs that read or filled it are done; its home copy
   // is then the only one.
   void drop_device_grads(UnitRec& r) {
-    to_spare(std::move(r.dev_grads), r.grads_last_use, {r.grads_ready, r.grads_download});
+    to_spare(std::move(r.dev_grads), r.grads_last_use, {r.grads_ready, sharded() ? r.grads_reduce : r.grads_download});
     r.grads_ready = CopyTicket();
   }
 
@@ -472,7 +476,7 @@ struct Coordinator::State {
     r.grads_reduced = true;
     stats.reduce_bytes += r.slot_bytes;
     if (options.grad_home == Tier::kNvme) return reduce_grads_to_nvme(r, fence, first);
-    r.grads_download = collectives->submit(
+    r.grads_reduce = r.grads_download = collectives->submit(
         [g = group, src = r.dev_grads.data(), home = r.host_grads.as<float>(), scratch = reduce_scratch.as<float>(),
          stride = r.shard.stride, len = r.shard.len, first, fence] {
           fence.wait();
@@ -493,7 +497,7 @@ struct Coordinator::State {
   // write fails this and every later job of the unit (grads_download), which flush_grads reports.
   void reduce_grads_to_nvme(UnitRec& r, kernels::DeviceFence fence, bool first) {
     auto staging = std::make_shared<StagingLease>(&write_staging);
-    const CopyTicket reduced = collectives->submit(
+    r.grads_reduce = collectives->submit(
         [g = group, src = r.dev_grads.data(), staging, stride = r.shard.stride, fence] {
           staging->take();
           fence.wait();
@@ -523,7 +527,7 @@ struct Coordinator::State {
           staging.reset();
           return Status::ok();
         },
-        bytes, {reduced, r.grads_download});
+        bytes, {r.grads_reduce, r.grads_download});
   }
 
   // Every key of r's gradient (this rank's part) holds zeros: the step's gradient of a unit no backward used,
@@ -614,7 +618,7 @@ struct Coordinator::State {
     pos = trace.size();
   }
 
-  // Waits for a unit's copy, counting the wait as a stall; the error names the unit.
+  // Waits for a unit's copy, counting the wait as a stall; the error names what was waited for and the unit.
   Status wait_ticket(const CopyTicket& t, const UnitRec& r, const char* what) {
     Timer timer;
     Status s;
@@ -625,7 +629,7 @@ struct Coordinator::State {
       s = t.wait();
     }
     stats.stall_s += timer.seconds();
-    if (!s.is_ok()) return s.with_context(fmt::format("loading {} of unit '{}'", what, r.info.name));
+    if (!s.is_ok()) return s.with_context(fmt::format("{} of unit '{}'", what, r.info.name));
     return Status::ok();
   }
 };

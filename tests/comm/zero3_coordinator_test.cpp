@@ -1,9 +1,9 @@
 // zero3_coordinator_test.cpp — run by CTest under `mpiexec -np 2`: the ZeRO-3 coordinator with each rank's
 // gradient shards on NVMe (a swap store on an in-memory disk) against the same coordinator with them in host
 // memory: over two micro-batches (the first reduce-scatter of a step writes the shard, the second reads, adds
-// and writes it back) both hold bitwise the sum they must, with the same sums of squares; and a disk that fails
-// under one rank's write is an error on that rank naming the unit, never a wrong gradient, while the other rank
-// finishes its step.
+// and writes it back) both hold bitwise the sum they must, with the same sums of squares (less excluded
+// ranges), also for an empty shard and a unit no backward used; and a disk that fails under one rank's write
+// is an error on that rank naming the unit, never a wrong gradient, while the other rank finishes its step.
 #include <cstring>
 #include <memory>
 #include <string>
@@ -25,9 +25,13 @@
 namespace strata::offload {
 namespace {
 
-// Uneven over 2 ranks (the last shard is short, strides are padded) and over chunks of 1024 elements.
-const std::vector<size_t> kNumel = {3000, 5000, 4100};
+// Uneven over 2 ranks (the last shard is short, strides are padded) and over chunks of 1024 elements; unit 3
+// is so small that rank 1's shard of it is empty, and unit 4 is used in forward only (its gradient is zero).
+const std::vector<size_t> kNumel = {3000, 5000, 4100, 10, 2000};
 constexpr size_t kChunk = 1024;
+constexpr size_t kForwardOnly = 4;
+// Left out of unit 1's sum of squares (tensor parallelism's replicated tensors), across both ranks' shards.
+const Ranges kExcluded = {{100, 300}, {4000, 50}};
 
 // What rank `rank` adds to element i of unit u in micro-batch m.
 float grad_of(int rank, size_t u, size_t i, int m) {
@@ -49,11 +53,13 @@ struct Rank {
     EXPECT_TRUE(p.is_ok()) << p.status().to_string();
     pool = std::move(p).value();
     std::vector<CoordinatorUnit> units;
-    for (size_t u = 0; u < kNumel.size(); ++u) units.push_back({fmt::format("unit{}", u), kNumel[u], true, {}});
+    for (size_t u = 0; u < kNumel.size(); ++u)
+      units.push_back({fmt::format("unit{}", u), kNumel[u], true, u == 1 ? kExcluded : Ranges{}});
     CoordinatorOptions o;
     o.param_home = Tier::kHost;
     o.grad_home = grad_home;
     o.nvme_chunk_elements = kChunk;
+    o.nvme_buffers = 1;  // one write-staging buffer: each reduce-scatter waits for the last one's shard I/O
     auto c = Coordinator::create(*device, copies, pool.get(), store.get(), units, o, nullptr, &group);
     EXPECT_TRUE(c.is_ok()) << c.status().to_string();
     coord = std::move(c).value();
@@ -71,6 +77,7 @@ struct Rank {
       coord->release(u, Pass::kForward);
     }
     for (size_t u = kNumel.size(); u-- > 0;) {
+      if (u == kForwardOnly) continue;
       auto v = coord->acquire(u, Pass::kBackward);
       ASSERT_TRUE(v.is_ok()) << v.status().to_string();
       for (size_t i = 0; i < kNumel[u]; ++i) v->grads[i] += grad_of(rank, u, i, m);
@@ -136,9 +143,12 @@ TEST_F(Zero3CoordinatorTest, GradientShardsOnNvmeHoldBitwiseTheSumsOfShardsInHos
       SCOPED_TRACE(fmt::format("step {}, unit {}", step, u));
       const ShardRange sh = host.coord->shard(u);
       ASSERT_EQ(sh.lo, nvme.coord->shard(u).lo);
+      if (u == 3) {
+        EXPECT_EQ(sh.len, rank == 0 ? 10u : 0u);
+      }
       // Each micro-batch's reduce-scatter adds the two ranks' parts; the second is added to the first.
       std::vector<float> want(sh.len);
-      for (size_t i = 0; i < sh.len; ++i) {
+      for (size_t i = 0; i < sh.len && u != kForwardOnly; ++i) {
         const size_t e = sh.lo + i;
         const float first = grad_of(0, u, e, 10 * step) + grad_of(1, u, e, 10 * step);
         const float second = grad_of(0, u, e, 10 * step + 1) + grad_of(1, u, e, 10 * step + 1);
@@ -147,7 +157,10 @@ TEST_F(Zero3CoordinatorTest, GradientShardsOnNvmeHoldBitwiseTheSumsOfShardsInHos
       const std::vector<float> in_host = host.shard_grads(u), on_nvme = nvme.shard_grads(u);
       EXPECT_EQ(0, std::memcmp(in_host.data(), want.data(), sh.len * sizeof(float)));
       EXPECT_EQ(0, std::memcmp(on_nvme.data(), want.data(), sh.len * sizeof(float)));
-      const double sumsq = kernels::cpu::fast::add_sum_squares(0.0, want.data(), sh.len);
+      const double sumsq = sum_squares_excluding(want.data(), sh.lo, sh.len, u == 1 ? kExcluded : Ranges{},
+                                                 [](const float* x, size_t n) {
+                                                   return kernels::cpu::fast::add_sum_squares(0.0, x, n);
+                                                 });
       EXPECT_EQ(host.coord->grad_sum_squares(u), sumsq);
       EXPECT_EQ(nvme.coord->grad_sum_squares(u), sumsq);
     }
