@@ -166,22 +166,23 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   std::unique_ptr<OffloadRuntime> rt(new OffloadRuntime());
   rt->device_ = &device;
   // The sub-group size: optimizer state and nvme parameter chunks share it, so an optimizer sub-group's new
-  // parameters are whole chunks. `total`: bytes of one fp32 state class (parameters, gradients, ...).
+  // parameters are whole chunks. `total`: bytes of one fp32 state class (parameters, gradients, ...) on this
+  // rank: under ZeRO-3 its shards (each at most the coordinator's padded stride), which is what its stores and
+  // host memory hold.
   const size_t group = static_cast<size_t>((config.sub_group_size + 1023) / 1024 * 1024);
+  const size_t ranks = zero3 ? static_cast<size_t>(dp->size()) : 1;
   size_t largest_key = 0, total = 0;
   for (size_t i = 0; i < model.units().size(); ++i) {
     if (!model.holds(i)) continue;  // another pipeline stage's
-    const Unit& u = model.units()[i];
-    largest_key = std::max(largest_key, std::min(group, u.numel()) * sizeof(float));
-    total += u.numel() * sizeof(float);
+    const size_t held = offload::shard_stride(model.units()[i].numel(), ranks);
+    largest_key = std::max(largest_key, std::min(group, held) * sizeof(float));
+    total += held * sizeof(float);
   }
   const bool have_nvme = param_tier == offload::Tier::kNvme || opt_tier == offload::Tier::kNvme;
-  // What this rank's gradients take in host memory: under ZeRO-3, its shards.
-  const size_t grad_bytes = zero3 ? total / static_cast<size_t>(dp->size()) : total;
   const offload::Tier grad_tier =
       config.gradients == "nvme" ||
               (config.gradients == "auto" && have_nvme && config.host_memory_limit > 0 &&
-               grad_bytes > config.host_memory_limit / 2)
+               total > config.host_memory_limit / 2)
           ? offload::Tier::kNvme
           : offload::Tier::kHost;
   rt->placements_ = fmt::format("{}parameters on {}, optimizer state on {}, gradients to {}",

@@ -77,7 +77,7 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
     r.bytes = r.info.numel * sizeof(float);
     if (!r.info.present) continue;  // another pipeline stage's: no state, shard {0, 0, 0}
     if (shard_group != nullptr) {
-      r.shard.stride = ((r.info.numel + ranks - 1) / ranks + 15) / 16 * 16;
+      r.shard.stride = shard_stride(r.info.numel, ranks);
       r.shard.lo = std::min(r.info.numel, rank * r.shard.stride);
       r.shard.len = std::min(r.info.numel, r.shard.lo + r.shard.stride) - r.shard.lo;
       largest_stride = std::max(largest_stride, r.shard.stride);

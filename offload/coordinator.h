@@ -102,6 +102,12 @@ struct ShardRange {
   size_t stride = 0;       // elements per rank's shard, padded: rank q's shard starts at q * stride
 };
 
+// Elements of each rank's shard of a unit of `numel` elements over `ranks` under ZeRO-3 (padded: a multiple
+// of 16); `numel` itself for one rank.
+inline size_t shard_stride(size_t numel, size_t ranks) {
+  return ranks <= 1 ? numel : ((numel + ranks - 1) / ranks + 15) / 16 * 16;
+}
+
 struct UnitView {
   float* params = nullptr;  // device memory, valid until release (null for kGradients)
   float* grads = nullptr;   // device memory holding the accumulated gradient (null for kForward)
