@@ -16,10 +16,7 @@
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/fast.h"
 #include "offload/coordinator.h"
-#include "storage/fault_engine.h"
-#include "storage/io_queue.h"
-#include "storage/memory_engine.h"
-#include "storage/swap_store.h"
+#include "tests/memory_tiers.h"
 #include "tests/test_util.h"
 
 namespace strata::offload {
@@ -38,20 +35,11 @@ float grad_of(int rank, size_t u, size_t i, int m) {
   return 0.25f * static_cast<float>((i + 7 * u + 3 * m + 5 * rank) % 13) + 0.1f;
 }
 
-// One rank's offload stack: the CPU device, a swap store on an in-memory disk that can be made to fail, a
-// pinned pool, the copy engine, and the coordinator sharding over `group` (destroyed first).
-struct Rank {
+// One rank's offload stack: the in-memory tiers (a swap store whose disk can be made to fail, a pinned pool),
+// the CPU device, the copy engine, and the coordinator sharding over `group` (destroyed first).
+struct Rank : testing::MemoryTiers {
   Rank(comm::Communicator& group, Tier grad_home) {
     device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
-    fault = std::make_unique<FaultEngine>(memory, FaultOptions{.seed = 5, .eio_rate = 1.0});
-    fault->set_enabled(false);
-    queue = std::make_unique<IoQueue>(*fault);
-    auto s = SwapStore::open(*queue, SwapStoreOptions{.dir = "/swap", .file_bytes = 4 << 20, .direct = false});
-    EXPECT_TRUE(s.is_ok()) << s.status().to_string();
-    store = std::move(s).value();
-    auto p = PinnedPool::create(PinnedPoolOptions{.budget_bytes = 64 << 20, .lock = false});
-    EXPECT_TRUE(p.is_ok()) << p.status().to_string();
-    pool = std::move(p).value();
     std::vector<CoordinatorUnit> units;
     for (size_t u = 0; u < kNumel.size(); ++u)
       units.push_back({fmt::format("unit{}", u), kNumel[u], true, u == 1 ? kExcluded : Ranges{}});
@@ -102,11 +90,6 @@ struct Rank {
     return got;
   }
 
-  MemoryEngine memory;
-  std::unique_ptr<FaultEngine> fault;
-  std::unique_ptr<IoQueue> queue;
-  std::unique_ptr<SwapStore> store;
-  std::unique_ptr<PinnedPool> pool;
   std::unique_ptr<kernels::Device> device;
   CopyEngine copies;
   std::unique_ptr<Coordinator> coord;  // last: destroyed first

@@ -22,6 +22,7 @@
 #include "storage/memory_engine.h"
 #include "storage/swap_store.h"
 #include "tests/forwarding_device.h"
+#include "tests/memory_tiers.h"
 #include "tests/test_util.h"
 
 namespace strata::offload {
@@ -44,21 +45,13 @@ class SlowDownloadDevice final : public testing::ForwardingDevice {
 
 // A device, a swap store on an in-memory disk (optionally failing), a pool and a copy engine, with the
 // coordinator destroyed first.
-struct Rig {
+struct Rig : testing::MemoryTiers {
   explicit Rig(Tier home, uint64_t device_limit = 0, CoordinatorOptions o = {}, bool faulty = false,
-               bool slow_downloads = false) {
+               bool slow_downloads = false)
+      : MemoryTiers(faulty) {
     device = slow_downloads ? std::make_unique<SlowDownloadDevice>()
                             : kernels::make_cpu_device(kernels::cpu_fast_kernels());
     device->set_memory_limit(device_limit);
-    fault = std::make_unique<FaultEngine>(memory, FaultOptions{.seed = 3, .eio_rate = 1.0});
-    fault->set_enabled(false);
-    queue = std::make_unique<IoQueue>(faulty ? static_cast<IoEngine&>(*fault) : memory);
-    auto s = SwapStore::open(*queue, SwapStoreOptions{.dir = "/swap", .file_bytes = 4 << 20, .direct = false});
-    EXPECT_TRUE(s.is_ok()) << s.status().to_string();
-    store = std::move(s).value();
-    auto p = PinnedPool::create(PinnedPoolOptions{.budget_bytes = 64 << 20, .lock = false});
-    EXPECT_TRUE(p.is_ok()) << p.status().to_string();
-    pool = std::move(p).value();
     std::vector<CoordinatorUnit> units;
     for (int u = 0; u < kUnits; ++u) units.push_back({fmt::format("unit{}", u), numel_of(u), true, {}});
     o.param_home = home;
@@ -166,11 +159,6 @@ struct Rig {
   }
 
   std::unique_ptr<kernels::Device> device;
-  MemoryEngine memory;
-  std::unique_ptr<FaultEngine> fault;
-  std::unique_ptr<IoQueue> queue;
-  std::unique_ptr<SwapStore> store;
-  std::unique_ptr<PinnedPool> pool;
   CopyEngine copies;
   std::unique_ptr<Coordinator> coord;
   std::vector<std::vector<float>> params, grads;
