@@ -321,8 +321,9 @@ Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimiz
     if (!fs::exists(dir / "state.json", ec))
       return Status::not_found("{} names '{}', which is not a checkpoint (no {})", (fs::path(path) / "latest").string(),
                                name, (dir / "state.json").string());
+  } else {
+    dir = moved_aside_if_missing(dir);
   }
-  dir = moved_aside_if_missing(dir);
   if (!fs::exists(dir / "state.json", ec)) {
     return Status::not_found("{} is not a checkpoint (no state.json, and no 'latest' file naming one)", path);
   }

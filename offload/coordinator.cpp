@@ -532,14 +532,12 @@ Status Coordinator::sum_grads_over(size_t u, comm::Communicator& group) {
   State& s = *s_;
   State::UnitRec& r = s.units[u];
   STRATA_ASSERT_MSG(s.options.grad_home == Tier::kNvme, "sum_grads_over with gradients in host memory");
-  if (s.sharded()) {  // this rank's shard, reduce-scattered into its keys already
-    STRATA_ASSERT_MSG(r.grad_state == GradState::kZero && r.dev_grads.data() == nullptr,
-                      "sum_grads_over before flush_grads");
-    STRATA_RETURN_IF_ERROR(s.wait_ticket(r.grads_download, r, "bringing gradients home"));
-  } else {
-    STRATA_ASSERT_MSG(r.grad_state == GradState::kHost || r.grad_state == GradState::kBoth,
-                      "sum_grads_over before flush_grads");
-    STRATA_RETURN_IF_ERROR(s.wait_ticket(r.grads_download, r, "bringing gradients home"));
+  // Under ZeRO-3, this rank's shard, reduce-scattered into its keys already (flush_grads freed the device copy).
+  STRATA_ASSERT_MSG(s.sharded() ? r.grad_state == GradState::kZero && r.dev_grads.data() == nullptr
+                                : r.grad_state == GradState::kHost || r.grad_state == GradState::kBoth,
+                    "sum_grads_over before flush_grads");
+  STRATA_RETURN_IF_ERROR(s.wait_ticket(r.grads_download, r, "bringing gradients home"));
+  if (!s.sharded()) {
     if (r.dev_grads.data() != nullptr) s.drop_device_grads(r);  // stale once summed
     r.grad_state = GradState::kHost;
   }
