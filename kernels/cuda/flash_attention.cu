@@ -3,10 +3,12 @@
 //
 // Every kernel has the same shape: a block takes 64 rows of one (batch, head), four warps of 16 rows each; a
 // warp keeps its rows' operand fragments, its 16×64 tile of scores and its output accumulator in REGISTERS, and
-// only the 64-row tiles it walks over are staged in shared memory. The scores come out of the tensor cores in
-// the accumulator layout, which is exactly the A-operand layout of the next product (FlashAttention-2's trick),
-// so probabilities never leave registers. (A first version used WMMA, whose opaque fragments forced scores and
-// outputs through shared memory: it was bound by shared-memory bandwidth at 19% occupancy.)
+// only the 64-row tiles it walks over are staged in shared memory: two buffers each, the next tile copied in
+// with cp.async under the current one's products, and read into B fragments with ldmatrix. The scores come out
+// of the tensor cores in the accumulator layout, which is exactly the A-operand layout of the next product
+// (FlashAttention-2's trick), so probabilities never leave registers. (A first version used WMMA, whose opaque
+// fragments forced scores and outputs through shared memory: it was bound by shared-memory bandwidth at 19%
+// occupancy.)
 //
 // Forward: walk the key tiles up to the diagonal: S = Q Kᵀ -> online softmax (running max m and sum l per
 // row, the output rescaled as m grows) -> O += P V with P rounded to bf16. Saves, per row, the log-sum-exp of
@@ -22,6 +24,8 @@
 //   B (16×8, col):  b0 = (k 2t..2t+1, n g), b1 = (k 2t+8..2t+9, n g)
 //   C (16×8):       c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
 #include <cuda_bf16.h>
+
+#include <type_traits>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_context.h"
@@ -50,21 +54,49 @@ __device__ __forceinline__ uint32_t pack(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
-__device__ __forceinline__ uint32_t pack(bf16 lo, bf16 hi) {
-  return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) | (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
-}
 __device__ __forceinline__ uint32_t load_pair(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-// Rows [row0, row0 + 64) of a (T, HS) bf16 head slice into a shared tile with row stride HS + kPad; rows past T
-// are zeros. 16-byte loads.
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Four 8×8 bf16 matrices from shared memory in one instruction: lanes 8i..8i+7 give the 16-byte rows of matrix i,
+// and every lane gets, in r[i], its (g, 2t..2t+1) pair of matrix i — the B-fragment layout when the matrix's rows
+// are B's columns. With .trans it gets (2t..2t+1, g) instead: B fragments from a matrix whose rows are B's rows.
+// (Before, every B register took two 32-bit or four 16-bit shared loads.)
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p)));
+}
+
+// 16 bytes global -> shared without passing through registers; `bytes` 0 writes zeros (rows past T).
+__device__ __forceinline__ void copy_async_16(bf16* dst, const bf16* src, bool in) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src),
+               "r"(in ? 16 : 0));
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Wait until at most N of this thread's committed groups are in flight.
+template <int N>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Starts copying rows [row0, row0 + 64) of a (T, HS) bf16 head slice into a shared tile with row stride
+// HS + kPad (rows past T are zeros); the caller commits the group and waits for it. The tiles are double-buffered:
+// the next tile's copy runs under this tile's products.
 template <int HS>
-__device__ void load_tile(bf16* dst, const bf16* src, int row0, int T) {
-  constexpr int kVecs = HS / 8;  // uint4 per row
+__device__ void load_tile_async(bf16* dst, const bf16* src, int row0, int T) {
+  constexpr int kVecs = HS / 8;  // 16-byte copies per row
   for (int i = threadIdx.x; i < kTile * kVecs; i += kThreads) {
     const int r = i / kVecs, c = (i % kVecs) * 8;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (row0 + r < T) v = *reinterpret_cast<const uint4*>(src + static_cast<size_t>(row0 + r) * HS + c);
-    *reinterpret_cast<uint4*>(dst + r * (HS + kPad) + c) = v;
+    const bool in = row0 + r < T;
+    copy_async_16(dst + r * (HS + kPad) + c, src + static_cast<size_t>(in ? row0 + r : 0) * HS + c, in);
   }
 }
 
@@ -87,34 +119,41 @@ __device__ void load_a_strip(uint32_t (&a)[HS / 16][4], const bf16* src, int row
 }
 
 // s (16×64, accumulator layout, 8 n-tiles) = A (16×HS) · Bᵀ, B a shared 64×HS tile (row stride HS + kPad).
+// The B fragments of n-tile j are rows 8j..8j+7 of the tile: one ldmatrix.x4 covers 32 of the HS columns.
 template <int HS>
 __device__ void strip_abt(float (&s)[8][4], const uint32_t (&a)[HS / 16][4], const bf16* b) {
-  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-    const bf16* row = b + (8 * j + g) * (HS + kPad) + 2 * t;
+    const bf16* row = b + (8 * j + lane % 8) * (HS + kPad) + 8 * (lane / 8);
 #pragma unroll
-    for (int kk = 0; kk < HS / 16; ++kk) mma_bf16(s[j], a[kk], load_pair(row + 16 * kk), load_pair(row + 16 * kk + 8));
+    for (int kp = 0; kp < HS / 32; ++kp) {
+      uint32_t f[4];
+      ldmatrix_x4(f, row + 32 * kp);
+      mma_bf16(s[j], a[2 * kp], f[0], f[1]);
+      mma_bf16(s[j], a[2 * kp + 1], f[2], f[3]);
+    }
   }
 }
 
 // acc (16×HS, accumulator layout, HS/8 n-tiles) += P (16×64, accumulator layout, rounded to bf16 here) · B, B a
-// shared 64×HS tile (row stride HS + kPad) whose rows are the 64 columns of P.
+// shared 64×HS tile (row stride HS + kPad) whose rows are the 64 columns of P. B's fragments for k-step kk and
+// n-tiles n, n+1 are the four 8×8 blocks (rows 16kk, 16kk+8) × (columns 8n, 8n+8), transposed by ldmatrix.
 template <int HS>
 __device__ void strip_pb(float (&acc)[HS / 8][4], const float (&p)[8][4], const bf16* b) {
-  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const int lane = threadIdx.x % 32, quad = lane / 8;
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     const uint32_t a[4] = {pack(p[2 * kk][0], p[2 * kk][1]), pack(p[2 * kk][2], p[2 * kk][3]),
                            pack(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack(p[2 * kk + 1][2], p[2 * kk + 1][3])};
-    const bf16* r0 = b + (16 * kk + 2 * t) * (HS + kPad) + g;  // rows 2t, 2t+1; then 2t+8, 2t+9
+    const bf16* r0 = b + (16 * kk + 8 * (quad & 1) + lane % 8) * (HS + kPad) + 8 * (quad >> 1);
 #pragma unroll
-    for (int n = 0; n < HS / 8; ++n) {
-      const bf16* c = r0 + 8 * n;
-      const uint32_t b0 = pack(c[0], c[HS + kPad]);
-      const uint32_t b1 = pack(c[8 * (HS + kPad)], c[9 * (HS + kPad)]);
-      mma_bf16(acc[n], a, b0, b1);
+    for (int n = 0; n < HS / 8; n += 2) {
+      uint32_t f[4];
+      ldmatrix_x4_trans(f, r0 + 8 * n);
+      mma_bf16(acc[n], a, f[0], f[1]);
+      mma_bf16(acc[n + 1], a, f[2], f[3]);
     }
   }
 }
@@ -134,33 +173,37 @@ template <int HS>
 __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(float* out, float* lse_out, float* o_out, const bf16* q,
                                                              const bf16* k, const bf16* v, int T, int NH,
                                                              float scale) {
-  __shared__ __align__(16) bf16 Ks[kTile * (HS + kPad)];
-  __shared__ __align__(16) bf16 Vs[kTile * (HS + kPad)];
+  __shared__ __align__(16) bf16 Ks[2][kTile * (HS + kPad)];
+  __shared__ __align__(16) bf16 Vs[2][kTile * (HS + kPad)];
   // The heaviest query tiles (most key tiles below the diagonal) first, so the last wave is the light ones.
   const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, q0 = qt * kTile;
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const size_t head = static_cast<size_t>(bh) * T * HS;
   const int row0 = q0 + warp * 16;  // this thread's rows: row0 + g and row0 + g + 8
+  load_tile_async<HS>(Ks[0], k + head, 0, T);
+  load_tile_async<HS>(Vs[0], v + head, 0, T);
+  copy_async_commit();
   uint32_t qa[HS / 16][4];
   load_a_strip<HS>(qa, q + head, row0, T);
   float o[HS / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
-  for (int kt = 0; kt <= qt; ++kt) {
-    const int k0 = kt * kTile;
-    __syncthreads();  // the previous tile's K, V are no longer read
-    load_tile<HS>(Ks, k + head, k0, T);
-    load_tile<HS>(Vs, v + head, k0, T);
-    __syncthreads();
+  // One key tile: S = Q Kᵀ, the online softmax, O += P V. Only the diagonal tile (the last, kt == qt) needs the
+  // causal mask, and only it can hold keys past T (k0 + 64 <= q0 < T below it).
+  auto tile = [&](auto masked, int k0, const bf16* Kt, const bf16* Vt) {
     float s[8][4];
-    strip_abt<HS>(s, qa, Ks);
+    strip_abt<HS>(s, qa, Kt);
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int key = k0 + 8 * j + 2 * t + (e & 1), query = row0 + g + 8 * (e >> 1);
-        s[j][e] = (key <= query && key < T) ? s[j][e] * scale : -INFINITY;
+        if constexpr (decltype(masked)::value) {
+          const int key = k0 + 8 * j + 2 * t + (e & 1), query = row0 + g + 8 * (e >> 1);
+          s[j][e] = (key <= query && key < T) ? s[j][e] * scale : -INFINITY;
+        } else {
+          s[j][e] *= scale;
+        }
         mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
       }
     float alpha[2], sum[2] = {0.0f, 0.0f};
@@ -175,7 +218,11 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(float* out, float* 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int h = e >> 1;
-        s[j][e] = m[h] == -INFINITY ? 0.0f : __expf(s[j][e] - m[h]);
+        // Unmasked, every row has a finite maximum (m is -inf only for a row whose keys so far are all masked).
+        if constexpr (decltype(masked)::value)
+          s[j][e] = m[h] == -INFINITY ? 0.0f : __expf(s[j][e] - m[h]);
+        else
+          s[j][e] = __expf(s[j][e] - m[h]);
         sum[h] += s[j][e];
       }
 #pragma unroll
@@ -187,7 +234,25 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(float* out, float* 
       o[n][2] *= alpha[1];
       o[n][3] *= alpha[1];
     }
-    strip_pb<HS>(o, s, Vs);
+    strip_pb<HS>(o, s, Vt);
+  };
+
+  for (int kt = 0; kt <= qt; ++kt) {
+    const int cur = kt & 1;
+    if (kt < qt) {  // the next tile into the other buffer, which the last iteration finished reading
+      load_tile_async<HS>(Ks[cur ^ 1], k + head, (kt + 1) * kTile, T);
+      load_tile_async<HS>(Vs[cur ^ 1], v + head, (kt + 1) * kTile, T);
+      copy_async_commit();
+      copy_async_wait<1>();
+    } else {
+      copy_async_wait<0>();
+    }
+    __syncthreads();  // this tile's copies, from every thread, have landed
+    if (kt == qt)
+      tile(std::true_type{}, kt * kTile, Ks[cur], Vs[cur]);
+    else
+      tile(std::false_type{}, kt * kTile, Ks[cur], Vs[cur]);
+    __syncthreads();  // this tile is no longer read: the next iteration copies into it
   }
 
   // out (B,T,C) at column h*HS; the saved lse and O (head layout).
@@ -228,45 +293,71 @@ template <int HS>
 __global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(float* dk, float* dv, const bf16* q, const bf16* k,
                                                                 const bf16* v, const bf16* dy, const float* lse,
                                                                 const float* D, int T, float scale) {
-  __shared__ __align__(16) bf16 Qs[kTile * (HS + kPad)];
-  __shared__ __align__(16) bf16 dYs[kTile * (HS + kPad)];
-  __shared__ float lse_s[kTile], D_s[kTile];
+  __shared__ __align__(16) bf16 Qs[2][kTile * (HS + kPad)];
+  __shared__ __align__(16) bf16 dYs[2][kTile * (HS + kPad)];
+  __shared__ float lse_s[2][kTile], D_s[2][kTile];
   const int kt = blockIdx.x, bh = blockIdx.y, k0 = kt * kTile;  // the heaviest key tiles are the first
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const size_t head = static_cast<size_t>(bh) * T * HS;
   const int row0 = k0 + warp * 16;  // this thread's keys: row0 + g and row0 + g + 8
+  const int n_qt = (T + kTile - 1) / kTile;
+  // The query tile q0's Q and dO (asynchronously) and its rows' lse and D into buffer `buf`.
+  auto load = [&](int buf, int q0) {
+    load_tile_async<HS>(Qs[buf], q + head, q0, T);
+    load_tile_async<HS>(dYs[buf], dy + head, q0, T);
+    copy_async_commit();
+    for (int i = threadIdx.x; i < kTile; i += kThreads) {
+      const bool in = q0 + i < T;
+      lse_s[buf][i] = in ? lse[static_cast<size_t>(bh) * T + q0 + i] : 0.0f;
+      D_s[buf][i] = in ? D[static_cast<size_t>(bh) * T + q0 + i] : 0.0f;
+    }
+  };
+  load(0, kt * kTile);
   uint32_t ka[HS / 16][4], va[HS / 16][4];
   load_a_strip<HS>(ka, k + head, row0, T);
   load_a_strip<HS>(va, v + head, row0, T);
   float dK[HS / 8][4] = {}, dV[HS / 8][4] = {};
-  const int n_qt = (T + kTile - 1) / kTile;
 
-  for (int qt = kt; qt < n_qt; ++qt) {
-    const int q0 = qt * kTile;
-    __syncthreads();
-    load_tile<HS>(Qs, q + head, q0, T);
-    load_tile<HS>(dYs, dy + head, q0, T);
-    for (int i = threadIdx.x; i < kTile; i += kThreads) {
-      const bool in = q0 + i < T;
-      lse_s[i] = in ? lse[static_cast<size_t>(bh) * T + q0 + i] : 0.0f;
-      D_s[i] = in ? D[static_cast<size_t>(bh) * T + q0 + i] : 0.0f;
-    }
-    __syncthreads();
+  // One query tile. The diagonal tile needs the causal mask and the last one the mask of queries past T; those
+  // between need neither (their keys are all below their queries).
+  auto tile = [&](auto masked, int q0, int buf) {
     // Pᵀ (16 keys × 64 queries) = exp(scale · K Qᵀ − lse[query]) where query ≥ key, both in range.
     float p[8][4], dp[8][4];
-    strip_abt<HS>(p, ka, Qs);
-    strip_abt<HS>(dp, va, dYs);  // dPᵀ = V dOᵀ
+    strip_abt<HS>(p, ka, Qs[buf]);
+    strip_abt<HS>(dp, va, dYs[buf]);  // dPᵀ = V dOᵀ
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int col = 8 * j + 2 * t + (e & 1), query = q0 + col, key = row0 + g + 8 * (e >> 1);
-        const float pe = (query >= key && query < T && key < T) ? __expf(p[j][e] * scale - lse_s[col]) : 0.0f;
+        const int col = 8 * j + 2 * t + (e & 1);
+        float pe;
+        if constexpr (decltype(masked)::value) {
+          const int query = q0 + col, key = row0 + g + 8 * (e >> 1);
+          pe = (query >= key && query < T && key < T) ? __expf(p[j][e] * scale - lse_s[buf][col]) : 0.0f;
+        } else {
+          pe = __expf(p[j][e] * scale - lse_s[buf][col]);
+        }
         p[j][e] = pe;
-        dp[j][e] = pe * (dp[j][e] - D_s[col]);  // dSᵀ
+        dp[j][e] = pe * (dp[j][e] - D_s[buf][col]);  // dSᵀ
       }
-    strip_pb<HS>(dV, p, dYs);  // dV += Pᵀ dO
-    strip_pb<HS>(dK, dp, Qs);  // dK += dSᵀ Q
+    strip_pb<HS>(dV, p, dYs[buf]);  // dV += Pᵀ dO
+    strip_pb<HS>(dK, dp, Qs[buf]);  // dK += dSᵀ Q
+  };
+
+  for (int qt = kt; qt < n_qt; ++qt) {
+    const int cur = (qt - kt) & 1, q0 = qt * kTile;
+    if (qt + 1 < n_qt) {
+      load(cur ^ 1, q0 + kTile);
+      copy_async_wait<1>();
+    } else {
+      copy_async_wait<0>();
+    }
+    __syncthreads();
+    if (qt == kt || q0 + kTile > T)
+      tile(std::true_type{}, q0, cur);
+    else
+      tile(std::false_type{}, q0, cur);
+    __syncthreads();
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -286,12 +377,15 @@ template <int HS>
 __global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dq, const bf16* q, const bf16* k, const bf16* v,
                                                                const bf16* dy, const float* lse, const float* D,
                                                                int T, float scale) {
-  __shared__ __align__(16) bf16 Ks[kTile * (HS + kPad)];
-  __shared__ __align__(16) bf16 Vs[kTile * (HS + kPad)];
+  __shared__ __align__(16) bf16 Ks[2][kTile * (HS + kPad)];
+  __shared__ __align__(16) bf16 Vs[2][kTile * (HS + kPad)];
   const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, q0 = qt * kTile;  // heaviest tiles first
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const size_t head = static_cast<size_t>(bh) * T * HS;
   const int row0 = q0 + warp * 16;
+  load_tile_async<HS>(Ks[0], k + head, 0, T);
+  load_tile_async<HS>(Vs[0], v + head, 0, T);
+  copy_async_commit();
   uint32_t qa[HS / 16][4], ya[HS / 16][4];
   load_a_strip<HS>(qa, q + head, row0, T);
   load_a_strip<HS>(ya, dy + head, row0, T);
@@ -304,24 +398,44 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dq, const 
   }
   float dQ[HS / 8][4] = {};
 
-  for (int kt = 0; kt <= qt; ++kt) {
-    const int k0 = kt * kTile;
-    __syncthreads();
-    load_tile<HS>(Ks, k + head, k0, T);
-    load_tile<HS>(Vs, v + head, k0, T);
-    __syncthreads();
+  // One key tile; as in the forward, only the diagonal one needs the mask.
+  auto tile = [&](auto masked, int k0, const bf16* Kt, const bf16* Vt) {
     float p[8][4], dp[8][4];
-    strip_abt<HS>(p, qa, Ks);  // S = Q Kᵀ
-    strip_abt<HS>(dp, ya, Vs);  // dP = dO Vᵀ
+    strip_abt<HS>(p, qa, Kt);  // S = Q Kᵀ
+    strip_abt<HS>(dp, ya, Vt);  // dP = dO Vᵀ
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int h = e >> 1, key = k0 + 8 * j + 2 * t + (e & 1), query = row0 + g + 8 * h;
-        const float pe = (key <= query && key < T && query < T) ? __expf(p[j][e] * scale - row_lse[h]) : 0.0f;
+        const int h = e >> 1;
+        float pe;
+        if constexpr (decltype(masked)::value) {
+          const int key = k0 + 8 * j + 2 * t + (e & 1), query = row0 + g + 8 * h;
+          pe = (key <= query && key < T && query < T) ? __expf(p[j][e] * scale - row_lse[h]) : 0.0f;
+        } else {
+          pe = __expf(p[j][e] * scale - row_lse[h]);
+        }
         dp[j][e] = pe * (dp[j][e] - row_D[h]);  // dS
       }
-    strip_pb<HS>(dQ, dp, Ks);  // dQ += dS K
+    strip_pb<HS>(dQ, dp, Kt);  // dQ += dS K
+  };
+
+  for (int kt = 0; kt <= qt; ++kt) {
+    const int cur = kt & 1;
+    if (kt < qt) {
+      load_tile_async<HS>(Ks[cur ^ 1], k + head, (kt + 1) * kTile, T);
+      load_tile_async<HS>(Vs[cur ^ 1], v + head, (kt + 1) * kTile, T);
+      copy_async_commit();
+      copy_async_wait<1>();
+    } else {
+      copy_async_wait<0>();
+    }
+    __syncthreads();
+    if (kt == qt)
+      tile(std::true_type{}, kt * kTile, Ks[cur], Vs[cur]);
+    else
+      tile(std::false_type{}, kt * kTile, Ks[cur], Vs[cur]);
+    __syncthreads();
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
