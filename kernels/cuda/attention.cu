@@ -11,6 +11,7 @@
 // ld hs; a row-major (T,T) score matrix S is the column-major Sᵀ with ld T. Full T×T products are computed and
 // the softmax masks the upper triangle (the masked half is wasted work, not wrong results).
 #include <cmath>
+#include <cstdint>
 
 #include <cuda_bf16.h>
 
@@ -46,6 +47,35 @@ __global__ void permute_qkv_kernel(E* q, E* k, E* v, const float* qkv, int B, in
     store(q + i, qkv[src]);
     store(k + i, qkv[src + C]);
     store(v + i, qkv[src + 2 * C]);
+  }
+}
+
+// The same into bf16 when hs is a multiple of 8: a thread per 8 consecutive columns of a (B,T) row of q, k and v
+// (two 16-byte loads each, one 16-byte store), without the per-element index arithmetic.
+__global__ void permute_qkv_bf16x8_kernel(uint4* q, uint4* k, uint4* v, const float* qkv, int B, int T, int NH,
+                                          int hs) {
+  const int C = NH * hs, per_row = C / 8;
+  const size_t total = static_cast<size_t>(B) * T * per_row;
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
+    const size_t bt = i / per_row;
+    const int c = static_cast<int>(i % per_row) * 8, h = c / hs, d = c % hs;
+    const size_t b = bt / T, t = bt % T;
+    const size_t dst = (((b * NH + h) * T + t) * hs + d) / 8;
+    const float* src = qkv + bt * 3 * C + c;
+    uint4* outs[3] = {q, k, v};
+#pragma unroll
+    for (int part = 0; part < 3; ++part) {
+      const float4 lo = *reinterpret_cast<const float4*>(src + part * C);
+      const float4 hi = *reinterpret_cast<const float4*>(src + part * C + 4);
+      const __nv_bfloat162 p0 = __floats2bfloat162_rn(lo.x, lo.y), p1 = __floats2bfloat162_rn(lo.z, lo.w);
+      const __nv_bfloat162 p2 = __floats2bfloat162_rn(hi.x, hi.y), p3 = __floats2bfloat162_rn(hi.z, hi.w);
+      uint4 packed;
+      packed.x = *reinterpret_cast<const uint32_t*>(&p0);
+      packed.y = *reinterpret_cast<const uint32_t*>(&p1);
+      packed.z = *reinterpret_cast<const uint32_t*>(&p2);
+      packed.w = *reinterpret_cast<const uint32_t*>(&p3);
+      outs[part][dst] = packed;
+    }
   }
 }
 
@@ -148,7 +178,10 @@ struct HeadTensors {
   HeadTensors(bool bf16_, size_t n) : bf16(bf16_), elem(bf16_ ? 2 : 4), q(n * elem), k(n * elem), v(n * elem) {}
   void permute(const float* qkv, int B, int T, int NH, int hs, size_t n) {
     const cudaStream_t s = cuda_context().compute;
-    if (bf16)
+    if (bf16 && hs % 8 == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0)
+      permute_qkv_bf16x8_kernel<<<grid_for(n / 8, kThreads), kThreads, 0, s>>>(q.as<uint4>(), k.as<uint4>(),
+                                                                              v.as<uint4>(), qkv, B, T, NH, hs);
+    else if (bf16)
       permute_qkv_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(
           q.as<__nv_bfloat16>(), k.as<__nv_bfloat16>(), v.as<__nv_bfloat16>(), qkv, B, T, NH, hs);
     else
@@ -219,10 +252,14 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
   const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
   HeadTensors h(bf16, n);
   h.permute(qkv, B, T, NH, hs, n);
+  if (use_flash(C, NH, precision)) {  // adds into dqkv itself; rounds dout to bf16 on the way
+    flash_attention_backward(dqkv, dout, att, h.q.as<uint16_t>(), h.k.as<uint16_t>(), h.v.as<uint16_t>(), B, T, NH,
+                             hs);
+    return;
+  }
   DeviceScratch dy(n * h.elem), dq(n * sizeof(float)), dk(n * sizeof(float)), dv(n * sizeof(float));
-  const bool flash = use_flash(C, NH, precision);
-  DeviceScratch datt(flash ? 0 : static_cast<size_t>(batch) * square * sizeof(float));
-  const size_t probs_bf16_bytes = bf16 && !flash ? static_cast<size_t>(batch) * square * 2 : 0;
+  DeviceScratch datt(static_cast<size_t>(batch) * square * sizeof(float));
+  const size_t probs_bf16_bytes = bf16 ? static_cast<size_t>(batch) * square * 2 : 0;
   DeviceScratch dscores_bf16(probs_bf16_bytes), att_bf16(probs_bf16_bytes);
   if (bf16)
     permute_dout_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(dy.as<__nv_bfloat16>(), dout, B, T, NH,
@@ -230,14 +267,6 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
   else
     permute_dout_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(dy.as<float>(), dout, B, T, NH, hs);
   CUDA_CHECK_LAUNCH();
-  if (flash) {
-    flash_attention_backward(dq.as<float>(), dk.as<float>(), dv.as<float>(), dout, att, h.q.as<uint16_t>(),
-                             h.k.as<uint16_t>(), h.v.as<uint16_t>(), dy.as<uint16_t>(), B, T, NH, hs);
-    unpermute_dqkv_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(dqkv, dq.as<float>(), dk.as<float>(),
-                                                                               dv.as<float>(), B, T, NH, hs);
-    CUDA_CHECK_LAUNCH();
-    return;
-  }
   // datt[t][t2] = dy[t] · v[t2]: the same form as the scores.
   batched_gemm(CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, 1.0f, h.v.as<void>(), hs, head, dy.as<void>(), hs, head,
                datt.as<float>(), T, square, batch, h.type());

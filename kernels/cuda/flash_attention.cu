@@ -14,10 +14,12 @@
 // row, the output rescaled as m grows) -> O += P V with P rounded to bf16. Saves, per row, the log-sum-exp of
 // the scaled scores and the output O itself (head layout, fp32), which the backward needs for D = rowsum(dO∘O).
 //
-// Backward, deterministic (no atomics): kernel 1 takes 64 keys per block and walks the query tiles from the
-// diagonal down, accumulating its rows of dV = Pᵀ dO and dK = dSᵀ Q (it computes Sᵀ = K Qᵀ directly, so Pᵀ is
-// in registers as an A operand); kernel 2 takes 64 queries per block and accumulates dQ = dS K over the key
-// tiles. P is recomputed from the saved log-sum-exp; dS = P ∘ (dP − D) with dP = dO Vᵀ.
+// Backward, deterministic (no atomics): kernel 0 computes D = rowsum(dO ∘ O) and rounds dO to bf16 in head
+// layout; kernel 1 takes 64 keys per block and walks the query tiles from the diagonal down, accumulating its
+// rows of dV = Pᵀ dO and dK = dSᵀ Q (it computes Sᵀ = K Qᵀ directly, so Pᵀ is in registers as an A operand);
+// kernel 2 takes 64 queries per block and accumulates dQ = dS K over the key tiles. P is recomputed from the
+// saved log-sum-exp; dS = P ∘ (dP − D) with dP = dO Vᵀ. Kernels 1 and 2 add their rows straight into the
+// (B,T,3C) gradient of qkv, each element by one thread.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 with bf16): g = lane / 4, t = lane % 4.
 //   A (16×16, row): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
@@ -274,25 +276,53 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(float* out, float* 
   }
 }
 
-// D (B*NH, T) = rowsum(dO ∘ O), in fp32 from the unrounded dO (dout in (B,T,C)) and the saved O. A warp per row.
+// D (B*NH, T) = rowsum(dO ∘ O), in fp32 from the unrounded dO (dout in (B,T,C)) and the saved O; and dy, dO
+// rounded to bf16 in head layout (B,NH,T,HS), the products' operand. A warp per row.
 template <int HS>
-__global__ void flash_bwd_dot_kernel(float* D, const float* dout, const float* o, int B, int T, int NH) {
+__global__ void flash_bwd_dot_kernel(float* D, bf16* dy, const float* dout, const float* o, int B, int T, int NH) {
   const int row = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= B * NH * T) return;
   const int bh = row / T, tq = row % T, b = bh / NH, h = bh % NH, C = NH * HS;
-  const float* dy = dout + (static_cast<size_t>(b) * T + tq) * C + static_cast<size_t>(h) * HS;
+  const float* dx = dout + (static_cast<size_t>(b) * T + tq) * C + static_cast<size_t>(h) * HS;
   const float* oy = o + static_cast<size_t>(row) * HS;
+  bf16* dyr = dy + static_cast<size_t>(row) * HS;
   float s = 0.0f;
-  for (int d = lane; d < HS; d += 32) s += dy[d] * oy[d];
+  for (int d = lane; d < HS; d += 32) {
+    const float x = dx[d];
+    s += x * oy[d];
+    dyr[d] = __float2bfloat16_rn(x);
+  }
   s = warp_sum(s);
   if (lane == 0) D[row] = s;
 }
 
-// grid (ceil(T/64), B*NH): dk, dv (B*NH, T, HS) fp32 for the 64 keys of the block, dk scaled.
+// Adds a thread's accumulator rows (row0 + g, row0 + g + 8; HS/8 n-tiles, times `scale`) into their (B,T,3C)
+// gradient at column `col0` (q: h*HS, k: C + h*HS, v: 2C + h*HS). Each element has one owner: no atomics.
 template <int HS>
-__global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(float* dk, float* dv, const bf16* q, const bf16* k,
+__device__ void add_rows(float* dqkv, const float (&acc)[HS / 8][4], int row0, int b, int col0, int T, int C,
+                         float scale) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + g + 8 * h;
+    if (row >= T) continue;
+    float* dst = dqkv + (static_cast<size_t>(b) * T + row) * 3 * C + col0 + 2 * t;
+#pragma unroll
+    for (int n = 0; n < HS / 8; ++n) {
+      float2* p = reinterpret_cast<float2*>(dst + 8 * n);
+      float2 x = *p;
+      x.x += acc[n][2 * h] * scale;
+      x.y += acc[n][2 * h + 1] * scale;
+      *p = x;
+    }
+  }
+}
+
+// grid (ceil(T/64), B*NH): dK (scaled) and dV of the block's 64 keys, added into dqkv (B,T,3C).
+template <int HS>
+__global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(float* dqkv, const bf16* q, const bf16* k,
                                                                 const bf16* v, const bf16* dy, const float* lse,
-                                                                const float* D, int T, float scale) {
+                                                                const float* D, int T, int NH, float scale) {
   __shared__ __align__(16) bf16 Qs[2][kTile * (HS + kPad)];
   __shared__ __align__(16) bf16 dYs[2][kTile * (HS + kPad)];
   __shared__ float lse_s[2][kTile], D_s[2][kTile];
@@ -359,24 +389,16 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(float* dk, float
       tile(std::false_type{}, q0, cur);
     __syncthreads();
   }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int key = row0 + g + 8 * h;
-    if (key >= T) continue;
-#pragma unroll
-    for (int n = 0; n < HS / 8; ++n) {
-      const size_t at = head + static_cast<size_t>(key) * HS + 8 * n + 2 * t;
-      *reinterpret_cast<float2*>(dk + at) = make_float2(dK[n][2 * h] * scale, dK[n][2 * h + 1] * scale);
-      *reinterpret_cast<float2*>(dv + at) = make_float2(dV[n][2 * h], dV[n][2 * h + 1]);
-    }
-  }
+  const int b = bh / NH, C = NH * HS, col = bh % NH * HS;
+  add_rows<HS>(dqkv, dK, row0, b, C + col, T, C, scale);
+  add_rows<HS>(dqkv, dV, row0, b, 2 * C + col, T, C, 1.0f);
 }
 
-// grid (ceil(T/64), B*NH): dq (B*NH, T, HS) fp32 for the block's 64 queries, scaled.
+// grid (ceil(T/64), B*NH): dQ (scaled) of the block's 64 queries, added into dqkv (B,T,3C).
 template <int HS>
-__global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dq, const bf16* q, const bf16* k, const bf16* v,
-                                                               const bf16* dy, const float* lse, const float* D,
-                                                               int T, float scale) {
+__global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dqkv, const bf16* q, const bf16* k,
+                                                               const bf16* v, const bf16* dy, const float* lse,
+                                                               const float* D, int T, int NH, float scale) {
   __shared__ __align__(16) bf16 Ks[2][kTile * (HS + kPad)];
   __shared__ __align__(16) bf16 Vs[2][kTile * (HS + kPad)];
   const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, q0 = qt * kTile;  // heaviest tiles first
@@ -437,16 +459,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dq, const 
       tile(std::false_type{}, kt * kTile, Ks[cur], Vs[cur]);
     __syncthreads();
   }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int query = row0 + g + 8 * h;
-    if (query >= T) continue;
-#pragma unroll
-    for (int n = 0; n < HS / 8; ++n) {
-      const size_t at = head + static_cast<size_t>(query) * HS + 8 * n + 2 * t;
-      *reinterpret_cast<float2*>(dq + at) = make_float2(dQ[n][2 * h] * scale, dQ[n][2 * h + 1] * scale);
-    }
-  }
+  add_rows<HS>(dqkv, dQ, row0, bh / NH, bh % NH * HS, T, NH * HS, scale);
 }
 
 // The saved log-sum-exps, padded so that the saved output after them stays 16-byte aligned for vector stores.
@@ -466,25 +479,26 @@ void forward(float* out, float* saved, const uint16_t* q, const uint16_t* k, con
 }
 
 template <int HS>
-void backward(float* dq, float* dk, float* dv, const float* dout, const float* saved, const uint16_t* q,
-              const uint16_t* k, const uint16_t* v, const uint16_t* dy, int B, int T, int NH) {
+void backward(float* dqkv, const float* dout, const float* saved, const uint16_t* q, const uint16_t* k,
+              const uint16_t* v, int B, int T, int NH) {
   const CudaContext& ctx = cuda_context();
   const size_t rows = static_cast<size_t>(B) * NH * T;
   const float* lse = saved;
   const float* o = saved + lse_floats(B, T, NH);
-  DeviceScratch D(rows * sizeof(float));
-  flash_bwd_dot_kernel<HS><<<(rows + kWarps - 1) / kWarps, kThreads, 0, ctx.compute>>>(D.as<float>(), dout, o, B, T,
-                                                                                       NH);
+  DeviceScratch D(rows * sizeof(float)), dy(rows * HS * sizeof(bf16));
+  flash_bwd_dot_kernel<HS><<<(rows + kWarps - 1) / kWarps, kThreads, 0, ctx.compute>>>(D.as<float>(), dy.as<bf16>(),
+                                                                                       dout, o, B, T, NH);
   CUDA_CHECK_LAUNCH();
   const dim3 grid((T + kTile - 1) / kTile, B * NH);
   const float scale = 1.0f / sqrtf(static_cast<float>(HS));
   const auto* qb = reinterpret_cast<const bf16*>(q);
   const auto* kb = reinterpret_cast<const bf16*>(k);
   const auto* vb = reinterpret_cast<const bf16*>(v);
-  const auto* dyb = reinterpret_cast<const bf16*>(dy);
-  flash_bwd_kv_kernel<HS><<<grid, kThreads, 0, ctx.compute>>>(dk, dv, qb, kb, vb, dyb, lse, D.as<float>(), T, scale);
+  flash_bwd_kv_kernel<HS><<<grid, kThreads, 0, ctx.compute>>>(dqkv, qb, kb, vb, dy.as<bf16>(), lse, D.as<float>(), T,
+                                                              NH, scale);
   CUDA_CHECK_LAUNCH();
-  flash_bwd_q_kernel<HS><<<grid, kThreads, 0, ctx.compute>>>(dq, qb, kb, vb, dyb, lse, D.as<float>(), T, scale);
+  flash_bwd_q_kernel<HS><<<grid, kThreads, 0, ctx.compute>>>(dqkv, qb, kb, vb, dy.as<bf16>(), lse, D.as<float>(), T,
+                                                             NH, scale);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -506,12 +520,11 @@ void flash_attention_forward(float* out, float* saved, const uint16_t* q, const 
   STRATA_ASSERT_MSG(false, "flash attention: unsupported head size (ask flash_attention_supported first)");
 }
 
-void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* saved,
-                              const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dy, int B,
-                              int T, int NH, int hs) {
+void flash_attention_backward(float* dqkv, const float* dout, const float* saved, const uint16_t* q,
+                              const uint16_t* k, const uint16_t* v, int B, int T, int NH, int hs) {
   switch (hs) {
-    case 32: return backward<32>(dq, dk, dv, dout, saved, q, k, v, dy, B, T, NH);
-    case 64: return backward<64>(dq, dk, dv, dout, saved, q, k, v, dy, B, T, NH);
+    case 32: return backward<32>(dqkv, dout, saved, q, k, v, B, T, NH);
+    case 64: return backward<64>(dqkv, dout, saved, q, k, v, B, T, NH);
   }
   STRATA_ASSERT_MSG(false, "flash attention: unsupported head size (ask flash_attention_supported first)");
 }

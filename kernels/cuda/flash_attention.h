@@ -1,7 +1,7 @@
 // flash_attention.h — causal attention on the tensor cores without the T×T matrix (flash_attention.cu), used by
-// attention.cu for bf16 precision when the head size is supported. q, k, v, dy are bf16 (as uint16_t) in head
+// attention.cu for bf16 precision when the head size is supported. q, k, v are bf16 (as uint16_t) in head
 // layout (B,NH,T,hs); `saved` holds what the backward needs: the log-sum-exp of each row's scaled scores
-// (B,NH,T; padded to a multiple of 4 floats) and then the output (B,NH,T,hs), fp32. dq, dk, dv are written (not accumulated), head layout, fp32.
+// (B,NH,T; padded to a multiple of 4 floats) and then the output (B,NH,T,hs), fp32.
 #pragma once
 
 #include <cstddef>
@@ -14,9 +14,9 @@ size_t flash_attention_saved_floats(int B, int T, int NH, int hs);
 // out (B,T,C) overwritten.
 void flash_attention_forward(float* out, float* saved, const uint16_t* q, const uint16_t* k, const uint16_t* v, int B,
                              int T, int NH, int hs);
-// dout (B,T,C) fp32, the gradient of out; dy its bf16 copy in head layout.
-void flash_attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* saved,
-                              const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dy, int B,
-                              int T, int NH, int hs);
+// dout (B,T,C) fp32, the gradient of out. ADDS dq, dk, dv into dqkv (B,T,3C), the gradient of the qkv the
+// head-layout q, k, v were taken from.
+void flash_attention_backward(float* dqkv, const float* dout, const float* saved, const uint16_t* q,
+                              const uint16_t* k, const uint16_t* v, int B, int T, int NH, int hs);
 
 }  // namespace strata::kernels::cuda
