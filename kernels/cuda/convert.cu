@@ -48,7 +48,39 @@ __global__ void f32_to_bf16_rows_kernel(__nv_bfloat16* out, size_t ld_out, const
   }
 }
 
+// One block per row (grid-stride over rows). The source rows are 16-byte aligned (the GEMM's padded output), the
+// destination's generally not (an odd width): 16-byte loads, 4-byte stores, which coalesce all the same.
+__global__ void copy_rows_kernel(float* out, size_t ld_out, const float* in, size_t ld_in, int cols, int rows,
+                                 bool vec4) {
+  for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* src = in + r * ld_in;
+    float* dst = out + r * ld_out;
+    if (vec4) {
+      const int full = cols / 4 * 4;
+      for (int c = 4 * threadIdx.x; c < full; c += 4 * blockDim.x) {
+        const float4 v = *reinterpret_cast<const float4*>(src + c);
+        dst[c] = v.x;
+        dst[c + 1] = v.y;
+        dst[c + 2] = v.z;
+        dst[c + 3] = v.w;
+      }
+      for (int c = full + threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
+    } else {
+      for (int c = threadIdx.x; c < cols; c += blockDim.x) dst[c] = src[c];
+    }
+  }
+}
+
 }  // namespace
+
+void copy_rows(float* out, size_t ld_out, const float* in, size_t ld_in, size_t rows, size_t cols) {
+  if (rows == 0 || cols == 0) return;
+  const bool vec4 = ld_in % 4 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0;
+  const unsigned blocks = static_cast<unsigned>(std::min<size_t>(rows, 65535));
+  copy_rows_kernel<<<blocks, 256, 0, cuda_context().compute>>>(out, ld_out, in, ld_in, static_cast<int>(cols),
+                                                               static_cast<int>(rows), vec4);
+  CUDA_CHECK_LAUNCH();
+}
 
 void f32_to_bf16_rows(uint16_t* out, size_t ld_out, const float* in, size_t ld_in, size_t rows, size_t cols) {
   if (rows == 0 || ld_out == 0) return;

@@ -171,8 +171,7 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
   // out^T (OC,N) = W (C,OC)^T @ inp^T (C,N)
   run_gemm(Gemm{CUBLAS_OP_T, CUBLAS_OP_N, m, N, C, w.ptr, w.ld, x.ptr, x.ld, d, m, 0.0f, bias, ab_type(precision)});
   if (pad) {
-    CUDA_CHECK(cudaMemcpy2DAsync(out, sizeof(float) * OC, d, sizeof(float) * m, sizeof(float) * OC, N,
-                                 cudaMemcpyDeviceToDevice, cuda_context().compute));
+    copy_rows(out, OC, d, m, N, OC);
   }
 }
 
