@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Before and after a GPU change, side by side in one call on the GPU machine: the CUDA kernel tests of the new
+# build, then `strata bench step` (GPT-2 124M, bf16) of the baseline and the new binary alternating, and both
+# `strata bench kernels` tables with the per-op times next to each other.
+#   scripts/gpu-ab.sh --bundle DIR [--base REV]   (build machine) build this tree and REV (default: HEAD, so a
+#                                                 change not yet committed is measured against its parent
+#                                                 state) and put both binaries, the kernel tests and the
+#                                                 shared libraries they need into DIR (keep it under 64 MiB)
+#   scripts/gpu-ab.sh --from-bundle DIR [--rounds N] [--out DIR]   (GPU machine) measure; N rounds (default 2)
+# The baseline is built in a git worktree under build-ab/ (the first time: a full build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+mode="" bundle="" base=HEAD rounds=2 out=gpu-ab-out
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --bundle) mode=bundle bundle="$2"; shift 2 ;;
+    --from-bundle) mode=from-bundle bundle="$2"; shift 2 ;;
+    --base) base="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    *) echo "gpu-ab.sh: unknown option '$1' (valid: --bundle DIR, --from-bundle DIR, --base REV, --rounds N, --out DIR)" >&2
+       exit 2 ;;
+  esac
+done
+[[ -n $mode ]] || { echo "gpu-ab.sh: say --bundle DIR (build machine) or --from-bundle DIR (GPU machine)" >&2; exit 2; }
+
+if [[ $mode == bundle ]]; then
+  rev=$(git rev-parse --verify "$base^{commit}") || { echo "gpu-ab.sh: no commit '$base'" >&2; exit 2; }
+  make build BUILD=build >/dev/null
+  cmake --build build --target kernels_cuda_test -j"$(nproc)" >/dev/null
+  tree=build-ab/tree
+  if [[ ! -d $tree ]]; then git worktree add --detach "$tree" "$rev" >/dev/null; else git -C "$tree" checkout -q --detach "$rev"; fi
+  make -C "$tree" build BUILD=build >/dev/null
+  rm -rf "$bundle" && mkdir -p "$bundle/lib"
+  cp build/strata "$bundle/strata_new"
+  cp "$tree/build/strata" "$bundle/strata_base"
+  cp build/tests/kernels/kernels_cuda_test "$bundle/"
+  for bin in "$bundle/strata_new" "$bundle/kernels_cuda_test"; do
+    ldd "$bin" | awk '/=> \//{print $3}' |
+      grep -v -E '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/libcu|/libnv|/libnccl' |
+      xargs -r -I{} cp -L {} "$bundle/lib/"
+  done
+  git -C "$tree" log -1 --format='%h %s' >"$bundle/base.txt"
+  { git log -1 --format='%h %s'; git diff --quiet HEAD || echo "(and uncommitted changes)"; } >"$bundle/new.txt"
+  echo "gpu-ab.sh: bundle in $bundle ($(du -sh "$bundle" | cut -f1)): base $(cat "$bundle/base.txt")"
+  exit 0
+fi
+
+extra="$bundle/lib"
+for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do [[ -d $d ]] && extra="$extra:$d"; done
+if py=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(os.path.dirname(nvidia.cublas.__file__), "lib"))' 2>/dev/null); then
+  extra="$extra:$py"
+fi
+export LD_LIBRARY_PATH="$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+mkdir -p "$out"
+echo "base: $(cat "$bundle/base.txt" 2>/dev/null)"; echo "new:  $(cat "$bundle/new.txt" 2>/dev/null)"
+status=0
+if "$bundle/kernels_cuda_test" >"$out/kernels_cuda_test.log" 2>&1; then
+  skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\{0,1\}, listed below.*/\1/p' "$out/kernels_cuda_test.log")
+  echo "kernels_cuda_test (new): ok${skipped:+, but $skipped skipped: no GPU?}"
+else
+  status=1; echo "kernels_cuda_test (new): FAILED"; grep -E -A12 '^\[ RUN|Failure' "$out/kernels_cuda_test.log" | head -60
+fi
+step=(bench step --device cuda --precision bf16 --layers 12 --heads 12 --width 768 --vocab 50257 --context 1024
+      --batch 8 --steps 10 --warmup 2 --json)
+echo; echo "== bench step, GPT-2 124M B=8 T=1024 bf16, alternating (ms/step, loss)"
+for ((r = 1; r <= rounds; ++r)); do
+  for v in base new; do
+    "$bundle/strata_$v" "${step[@]}" 2>"$out/step_$v.log" >"$out/step_${v}_$r.json" || { status=1; tail -5 "$out/step_$v.log"; continue; }
+    python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); print("%-5s %8.3f ms  loss %.9g" % (sys.argv[2], d["step_ms"], d["loss"]))' \
+      "$out/step_${v}_$r.json" "$v"
+  done
+done
+echo; echo "== bench kernels: ms per call, base -> new"
+for v in base new; do "$bundle/strata_$v" bench kernels >"$out/kernels_$v.txt" 2>&1 || status=1; done
+python3 - "$out/kernels_base.txt" "$out/kernels_new.txt" <<'PY'
+import sys
+def ops(path):
+    rows = {}
+    for line in open(path):
+        f = line.split()
+        if len(f) >= 7 and f[-6].isdigit():
+            try:
+                rows[" ".join(f[:-6])] = float(f[-5])
+            except ValueError:
+                pass
+    return rows
+base, new = ops(sys.argv[1]), ops(sys.argv[2])
+for name, b in base.items():
+    n = new.get(name)
+    if n is not None:
+        print(f"{name:20} {b:8.3f} -> {n:8.3f}   x{b / n:5.2f}" if n > 0 else f"{name:20} {b:8.3f} -> {n:8.3f}")
+for path in sys.argv[1:]:
+    print([l.strip() for l in open(path) if l.startswith("one step")][-1:])
+PY
+exit $status
