@@ -183,7 +183,7 @@ Status OffloadedAdamW::set_pipeline(const PipelinePlan& plan, comm::Communicator
 Status OffloadedAdamW::sum_tied_embedding() {
   if (pp_ == nullptr || pp_->size() < 2 || (pp_->rank() != 0 && pp_->rank() != pp_->size() - 1)) return Status::ok();
   // Both ends hold the embedding (the same shard of it under ZeRO-3): each adds the other's half.
-  if (coordinator_->options().grad_home == offload::Tier::kNvme) return coordinator_->sum_grads_over(0, *tied_);
+  if (coordinator_->options().grad_home == offload::Tier::kNvme) return coordinator_->sum_grads_over({0}, *tied_);
   const size_t n = coordinator_->shard(0).len;
   float* g = coordinator_->sharded() ? const_cast<float*>(coordinator_->host_grads(0))
                                      : coordinator_->host_grads_for_update(0);
@@ -339,13 +339,14 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   if (!speculating && !gated_update) STRATA_RETURN_IF_ERROR(finish());  // normally done: the forward published it
   Timer wait;
   STRATA_RETURN_IF_ERROR(coordinator_->flush_grads(/*take_norms=*/reducer_ == nullptr));
-  if (reducer_ != nullptr) {  // the step's gradient is the sum over the data-parallel ranks
+  if (reducer_ != nullptr && coordinator_->options().grad_home == offload::Tier::kNvme) {
+    std::vector<size_t> held;  // summed where they lie; another pipeline stage's units are not ours
+    for (size_t u = 0; u < model_->units().size(); ++u)
+      if (model_->holds(u)) held.push_back(u);
+    STRATA_RETURN_IF_ERROR(coordinator_->sum_grads_over(held, *reducer_));
+  } else if (reducer_ != nullptr) {  // the step's gradient is the sum over the data-parallel ranks
     for (size_t u = 0; u < model_->units().size(); ++u) {
       if (!model_->holds(u)) continue;  // another pipeline stage's
-      if (coordinator_->options().grad_home == offload::Tier::kNvme) {  // summed where they lie
-        STRATA_RETURN_IF_ERROR(coordinator_->sum_grads_over(u, *reducer_));
-        continue;
-      }
       float* g = coordinator_->host_grads_for_update(u);
       STRATA_RETURN_IF_ERROR(reducer_->all_reduce(g, g, model_->units()[u].numel(), DType::kF32, comm::ReduceOp::kSum)
                                  .with_context("gradients of " + model_->units()[u].name));

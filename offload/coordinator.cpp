@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <deque>
 #include <limits>
 
 #include <fmt/format.h>
@@ -528,42 +529,114 @@ float* Coordinator::host_grads_for_update(size_t u) {
   return r.host_grads.as<float>();
 }
 
-Status Coordinator::sum_grads_over(size_t u, comm::Communicator& group) {
+Status Coordinator::sum_grads_over(const std::vector<size_t>& units, comm::Communicator& group) {
   State& s = *s_;
-  State::UnitRec& r = s.units[u];
-  STRATA_ASSERT_MSG(s.options.grad_home == Tier::kNvme, "sum_grads_over with gradients in host memory");
-  // Under ZeRO-3, this rank's shard, reduce-scattered into its keys already (flush_grads freed the device copy).
-  STRATA_ASSERT_MSG(s.sharded() ? r.grad_state == GradState::kZero && r.dev_grads.data() == nullptr
-                                : r.grad_state == GradState::kHost || r.grad_state == GradState::kBoth,
-                    "sum_grads_over before flush_grads");
-  STRATA_RETURN_IF_ERROR(s.wait_ticket(r.grads_download, r, "bringing gradients home"));
-  if (!s.sharded()) {
-    if (r.dev_grads.data() != nullptr) s.drop_device_grads(r);  // stale once summed
-    r.grad_state = GradState::kHost;
-  }
-  // Until the sum is written back its norm is not a number: a step that goes on after a failure here skips
-  // its update instead of using a half-summed gradient.
-  r.grad_sumsq = std::numeric_limits<double>::quiet_NaN();
-  StagingLease staging(&s.write_staging);
-  staging.take();
-  float* g = staging.buf->as<float>();
+  // A pipeline over the units: while unit i is all-reduced here, the reads of the next ones run on the I/O queue
+  // and the write-backs of the previous ones behind them. The leases are taken on this thread, and at most
+  // buffers - 1 units read ahead hold one while they wait for this thread, so a take() here only ever waits for
+  // a queued write-back to finish, never for a unit that waits on this thread.
+  CopyQueue& io = s.grad_io ? *s.grad_io : s.copies.nvme;
   const size_t chunk = s.options.nvme_chunk_elements * sizeof(float);
-  const size_t len = r.shard.len;  // the whole unit unless ZeRO-3
-  const Status read = read_chunks(*s.grad_store, r.grad_keys, chunk, g, r.home_bytes)
-                          .with_context("offload: reading the gradient of '" + r.info.name + "' to sum it");
-  s.stats.nvme_read_bytes += r.home_bytes;
-  // A rank whose read failed still takes part, so the ranks stay in step, with NaN: every rank's sum and norm
-  // are then not finite, and every rank skips the update rather than the others using what was in the buffer.
-  if (!read.is_ok()) std::fill(g, g + len, std::numeric_limits<float>::quiet_NaN());
-  const Status summed = group.all_reduce(g, g, len, DType::kF32, comm::ReduceOp::kSum)
-                            .with_context("gradients of " + r.info.name);
-  STRATA_RETURN_IF_ERROR(read);  // the cause, if both failed
-  STRATA_RETURN_IF_ERROR(summed);
-  STRATA_RETURN_IF_ERROR(write_chunks(*s.grad_store, r.grad_keys, chunk, g, r.home_bytes)
-                             .with_context("offload: writing the summed gradient of '" + r.info.name + "'"));
-  s.stats.nvme_write_bytes += r.home_bytes;
-  r.grad_sumsq = sum_squares_excluding(g, r.shard.lo, len, r.info.norm_excluded, host_sum_squares);
-  return Status::ok();
+  const size_t ahead = std::min<size_t>(2, static_cast<size_t>(std::max(1, s.options.nvme_buffers)) - 1);
+  struct Pending {
+    size_t u;
+    std::shared_ptr<StagingLease> staging;
+    CopyTicket read;
+  };
+  std::deque<Pending> reading;
+  std::vector<CopyTicket> writes;
+  size_t next = 0;
+  auto start_read = [&]() -> Status {
+    const size_t u = units[next++];
+    State::UnitRec& r = s.units[u];
+    // Under ZeRO-3, this rank's shard, reduce-scattered into its keys already (flush_grads freed the device copy).
+    STRATA_ASSERT_MSG(s.sharded() ? r.grad_state == GradState::kZero && r.dev_grads.data() == nullptr
+                                  : r.grad_state == GradState::kHost || r.grad_state == GradState::kBoth,
+                      "sum_grads_over before flush_grads");
+    STRATA_RETURN_IF_ERROR(s.wait_ticket(r.grads_download, r, "bringing gradients home"));
+    if (!s.sharded()) {
+      if (r.dev_grads.data() != nullptr) s.drop_device_grads(r);  // stale once summed
+      r.grad_state = GradState::kHost;
+    }
+    // Until the sum is written back its norm is not a number: a step that goes on after a failure here skips
+    // its update instead of using a half-summed gradient.
+    r.grad_sumsq = std::numeric_limits<double>::quiet_NaN();
+    auto staging = std::make_shared<StagingLease>(&s.write_staging);
+    staging->take();
+    SwapStore* st = s.grad_store;
+    const std::vector<std::string>* keys = &r.grad_keys;  // the units never move
+    const size_t bytes = r.home_bytes;
+    const std::string name = r.info.name;
+    CopyTicket read = io.submit(
+        [st, keys, chunk, staging, bytes, name] {
+          return read_chunks(*st, *keys, chunk, staging->buf->data(), bytes)
+              .with_context("offload: reading the gradient of '" + name + "' to sum it");
+        },
+        bytes);
+    s.stats.nvme_read_bytes += bytes;
+    reading.push_back({u, std::move(staging), std::move(read)});
+    return Status::ok();
+  };
+  // On the way out, every job submitted here has finished: the leases are back and each sum of squares is set.
+  auto finish = [&](Status st) {
+    for (const Pending& p : reading) {
+      Status done = p.read.wait();
+      if (st.is_ok()) st = std::move(done);
+    }
+    for (const CopyTicket& w : writes) {
+      Status done = w.wait();
+      if (st.is_ok()) st = std::move(done);
+    }
+    return st;
+  };
+  auto read_next = [&]() -> Status {
+    Status st = start_read();
+    return st.is_ok() ? st : finish(std::move(st));
+  };
+
+  while (next < units.size() && reading.size() <= ahead) STRATA_RETURN_IF_ERROR(read_next());
+  Status failed_read;  // the first; this rank still sums the rest, so the ranks stay in step
+  while (!reading.empty()) {
+    Pending p = std::move(reading.front());
+    reading.pop_front();
+    State::UnitRec& r = s.units[p.u];
+    const size_t len = r.shard.len;  // the whole unit unless ZeRO-3
+    float* g = p.staging->buf->as<float>();
+    // A rank whose read failed still takes part, with NaN: every rank's sum and norm are then not finite, and
+    // every rank skips the update rather than the others using what was in the buffer. From its first failed
+    // read on, this rank writes nothing back (those units' sums of squares stay NaN), and it fails once every
+    // unit has been summed.
+    Status read = p.read.wait();
+    if (!read.is_ok()) std::fill(g, g + len, std::numeric_limits<float>::quiet_NaN());
+    const Status summed = group.all_reduce(g, g, len, DType::kF32, comm::ReduceOp::kSum)
+                              .with_context("gradients of " + r.info.name);
+    if (!read.is_ok() && failed_read.is_ok()) failed_read = std::move(read);
+    if (!summed.is_ok()) return finish(failed_read.is_ok() ? summed : failed_read);  // the cause, if both failed
+    if (!failed_read.is_ok()) {
+      p.staging.reset();  // before the next read takes one: no write-back will give it back
+      if (next < units.size()) STRATA_RETURN_IF_ERROR(read_next());
+      continue;
+    }
+    SwapStore* st = s.grad_store;
+    const std::vector<std::string>* keys = &r.grad_keys;
+    const size_t bytes = r.home_bytes, lo = r.shard.lo;
+    double* sumsq = &r.grad_sumsq;
+    const Ranges* excluded = &r.info.norm_excluded;
+    const std::string name = r.info.name;
+    writes.push_back(io.submit(
+        [st, keys, chunk, staging = std::move(p.staging), bytes, lo, len, sumsq, excluded, name]() mutable {
+          const float* sum = staging->buf->as<float>();
+          STRATA_RETURN_IF_ERROR(write_chunks(*st, *keys, chunk, sum, bytes)
+                                     .with_context("offload: writing the summed gradient of '" + name + "'"));
+          *sumsq = sum_squares_excluding(sum, lo, len, *excluded, host_sum_squares);
+          staging.reset();
+          return Status::ok();
+        },
+        bytes));
+    s.stats.nvme_write_bytes += bytes;
+    if (next < units.size()) STRATA_RETURN_IF_ERROR(read_next());
+  }
+  return finish(std::move(failed_read));
 }
 
 const std::vector<std::string>& Coordinator::grad_keys(size_t u) const { return s_->units[u].grad_keys; }

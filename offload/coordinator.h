@@ -195,14 +195,17 @@ class Coordinator {
   // The same gradient for changing in place before the optimizer reads it (summing it over data-parallel
   // ranks): any device copy of it is dropped, so nothing stale is used. grad_home host; after flush_grads().
   float* host_grads_for_update(size_t u);
-  // grad_home nvme: unit u's gradient summed over `group` where it lies (read through a write-staging buffer,
+  // grad_home nvme: each unit's gradient summed over `group` where it lies (read through a write-staging buffer,
   // all-reduced, written back to the same keys), and its sum of squares taken again from the sum, so that the
-  // optimizer reads, and the norm counts, the group's gradient. A rank whose read failed still takes part with
-  // NaN (every rank's norm is then not finite and the step skipped everywhere) and fails after; until the sum is
-  // written back the unit's sum of squares is NaN. Collective over `group`; after flush_grads(); any device copy
-  // of the gradient is dropped. Synchronous, on the calling thread (counted in the step's gradient wait). Under
-  // ZeRO-3, this rank's shard (the tied embedding's between the pipeline's ends, which hold the same shard).
-  Status sum_grads_over(size_t u, comm::Communicator& group);
+  // optimizer reads, and the norm counts, the group's gradient. Pipelined: the next units' reads and the last
+  // ones' write-backs run on the I/O queue while a unit is all-reduced on the calling thread (read-ahead bounded
+  // by the write-staging buffers). A rank whose read failed still takes part in every unit's sum, with NaN for
+  // the one it could not read (every rank's norm is then not finite and the step skipped everywhere), and fails
+  // after, naming the unit; until its sum is written back a unit's sum of squares is NaN. Collective over `group` (the units in the same order on every rank); after flush_grads();
+  // any device copy of a gradient is dropped. Returns when every write-back has finished (the calls are counted
+  // in the step's gradient wait). Under ZeRO-3, this rank's shard (the tied embedding's between the pipeline's
+  // ends, which hold the same shard).
+  Status sum_grads_over(const std::vector<size_t>& units, comm::Communicator& group);
   const std::vector<std::string>& grad_keys(size_t u) const;
   double grad_sum_squares(size_t u) const;
   // The job that brings unit u's gradient home after its last release (host memory, or its nvme keys written):

@@ -4,6 +4,10 @@
 // and writes it back) both hold bitwise the sum they must, with the same sums of squares (less excluded
 // ranges), also for an empty shard and a unit no backward used; and a disk that fails under one rank's write
 // is an error on that rank naming the unit, never a wrong gradient, while the other rank finishes its step.
+// Without sharding (data parallelism's stages 0-2), gradients on NVMe are summed over the ranks where they lie
+// (Coordinator::sum_grads_over, pipelined over the units): bitwise the ranks' sums with one write-staging
+// buffer (no read-ahead) and with three; a rank whose disk fails sums on with NaN and names the unit.
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -38,7 +42,8 @@ float grad_of(int rank, size_t u, size_t i, int m) {
 // One rank's offload stack: the in-memory tiers (a swap store whose disk can be made to fail, a pinned pool),
 // the CPU device, the copy engine, and the coordinator sharding over `group` (destroyed first).
 struct Rank : testing::MemoryTiers {
-  Rank(comm::Communicator& group, Tier grad_home) {
+  // `sharded` false: every rank holds whole gradients (no shard group); `buffers` write-staging buffers.
+  Rank(comm::Communicator& group, Tier grad_home, bool sharded = true, int buffers = 1) {
     device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
     std::vector<CoordinatorUnit> units;
     for (size_t u = 0; u < kNumel.size(); ++u)
@@ -47,8 +52,9 @@ struct Rank : testing::MemoryTiers {
     o.param_home = Tier::kHost;
     o.grad_home = grad_home;
     o.nvme_chunk_elements = kChunk;
-    o.nvme_buffers = 1;  // one write-staging buffer: each reduce-scatter waits for the last one's shard I/O
-    auto c = Coordinator::create(*device, copies, pool.get(), store.get(), units, o, nullptr, &group);
+    o.nvme_buffers = buffers;  // one: each reduce-scatter waits for the last one's shard I/O
+    auto c = Coordinator::create(*device, copies, pool.get(), store.get(), units, o, nullptr,
+                                 sharded ? &group : nullptr);
     EXPECT_TRUE(c.is_ok()) << c.status().to_string();
     coord = std::move(c).value();
     for (size_t u = 0; u < kNumel.size(); ++u) {
@@ -173,6 +179,73 @@ TEST_F(Zero3CoordinatorTest, AFailingDiskUnderOneRankIsItsErrorNamingTheUnitNeve
     EXPECT_GT(r.fault->counts().eio, 0u);
   } else {
     ASSERT_TRUE(flushed.is_ok()) << flushed.to_string();
+  }
+  ASSERT_TRUE(world_->barrier().is_ok());
+}
+
+std::vector<size_t> all_units() {
+  std::vector<size_t> u(kNumel.size());
+  for (size_t i = 0; i < u.size(); ++i) u[i] = i;
+  return u;
+}
+
+TEST_F(Zero3CoordinatorTest, UnshardedGradientsOnNvmeAreSummedOverTheRanksWhereTheyLie) {
+  const int rank = world_->rank();
+  for (int buffers : {1, 3}) {
+    SCOPED_TRACE(fmt::format("{} write-staging buffers", buffers));
+    auto g = group(fmt::format("dp.nvme{}", buffers));
+    Rank r(*g, Tier::kNvme, /*sharded=*/false, buffers);
+    for (int step = 0; step < 2; ++step) {
+      ASSERT_TRUE(r.coord->zero_grads().is_ok());
+      r.micro_batch(rank, step);
+      ASSERT_TRUE(r.coord->flush_grads(/*take_norms=*/false).is_ok());
+      (void)r.coord->take_stats();
+      ASSERT_TRUE(r.coord->sum_grads_over(all_units(), *g).is_ok());
+      const CoordinatorStats s = r.coord->take_stats();
+      size_t bytes = 0;
+      for (size_t n : kNumel) bytes += n * sizeof(float);
+      EXPECT_EQ(s.nvme_read_bytes, bytes) << "each unit read once";
+      EXPECT_EQ(s.nvme_write_bytes, bytes) << "and written back once";
+      for (size_t u = 0; u < kNumel.size(); ++u) {
+        SCOPED_TRACE(fmt::format("step {}, unit {}", step, u));
+        std::vector<float> want(kNumel[u], 0.0f);
+        for (size_t i = 0; i < kNumel[u] && u != kForwardOnly; ++i)
+          want[i] = grad_of(0, u, i, step) + grad_of(1, u, i, step);
+        const std::vector<float> got = r.shard_grads(u);  // the whole unit: unsharded
+        ASSERT_EQ(got.size(), want.size());
+        EXPECT_EQ(0, std::memcmp(got.data(), want.data(), want.size() * sizeof(float)));
+        const double sumsq = sum_squares_excluding(want.data(), 0, want.size(), u == 1 ? kExcluded : Ranges{},
+                                                   [](const float* x, size_t n) {
+                                                     return kernels::cpu::fast::add_sum_squares(0.0, x, n);
+                                                   });
+        EXPECT_EQ(r.coord->grad_sum_squares(u), sumsq);
+      }
+    }
+  }
+  ASSERT_TRUE(world_->barrier().is_ok());
+}
+
+TEST_F(Zero3CoordinatorTest, ARankWhoseGradientReadFailsSumsOnWithNaNAndNamesTheUnit) {
+  const int rank = world_->rank();
+  auto g = group("dp.faulty");
+  Rank r(*g, Tier::kNvme, /*sharded=*/false, 3);
+  ASSERT_TRUE(r.coord->zero_grads().is_ok());
+  r.micro_batch(rank, 0);
+  ASSERT_TRUE(r.coord->flush_grads(/*take_norms=*/false).is_ok());
+  if (rank == 1) r.fault->set_enabled(true);  // every read of rank 1 fails, with reads ahead in flight
+  const Status summed = r.coord->sum_grads_over(all_units(), *g);
+  r.fault->set_enabled(false);
+  if (rank == 1) {
+    ASSERT_FALSE(summed.is_ok());
+    EXPECT_NE(summed.to_string().find("gradient of 'unit0' to sum it"), std::string::npos) << summed.to_string();
+    EXPECT_GT(r.fault->counts().eio, 0u);
+  } else {
+    // Rank 0 took part in every unit's sum and finished; what it holds is not finite, so its norm is not either.
+    ASSERT_TRUE(summed.is_ok()) << summed.to_string();
+  }
+  for (size_t u = 0; u < kNumel.size(); ++u) {
+    SCOPED_TRACE(fmt::format("unit {}", u));
+    EXPECT_TRUE(std::isnan(r.coord->grad_sum_squares(u)));
   }
   ASSERT_TRUE(world_->barrier().is_ok());
 }
