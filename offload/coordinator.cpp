@@ -120,9 +120,11 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
   if (shard_group != nullptr) {
     STRATA_ASSIGN_OR_RETURN(s->reduce_scratch,
                             pool->try_acquire(largest_stride * sizeof(float), "offload.zero3 reduce-scatter"));
-    if (options.grad_home == Tier::kNvme) s->grad_io = std::make_unique<CopyQueue>("gradient io");
     s->collectives = std::make_unique<CopyQueue>("collectives");
   }
+  // Gradient shards read, added to and written back (ZeRO-3), or gradients summed over ranks where they lie
+  // (sum_grads_over): on a queue of their own, behind no parameter traffic.
+  if (options.grad_home == Tier::kNvme) s->grad_io = std::make_unique<CopyQueue>("gradient io");
   for (int i = 0; i < options.nvme_buffers; ++i) {
     if (largest_read > 0) {
       STRATA_ASSIGN_OR_RETURN(PinnedBuffer b, pool->try_acquire(largest_read, "offload.nvme read staging"));
@@ -535,7 +537,7 @@ Status Coordinator::sum_grads_over(const std::vector<size_t>& units, comm::Commu
   // and the write-backs of the previous ones behind them. The leases are taken on this thread, and at most
   // buffers - 1 units read ahead hold one while they wait for this thread, so a take() here only ever waits for
   // a queued write-back to finish, never for a unit that waits on this thread.
-  CopyQueue& io = s.grad_io ? *s.grad_io : s.copies.nvme;
+  CopyQueue& io = *s.grad_io;
   const size_t chunk = s.options.nvme_chunk_elements * sizeof(float);
   const size_t ahead = std::min<size_t>(2, static_cast<size_t>(std::max(1, s.options.nvme_buffers)) - 1);
   struct Pending {
@@ -545,6 +547,7 @@ Status Coordinator::sum_grads_over(const std::vector<size_t>& units, comm::Commu
   };
   std::deque<Pending> reading;
   std::vector<CopyTicket> writes;
+  Status failed_read;  // the first; this rank still sums the rest, so the ranks stay in step
   size_t next = 0;
   auto start_read = [&]() -> Status {
     const size_t u = units[next++];
@@ -589,13 +592,12 @@ Status Coordinator::sum_grads_over(const std::vector<size_t>& units, comm::Commu
     }
     return st;
   };
-  auto read_next = [&]() -> Status {
+  auto read_next = [&]() -> Status {  // an earlier failed read, if any, is the cause to report
     Status st = start_read();
-    return st.is_ok() ? st : finish(std::move(st));
+    return st.is_ok() ? st : finish(failed_read.is_ok() ? std::move(st) : failed_read);
   };
 
   while (next < units.size() && reading.size() <= ahead) STRATA_RETURN_IF_ERROR(read_next());
-  Status failed_read;  // the first; this rank still sums the rest, so the ranks stay in step
   while (!reading.empty()) {
     Pending p = std::move(reading.front());
     reading.pop_front();

@@ -157,7 +157,7 @@ struct Coordinator::State {
   // With gradients on nvme, reduce_scratch is the gradient I/O queue's instead (one job at a time reads a
   // shard's sum so far into it), and that queue runs after the collectives (declared before them: destroyed
   // after, so a reduce-scatter waiting for a write-staging buffer is never left without the queue that gives
-  // it back).
+  // it back). The gradient I/O queue also runs sum_grads_over's reads and write-backs, with or without ZeRO-3.
   PinnedBuffer reduce_scratch;
   std::unique_ptr<CopyQueue> grad_io;
   std::unique_ptr<CopyQueue> collectives;
