@@ -9,24 +9,33 @@
 #   scripts/gpu-ab.sh --from-bundle DIR [--rounds N] [--out DIR]   (GPU machine) measure; N rounds (default 2)
 # The baseline is built in a git worktree under build-ab/ (the first time: a full build).
 set -euo pipefail
-cd "$(dirname "$0")/.."
 
+die() { echo "gpu-ab.sh: $*" >&2; exit 2; }
 mode="" bundle="" base=HEAD rounds=2 out=gpu-ab-out
 while [[ $# -gt 0 ]]; do
+  [[ $1 == -* && $# -ge 2 ]] || die "'$1' needs a value (valid: --bundle DIR, --from-bundle DIR, --base REV, --rounds N, --out DIR)"
   case "$1" in
     --bundle) mode=bundle bundle="$2"; shift 2 ;;
     --from-bundle) mode=from-bundle bundle="$2"; shift 2 ;;
     --base) base="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
-    *) echo "gpu-ab.sh: unknown option '$1' (valid: --bundle DIR, --from-bundle DIR, --base REV, --rounds N, --out DIR)" >&2
-       exit 2 ;;
+    *) die "unknown option '$1' (valid: --bundle DIR, --from-bundle DIR, --base REV, --rounds N, --out DIR)" ;;
   esac
 done
-[[ -n $mode ]] || { echo "gpu-ab.sh: say --bundle DIR (build machine) or --from-bundle DIR (GPU machine)" >&2; exit 2; }
+[[ -n $mode ]] || die "say --bundle DIR (build machine) or --from-bundle DIR (GPU machine)"
+[[ -n $bundle && -n $out ]] || die "an empty DIR"
+[[ $rounds =~ ^[1-9][0-9]*$ ]] || die "--rounds $rounds: not a positive whole number"
+bundle=$(realpath -m -- "$bundle") out=$(realpath -m -- "$out")  # the caller's relative paths, canonical
+cd "$(dirname "$0")/.."
+root=$(realpath .)
+# --bundle empties DIR: never the repository, a build directory, or anything holding them.
+if [[ $mode == bundle ]] && [[ $bundle == / || $bundle == "$root" || $bundle == "$root"/build* || $root == "$bundle"/* ]]; then
+  die "--bundle $bundle: not a directory to empty (give a new one, e.g. .gpu)"
+fi
 
 if [[ $mode == bundle ]]; then
-  rev=$(git rev-parse --verify "$base^{commit}") || { echo "gpu-ab.sh: no commit '$base'" >&2; exit 2; }
+  rev=$(git rev-parse --verify -q "$base^{commit}") || die "--base $base: no such commit"
   make build BUILD=build >/dev/null
   cmake --build build --target kernels_cuda_test -j"$(nproc)" >/dev/null
   tree=build-ab/tree
@@ -42,7 +51,7 @@ if [[ $mode == bundle ]]; then
       xargs -r -I{} cp -L {} "$bundle/lib/"
   done
   git -C "$tree" log -1 --format='%h %s' >"$bundle/base.txt"
-  { git log -1 --format='%h %s'; git diff --quiet HEAD || echo "(and uncommitted changes)"; } >"$bundle/new.txt"
+  { git log -1 --format='%h %s'; [[ -z $(git status --porcelain) ]] || echo "(and uncommitted changes)"; } >"$bundle/new.txt"
   echo "gpu-ab.sh: bundle in $bundle ($(du -sh "$bundle" | cut -f1)): base $(cat "$bundle/base.txt")"
   exit 0
 fi
@@ -60,7 +69,8 @@ if "$bundle/kernels_cuda_test" >"$out/kernels_cuda_test.log" 2>&1; then
   skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\{0,1\}, listed below.*/\1/p' "$out/kernels_cuda_test.log")
   echo "kernels_cuda_test (new): ok${skipped:+, but $skipped skipped: no GPU?}"
 else
-  status=1; echo "kernels_cuda_test (new): FAILED"; grep -E -A12 '^\[ RUN|Failure' "$out/kernels_cuda_test.log" | head -60
+  status=1; echo "kernels_cuda_test (new): FAILED"
+  grep -E -B2 -A12 'Failure|^\[  FAILED' "$out/kernels_cuda_test.log" | head -60 || tail -20 "$out/kernels_cuda_test.log"
 fi
 step=(bench step --device cuda --precision bf16 --layers 12 --heads 12 --width 768 --vocab 50257 --context 1024
       --batch 8 --steps 10 --warmup 2 --json)

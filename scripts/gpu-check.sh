@@ -85,7 +85,7 @@ for path in "${tests[@]}"; do
   failed=$(grep -c '^\[  FAILED  \] [A-Za-z]' "$out/$t.log" || true)
   skipped=$(grep -c '^\[  SKIPPED \] [A-Za-z]' "$out/$t.log" || true)
   rows+=("$(printf '%-28s %-7s %6s %6s %7s' "$t" "$r" "$passed" "$failed" "$skipped")")
-  [[ $r == ok ]] || grep -E -B2 -A12 '^\[ RUN|Failure' "$out/$t.log" | head -80
+  [[ $r == ok ]] || grep -E -B2 -A12 'Failure|^\[  FAILED' "$out/$t.log" | head -80 || tail -20 "$out/$t.log"
   if [[ $sanitize == 1 ]] && command -v compute-sanitizer >/dev/null; then
     if compute-sanitizer --tool memcheck --error-exitcode 9 "$bin_dir/$path" >"$out/$t.memcheck.log" 2>&1; then
       rows+=("$(printf '%-28s %-7s' "$t memcheck" ok)")
