@@ -1,11 +1,12 @@
 // attention.cu — causal multi-head self-attention, forward and backward.
 //
-// bf16 precision with a head size of 32 or 64: flash attention (flash_attention.cu), which never forms the
-// T×T matrix; `att` then holds its saved statistics (attention_saved_floats). Otherwise as llm.c's CUDA version
-// does it: permute q, k, v to (B,NH,T,hs), batched cuBLAS GEMMs for QKᵀ and for att·V, a warp-per-row causal
-// softmax, and `att` holds the probabilities (B,NH,T,T). On that path bf16 runs the four products on the tensor
-// cores (the permutes and softmaxes write bf16 copies beside their fp32 results; the GEMMs accumulate and write
-// fp32); fp32 keeps everything fp32 (CUBLAS_COMPUTE_32F, no TF32).
+// bf16 precision with a head size of 32 or 64 (and at most 65535 heads in the batch): flash attention
+// (flash_attention.cu), which never forms the T×T matrix; `att` then holds its saved statistics
+// (attention_saved_floats). Otherwise as llm.c's CUDA version does it: permute q, k, v to (B,NH,T,hs), batched
+// cuBLAS GEMMs for QKᵀ and for att·V, a warp-per-row causal softmax, and `att` holds the probabilities
+// (B,NH,T,T). On that path bf16 runs the four products on the tensor cores (the permutes and softmaxes write
+// bf16 copies beside their fp32 results; the GEMMs accumulate and write fp32); fp32 keeps everything fp32
+// (CUBLAS_COMPUTE_32F, no TF32).
 //
 // Column-major view used by the GEMMs: a row-major (T,hs) head slice is a column-major (hs,T) matrix with
 // ld hs; a row-major (T,T) score matrix S is the column-major Sᵀ with ld T. Full T×T products are computed and
@@ -204,14 +205,17 @@ struct Dims {
   }
 };
 
-bool use_flash(int C, int NH, MatmulPrecision precision) {
-  return precision == MatmulPrecision::kBF16 && flash_attention_supported(C / NH);
+// The flash kernels' grid takes the B*NH heads on its y axis (at most 65535 blocks); more heads than that take
+// the batched GEMMs, whose batch count has no such limit.
+bool use_flash(int B, int C, int NH, MatmulPrecision precision) {
+  return precision == MatmulPrecision::kBF16 && flash_attention_supported(C / NH) &&
+         static_cast<long long>(B) * NH <= 65535;
 }
 
 }  // namespace
 
 size_t attention_saved_floats(int B, int T, int C, int NH, MatmulPrecision precision) {
-  if (use_flash(C, NH, precision)) return flash_attention_saved_floats(B, T, NH, C / NH);
+  if (use_flash(B, C, NH, precision)) return flash_attention_saved_floats(B, T, NH, C / NH);
   return static_cast<size_t>(B) * NH * T * T;
 }
 
@@ -223,7 +227,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
   const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
   HeadTensors h(bf16, n);
   h.permute(qkv, B, T, NH, hs, n);
-  if (use_flash(C, NH, precision)) {
+  if (use_flash(B, C, NH, precision)) {
     flash_attention_forward(out, att, h.q.as<uint16_t>(), h.k.as<uint16_t>(), h.v.as<uint16_t>(), B, T, NH, hs);
     return;
   }
@@ -252,7 +256,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
   const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
   HeadTensors h(bf16, n);
   h.permute(qkv, B, T, NH, hs, n);
-  if (use_flash(C, NH, precision)) {  // adds into dqkv itself; rounds dout to bf16 on the way
+  if (use_flash(B, C, NH, precision)) {  // adds into dqkv itself; rounds dout to bf16 on the way
     flash_attention_backward(dqkv, dout, att, h.q.as<uint16_t>(), h.k.as<uint16_t>(), h.v.as<uint16_t>(), B, T, NH,
                              hs);
     return;
