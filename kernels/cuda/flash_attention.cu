@@ -102,6 +102,39 @@ __device__ void load_tile_async(bf16* dst, const bf16* src, int row0, int T) {
   }
 }
 
+// Starts copying key tile k0's K and V rows into the shared tiles Kt, Vt, as one committed group.
+template <int HS>
+__device__ void start_kv_tile(bf16* Kt, bf16* Vt, const bf16* k, const bf16* v, int k0, int T) {
+  load_tile_async<HS>(Kt, k, k0, T);
+  load_tile_async<HS>(Vt, v, k0, T);
+  copy_async_commit();
+}
+
+// The forward's and dQ's walk over key tiles 0..last of one head (k, v its slices), K and V double-buffered in
+// Ks[2], Vs[2]: the caller has started tile 0 (start_kv_tile, ahead of its own loads); each next tile is copied
+// into the other buffer, which the last iteration finished reading, while `tile(masked, k0, Kt, Vt)` multiplies
+// the current one. Only the last tile, the diagonal, needs the causal mask, and only it can hold keys past T
+// (below it, k0 + 64 <= q0 < T), so only it gets the masked instantiation.
+template <int HS, typename Fn>
+__device__ void walk_key_tiles(bf16 (*Ks)[kTile * (HS + kPad)], bf16 (*Vs)[kTile * (HS + kPad)], const bf16* k,
+                               const bf16* v, int last, int T, Fn& tile) {
+  for (int kt = 0; kt <= last; ++kt) {
+    const int cur = kt & 1;
+    if (kt < last) {
+      start_kv_tile<HS>(Ks[cur ^ 1], Vs[cur ^ 1], k, v, (kt + 1) * kTile, T);
+      copy_async_wait<1>();
+    } else {
+      copy_async_wait<0>();
+    }
+    __syncthreads();  // this tile's copies, from every thread, have landed
+    if (kt == last)
+      tile(std::true_type{}, kt * kTile, Ks[cur], Vs[cur]);
+    else
+      tile(std::false_type{}, kt * kTile, Ks[cur], Vs[cur]);
+    __syncthreads();  // this tile is no longer read: the next iteration copies into it
+  }
+}
+
 // The A fragments of 16 rows × HS (row r of the strip is row `row0 + r` of the (T, HS) head slice; rows past T
 // are zeros), straight from global memory: each warp reads its rows once per block.
 template <int HS>
@@ -182,16 +215,13 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(float* out, float* 
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const size_t head = static_cast<size_t>(bh) * T * HS;
   const int row0 = q0 + warp * 16;  // this thread's rows: row0 + g and row0 + g + 8
-  load_tile_async<HS>(Ks[0], k + head, 0, T);
-  load_tile_async<HS>(Vs[0], v + head, 0, T);
-  copy_async_commit();
+  start_kv_tile<HS>(Ks[0], Vs[0], k + head, v + head, 0, T);
   uint32_t qa[HS / 16][4];
   load_a_strip<HS>(qa, q + head, row0, T);
   float o[HS / 8][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
-  // One key tile: S = Q Kᵀ, the online softmax, O += P V. Only the diagonal tile (the last, kt == qt) needs the
-  // causal mask, and only it can hold keys past T (k0 + 64 <= q0 < T below it).
+  // One key tile: S = Q Kᵀ, the online softmax, O += P V (masked: the diagonal tile; see walk_key_tiles).
   auto tile = [&](auto masked, int k0, const bf16* Kt, const bf16* Vt) {
     float s[8][4];
     strip_abt<HS>(s, qa, Kt);
@@ -239,23 +269,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(float* out, float* 
     strip_pb<HS>(o, s, Vt);
   };
 
-  for (int kt = 0; kt <= qt; ++kt) {
-    const int cur = kt & 1;
-    if (kt < qt) {  // the next tile into the other buffer, which the last iteration finished reading
-      load_tile_async<HS>(Ks[cur ^ 1], k + head, (kt + 1) * kTile, T);
-      load_tile_async<HS>(Vs[cur ^ 1], v + head, (kt + 1) * kTile, T);
-      copy_async_commit();
-      copy_async_wait<1>();
-    } else {
-      copy_async_wait<0>();
-    }
-    __syncthreads();  // this tile's copies, from every thread, have landed
-    if (kt == qt)
-      tile(std::true_type{}, kt * kTile, Ks[cur], Vs[cur]);
-    else
-      tile(std::false_type{}, kt * kTile, Ks[cur], Vs[cur]);
-    __syncthreads();  // this tile is no longer read: the next iteration copies into it
-  }
+  walk_key_tiles<HS>(Ks, Vs, k + head, v + head, qt, T, tile);
 
   // out (B,T,C) at column h*HS; the saved lse and O (head layout).
   const int b = bh / NH, hd = bh % NH, C = NH * HS;
@@ -405,9 +419,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dqkv, cons
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const size_t head = static_cast<size_t>(bh) * T * HS;
   const int row0 = q0 + warp * 16;
-  load_tile_async<HS>(Ks[0], k + head, 0, T);
-  load_tile_async<HS>(Vs[0], v + head, 0, T);
-  copy_async_commit();
+  start_kv_tile<HS>(Ks[0], Vs[0], k + head, v + head, 0, T);
   uint32_t qa[HS / 16][4], ya[HS / 16][4];
   load_a_strip<HS>(qa, q + head, row0, T);
   load_a_strip<HS>(ya, dy + head, row0, T);
@@ -420,7 +432,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dqkv, cons
   }
   float dQ[HS / 8][4] = {};
 
-  // One key tile; as in the forward, only the diagonal one needs the mask.
+  // One key tile: dS, then dQ += dS K (masked: the diagonal tile; see walk_key_tiles).
   auto tile = [&](auto masked, int k0, const bf16* Kt, const bf16* Vt) {
     float p[8][4], dp[8][4];
     strip_abt<HS>(p, qa, Kt);  // S = Q Kᵀ
@@ -442,23 +454,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dqkv, cons
     strip_pb<HS>(dQ, dp, Kt);  // dQ += dS K
   };
 
-  for (int kt = 0; kt <= qt; ++kt) {
-    const int cur = kt & 1;
-    if (kt < qt) {
-      load_tile_async<HS>(Ks[cur ^ 1], k + head, (kt + 1) * kTile, T);
-      load_tile_async<HS>(Vs[cur ^ 1], v + head, (kt + 1) * kTile, T);
-      copy_async_commit();
-      copy_async_wait<1>();
-    } else {
-      copy_async_wait<0>();
-    }
-    __syncthreads();
-    if (kt == qt)
-      tile(std::true_type{}, kt * kTile, Ks[cur], Vs[cur]);
-    else
-      tile(std::false_type{}, kt * kTile, Ks[cur], Vs[cur]);
-    __syncthreads();
-  }
+  walk_key_tiles<HS>(Ks, Vs, k + head, v + head, qt, T, tile);
   add_rows<HS>(dqkv, dQ, row0, bh / NH, bh % NH * HS, T, NH * HS, scale);
 }
 
