@@ -28,6 +28,7 @@ done
 [[ $rounds =~ ^[1-9][0-9]*$ ]] || die "--rounds $rounds: not a positive whole number"
 bundle=$(realpath -m -- "$bundle") out=$(realpath -m -- "$out")  # the caller's relative paths, canonical
 cd "$(dirname "$0")/.."
+source scripts/gpu_bundle.sh
 root=$(realpath .)
 # --bundle empties DIR: never the repository, a build directory, or anything holding them.
 if [[ $mode == bundle ]] && [[ $bundle == / || $bundle == "$root" || $bundle == "$root"/build* || $root == "$bundle"/* ]]; then
@@ -45,23 +46,14 @@ if [[ $mode == bundle ]]; then
   cp build/strata "$bundle/strata_new"
   cp "$tree/build/strata" "$bundle/strata_base"
   cp build/tests/kernels/kernels_cuda_test "$bundle/"
-  for bin in "$bundle/strata_new" "$bundle/kernels_cuda_test"; do
-    ldd "$bin" | awk '/=> \//{print $3}' |
-      grep -v -E '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/libcu|/libnv|/libnccl' |
-      xargs -r -I{} cp -L {} "$bundle/lib/"
-  done
+  bundle_libs "$bundle" "$bundle/strata_new" "$bundle/kernels_cuda_test"
   git -C "$tree" log -1 --format='%h %s' >"$bundle/base.txt"
   { git log -1 --format='%h %s'; [[ -z $(git status --porcelain) ]] || echo "(and uncommitted changes)"; } >"$bundle/new.txt"
   echo "gpu-ab.sh: bundle in $bundle ($(du -sh "$bundle" | cut -f1)): base $(cat "$bundle/base.txt")"
   exit 0
 fi
 
-extra="$bundle/lib"
-for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do [[ -d $d ]] && extra="$extra:$d"; done
-if py=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(os.path.dirname(nvidia.cublas.__file__), "lib"))' 2>/dev/null); then
-  extra="$extra:$py"
-fi
-export LD_LIBRARY_PATH="$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+bundle_library_path "$bundle"
 mkdir -p "$out"
 echo "base: $(cat "$bundle/base.txt" 2>/dev/null)"; echo "new:  $(cat "$bundle/new.txt" 2>/dev/null)"
 status=0

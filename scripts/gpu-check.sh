@@ -13,6 +13,7 @@
 # compute-sanitizer memcheck), --no-bench (tests only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/gpu_bundle.sh
 
 mode=build bundle="" out=gpu-check-out sanitize=0 bench=1
 while [[ $# -gt 0 ]]; do
@@ -38,13 +39,8 @@ fi
 
 if [[ $mode == bundle ]]; then
   rm -rf "$bundle" && mkdir -p "$bundle/lib"
-  for bin in "${tests[@]/#/build/tests/}" build/strata; do
-    cp "$bin" "$bundle/"
-    # Shared libraries beyond glibc, the compiler runtime and CUDA's own (which the GPU machine has).
-    ldd "$bin" | awk '/=> \//{print $3}' |
-      grep -v -E '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+|ld-linux[^/]*)\.so|/libcu|/libnv|/libnccl' |
-      xargs -r -I{} cp -L {} "$bundle/lib/"
-  done
+  for bin in "${tests[@]/#/build/tests/}" build/strata; do cp "$bin" "$bundle/"; done
+  bundle_libs "$bundle" "${tests[@]/#/build/tests/}" build/strata
   # The demo's validation shard (400 KB; the bundle must stay under 64 MiB), which the runs of several ranks
   # on the GPU train on (data/ is not part of the tree).
   if [[ -f data/sotu/sotu_val_000000.bin ]]; then mkdir -p "$bundle/data" && cp data/sotu/sotu_val_000000.bin "$bundle/data/"; fi
@@ -55,17 +51,7 @@ fi
 bin_dir=build-gpu/tests strata=build-gpu/strata
 if [[ $mode == from-bundle ]]; then
   bin_dir="$bundle" strata="$bundle/strata"
-  # CUDA's libraries: the toolkit's, else the ones a PyTorch install carries.
-  extra="$bundle/lib"
-  for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do [[ -d $d ]] && extra="$extra:$d"; done
-  if py_cublas=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(os.path.dirname(nvidia.cublas.__file__), "lib"))' 2>/dev/null); then
-    extra="$extra:$py_cublas"
-  fi
-  # NCCL (218 MB, too big to carry): the toolkit's, else PyTorch's.
-  if py_nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(os.path.dirname(nvidia.nccl.__file__), "lib"))' 2>/dev/null); then
-    extra="$extra:$py_nccl"
-  fi
-  export LD_LIBRARY_PATH="$extra${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  bundle_library_path "$bundle"
 fi
 
 mkdir -p "$out"
