@@ -273,7 +273,10 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   DevBuf w4(size_t(4) * C * C, rng, -0.02f, 0.02f), dw4(size_t(4) * C * C, rng, -1, 1), b4(4 * C, rng, -0.1f, 0.1f);
   DevBuf db4(4 * C, rng, -1, 1), h4(4 * NC, rng, -1, 1), dh4(4 * NC, rng, -1, 1);
   DevBuf qkv(3 * NC, rng, -1, 1), dqkv(3 * NC, rng, -1, 1), attn(att, rng, 0, 1.0f / T);
-  DevBuf logits(size_t(N) * V, rng, -4, 4), lse(N, rng, 10, 11), losses(N, rng, 0, 1), dlosses(N, rng, 0, 1e-4f);
+  // The classifier's logits, in the form its backend keeps them (fp32, or bf16: kernels.h).
+  const double logits_bytes = static_cast<double>(k.classifier_logits_bytes(N, V, prec));
+  DevBuf logits((static_cast<size_t>(logits_bytes) + 3) / 4, rng, -4, 4), lse(N, rng, 10, 11), losses(N, rng, 0, 1);
+  DevBuf dlosses(N, rng, 0, 1e-4f);
   DevBuf dwte(size_t(V) * C, rng, -1, 1), dwpe(size_t(T) * C, rng, -1, 1);
   // The optimizer runs over every parameter: one flat buffer each for p, m, v, g.
   const size_t np = static_cast<size_t>(params);
@@ -281,6 +284,8 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   {
     // Real probabilities in att for the backward (as forward would leave them).
     k.attention_forward(y.f(), attn.f(), qkv.f(), B, T, C, NH, prec);
+    // and real logits and lse for the classifier's.
+    k.classifier_forward(logits.f(), losses.f(), lse.f(), x.f(), wte.f(), d_targets.i(), N, C, V, 0, prec);
     kernels::cuda_synchronize();
   }
 
@@ -309,14 +314,15 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
       {"gelu fwd", L, f * 8 * NC, 0, [&] { k.gelu_forward(dh4.f(), h4.f(), size_t(4 * NC)); }},
       {"matmul fwd fcproj", L, mm_fwd(C, 4 * C), 2 * NC * 4 * C,
        [&] { k.matmul_forward(y.f(), h4.f(), w4.f(), b4.f(), N, 4 * C, C, prec); }},
-      {"matmul fwd head", 1, mm_fwd(V, C) - f * V, 2 * NC * V,
-       [&] { k.matmul_forward(logits.f(), x.f(), wte.f(), nullptr, N, C, V, prec); }},
-      {"crossentropy fwd", 1, f * double(N) * V, 0,
-       [&] { k.softmax_crossentropy_forward(losses.f(), lse.f(), logits.f(), d_targets.i(), N, V, 0); }},
-      {"crossentropy bwd", 1, 2 * f * double(N) * V, 0,
-       [&] { k.softmax_crossentropy_backward(logits.f(), logits.f(), lse.f(), d_targets.i(), dlosses.f(), N, V, 0); }},
-      {"matmul bwd head", 1, mm_bwd(V, C) - 2 * f * V, 4 * NC * V,
-       [&] { k.matmul_backward(dx.f(), dwte.f(), nullptr, logits.f(), x.f(), wte.f(), N, C, V, prec); }},
+      {"classifier fwd", 1, f * (NC + double(V) * C) + logits_bytes + 12.0 * N, 2 * NC * V,
+       [&] {
+         k.classifier_forward(logits.f(), losses.f(), lse.f(), x.f(), wte.f(), d_targets.i(), N, C, V, 0, prec);
+       }},
+      {"classifier bwd", 1, f * (3 * NC + 3.0 * V * C) + 2 * logits_bytes + 8.0 * N, 4 * NC * V,
+       [&] {
+         k.classifier_backward(dx.f(), dwte.f(), logits.f(), lse.f(), d_targets.i(), dlosses.f(), x.f(), wte.f(), N,
+                               C, V, 0, prec);
+       }},
       {"layernorm bwd", 2 * L + 1, f * 5 * NC, 0,
        [&] { k.layernorm_backward(dx.f(), dlnw.f(), dlnb.f(), y.f(), x.f(), lnw.f(), mean.f(), rstd.f(), N, C); }},
       {"matmul bwd fcproj", L, mm_bwd(C, 4 * C), 4 * NC * 4 * C,

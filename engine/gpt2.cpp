@@ -304,6 +304,9 @@ Status GPT2::ensure_activations(int B, int T) {
   // without tensor parallelism.
   const size_t A = attn_width_, F = mlp_width_, Vr = static_cast<size_t>(vocab_.count);
   const size_t att_floats = k_->attention_saved_floats(B, T, attn_width_, heads_, precision_);
+  // The classifier's logits, in whatever form its backend keeps them (kernels.h).
+  const size_t logits_floats =
+      stage_.head ? (k_->classifier_logits_bytes(static_cast<int>(BT), static_cast<int>(Vr), precision_) + 3) / 4 : 0;
   // Sizes in floats, in the order of the Activations struct, then the per-block gradient scratch.
   const size_t sizes[] = {
       Nr * C,                                  // encoded
@@ -316,7 +319,7 @@ Status GPT2::ensure_activations(int B, int T) {
       L * BT * F, L * BT * F,                  // fch, fch_gelu
       L * Nr * C, R * Nr * C,                  // fcproj, residual3
       Nr * C, Nr, Nr,                          // lnf, lnf_mean, lnf_rstd
-      stage_.head ? BT * Vr : 0, BT, BT, BT,   // logits (the head's stage only), losses, lse, dlosses
+      logits_floats, BT, BT, BT,               // logits (the head's stage only), losses, lse, dlosses
       BT, BT,                                  // inputs, targets (int32, same size as float)
       Nr * C, BT * C, BT * A, BT * 3 * A, BT * F, BT * F,  // dres, dln, datty, dqkv, dfch, dfch_gelu
       sp_ ? Nr * C : 0, sp_ ? BT * C : 0, sp_ ? 2 * C : 0,  // dln_rows, full, ln_grads
@@ -451,23 +454,24 @@ Result<float> GPT2::forward_stage(const int32_t* inputs, const int32_t* targets,
 
   char& ready = ready_for_backward_[static_cast<size_t>(slot_)];
   ready = 0;  // until this forward has succeeded
-  STRATA_RETURN_IF_ERROR(forward_units(B, T));
+  const bool with_loss = stage_.head && targets != nullptr;
+  int& counted = num_counted_targets_[static_cast<size_t>(slot_)];
+  counted = 0;
+  if (with_loss) {  // the classifier computes the losses with the logits
+    for (int i = 0; i < N; ++i) {
+      STRATA_ASSERT(targets[i] < V);
+      if (targets[i] >= 0) ++counted;
+    }
+    device_->copy_to_device(acts_.targets, targets, sizeof(int32_t) * N);
+  }
+  STRATA_RETURN_IF_ERROR(forward_units(B, T, with_loss));
 
   if (!stage_.head) {  // the next stage takes it from here; a backward may follow
     ready = 1;
     return 0.0f;
   }
-  ready = targets != nullptr;
+  ready = with_loss;
   if (!ready) return 0.0f;
-  int& counted = num_counted_targets_[static_cast<size_t>(slot_)];
-  counted = 0;
-  for (int i = 0; i < N; ++i) {
-    STRATA_ASSERT(targets[i] < V);
-    if (targets[i] >= 0) ++counted;
-  }
-  device_->copy_to_device(acts_.targets, targets, sizeof(int32_t) * N);
-  k_->softmax_crossentropy_forward(acts_.losses, acts_.lse, acts_.logits, acts_.targets, N,
-                                   static_cast<int>(vocab_.count), static_cast<int>(vocab_.start));
   // Summed in double and in a fixed order so the loss does not depend on the kernels' threading.
   host_scratch_.resize(N);
   device_->copy_to_host(host_scratch_.data(), acts_.losses, sizeof(float) * N);
@@ -509,7 +513,7 @@ Status GPT2::combine_vocab_parallel_losses(const int32_t* targets, int N) {
   return Status::ok();
 }
 
-Status GPT2::forward_units(int B, int T) {
+Status GPT2::forward_units(int B, int T, bool with_loss) {
   using offload::Pass;
   const int C = config_.n_embd, L = config_.n_layer;
   const int N = B * T, Nr = static_cast<int>(rows_here(N));
@@ -546,7 +550,9 @@ Status GPT2::forward_units(int B, int T) {
   // The LM head is tied to the token embedding: the embedding unit's second use (this rank's vocabulary columns).
   STRATA_ASSIGN_OR_RETURN(const float* lnf_in, gather_rows(acts_.lnf, RC));
   STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kForward));
-  k_->matmul_forward(acts_.logits, lnf_in, emb.params, nullptr, N, C, static_cast<int>(vocab_.count), precision_);
+  k_->classifier_forward(acts_.logits, acts_.losses, acts_.lse, lnf_in, emb.params,
+                         with_loss ? acts_.targets : nullptr, N, C, static_cast<int>(vocab_.count),
+                         static_cast<int>(vocab_.start), precision_);
   release(0, Pass::kForward);
   return Status::ok();
 }
@@ -634,11 +640,7 @@ Status GPT2::backward_stage(const float* dy, float loss_scale) {
   const float dloss = counted ? loss_scale / static_cast<float>(counted) : 0.0f;
   host_scratch_.assign(N, dloss);
   device_->copy_to_device(acts_.dlosses, host_scratch_.data(), sizeof(float) * N);
-  // In place: the logits become dlogits.
-  float* dlogits = acts_.logits;
   const int Vr = static_cast<int>(vocab_.count);
-  k_->softmax_crossentropy_backward(dlogits, acts_.logits, acts_.lse, acts_.targets, acts_.dlosses, N, Vr,
-                                    static_cast<int>(vocab_.start));
 
   device_->zero(grads_.dln, sizeof(float) * BTC);
   device_->zero(grads_.dres, sizeof(float) * RC);
@@ -646,7 +648,9 @@ Status GPT2::backward_stage(const float* dy, float loss_scale) {
   {
     STRATA_ASSIGN_OR_RETURN(const float* lnf_in, gather_rows(acts_.lnf, RC));
     STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kBackward));
-    k_->matmul_backward(grads_.dln, emb.grads, nullptr, dlogits, lnf_in, emb.params, N, C, Vr, precision_);
+    // In place: the logits become their gradient.
+    k_->classifier_backward(grads_.dln, emb.grads, acts_.logits, acts_.lse, acts_.targets, acts_.dlosses, lnf_in,
+                            emb.params, N, C, Vr, static_cast<int>(vocab_.start), precision_);
     release(0, Pass::kBackward);
     STRATA_RETURN_IF_ERROR(reduce_rows(grads_.dln, dln_rows, RC));  // each rank's columns' part of dlnf
   }

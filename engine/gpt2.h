@@ -206,7 +206,13 @@ class GPT2 {
   size_t num_params() const;        // this rank's (its tensor-parallel slices of its stage's units)
   size_t whole_num_params() const;  // the whole model's
   // (B,T,V) after forward, device memory; under tensor parallelism (B,T,Vr): this rank's vocabulary columns only.
-  const float* logits() const { return acts_.logits; }
+  // fp32 where the backend keeps them so (classifier_logits_bytes: the CPU backends; CUDA under fp32 matmuls).
+  const float* logits() const {
+    STRATA_ASSERT_MSG(k_->classifier_logits_bytes(last_B_ * last_T_, static_cast<int>(vocab_.count), precision_) ==
+                          static_cast<size_t>(last_B_) * last_T_ * vocab_.count * sizeof(float),
+                      "this backend keeps the logits in another form than fp32");
+    return acts_.logits;
+  }
   const kernels::KernelSet& kernels() const { return *k_; }
   kernels::Device& device() const { return *device_; }
   // FLOPs of one forward+backward over B*T tokens (matmuls and attention; the rest is memory-bound).
@@ -219,7 +225,8 @@ class GPT2 {
   // Unit u's parameters and gradients on the device for one use (the resident buffers, or the coordinator's).
   Result<offload::UnitView> acquire(size_t u, offload::Pass pass);
   void release(size_t u, offload::Pass pass);
-  Status forward_units(int B, int T);
+  // with_loss: the targets are on the device, and the classifier computes the losses and lse too.
+  Status forward_units(int B, int T, bool with_loss);
   Status backward_blocks(int B, int T);
   [[nodiscard]] Status block_forward(int l, const float* params, const float* residual, int B, int T);
   [[nodiscard]] Status block_backward(int l, const offload::UnitView& unit, const float* residual, float* dres, int B,

@@ -95,6 +95,20 @@ struct KernelSet {
   void (*softmax_crossentropy_backward)(float* dlogits, const float* logits, const float* lse,
                                         const int32_t* targets, const float* dlosses, int N, int V, int vocab_start);
 
+  // The LM head and its loss, the classifier: logits (N,V) = inp (N,C) @ weight (V,C)^T, kept in `logits`, a
+  // buffer of classifier_logits_bytes(N, V, precision) that only these slots interpret — fp32 (N,V) on the CPU
+  // backends; CUDA keeps them in bf16 under kBF16, as PyTorch's autocast does, so the fp32 logits never exist —
+  // then, where targets is non-null, softmax_crossentropy_forward's losses and lse over them (V and vocab_start
+  // as there: a slice of the vocabulary under tensor parallelism).
+  void (*classifier_forward)(void* logits, float* losses, float* lse, const float* inp, const float* weight,
+                             const int32_t* targets, int N, int C, int V, int vocab_start, MatmulPrecision precision);
+  // softmax_crossentropy_backward with this lse into the logits, which it OVERWRITES, then matmul_backward's
+  // dinp (N,C) += and dweight (V,C) +=.
+  void (*classifier_backward)(float* dinp, float* dweight, void* logits, const float* lse, const int32_t* targets,
+                              const float* dlosses, const float* inp, const float* weight, int N, int C, int V,
+                              int vocab_start, MatmulPrecision precision);
+  size_t (*classifier_logits_bytes)(int N, int V, MatmulPrecision precision);
+
   // AdamW over n elements: g = grads*grad_scale; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g²;
   // params -= lr * (m̂ / (sqrt(v̂) + eps) + wd * params), with m̂, v̂ bias-corrected.
   void (*adamw_update)(float* params, float* m, float* v, const float* grads, size_t n, const AdamWParams& hp);

@@ -1,5 +1,6 @@
 #include <cstring>
 
+#include "kernels/classifier.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/fast.h"
 #include "kernels/cpu/reference.h"
@@ -26,6 +27,9 @@ const KernelSet& cpu_reference_kernels() {
       &r::residual_backward<float>,
       &r::softmax_crossentropy_forward<float>,
       &r::softmax_crossentropy_backward<float>,
+      &composed_classifier_forward<&r::matmul_forward<float>, &r::softmax_crossentropy_forward<float>>,
+      &composed_classifier_backward<&r::matmul_backward<float>, &r::softmax_crossentropy_backward<float>>,
+      &composed_classifier_logits_bytes,
       &r::adamw_update<float>,
   };
   return k;
@@ -50,6 +54,9 @@ const KernelSet& cpu_fast_kernels() {
       &f::residual_backward,
       &f::softmax_crossentropy_forward,
       &f::softmax_crossentropy_backward,
+      &composed_classifier_forward<&f::matmul_forward, &f::softmax_crossentropy_forward>,
+      &composed_classifier_backward<&f::matmul_backward, &f::softmax_crossentropy_backward>,
+      &composed_classifier_logits_bytes,
       &f::adamw_update,
   };
   return k;

@@ -1,3 +1,4 @@
+#include "kernels/classifier.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/ops.h"
 
@@ -22,6 +23,9 @@ const KernelSet& cuda_kernels() {
       &c::residual_backward,
       &c::softmax_crossentropy_forward,
       &c::softmax_crossentropy_backward,
+      &composed_classifier_forward<&c::matmul_forward, &c::softmax_crossentropy_forward>,
+      &composed_classifier_backward<&c::matmul_backward, &c::softmax_crossentropy_backward>,
+      &composed_classifier_logits_bytes,
       &c::adamw_update,
   };
   return k;

@@ -354,6 +354,66 @@ TEST_F(CudaOpsTest, SoftmaxCrossEntropy) {
   }
 }
 
+// The classifier slots (the LM head and its cross-entropy) against the reference's matmul and cross-entropy.
+// Under bf16 the reference rounds what the fused kernels keep in bf16 too — the operands, the logits and their
+// gradient, as PyTorch's autocast does — so what is left is fp32 accumulation and the odd rounding it flips.
+void check_classifier(const KernelSet& k, int N, int C, int V, int v0, MatmulPrecision precision, uint64_t seed) {
+  const bool bf16 = precision == MatmulPrecision::kBF16;
+  SCOPED_TRACE(fmt::format("classifier N={} C={} V={} vocab_start={} precision={} seed={}", N, C, V, v0,
+                           bf16 ? "bf16" : "f32", seed));
+  Rng rng(seed);
+  auto inp = rand_vec(size_t(N) * C, rng), weight = rand_vec(size_t(V) * C, rng, -0.1, 0.1);
+  auto dlosses = rand_vec(N, rng, 0.1, 1.0);
+  auto dinp0 = rand_vec(inp.size(), rng), dweight0 = rand_vec(weight.size(), rng);
+  std::vector<int32_t> targets(N);
+  for (int n = 0; n < N; ++n)  // some ignored; with a slice, some another rank's
+    targets[n] = n % 7 == 3 ? -1 : static_cast<int32_t>(rng.below(v0 > 0 ? 4000 : V));
+  auto round = [&](double x) {
+    return bf16 ? static_cast<double>(bf16_to_f32(f32_to_bf16(static_cast<float>(x)))) : x;
+  };
+  std::vector<double> inp_d(inp.size()), w_d(weight.size());
+  std::transform(inp.begin(), inp.end(), inp_d.begin(), round);
+  std::transform(weight.begin(), weight.end(), w_d.begin(), round);
+  std::vector<double> logits(size_t(N) * V), losses(N), lse(N), dlogits(logits.size());
+  ref::matmul_forward(logits.data(), inp_d.data(), w_d.data(), static_cast<const double*>(nullptr), N, C, V,
+                      MatmulPrecision::kF32);
+  for (double& x : logits) x = round(x);
+  const auto dlosses_d = to_double(dlosses);
+  ref::softmax_crossentropy_forward(losses.data(), lse.data(), logits.data(), targets.data(), N, V, v0);
+  ref::softmax_crossentropy_backward(dlogits.data(), logits.data(), lse.data(), targets.data(), dlosses_d.data(), N,
+                                     V, v0);
+  for (double& x : dlogits) x = round(x);
+  std::vector<double> dinp = to_double(dinp0), dweight = to_double(dweight0);
+  ref::matmul_backward(dinp.data(), dweight.data(), static_cast<double*>(nullptr), dlogits.data(), inp_d.data(),
+                       w_d.data(), N, C, V, MatmulPrecision::kF32);
+
+  Dev<float> g_inp(inp), g_w(weight), g_dlosses(dlosses), g_dinp(dinp0), g_dw(dweight0);
+  Dev<int32_t> g_targets(targets);
+  auto g_logits = Dev<float>::poisoned((k.classifier_logits_bytes(N, V, precision) + 3) / 4);
+  auto g_losses = Dev<float>::poisoned(N), g_lse = Dev<float>::poisoned(N);
+  k.classifier_forward(g_logits.get(), g_losses.get(), g_lse.get(), g_inp.get(), g_w.get(), g_targets.get(), N, C, V,
+                       v0, precision);
+  k.classifier_backward(g_dinp.get(), g_dw.get(), g_logits.get(), g_lse.get(), g_targets.get(), g_dlosses.get(),
+                        g_inp.get(), g_w.get(), N, C, V, v0, precision);
+  // A logit within fp32 accumulation error of a bf16 rounding boundary may round the other way: one bf16 ulp of
+  // these logits (|x| < 2) is at most 2^-7, and it reaches a loss only through its own target. (Padding columns
+  // counted in the softmax would be caught by V = 61: three more exp(0) terms move its lse by ~0.05.)
+  const double flip = bf16 ? 1.0 / 128 : 0.0;
+  const double logit_atol = accum_atol(C) + flip;
+  EXPECT_TRUE(all_close(g_lse.download(), lse, logit_atol + 1e-5, 1e-5, "lse"));
+  EXPECT_TRUE(all_close(g_losses.download(), losses, 2 * logit_atol + 1e-5, 1e-5, "losses"));
+  EXPECT_TRUE(all_close(g_dinp.download(), dinp, accum_atol(V) + (bf16 ? 1e-3 : 0.0), kRtol, "dinp"));
+  EXPECT_TRUE(all_close(g_dw.download(), dweight, accum_atol(N) + (bf16 ? 1e-3 : 0.0), kRtol, "dweight"));
+}
+
+TEST_F(CudaOpsTest, Classifier) {
+  for (MatmulPrecision precision : {MatmulPrecision::kF32, MatmulPrecision::kBF16}) {
+    check_classifier(k, 37, 64, 61, 0, precision, 22);
+    check_classifier(k, 67, 64, 50257, 0, precision, 23);    // GPT-2's vocabulary: not a multiple of 8
+    check_classifier(k, 41, 96, 1500, 1000, precision, 24);  // a slice [1000, 2500) of a 4000-id vocabulary
+  }
+}
+
 TEST_F(CudaOpsTest, AdamWIsBitwiseTheCpuReference) {
   const size_t n = 1000003;
   Rng rng(20);

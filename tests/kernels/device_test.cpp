@@ -79,7 +79,9 @@ TEST(DeviceTest, OwnsItsLiveBuffersAndNothingElse) {
     EXPECT_TRUE(d->owns(pa + 1000, 3096)) << "a range inside the buffer";
     EXPECT_TRUE(d->owns(pa + 4095, 0));
     EXPECT_FALSE(d->owns(pa + 1000, 3097)) << "past its end";
-    if (pa + 4096 != b->data()) EXPECT_FALSE(d->owns(pa + 4096, 1)) << "one past its end";
+    if (pa + 4096 != b->data()) {
+      EXPECT_FALSE(d->owns(pa + 4096, 1)) << "one past its end";
+    }
     EXPECT_TRUE(d->owns(b->data(), 100));
     std::vector<float> host(10);
     EXPECT_FALSE(d->owns(host.data(), sizeof(float)));
