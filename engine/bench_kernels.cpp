@@ -271,7 +271,8 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   DevBuf x(NC, rng, -1, 1), y(NC, rng, -1, 1), dx(NC, rng, -1, 1), mean(N, rng, -0.1f, 0.1f), rstd(N, rng, 0.9f, 1.1f);
   DevBuf lnw(C, rng, 0.9f, 1.1f), lnb(C, rng, -0.1f, 0.1f), dlnw(C, rng, -1, 1), dlnb(C, rng, -1, 1);
   DevBuf w4(size_t(4) * C * C, rng, -0.02f, 0.02f), dw4(size_t(4) * C * C, rng, -1, 1), b4(4 * C, rng, -0.1f, 0.1f);
-  DevBuf db4(4 * C, rng, -1, 1), h4(4 * NC, rng, -1, 1), dh4(4 * NC, rng, -1, 1);
+  DevBuf db4(4 * C, rng, -1, 1), h4(4 * NC, rng, -1, 1), dh4(4 * NC, rng, -1, 1), g4(4 * NC, rng, -1, 1);
+  DevBuf s4(4 * NC, rng, -1, 1);  // the GELU backward's scratch
   DevBuf qkv(3 * NC, rng, -1, 1), dqkv(3 * NC, rng, -1, 1), attn(att, rng, 0, 1.0f / T);
   // The classifier's logits, in the form its backend keeps them (fp32, or bf16: kernels.h).
   const double logits_bytes = static_cast<double>(k.classifier_logits_bytes(N, V, prec));
@@ -309,9 +310,8 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
       {"matmul fwd attproj", L, mm_fwd(C, C), 2 * NC * C,
        [&] { k.matmul_forward(y.f(), x.f(), w4.f(), b4.f(), N, C, C, prec); }},
       {"residual fwd", 2 * L, f * 3 * NC, 0, [&] { k.residual_forward(y.f(), x.f(), dx.f(), size_t(NC)); }},
-      {"matmul fwd fc", L, mm_fwd(4 * C, C), 2 * NC * 4 * C,
-       [&] { k.matmul_forward(h4.f(), x.f(), w4.f(), b4.f(), N, C, 4 * C, prec); }},
-      {"gelu fwd", L, f * 8 * NC, 0, [&] { k.gelu_forward(dh4.f(), h4.f(), size_t(4 * NC)); }},
+      {"matmul+gelu fwd fc", L, mm_fwd(4 * C, C) + f * 4 * NC, 2 * NC * 4 * C,
+       [&] { k.matmul_gelu_forward(dh4.f(), h4.f(), x.f(), w4.f(), b4.f(), N, C, 4 * C, prec); }},
       {"matmul fwd fcproj", L, mm_fwd(C, 4 * C), 2 * NC * 4 * C,
        [&] { k.matmul_forward(y.f(), h4.f(), w4.f(), b4.f(), N, 4 * C, C, prec); }},
       {"classifier fwd", 1, f * (NC + double(V) * C) + logits_bytes + 12.0 * N, 2 * NC * V,
@@ -325,9 +325,10 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
        }},
       {"layernorm bwd", 2 * L + 1, f * 5 * NC, 0,
        [&] { k.layernorm_backward(dx.f(), dlnw.f(), dlnb.f(), y.f(), x.f(), lnw.f(), mean.f(), rstd.f(), N, C); }},
-      {"matmul bwd fcproj", L, mm_bwd(C, 4 * C), 4 * NC * 4 * C,
-       [&] { k.matmul_backward(dh4.f(), dw4.f(), db4.f(), y.f(), h4.f(), w4.f(), N, 4 * C, C, prec); }},
-      {"gelu bwd", L, f * 16 * NC, 0, [&] { k.gelu_backward(dh4.f(), h4.f(), dh4.f(), size_t(4 * NC)); }},
+      {"matmul+gelu bwd fcproj", L, mm_bwd(C, 4 * C), 4 * NC * 4 * C,
+       [&] {
+         k.matmul_backward_gelu(dh4.f(), dw4.f(), db4.f(), y.f(), g4.f(), h4.f(), w4.f(), s4.f(), N, 4 * C, C, prec);
+       }},
       {"matmul bwd fc", L, mm_bwd(4 * C, C), 4 * NC * 4 * C,
        [&] { k.matmul_backward(dx.f(), dw4.f(), db4.f(), h4.f(), y.f(), w4.f(), N, C, 4 * C, prec); }},
       {"matmul bwd attproj", L, mm_bwd(C, C), 4 * NC * C,

@@ -415,8 +415,7 @@ Status GPT2::block_forward(int l, const float* params, const float* residual, in
   k_->residual_forward(residual2, residual, attproj, RC);
   k_->layernorm_forward(ln2, ln2_mean, ln2_rstd, residual2, w.ln2w, w.ln2b, Nr, C);
   STRATA_ASSIGN_OR_RETURN(const float* ln2_in, gather_rows(ln2, RC));
-  k_->matmul_forward(fch, ln2_in, w.fcw, w.fcb, N, C, F, precision_);
-  k_->gelu_forward(fch_gelu, fch, BTF);
+  k_->matmul_gelu_forward(fch_gelu, fch, ln2_in, w.fcw, w.fcb, N, C, F, precision_);
   partial = partial_for(fcproj);
   k_->matmul_forward(partial, fch_gelu, w.fcprojw, adds_bias ? w.fcprojb : nullptr, N, F, C, precision_);
   STRATA_RETURN_IF_ERROR(reduce_rows(partial, fcproj, RC));
@@ -586,14 +585,13 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
 
   // The residual adds pass dres through unchanged, so dres is used directly as the gradient of fcproj and of
   // attproj, and the layernorm backwards accumulate into it: no residual_backward copies are needed.
-  device_->zero(grads_.dfch_gelu, sizeof(float) * BTF);
-  device_->zero(grads_.dfch, sizeof(float) * BTF);
   device_->zero(grads_.dln, sizeof(float) * BTC);
   {
+    // dfch is overwritten (dfch_gelu: the kernels' scratch).
     STRATA_ASSIGN_OR_RETURN(const float* dout, gather_rows(dres, RC));
-    k_->matmul_backward(grads_.dfch_gelu, dw.fcprojw, dw.fcprojb, dout, fch_gelu, w.fcprojw, N, F, C, precision_);
+    k_->matmul_backward_gelu(grads_.dfch, dw.fcprojw, dw.fcprojb, dout, fch_gelu, fch, w.fcprojw, grads_.dfch_gelu,
+                             N, F, C, precision_);
   }
-  k_->gelu_backward(grads_.dfch, fch, grads_.dfch_gelu, BTF);
   {
     STRATA_ASSIGN_OR_RETURN(const float* ln2_in, gather_rows(ln2, RC));
     k_->matmul_backward(grads_.dln, dw.fcw, dw.fcb, grads_.dfch, ln2_in, w.fcw, N, C, F, precision_);

@@ -72,6 +72,18 @@ struct KernelSet {
   // output), and then `att` holds those instead of probabilities.
   size_t (*attention_saved_floats)(int B, int T, int C, int NH, MatmulPrecision precision);
 
+  // The MLP's first linear and its GELU, fused where a backend can (CUDA under kBF16: cuBLASLt's GELU epilogue):
+  // pre (N,OC) = inp (N,C) @ weight (OC,C)^T + bias (OC; may be null), out (N,OC) = gelu(pre), pre kept for the
+  // backward.
+  void (*matmul_gelu_forward)(float* out, float* pre, const float* inp, const float* weight, const float* bias,
+                              int N, int C, int OC, MatmulPrecision precision);
+  // The backward of a linear whose input was gelu(pre) (the MLP's second linear), through the GELU:
+  // dpre (N,C) = gelu'(pre) * (dout @ weight) — OVERWRITTEN, not added to; dweight (OC,C) += dout^T @ inp with
+  // inp = gelu(pre); dbias (OC) += column sums of dout (if non-null). The backend may use `scratch` (N,C floats).
+  void (*matmul_backward_gelu)(float* dpre, float* dweight, float* dbias, const float* dout, const float* inp,
+                               const float* pre, const float* weight, float* scratch, int N, int C, int OC,
+                               MatmulPrecision precision);
+
   // GELU, tanh approximation (GPT-2's). out (N) = gelu(inp).
   void (*gelu_forward)(float* out, const float* inp, size_t N);
   // dinp (N) += gelu'(inp) * dout.

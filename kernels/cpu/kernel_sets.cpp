@@ -1,6 +1,6 @@
 #include <cstring>
 
-#include "kernels/classifier.h"
+#include "kernels/composed.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/fast.h"
 #include "kernels/cpu/reference.h"
@@ -21,6 +21,8 @@ const KernelSet& cpu_reference_kernels() {
       &r::attention_forward<float>,
       &r::attention_backward<float>,
       &r::attention_saved_floats,
+      &composed_matmul_gelu_forward<&r::matmul_forward<float>, &r::gelu_forward<float>>,
+      &composed_matmul_backward_gelu<&r::matmul_backward<float>, &r::gelu_backward<float>, &host_zero>,
       &r::gelu_forward<float>,
       &r::gelu_backward<float>,
       &r::residual_forward<float>,
@@ -48,6 +50,8 @@ const KernelSet& cpu_fast_kernels() {
       &f::attention_forward,
       &f::attention_backward,
       &cpu::ref::attention_saved_floats,
+      &composed_matmul_gelu_forward<&f::matmul_forward, &f::gelu_forward>,
+      &composed_matmul_backward_gelu<&f::matmul_backward, &f::gelu_backward, &host_zero>,
       &f::gelu_forward,
       &f::gelu_backward,
       &f::residual_forward,

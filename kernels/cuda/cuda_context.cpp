@@ -10,6 +10,7 @@
 #include "kernels/cuda/cublas_loader.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/ops.h"
 
 namespace strata::kernels {
 
@@ -113,6 +114,10 @@ DeviceScratch::DeviceScratch(size_t bytes) {
 
 DeviceScratch::~DeviceScratch() {
   if (ptr_ != nullptr) CUDA_CHECK(cudaFreeAsync(ptr_, cuda_context().compute));
+}
+
+void zero_floats(float* p, size_t n) {
+  if (n > 0) CUDA_CHECK(cudaMemsetAsync(p, 0, n * sizeof(float), cuda_context().compute));
 }
 
 unsigned grid_for(size_t n, unsigned threads) {

@@ -1,4 +1,4 @@
-#include "kernels/classifier.h"
+#include "kernels/composed.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/ops.h"
 
@@ -17,6 +17,8 @@ const KernelSet& cuda_kernels() {
       &c::attention_forward,
       &c::attention_backward,
       &c::attention_saved_floats,
+      &composed_matmul_gelu_forward<&c::matmul_forward, &c::gelu_forward>,
+      &composed_matmul_backward_gelu<&c::matmul_backward, &c::gelu_backward, &c::zero_floats>,
       &c::gelu_forward,
       &c::gelu_backward,
       &c::residual_forward,

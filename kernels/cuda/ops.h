@@ -38,6 +38,9 @@ void softmax_crossentropy_backward(float* dlogits, const float* logits, const fl
                                    const float* dlosses, int N, int V, int vocab_start);
 void adamw_update(float* params, float* m, float* v, const float* grads, size_t n, const AdamWParams& hp);
 
+// n floats of device memory set to zero, on the compute stream. cuda_context.cpp.
+void zero_floats(float* p, size_t n);
+
 // dst (C) += column sums of src (N,C), summed in a fixed order (deterministic). reduce.cu.
 void column_sums_accumulate(float* dst, const float* src, int N, int C);
 

@@ -252,6 +252,58 @@ AttentionRun run_attention(const KernelSet& k, int B, int T, int C, int NH, uint
   return r;
 }
 
+// The MLP's linear + GELU slots against the reference's matmul and GELU. Under bf16 the GELU may be cuBLASLt's
+// epilogue's (its own tanh), so those values get 2e-3 relative on top of the accumulation's bound; the backward's
+// pre and inp are independent inputs here (the model's inp is gelu(pre)), and dpre starts as NaN: overwritten,
+// not added to.
+void check_matmul_gelu(const KernelSet& k, int N, int C, int OC, MatmulPrecision precision, uint64_t seed) {
+  const bool bf16 = precision == MatmulPrecision::kBF16;
+  SCOPED_TRACE(fmt::format("matmul+gelu N={} C={} OC={} precision={} seed={}", N, C, OC, bf16 ? "bf16" : "f32", seed));
+  Rng rng(seed);
+  auto inp = rand_vec(size_t(N) * C, rng), weight = rand_vec(size_t(OC) * C, rng), bias = rand_vec(OC, rng);
+  auto pre_b = rand_vec(size_t(N) * C, rng, -3.0, 3.0), dout = rand_vec(size_t(N) * OC, rng);
+  auto dweight0 = rand_vec(weight.size(), rng), dbias0 = rand_vec(OC, rng);
+  auto round = [&](const std::vector<float>& v) {
+    std::vector<double> d(v.size());
+    for (size_t i = 0; i < v.size(); ++i) d[i] = bf16 ? bf16_to_f32(f32_to_bf16(v[i])) : v[i];
+    return d;
+  };
+  const auto inp_d = round(inp), w_d = round(weight), dout_d = round(dout), bias_d = to_double(bias);
+  const auto pre_bd = to_double(pre_b);
+  // forward: inp (N,C) -> (N,OC)
+  std::vector<double> pre(size_t(N) * OC), out(pre.size());
+  ref::matmul_forward(pre.data(), inp_d.data(), w_d.data(), bias_d.data(), N, C, OC, MatmulPrecision::kF32);
+  ref::gelu_forward(out.data(), pre.data(), pre.size());
+  // backward of the second linear: its input (N,C) was gelu(pre_b); here inp stands for it
+  std::vector<double> dgelu(size_t(N) * C, 0.0), dpre(dgelu.size(), 0.0), dweight = to_double(dweight0);
+  std::vector<double> dbias = to_double(dbias0);
+  ref::matmul_backward(dgelu.data(), dweight.data(), static_cast<double*>(nullptr), dout_d.data(), inp_d.data(),
+                       w_d.data(), N, C, OC, MatmulPrecision::kF32);
+  ref::gelu_backward(dpre.data(), pre_bd.data(), dgelu.data(), dpre.size());
+  for (int n = 0; n < N; ++n)
+    for (int o = 0; o < OC; ++o) dbias[o] += dout[size_t(n) * OC + o];
+
+  Dev<float> g_inp(inp), g_w(weight), g_b(bias), g_pre_b(pre_b), g_dout(dout), g_dw(dweight0), g_db(dbias0);
+  auto g_out = Dev<float>::poisoned(out.size()), g_pre = Dev<float>::poisoned(pre.size());
+  auto g_dpre = Dev<float>::poisoned(dpre.size()), g_scratch = Dev<float>::poisoned(dpre.size());
+  k.matmul_gelu_forward(g_out.get(), g_pre.get(), g_inp.get(), g_w.get(), g_b.get(), N, C, OC, precision);
+  k.matmul_backward_gelu(g_dpre.get(), g_dw.get(), g_db.get(), g_dout.get(), g_inp.get(), g_pre_b.get(), g_w.get(),
+                         g_scratch.get(), N, C, OC, precision);
+  const double gelu_rtol = bf16 ? 2e-3 : kRtol;
+  EXPECT_TRUE(all_close(g_pre.download(), pre, accum_atol(C), kRtol, "pre"));
+  EXPECT_TRUE(all_close(g_out.download(), out, 1.2 * accum_atol(C) + kElemAtol, gelu_rtol, "out"));
+  EXPECT_TRUE(all_close(g_dpre.download(), dpre, 1.2 * accum_atol(OC) + kElemAtol, gelu_rtol, "dpre"));
+  EXPECT_TRUE(all_close(g_dw.download(), dweight, accum_atol(N), kRtol, "dweight"));
+  EXPECT_TRUE(all_close(g_db.download(), dbias, accum_atol(N), kRtol, "dbias"));
+}
+
+TEST_F(CudaOpsTest, MatmulGelu) {
+  for (MatmulPrecision precision : {MatmulPrecision::kF32, MatmulPrecision::kBF16}) {
+    check_matmul_gelu(k, 64, 96, 384, precision, 25);  // widths that take the epilogues
+    check_matmul_gelu(k, 37, 45, 61, precision, 26);   // odd widths: the unfused fallback
+  }
+}
+
 TEST_F(CudaOpsTest, Attention) {
   for (auto [B, T, C, NH, seed] : {std::tuple{2, 37, 48, 4, 12u}, std::tuple{3, 128, 192, 3, 13u},
                                    std::tuple{1, 257, 768, 12, 14u}}) {

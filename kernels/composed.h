@@ -1,0 +1,61 @@
+// composed.h — the fused slots of kernels.h composed of a backend's own simpler slots (template arguments):
+// what a backend without the fused form fills them with, and what CUDA falls back on where its fused form does
+// not apply (fp32; shapes or alignments cuBLASLt's epilogues do not take).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/kernels.h"
+
+namespace strata::kernels {
+
+// The classifier over fp32 logits: the backend's matmul and cross-entropy.
+inline size_t composed_classifier_logits_bytes(int N, int V, MatmulPrecision /*precision*/) {
+  return static_cast<size_t>(N) * static_cast<size_t>(V) * sizeof(float);
+}
+
+template <auto MatmulForward, auto CrossEntropyForward>
+void composed_classifier_forward(void* logits, float* losses, float* lse, const float* inp, const float* weight,
+                                 const int32_t* targets, int N, int C, int V, int vocab_start,
+                                 MatmulPrecision precision) {
+  float* out = static_cast<float*>(logits);
+  MatmulForward(out, inp, weight, nullptr, N, C, V, precision);
+  if (targets != nullptr) CrossEntropyForward(losses, lse, out, targets, N, V, vocab_start);
+}
+
+template <auto MatmulBackward, auto CrossEntropyBackward>
+void composed_classifier_backward(float* dinp, float* dweight, void* logits, const float* lse,
+                                  const int32_t* targets, const float* dlosses, const float* inp, const float* weight,
+                                  int N, int C, int V, int vocab_start, MatmulPrecision precision) {
+  float* dlogits = static_cast<float*>(logits);  // in place
+  CrossEntropyBackward(dlogits, dlogits, lse, targets, dlosses, N, V, vocab_start);
+  MatmulBackward(dinp, dweight, nullptr, dlogits, inp, weight, N, C, V, precision);
+}
+
+// The MLP's first linear, then its GELU.
+template <auto MatmulForward, auto GeluForward>
+void composed_matmul_gelu_forward(float* out, float* pre, const float* inp, const float* weight, const float* bias,
+                                  int N, int C, int OC, MatmulPrecision precision) {
+  MatmulForward(pre, inp, weight, bias, N, C, OC, precision);
+  GeluForward(out, pre, static_cast<size_t>(N) * static_cast<size_t>(OC));
+}
+
+// The second linear's backward into `scratch` (the gradient of gelu(pre)), then the GELU's into dpre; `Zero`
+// (float* p, size_t n) clears n floats of the backend's memory, for the two "+=" to start from.
+template <auto MatmulBackward, auto GeluBackward, auto Zero>
+void composed_matmul_backward_gelu(float* dpre, float* dweight, float* dbias, const float* dout, const float* inp,
+                                   const float* pre, const float* weight, float* scratch, int N, int C, int OC,
+                                   MatmulPrecision precision) {
+  const size_t n = static_cast<size_t>(N) * static_cast<size_t>(C);
+  Zero(scratch, n);
+  Zero(dpre, n);
+  MatmulBackward(scratch, dweight, dbias, dout, inp, weight, N, C, OC, precision);
+  GeluBackward(dpre, pre, scratch, n);
+}
+
+// Zero for backends whose memory the host addresses (the CPU ones).
+inline void host_zero(float* p, size_t n) { std::fill_n(p, n, 0.0f); }
+
+}  // namespace strata::kernels
