@@ -301,7 +301,7 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   std::vector<OpRow> ops = {
       {"encoder fwd", 1, f * 3 * NC, 0,
        [&] { k.encoder_forward(x.f(), d_tokens.i(), wte.f(), wpe.f(), B, T, C, 0, V); }},
-      {"layernorm fwd", 2 * L + 1, f * (2 * NC + 2.0 * N),
+      {"layernorm fwd", L + 1, f * (2 * NC + 2.0 * N),
        0, [&] { k.layernorm_forward(y.f(), mean.f(), rstd.f(), x.f(), lnw.f(), lnb.f(), N, C); }},
       {"matmul fwd qkv", L, mm_fwd(3 * C, C), 2 * NC * 3 * C,
        [&] { k.matmul_forward(qkv.f(), x.f(), w4.f(), b4.f(), N, C, 3 * C, prec); }},
@@ -309,7 +309,11 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
        [&] { k.attention_forward(y.f(), attn.f(), qkv.f(), B, T, C, NH, prec); }},
       {"matmul fwd attproj", L, mm_fwd(C, C), 2 * NC * C,
        [&] { k.matmul_forward(y.f(), x.f(), w4.f(), b4.f(), N, C, C, prec); }},
-      {"residual fwd", 2 * L, f * 3 * NC, 0, [&] { k.residual_forward(y.f(), x.f(), dx.f(), size_t(NC)); }},
+      {"residual+layernorm fwd", L, f * (4 * NC + 2.0 * N), 0,
+       [&] {
+         k.residual_layernorm_forward(h4.f(), y.f(), mean.f(), rstd.f(), x.f(), dx.f(), lnw.f(), lnb.f(), N, C);
+       }},
+      {"residual fwd", L, f * 3 * NC, 0, [&] { k.residual_forward(y.f(), x.f(), dx.f(), size_t(NC)); }},
       {"matmul+gelu fwd fc", L, mm_fwd(4 * C, C) + f * 4 * NC, 2 * NC * 4 * C,
        [&] { k.matmul_gelu_forward(dh4.f(), h4.f(), x.f(), w4.f(), b4.f(), N, C, 4 * C, prec); }},
       {"matmul fwd fcproj", L, mm_fwd(C, 4 * C), 2 * NC * 4 * C,

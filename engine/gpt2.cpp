@@ -412,8 +412,7 @@ Status GPT2::block_forward(int l, const float* params, const float* residual, in
   float* partial = partial_for(attproj);
   k_->matmul_forward(partial, atty, w.attprojw, adds_bias ? w.attprojb : nullptr, N, A, C, precision_);
   STRATA_RETURN_IF_ERROR(reduce_rows(partial, attproj, RC));
-  k_->residual_forward(residual2, residual, attproj, RC);
-  k_->layernorm_forward(ln2, ln2_mean, ln2_rstd, residual2, w.ln2w, w.ln2b, Nr, C);
+  k_->residual_layernorm_forward(residual2, ln2, ln2_mean, ln2_rstd, residual, attproj, w.ln2w, w.ln2b, Nr, C);
   STRATA_ASSIGN_OR_RETURN(const float* ln2_in, gather_rows(ln2, RC));
   k_->matmul_gelu_forward(fch_gelu, fch, ln2_in, w.fcw, w.fcb, N, C, F, precision_);
   partial = partial_for(fcproj);

@@ -34,6 +34,14 @@ void composed_classifier_backward(float* dinp, float* dweight, void* logits, con
   MatmulBackward(dinp, dweight, nullptr, dlogits, inp, weight, N, C, V, precision);
 }
 
+// The residual add, then the layernorm.
+template <auto ResidualForward, auto LayernormForward>
+void composed_residual_layernorm_forward(float* res, float* out, float* mean, float* rstd, const float* inp1,
+                                         const float* inp2, const float* weight, const float* bias, int N, int C) {
+  ResidualForward(res, inp1, inp2, static_cast<size_t>(N) * static_cast<size_t>(C));
+  LayernormForward(out, mean, rstd, res, weight, bias, N, C);
+}
+
 // The MLP's first linear, then its GELU.
 template <auto MatmulForward, auto GeluForward>
 void composed_matmul_gelu_forward(float* out, float* pre, const float* inp, const float* weight, const float* bias,

@@ -50,6 +50,12 @@ struct KernelSet {
   void (*layernorm_backward)(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                              const float* weight, const float* mean, const float* rstd, int N, int C);
 
+  // The residual add and the layernorm after it, fused where a backend can: res (N,C) = inp1 + inp2, then
+  // layernorm_forward of res into out, mean and rstd. (Its backward is layernorm_backward's: the add passes the
+  // gradient through.)
+  void (*residual_layernorm_forward)(float* res, float* out, float* mean, float* rstd, const float* inp1,
+                                     const float* inp2, const float* weight, const float* bias, int N, int C);
+
   // out (N,OC) = inp (N,C) @ weight(OC,C)^T + bias (OC); bias may be null.
   void (*matmul_forward)(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
                          int OC, MatmulPrecision precision);

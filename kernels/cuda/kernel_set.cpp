@@ -12,6 +12,7 @@ const KernelSet& cuda_kernels() {
       &c::encoder_backward,
       &c::layernorm_forward,
       &c::layernorm_backward,
+      &composed_residual_layernorm_forward<&c::residual_forward, &c::layernorm_forward>,
       &c::matmul_forward,
       &c::matmul_backward,
       &c::attention_forward,

@@ -149,7 +149,30 @@ TEST_F(CudaOpsTest, Layernorm) {
   }
 }
 
-// Matmul at both precisions; bf16 is compared with the reference run on bf16-rounded operands, so the only
+TEST_F(CudaOpsTest, ResidualLayernorm) {
+  for (auto [N, C, seed] : {std::tuple{37, 45, 27u}, std::tuple{128, 768, 28u}}) {
+    SCOPED_TRACE(fmt::format("residual+layernorm N={} C={} seed={}", N, C, seed));
+    Rng rng(seed);
+    auto a = rand_vec(size_t(N) * C, rng), b = rand_vec(size_t(N) * C, rng, -2.0, 2.0);
+    auto w = rand_vec(C, rng), bias = rand_vec(C, rng);
+    const auto a_d = to_double(a), b_d = to_double(b), w_d = to_double(w), bias_d = to_double(bias);
+    std::vector<double> res(a.size()), out(a.size()), mean(N), rstd(N);
+    ref::residual_forward(res.data(), a_d.data(), b_d.data(), res.size());
+    ref::layernorm_forward(out.data(), mean.data(), rstd.data(), res.data(), w_d.data(), bias_d.data(), N, C);
+    Dev<float> g_a(a), g_b(b), g_w(w), g_bias(bias);
+    auto g_res = Dev<float>::poisoned(res.size()), g_out = Dev<float>::poisoned(out.size());
+    auto g_mean = Dev<float>::poisoned(N), g_rstd = Dev<float>::poisoned(N);
+    k.residual_layernorm_forward(g_res.get(), g_out.get(), g_mean.get(), g_rstd.get(), g_a.get(), g_b.get(),
+                                 g_w.get(), g_bias.get(), N, C);
+    EXPECT_TRUE(all_close(g_res.download(), res, kElemAtol, kRtol, "res"));
+    // As the Layernorm case, over the sum rounded to fp32 (the reference's is exact).
+    EXPECT_TRUE(all_close(g_out.download(), out, accum_atol(C) + kElemAtol, kRtol, "out"));
+    EXPECT_TRUE(all_close(g_mean.download(), mean, accum_atol(C) + kElemAtol, kRtol, "mean"));
+    EXPECT_TRUE(all_close(g_rstd.download(), rstd, accum_atol(C) + kElemAtol, kRtol, "rstd"));
+  }
+}
+
+// Matmul at both precisions;// Matmul at both precisions; bf16 is compared with the reference run on bf16-rounded operands, so the only
 // difference left is fp32 accumulation order.
 void check_matmul(const KernelSet& k, int N, int C, int OC, MatmulPrecision precision, uint64_t seed, bool with_bias) {
   SCOPED_TRACE(fmt::format("matmul N={} C={} OC={} precision={} bias={} seed={}", N, C, OC,
