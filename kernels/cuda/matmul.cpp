@@ -64,6 +64,10 @@ Plan make_plan(const CudaContext& ctx, const Gemm& g, int align_a, int align_b, 
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
     CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+    // The heuristic takes the bias's alignment from the pointer's value (cublasLt.h), so it is set before it
+    // as well as on every call: planned with NULL, an algorithm assuming an aligned bias could be picked and
+    // then run on a bias packed at a 4-byte offset.
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
   }
   // Stored (pre-op) shapes.
   const bool ta = g.op_a != CUBLAS_OP_N, tb = g.op_b != CUBLAS_OP_N;
