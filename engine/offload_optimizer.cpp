@@ -339,17 +339,19 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   if (!speculating && !gated_update) STRATA_RETURN_IF_ERROR(finish());  // normally done: the forward published it
   Timer wait;
   STRATA_RETURN_IF_ERROR(coordinator_->flush_grads(/*take_norms=*/reducer_ == nullptr));
-  if (reducer_ != nullptr && coordinator_->options().grad_home == offload::Tier::kNvme) {
-    std::vector<size_t> held;  // summed where they lie; another pipeline stage's units are not ours
+  if (reducer_ != nullptr) {  // the step's gradient is the sum over the data-parallel ranks
+    std::vector<size_t> held;  // another pipeline stage's units are not ours
     for (size_t u = 0; u < model_->units().size(); ++u)
       if (model_->holds(u)) held.push_back(u);
-    STRATA_RETURN_IF_ERROR(coordinator_->sum_grads_over(held, *reducer_));
-  } else if (reducer_ != nullptr) {  // the step's gradient is the sum over the data-parallel ranks
-    for (size_t u = 0; u < model_->units().size(); ++u) {
-      if (!model_->holds(u)) continue;  // another pipeline stage's
-      float* g = coordinator_->host_grads_for_update(u);
-      STRATA_RETURN_IF_ERROR(reducer_->all_reduce(g, g, model_->units()[u].numel(), DType::kF32, comm::ReduceOp::kSum)
-                                 .with_context("gradients of " + model_->units()[u].name));
+    if (coordinator_->options().grad_home == offload::Tier::kNvme) {
+      STRATA_RETURN_IF_ERROR(coordinator_->sum_grads_over(held, *reducer_));  // summed where they lie
+    } else {
+      for (size_t u : held) {
+        float* g = coordinator_->host_grads_for_update(u);
+        STRATA_RETURN_IF_ERROR(
+            reducer_->all_reduce(g, g, model_->units()[u].numel(), DType::kF32, comm::ReduceOp::kSum)
+                .with_context("gradients of " + model_->units()[u].name));
+      }
     }
   }
   STRATA_RETURN_IF_ERROR(sum_tied_embedding());

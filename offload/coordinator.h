@@ -201,10 +201,11 @@ class Coordinator {
   // ones' write-backs run on the I/O queue while a unit is all-reduced on the calling thread (read-ahead bounded
   // by the write-staging buffers). A rank whose read failed still takes part in every unit's sum, with NaN for
   // the one it could not read (every rank's norm is then not finite and the step skipped everywhere), and fails
-  // after, naming the unit; until its sum is written back a unit's sum of squares is NaN. Collective over `group` (the units in the same order on every rank); after flush_grads();
-  // any device copy of a gradient is dropped. Returns when every write-back has finished (the calls are counted
-  // in the step's gradient wait). Under ZeRO-3, this rank's shard (the tied embedding's between the pipeline's
-  // ends, which hold the same shard).
+  // after, naming the unit; until its sum is written back a unit's sum of squares is NaN. Collective over
+  // `group` (the units in the same order on every rank); after flush_grads(); any device copy of a gradient is
+  // dropped. Returns when every write-back has finished (the calls are counted in the step's gradient wait).
+  // Under ZeRO-3, this rank's shard (the tied embedding's between the pipeline's ends, which hold the same
+  // shard).
   Status sum_grads_over(const std::vector<size_t>& units, comm::Communicator& group);
   const std::vector<std::string>& grad_keys(size_t u) const;
   double grad_sum_squares(size_t u) const;

@@ -13,14 +13,15 @@ set -euo pipefail
 die() { echo "gpu-ab.sh: $*" >&2; exit 2; }
 mode="" bundle="" base=HEAD rounds=2 out=gpu-ab-out
 while [[ $# -gt 0 ]]; do
-  [[ $1 == -* && $# -ge 2 ]] || die "'$1' needs a value (valid: --bundle DIR, --from-bundle DIR, --base REV, --rounds N, --out DIR)"
+  valid="valid: --bundle DIR, --from-bundle DIR, --base REV, --rounds N, --out DIR"
+  [[ $1 == -* && $# -ge 2 ]] || die "'$1' needs a value ($valid)"
   case "$1" in
     --bundle) mode=bundle bundle="$2"; shift 2 ;;
     --from-bundle) mode=from-bundle bundle="$2"; shift 2 ;;
     --base) base="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
-    *) die "unknown option '$1' (valid: --bundle DIR, --from-bundle DIR, --base REV, --rounds N, --out DIR)" ;;
+    *) die "unknown option '$1' ($valid)" ;;
   esac
 done
 [[ -n $mode ]] || die "say --bundle DIR (build machine) or --from-bundle DIR (GPU machine)"
@@ -31,7 +32,8 @@ cd "$(dirname "$0")/.."
 source scripts/gpu_bundle.sh
 root=$(realpath .)
 # --bundle empties DIR: never the repository, a build directory, or anything holding them.
-if [[ $mode == bundle ]] && [[ $bundle == / || $bundle == "$root" || $bundle == "$root"/build* || $root == "$bundle"/* ]]; then
+if [[ $mode == bundle ]] &&
+   [[ $bundle == / || $bundle == "$root" || $bundle == "$root"/build* || $root == "$bundle"/* ]]; then
   die "--bundle $bundle: not a directory to empty (give a new one, e.g. .gpu)"
 fi
 
@@ -40,7 +42,11 @@ if [[ $mode == bundle ]]; then
   make build BUILD=build >/dev/null
   cmake --build build --target kernels_cuda_test -j"$(nproc)" >/dev/null
   tree=build-ab/tree
-  if [[ ! -d $tree ]]; then git worktree add --detach "$tree" "$rev" >/dev/null; else git -C "$tree" checkout -q --detach "$rev"; fi
+  if [[ ! -d $tree ]]; then
+    git worktree add --detach "$tree" "$rev" >/dev/null
+  else
+    git -C "$tree" checkout -q --detach "$rev"
+  fi
   make -C "$tree" build BUILD=build >/dev/null
   rm -rf "$bundle" && mkdir -p "$bundle/lib"
   cp build/strata "$bundle/strata_new"
@@ -48,7 +54,10 @@ if [[ $mode == bundle ]]; then
   cp build/tests/kernels/kernels_cuda_test "$bundle/"
   bundle_libs "$bundle" "$bundle/strata_new" "$bundle/kernels_cuda_test"
   git -C "$tree" log -1 --format='%h %s' >"$bundle/base.txt"
-  { git log -1 --format='%h %s'; [[ -z $(git status --porcelain) ]] || echo "(and uncommitted changes)"; } >"$bundle/new.txt"
+  {
+    git log -1 --format='%h %s'
+    [[ -z $(git status --porcelain) ]] || echo "(and uncommitted changes)"
+  } >"$bundle/new.txt"
   echo "gpu-ab.sh: bundle in $bundle ($(du -sh "$bundle" | cut -f1)): base $(cat "$bundle/base.txt")"
   exit 0
 fi
@@ -62,16 +71,19 @@ if "$bundle/kernels_cuda_test" >"$out/kernels_cuda_test.log" 2>&1; then
   echo "kernels_cuda_test (new): ok${skipped:+, but $skipped skipped: no GPU?}"
 else
   status=1; echo "kernels_cuda_test (new): FAILED"
-  grep -E -B2 -A12 'Failure|^\[  FAILED' "$out/kernels_cuda_test.log" | head -60 || tail -20 "$out/kernels_cuda_test.log"
+  grep -E -B2 -A12 'Failure|^\[  FAILED' "$out/kernels_cuda_test.log" | head -60 ||
+    tail -20 "$out/kernels_cuda_test.log"
 fi
 step=(bench step --device cuda --precision bf16 --layers 12 --heads 12 --width 768 --vocab 50257 --context 1024
       --batch 8 --steps 10 --warmup 2 --json)
 echo; echo "== bench step, GPT-2 124M B=8 T=1024 bf16, alternating (ms/step, loss)"
 for ((r = 1; r <= rounds; ++r)); do
   for v in base new; do
-    "$bundle/strata_$v" "${step[@]}" 2>"$out/step_$v.log" >"$out/step_${v}_$r.json" || { status=1; tail -5 "$out/step_$v.log"; continue; }
-    python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); print("%-5s %8.3f ms  loss %.9g" % (sys.argv[2], d["step_ms"], d["loss"]))' \
-      "$out/step_${v}_$r.json" "$v"
+    if ! "$bundle/strata_$v" "${step[@]}" 2>"$out/step_$v.log" >"$out/step_${v}_$r.json"; then
+      status=1; tail -5 "$out/step_$v.log"; continue
+    fi
+    python3 -c 'import json, sys; d = json.load(open(sys.argv[1]))
+print("%-5s %8.3f ms  loss %.9g" % (sys.argv[2], d["step_ms"], d["loss"]))' "$out/step_${v}_$r.json" "$v"
   done
 done
 echo; echo "== bench kernels: ms per call, base -> new"

@@ -18,7 +18,8 @@ bundle_library_path() {
   local extra="$1/lib" d py
   for d in /usr/local/cuda/lib64 /usr/local/cuda/lib; do [[ -d $d ]] && extra="$extra:$d"; done
   for py in cublas nccl; do
-    if d=$(python3 -c "import nvidia.$py, os; print(os.path.join(os.path.dirname(nvidia.$py.__file__), 'lib'))" 2>/dev/null); then
+    if d=$(python3 -c "import nvidia.$py, os; print(os.path.join(os.path.dirname(nvidia.$py.__file__), 'lib'))" \
+        2>/dev/null); then
       extra="$extra:$d"
     fi
   done

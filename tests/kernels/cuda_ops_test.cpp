@@ -172,7 +172,7 @@ TEST_F(CudaOpsTest, ResidualLayernorm) {
   }
 }
 
-// Matmul at both precisions;// Matmul at both precisions; bf16 is compared with the reference run on bf16-rounded operands, so the only
+// Matmul at both precisions; bf16 is compared with the reference run on bf16-rounded operands, so the only
 // difference left is fp32 accumulation order.
 void check_matmul(const KernelSet& k, int N, int C, int OC, MatmulPrecision precision, uint64_t seed, bool with_bias) {
   SCOPED_TRACE(fmt::format("matmul N={} C={} OC={} precision={} bias={} seed={}", N, C, OC,
