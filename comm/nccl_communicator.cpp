@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 #include <nccl.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstring>
@@ -91,6 +92,18 @@ Result<std::unique_ptr<NcclCommunicator>> NcclCommunicator::create(Communicator&
   c->size_ = bootstrap.size();
   c->timeout_s_ = timeout_s;
   return c;
+}
+
+std::string NcclCommunicator::device_place() {
+  int device = 0;
+  char bus[64] = {};
+  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetPCIBusId(bus, sizeof(bus), device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return {};
+  }
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) return {};
+  return fmt::format("{}/{}", host, bus);
 }
 
 Status NcclCommunicator::check(const char* what) const {

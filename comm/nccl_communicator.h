@@ -25,6 +25,9 @@ class NcclCommunicator final : public Communicator {
   static Result<std::unique_ptr<NcclCommunicator>> create(Communicator& bootstrap, const std::string& name,
                                                           double timeout_s = 300);
   ~NcclCommunicator() override;
+  // The current CUDA device's place, "host/PCI bus id" (what NCCL tells ranks' GPUs apart by): two ranks whose
+  // places are equal share a GPU, which NCCL refuses. Empty if CUDA cannot say.
+  static std::string device_place();
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }

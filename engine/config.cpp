@@ -264,7 +264,16 @@ Result<RunConfig> parse_run_config(const nlohmann::json& given, const std::strin
   STRATA_RETURN_IF_ERROR(pa.get_int("pipeline_parallel_size", &c.parallel.pipeline_parallel_size));
   STRATA_RETURN_IF_ERROR(pa.get_string("pipeline_schedule", &c.parallel.pipeline_schedule));
   STRATA_RETURN_IF_ERROR(pa.get_bool("sequence_parallel", &c.parallel.sequence_parallel));
+  STRATA_RETURN_IF_ERROR(pa.get_string("distributed_backend", &c.parallel.distributed_backend));
   STRATA_RETURN_IF_ERROR(pa.finish());
+  const std::string& backend = c.parallel.distributed_backend;
+  if (backend != "auto" && backend != "nccl" && backend != "mpi")
+    return Status::invalid_argument(
+        "{}: parallel.distributed_backend must be \"auto\", \"nccl\" or \"mpi\", got \"{}\"", source, backend);
+  if (backend == "nccl" && c.compute.device == "cpu")
+    return Status::invalid_argument("{}: parallel.distributed_backend \"nccl\" carries GPU buffers; compute.device is "
+                                    "\"cpu\" (use \"auto\" or \"mpi\")",
+                                    source);
   if (c.parallel.pipeline_schedule != "1f1b" && c.parallel.pipeline_schedule != "gpipe")
     return Status::invalid_argument("{}: parallel.pipeline_schedule must be \"1f1b\" or \"gpipe\", got \"{}\"", source,
                                     c.parallel.pipeline_schedule);

@@ -1,8 +1,15 @@
 #include "engine/staged_communicator.h"
 
 #include <algorithm>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
 
 #include "common/log.h"
+#if STRATA_HAVE_NCCL
+#include "comm/nccl_communicator.h"
+#endif
 
 namespace strata::engine {
 namespace {
@@ -35,6 +42,30 @@ Result<std::byte*> StagedCommunicator::staging(int which, size_t bytes) {
     }
   }
   return b.as<std::byte>();
+}
+
+Result<std::byte*> StagedCommunicator::device_staging(int which, size_t bytes) {
+  kernels::DeviceBuffer& b = device_stage_[which];
+  if (b.size() < bytes) {
+    const size_t want = std::max(bytes, 2 * b.size());  // grown geometrically, as the host staging
+    b.reset();
+    STRATA_ASSIGN_OR_RETURN(b, device_.allocate(want, which == 0 ? "collectives.staging (send)"
+                                                                  : "collectives.staging (receive)"));
+  }
+  return b.as<std::byte>();
+}
+
+Result<const void*> StagedCommunicator::plane_in(const void* p, size_t bytes, bool on_dev) {
+  if (on_dev) return p;
+  STRATA_ASSIGN_OR_RETURN(std::byte* st, device_staging(0, bytes));
+  up(st, p, bytes);
+  return static_cast<const void*>(st);
+}
+
+Result<void*> StagedCommunicator::plane_out(void* p, size_t bytes, bool on_dev) {
+  if (on_dev) return p;
+  STRATA_ASSIGN_OR_RETURN(std::byte* st, device_staging(1, bytes));
+  return static_cast<void*>(st);
 }
 
 Result<bool> StagedCommunicator::on_device(const void* p, size_t bytes) const {
@@ -75,6 +106,14 @@ Status StagedCommunicator::all_reduce(const void* send, void* recv, size_t count
   STRATA_ASSIGN_OR_RETURN(const bool rd, on_device(recv, n));
   if (!sd && !rd) return host_->all_reduce(send, recv, count, dtype, op);
   sync();  // the kernels that wrote `send` are done; none still reads `recv`
+  if (plane_ != nullptr) {
+    ++plane_calls_;
+    STRATA_ASSIGN_OR_RETURN(const void* s, plane_in(send, n, sd));
+    STRATA_ASSIGN_OR_RETURN(void* r, plane_out(recv, n, rd));
+    STRATA_RETURN_IF_ERROR(plane_->all_reduce(s, r, count, dtype, op));
+    if (!rd) down(recv, r, n);
+    return Status::ok();
+  }
   STRATA_ASSIGN_OR_RETURN(void* r, incoming(recv, n, rd));
   const void* s = r;
   if (sd && send == recv) {  // in place: the host call runs in place too
@@ -93,6 +132,14 @@ Status StagedCommunicator::all_gather(const void* send, void* recv, size_t count
   STRATA_ASSIGN_OR_RETURN(const bool rd, on_device(recv, all));
   if (!sd && !rd) return host_->all_gather(send, recv, count, dtype);
   sync();
+  if (plane_ != nullptr) {  // in place only when both are on the device: then untouched
+    ++plane_calls_;
+    STRATA_ASSIGN_OR_RETURN(const void* s, plane_in(send, n, sd));
+    STRATA_ASSIGN_OR_RETURN(void* r, plane_out(recv, all, rd));
+    STRATA_RETURN_IF_ERROR(plane_->all_gather(s, r, count, dtype));
+    if (!rd) down(recv, r, all);
+    return Status::ok();
+  }
   const size_t mine = n * static_cast<size_t>(rank());
   const bool in_place = send == static_cast<const std::byte*>(recv) + mine;
   STRATA_ASSIGN_OR_RETURN(void* r, incoming(recv, all, rd));
@@ -114,6 +161,14 @@ Status StagedCommunicator::reduce_scatter(const void* send, void* recv, size_t c
   STRATA_ASSIGN_OR_RETURN(const bool rd, on_device(recv, n));
   if (!sd && !rd) return host_->reduce_scatter(send, recv, count, dtype, op);
   sync();
+  if (plane_ != nullptr) {
+    ++plane_calls_;
+    STRATA_ASSIGN_OR_RETURN(const void* s, plane_in(send, all, sd));
+    STRATA_ASSIGN_OR_RETURN(void* r, plane_out(recv, n, rd));
+    STRATA_RETURN_IF_ERROR(plane_->reduce_scatter(s, r, count, dtype, op));
+    if (!rd) down(recv, r, n);
+    return Status::ok();
+  }
   STRATA_ASSIGN_OR_RETURN(const void* s, outgoing(send, all, sd));
   STRATA_ASSIGN_OR_RETURN(void* r, incoming(recv, n, rd));
   STRATA_RETURN_IF_ERROR(host_->reduce_scatter(s, r, count, dtype, op));
@@ -126,6 +181,10 @@ Status StagedCommunicator::broadcast(void* buf, size_t count, DType dtype, int r
   STRATA_ASSIGN_OR_RETURN(const bool dev, on_device(buf, n));
   if (!dev) return host_->broadcast(buf, count, dtype, root);
   sync();
+  if (plane_ != nullptr) {
+    ++plane_calls_;
+    return plane_->broadcast(buf, count, dtype, root);
+  }
   STRATA_ASSIGN_OR_RETURN(std::byte* b, staging(1, n));
   if (rank() == root) down(b, buf, n);
   STRATA_RETURN_IF_ERROR(host_->broadcast(b, count, dtype, root));
@@ -138,6 +197,10 @@ Status StagedCommunicator::send(const void* buf, size_t count, DType dtype, int 
   STRATA_ASSIGN_OR_RETURN(const bool dev, on_device(buf, n));
   if (!dev) return host_->send(buf, count, dtype, peer, tag);
   sync();
+  if (plane_ != nullptr) {
+    ++plane_calls_;
+    return plane_->send(buf, count, dtype, peer, tag);
+  }
   STRATA_ASSIGN_OR_RETURN(const void* b, outgoing(buf, n, true));
   return host_->send(b, count, dtype, peer, tag);
 }
@@ -147,6 +210,10 @@ Status StagedCommunicator::recv(void* buf, size_t count, DType dtype, int peer, 
   STRATA_ASSIGN_OR_RETURN(const bool dev, on_device(buf, n));
   if (!dev) return host_->recv(buf, count, dtype, peer, tag);
   sync();
+  if (plane_ != nullptr) {
+    ++plane_calls_;
+    return plane_->recv(buf, count, dtype, peer, tag);
+  }
   STRATA_ASSIGN_OR_RETURN(std::byte* b, staging(1, n));
   STRATA_RETURN_IF_ERROR(host_->recv(b, count, dtype, peer, tag));
   up(buf, b, n);
@@ -160,6 +227,14 @@ Status StagedCommunicator::send_recv(const void* send, size_t send_count, int de
   STRATA_ASSIGN_OR_RETURN(const bool rd, on_device(recv, rn));
   if (!sd && !rd) return host_->send_recv(send, send_count, dest, recv, recv_count, src, dtype, tag);
   sync();
+  if (plane_ != nullptr) {
+    ++plane_calls_;
+    STRATA_ASSIGN_OR_RETURN(const void* s, plane_in(send, sn, sd));
+    STRATA_ASSIGN_OR_RETURN(void* r, plane_out(recv, rn, rd));
+    STRATA_RETURN_IF_ERROR(plane_->send_recv(s, send_count, dest, r, recv_count, src, dtype, tag));
+    if (!rd) down(recv, r, rn);
+    return Status::ok();
+  }
   STRATA_ASSIGN_OR_RETURN(const void* s, outgoing(send, sn, sd));
   STRATA_ASSIGN_OR_RETURN(void* r, incoming(recv, rn, rd));
   STRATA_RETURN_IF_ERROR(host_->send_recv(s, send_count, dest, r, recv_count, src, dtype, tag));
@@ -170,15 +245,91 @@ Status StagedCommunicator::send_recv(const void* send, size_t send_count, int de
 Result<std::unique_ptr<comm::Communicator>> StagedCommunicator::split(int color, int key, const std::string& name) {
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> part, host_->split(color, key, name));
   if (part == nullptr) return part;
-  auto staged = std::make_unique<StagedCommunicator>(std::move(part), device_);
+  std::unique_ptr<comm::Communicator> plane;
+  if (plane_ != nullptr) {
+    STRATA_ASSIGN_OR_RETURN(plane, plane_->split(color, key, name));
+  }
+  auto staged = std::make_unique<StagedCommunicator>(std::move(part), device_, std::move(plane));
   staged->set_caller_fenced(caller_fenced_);
   return std::unique_ptr<comm::Communicator>(std::move(staged));
 }
 
-comm::Communicator* staged_if_needed(comm::Communicator* group, kernels::Device& device,
-                                     std::unique_ptr<comm::Communicator>* owned) {
+namespace {
+
+// Where this rank's device is, as "host/PCI bus id", for telling ranks that share a GPU apart (empty: unknown).
+std::string device_place(kernels::Device& device) {
+#if STRATA_HAVE_NCCL
+  device.synchronize();  // binds this thread to the device's GPU, whose bus id the NCCL side reads
+  return comm::NcclCommunicator::device_place();
+#else
+  (void)device;
+  return {};
+#endif
+}
+
+// The ranks of `group` that share a GPU with an earlier rank: "ranks 0 and 2 share host/0000:1b:00.0; ...", or
+// empty. Collective (every rank sees every rank's place, so every rank decides alike).
+Result<std::string> shared_gpus(comm::Communicator& group, kernels::Device& device) {
+  constexpr size_t kPlace = 128;  // bytes per rank, zero-padded
+  std::string mine = device_place(device);
+  mine.resize(kPlace - 1, '\0');
+  std::vector<char> all(kPlace * static_cast<size_t>(group.size()));
+  // Bytes travel as 16-bit words (copied, never converted).
+  STRATA_RETURN_IF_ERROR(group.all_gather(mine.c_str(), all.data(), kPlace / 2, DType::kBF16)
+                             .with_context("comparing the ranks' GPUs"));
+  std::string shared;
+  for (int a = 0; a < group.size(); ++a) {
+    const std::string pa(&all[kPlace * static_cast<size_t>(a)]);
+    for (int b = a + 1; b < group.size() && !pa.empty(); ++b) {
+      if (pa != std::string(&all[kPlace * static_cast<size_t>(b)])) continue;
+      shared += fmt::format("{}ranks {} and {} share {}", shared.empty() ? "" : "; ", a, b, pa);
+      break;
+    }
+  }
+  return shared;
+}
+
+}  // namespace
+
+Result<comm::Communicator*> device_collectives(comm::Communicator* group, kernels::Device& device,
+                                               const std::string& backend, const DevicePlaneFactory& make_plane,
+                                               std::unique_ptr<comm::Communicator>* owned) {
   if (group == nullptr || device.host_accessible()) return group;
-  *owned = std::make_unique<StagedCommunicator>(*group, device);
+  std::unique_ptr<comm::Communicator> plane;
+  std::string why_not;  // why the device's buffers are staged through host memory
+  if (backend == "mpi") {
+    why_not = "parallel.distributed_backend is \"mpi\"";
+  } else if (make_plane) {
+    STRATA_ASSIGN_OR_RETURN(plane, make_plane(*group));
+  } else if (std::string(device.name()) != "cuda") {
+    why_not = fmt::format("NCCL carries CUDA buffers, not the {} device's", device.name());
+  } else {
+#if STRATA_HAVE_NCCL
+    STRATA_ASSIGN_OR_RETURN(const std::string shared, shared_gpus(*group, device));
+    if (shared.empty()) {
+      auto nccl = comm::NcclCommunicator::create(*group, group->name());
+      if (!nccl.is_ok()) return nccl.status().with_context(fmt::format("NCCL for group '{}'", group->name()));
+      plane = std::move(nccl).value();
+    } else {
+      why_not = fmt::format("NCCL needs a GPU per rank, and {}", shared);
+    }
+#else
+    why_not = "this build has no NCCL (built without the CUDA backend)";
+#endif
+  }
+  if (plane == nullptr && backend == "nccl")
+    return Status::invalid_argument("parallel.distributed_backend \"nccl\" for group '{}': {}; \"auto\" stages the "
+                                    "device's buffers through host memory over MPI instead",
+                                    group->name(), why_not);
+  if (plane != nullptr) {
+    STRATA_LOG_INFO("collectives of group '{}': the {} device's buffers over its own plane, host buffers over MPI, "
+                    "calls that mix the two staged through host memory",
+                    group->name(), device.name());
+  } else {
+    STRATA_LOG_INFO("collectives of group '{}': the {} device's buffers staged through host memory over MPI ({})",
+                    group->name(), device.name(), why_not);
+  }
+  *owned = std::make_unique<StagedCommunicator>(*group, device, std::move(plane));
   return owned->get();
 }
 

@@ -1,12 +1,18 @@
-// staged_communicator.h — the collectives of a device the host cannot address (CUDA), carried by a host
-// communicator (MPI): each call copies the device buffers it reads to host memory, runs the host call, and
-// copies what it wrote back to the device. Host buffers pass straight through, so one communicator serves the
-// trainer's scalars and the model's device tensors alike, and a call may mix the two (ZeRO-3 gathers pinned
-// host shards into a device slot and reduce-scatters device gradients into pinned host memory).
+// staged_communicator.h — the collectives of a device the host cannot address (CUDA). A call with any of its
+// buffers on the device goes over the device's own plane (NCCL) where the group has one: a host buffer of such a
+// call is copied to device memory first (ZeRO-3 gathers pinned host shards into a device slot: only this rank's
+// shard crosses to the device) and what the plane wrote into device memory is copied back (ZeRO-3's
+// reduce-scatter of device gradients into pinned host memory: only this rank's part comes back). Without a
+// device plane such a call is carried by the host communicator (MPI): it copies the device buffers it reads to
+// host memory, runs the host call, and copies what it wrote back to the device. A call on host buffers alone
+// goes over the host communicator either way, so one communicator serves the trainer's scalars and the model's
+// device tensors alike.
 //
-// This is the data plane for data, tensor and pipeline parallelism on the GPU where NCCL cannot be used: several
-// ranks sharing one GPU (NCCL refuses two ranks on one device), or a build without NCCL. With one GPU per rank,
-// NCCL (comm/nccl_communicator.h) is the faster plane; it is not wired into training yet.
+// Which plane a call takes depends only on where its buffers are, which is the same on every rank (the same
+// code makes the same call; a message's sender and receiver use buffers of the same kind), so the ranks of a
+// group always meet on the same plane. Without a device plane everything on the device is staged: several
+// ranks sharing one GPU (NCCL refuses two ranks on one device), a build without NCCL, or
+// parallel.distributed_backend "mpi". device_collectives() below chooses.
 //
 // A buffer is the device's when it starts in a live allocate()d buffer (Device::owns); one that starts there
 // and runs past the buffer's end is an error. Before a call touches device memory it waits for the device's
@@ -14,11 +20,13 @@
 // have finished and none still reads a receive buffer, unless the caller fences (set_caller_fenced). The copies
 // run on the device's copy streams (upload/download), so a call may come from any thread (ZeRO-3's collectives
 // thread included), one at a time per communicator, as for every Communicator. The staging memory is this
-// communicator's, grown to the largest call and registered with the device (page-locked); it is outside
-// host_memory_limit (about twice the largest call, per group).
+// communicator's, grown to the largest call: on the host registered with the device (page-locked) and outside
+// host_memory_limit (about twice the largest staged call, per group); on the device (the plane's mixed calls)
+// within device_memory_limit. NCCL's own device buffers are outside device_memory_limit.
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -32,10 +40,14 @@ namespace strata::engine {
 class StagedCommunicator final : public comm::Communicator {
  public:
   // `host` carries the calls (borrowed: it must outlive this; or owned); `device`, which must outlive this
-  // too, owns the device buffers.
-  StagedCommunicator(comm::Communicator& host, kernels::Device& device) : host_(&host), device_(device) {}
-  StagedCommunicator(std::unique_ptr<comm::Communicator> host, kernels::Device& device)
-      : owned_(std::move(host)), host_(owned_.get()), device_(device) {}
+  // too, owns the device buffers. `device_plane`, when given, is the same ranks in the same order on a
+  // communicator that takes the device's buffers (NCCL), and carries the calls whose buffers are all there.
+  StagedCommunicator(comm::Communicator& host, kernels::Device& device,
+                     std::unique_ptr<comm::Communicator> device_plane = nullptr)
+      : host_(&host), plane_(std::move(device_plane)), device_(device) {}
+  StagedCommunicator(std::unique_ptr<comm::Communicator> host, kernels::Device& device,
+                     std::unique_ptr<comm::Communicator> device_plane = nullptr)
+      : owned_(std::move(host)), host_(owned_.get()), plane_(std::move(device_plane)), device_(device) {}
   ~StagedCommunicator() override;
 
   int rank() const override { return host_->rank(); }
@@ -50,7 +62,7 @@ class StagedCommunicator final : public comm::Communicator {
   Status send_recv(const void* send, size_t send_count, int dest, void* recv, size_t recv_count, int src,
                    DType dtype, int tag) override;
   Status barrier() override { return host_->barrier(); }
-  // The split of the host communicator, staged through this device too.
+  // The split of the host communicator (and of the device plane), staged through this device too.
   Result<std::unique_ptr<comm::Communicator>> split(int color, int key, const std::string& name) override;
 
   // The caller waits, before each call, for the kernels that wrote what it sends and those that read what it
@@ -59,9 +71,11 @@ class StagedCommunicator final : public comm::Communicator {
   // inherit it.
   void set_caller_fenced(bool fenced) { caller_fenced_ = fenced; }
 
-  // Bytes copied each way since creation (tests; a figure for logs).
+  // Bytes copied each way since creation, and the calls the device plane carried (tests; figures for logs).
   size_t bytes_down() const { return bytes_down_; }
   size_t bytes_up() const { return bytes_up_; }
+  size_t device_plane_calls() const { return plane_calls_; }
+  bool has_device_plane() const { return plane_ != nullptr; }
 
  private:
   // Staging memory `which` (0: what is sent, 1: what is received) of at least `bytes`.
@@ -70,6 +84,13 @@ class StagedCommunicator final : public comm::Communicator {
   Result<const void*> outgoing(const void* send, size_t bytes, bool on_dev);
   // Where the host call receives: `recv` itself, or (on the device) the receive staging memory.
   Result<void*> incoming(void* recv, size_t bytes, bool on_dev);
+  // Device memory `which` (0: what is sent, 1: what is received) of at least `bytes`, for the device plane's
+  // calls that mix host and device buffers (allocated within device_memory_limit, "collectives.staging").
+  Result<std::byte*> device_staging(int which, size_t bytes);
+  // What the device plane sends: `p` itself when on the device, else its bytes uploaded to device staging.
+  Result<const void*> plane_in(const void* p, size_t bytes, bool on_dev);
+  // Where the device plane receives: `p` itself when on the device, else device staging (downloaded after).
+  Result<void*> plane_out(void* p, size_t bytes, bool on_dev);
   // Whether [p, p + bytes) is the device's memory (by where it starts); an error if it starts in a device buffer
   // and runs past its end, which MPI would otherwise be handed as host memory.
   Result<bool> on_device(const void* p, size_t bytes) const;
@@ -81,16 +102,26 @@ class StagedCommunicator final : public comm::Communicator {
 
   std::unique_ptr<comm::Communicator> owned_;
   comm::Communicator* host_;
+  std::unique_ptr<comm::Communicator> plane_;
   kernels::Device& device_;
   AlignedBuffer stage_[2];
   bool registered_[2] = {false, false};
-  size_t bytes_down_ = 0, bytes_up_ = 0;
+  kernels::DeviceBuffer device_stage_[2];
+  size_t bytes_down_ = 0, bytes_up_ = 0, plane_calls_ = 0;
   bool caller_fenced_ = false;
 };
 
-// `group` itself when the device's memory is the host's (nothing to stage), else `group` staged through
-// `device`; null stays null. `owned` keeps the wrapper alive.
-comm::Communicator* staged_if_needed(comm::Communicator* group, kernels::Device& device,
-                                     std::unique_ptr<comm::Communicator>* owned);
+// A group's device plane: the same ranks, in the same order, on a communicator that takes the device's buffers.
+using DevicePlaneFactory = std::function<Result<std::unique_ptr<comm::Communicator>>(comm::Communicator& group)>;
+
+// How the groups' collectives travel on `device` (parallel.distributed_backend): `group` itself when the device's
+// memory is the host's (nothing to stage); else a StagedCommunicator over `group`, with a device plane unless
+// `backend` is "mpi" — NCCL, or what `make_plane` makes (tests: MPI posing as NCCL). "auto" takes NCCL when
+// this build has it and no two ranks of the group share a GPU, and says why not otherwise; "nccl" fails where
+// "auto" would not take it, naming why. Collective over `group` (the ranks compare their GPUs). Null stays null;
+// `owned` keeps the wrapper alive.
+Result<comm::Communicator*> device_collectives(comm::Communicator* group, kernels::Device& device,
+                                               const std::string& backend, const DevicePlaneFactory& make_plane,
+                                               std::unique_ptr<comm::Communicator>* owned);
 
 }  // namespace strata::engine

@@ -107,14 +107,15 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   }
   kernels::Device* const device = options.device != nullptr ? options.device : own_device.get();
   device->set_memory_limit(config.offload.device_memory_limit);
-  // On a device the host cannot address, the groups' collectives on device buffers are staged through host
-  // memory (engine/staged_communicator.h); host buffers (the losses, norms, checkpoints) pass straight through.
-  std::unique_ptr<comm::Communicator> staged[3];
-  dp = staged_if_needed(dp, *device, &staged[0]);
-  pp = staged_if_needed(pp, *device, &staged[1]);
-  tp = staged_if_needed(tp, *device, &staged[2]);
-  if (staged[0] || staged[1] || staged[2])
-    STRATA_LOG_INFO("collectives: the {} device's buffers staged through host memory over MPI", device->name());
+  // On a device the host cannot address, the groups' collectives on device buffers go over NCCL, or are staged
+  // through host memory (engine/staged_communicator.h); host buffers (the losses, norms, checkpoints) go over
+  // MPI. Every rank sets up its groups in the same order (each is collective over its own ranks).
+  std::unique_ptr<comm::Communicator> device_groups[3];
+  int g = 0;
+  for (comm::Communicator** group : {&dp, &pp, &tp}) {
+    STRATA_ASSIGN_OR_RETURN(*group, device_collectives(*group, *device, config.parallel.distributed_backend,
+                                                       options.device_plane, &device_groups[g++]));
+  }
   const bool offloaded = offload_enabled(config.offload) || zero3;
   // The offload stack and the host pool of activation checkpoints are declared before the model, so the
   // model (whose host checkpoints come from a pool) is destroyed first.

@@ -11,10 +11,7 @@
 #include "comm/communicator.h"
 #include "common/status.h"
 #include "engine/config.h"
-
-namespace strata::kernels {
-class Device;
-}  // namespace strata::kernels
+#include "engine/staged_communicator.h"
 
 namespace strata::engine {
 
@@ -28,7 +25,8 @@ struct TrainOptions {
   // sharded; 3, and 1 or 2 with offload: every unit sharded through the offload stack, README "Several
   // processes"), so every rank keeps the same weights. Rank 0 alone prints, writes metrics and checkpoints
   // (the others take part where the state is sharded). Null or a group of one: this process alone. On the GPU
-  // the collectives on device buffers are staged through host memory (engine/staged_communicator.h).
+  // the collectives on device buffers go over NCCL or are staged through host memory
+  // (parallel.distributed_backend; engine/staged_communicator.h).
   comm::Communicator* data_parallel = nullptr;
   // Pipeline parallelism (parallel.pipeline_parallel_size = its size): this rank runs stage pipeline->rank()
   // of the model on parallel.pipeline_schedule (engine/pipeline.h), each data-parallel rank's micro-batches
@@ -41,6 +39,8 @@ struct TrainOptions {
   // Train on this device instead of the one compute.device names (tests: a device posing as one the host
   // cannot address). Must outlive the call.
   kernels::Device* device = nullptr;
+  // Makes each group's device plane instead of NCCL (tests: MPI posing as NCCL on a device posing as a GPU).
+  DevicePlaneFactory device_plane;
 };
 
 struct TrainSummary {

@@ -28,7 +28,8 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-tests=(kernels/kernels_cuda_test kernels/kernels_device_test engine/engine_gpu_train_test comm/comm_nccl_test)  # under build*/tests/
+tests=(kernels/kernels_cuda_test kernels/kernels_device_test engine/engine_gpu_train_test comm/comm_nccl_test
+       comm/comm_nccl_plane_test)  # under build*/tests/
 
 if [[ $mode == bundle || $mode == build ]]; then
   build=build-gpu

@@ -12,37 +12,12 @@
 #include <gtest/gtest.h>
 
 #include "comm/nccl_communicator.h"
+#include "tests/comm/self_communicator.h"
 
 namespace strata::comm {
 namespace {
 
-// The bootstrap of a world of one: every collective is a copy, or nothing.
-class SelfCommunicator final : public Communicator {
- public:
-  int rank() const override { return 0; }
-  int size() const override { return 1; }
-  const std::string& name() const override { return name_; }
-  Status all_reduce(const void* s, void* r, size_t n, DType t, ReduceOp) override { return copy(s, r, n, t); }
-  Status all_gather(const void* s, void* r, size_t n, DType t) override { return copy(s, r, n, t); }
-  Status reduce_scatter(const void* s, void* r, size_t n, DType t, ReduceOp) override { return copy(s, r, n, t); }
-  Status broadcast(void*, size_t, DType, int) override { return Status::ok(); }
-  Status send(const void*, size_t, DType, int, int) override { return Status::invalid_argument("a world of one"); }
-  Status recv(void*, size_t, DType, int, int) override { return Status::invalid_argument("a world of one"); }
-  Status send_recv(const void*, size_t, int, void*, size_t, int, DType, int) override {
-    return Status::invalid_argument("a world of one");
-  }
-  Status barrier() override { return Status::ok(); }
-  Result<std::unique_ptr<Communicator>> split(int, int, const std::string&) override {
-    return std::unique_ptr<Communicator>(new SelfCommunicator());
-  }
-
- private:
-  static Status copy(const void* s, void* r, size_t n, DType t) {
-    if (s != r) std::memmove(r, s, n * dtype_size(t));
-    return Status::ok();
-  }
-  std::string name_ = "self";
-};
+using testing::SelfCommunicator;
 
 class NcclCommTest : public ::testing::Test {
  protected:

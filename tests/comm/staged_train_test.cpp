@@ -2,6 +2,7 @@
 // address, staged through host memory over MPI (engine/staged_communicator.h), on the CPU device posing as such
 // a device (tests/forwarding_device.h). Staging only moves bytes, so every call gives bitwise what the MPI
 // communicator gives on host buffers, and every parallel mode trains bitwise as on the plain CPU device.
+#include <atomic>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -46,13 +47,31 @@ std::vector<float> to_host(kernels::Device& d, const kernels::DeviceBuffer& b, s
   return x;
 }
 
-// What MPI is handed, checked: a Communicator that forwards to another and records a failure for every buffer
-// that is `device`'s memory (MPI would read a GPU's pointer as host memory). Its splits check too.
-class HostOnly final : public comm::Communicator {
+// What a communicator is handed, checked: a Communicator that forwards to another and records a failure for
+// every buffer in the wrong memory. The host plane (MPI) must never get `device`'s memory (MPI would read a GPU's
+// pointer as host memory); the device plane (NCCL) must never get the host's. Its splits check too, and it
+// counts the calls it forwards.
+class Checked final : public comm::Communicator {
  public:
-  HostOnly(comm::Communicator& inner, const kernels::Device& device) : inner_(&inner), device_(device) {}
-  HostOnly(std::unique_ptr<comm::Communicator> inner, const kernels::Device& device)
-      : owned_(std::move(inner)), inner_(owned_.get()), device_(device) {}
+  enum class Memory { kHost, kDevice };
+  Checked(comm::Communicator& inner, const kernels::Device& device, Memory want = Memory::kHost,
+          std::atomic<size_t>* calls = nullptr)
+      : inner_(&inner), device_(device), want_(want), calls_(calls) {}
+  Checked(std::unique_ptr<comm::Communicator> inner, const kernels::Device& device, Memory want,
+          std::atomic<size_t>* calls)
+      : owned_(std::move(inner)), inner_(owned_.get()), device_(device), want_(want), calls_(calls) {}
+  // A device plane posing as NCCL for `group` (a host-checked MPI group): a split of that MPI group, so that a
+  // call one rank makes on this plane and another on the host plane never meets (the test times out instead of
+  // passing), checked to take device memory alone.
+  static DevicePlaneFactory device_plane(const kernels::Device& device, std::atomic<size_t>* calls) {
+    return [&device, calls](comm::Communicator& group) -> Result<std::unique_ptr<comm::Communicator>> {
+      comm::Communicator& mpi = *dynamic_cast<Checked&>(group).inner_;
+      STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> part,
+                              mpi.split(0, mpi.rank(), mpi.name() + ".plane"));
+      return std::unique_ptr<comm::Communicator>(
+          std::make_unique<Checked>(std::move(part), device, Memory::kDevice, calls));
+    };
+  }
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
   const std::string& name() const override { return inner_->name(); }
@@ -81,24 +100,32 @@ class HostOnly final : public comm::Communicator {
   Result<std::unique_ptr<comm::Communicator>> split(int color, int key, const std::string& name) override {
     STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> part, inner_->split(color, key, name));
     if (part == nullptr) return part;
-    return std::unique_ptr<comm::Communicator>(std::make_unique<HostOnly>(std::move(part), device_));
+    return std::unique_ptr<comm::Communicator>(std::make_unique<Checked>(std::move(part), device_, want_, calls_));
   }
 
  private:
   bool check(const void* s, const void* r, const char* what) const {
+    if (calls_ != nullptr) ++*calls_;
     for (const void* p : {s, r}) {
-      if (p != nullptr && device_.owns(p, 0)) {
+      const bool on_device = p != nullptr && device_.owns(p, 0);
+      if (want_ == Memory::kHost && on_device) {
         ADD_FAILURE() << what << " on group '" << name() << "' was handed device memory";
+        return false;
+      }
+      if (want_ == Memory::kDevice && !on_device) {
+        ADD_FAILURE() << what << " on the device plane of group '" << name() << "' was handed host memory";
         return false;
       }
     }
     return true;
   }
   // Still collective: a refused call would leave the other ranks waiting, so the run stops here.
-  static Status refused() { return Status::internal("device memory handed to MPI"); }
+  static Status refused() { return Status::internal("a buffer in the wrong memory for this communicator"); }
   std::unique_ptr<comm::Communicator> owned_;
   comm::Communicator* inner_;
   const kernels::Device& device_;
+  Memory want_;
+  std::atomic<size_t>* calls_;
 };
 
 TEST(StagedCommunicator, EveryCallOnDeviceBuffersGivesTheHostCallsBits) {
@@ -106,7 +133,7 @@ TEST(StagedCommunicator, EveryCallOnDeviceBuffersGivesTheHostCallsBits) {
   ASSERT_NE(world, nullptr);
   ASSERT_EQ(world->size(), 2) << "run under mpiexec -np 2 (CTest does)";
   UnaddressableDevice dev;
-  HostOnly checked(*world, dev);
+  Checked checked(*world, dev);
   StagedCommunicator staged(checked, dev);
   const int r = world->rank(), R = world->size();
   const size_t n = 1000;
@@ -196,11 +223,101 @@ TEST(StagedCommunicator, EveryCallOnDeviceBuffersGivesTheHostCallsBits) {
   EXPECT_NE(past.message().find("runs past the end of its allocation"), std::string::npos) << past.to_string();
 }
 
+// With a device plane, a call with any buffer on the device goes over it: untouched when all are there (nothing
+// staged), with only the host side's own bytes copied when they mix; calls on host buffers alone go over the
+// host communicator. The same bits every way.
+TEST(StagedCommunicator, CallsOnDeviceBuffersGoOverTheDevicePlane) {
+  auto world = world_or_die();
+  ASSERT_NE(world, nullptr);
+  ASSERT_EQ(world->size(), 2) << "run under mpiexec -np 2 (CTest does)";
+  UnaddressableDevice dev;
+  Checked checked(*world, dev);
+  std::atomic<size_t> calls{0};
+  auto plane = Checked::device_plane(dev, &calls)(checked);
+  ASSERT_TRUE(plane.is_ok()) << plane.status().to_string();
+  StagedCommunicator staged(checked, dev, std::move(plane).value());
+  ASSERT_TRUE(staged.has_device_plane());
+  const int r = world->rank(), R = world->size();
+  const size_t n = 1000;
+  const std::vector<float> x = input(r, n), big = input(r, n * R);
+  std::vector<float> sum(n), gathered(n * R), scattered(n);
+  ASSERT_TRUE(world->all_reduce(x.data(), sum.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
+  ASSERT_TRUE(world->all_gather(x.data(), gathered.data(), n, DType::kF32).is_ok());
+  ASSERT_TRUE(world->reduce_scatter(big.data(), scattered.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
+
+  // Device to device: the plane, nothing staged.
+  auto s = on_device(dev, x), d = on_device(dev, std::vector<float>(n));
+  ASSERT_TRUE(staged.all_reduce(s.data(), d.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
+  EXPECT_EQ(to_host(dev, d, n), sum);
+  ASSERT_TRUE(staged.all_reduce(s.data(), s.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
+  EXPECT_EQ(to_host(dev, s, n), sum) << "in place";
+  std::vector<float> mine(n * R, -1.0f);
+  std::memcpy(mine.data() + r * n, x.data(), n * sizeof(float));
+  auto ip = on_device(dev, mine);
+  ASSERT_TRUE(staged.all_gather(ip.as<float>() + r * n, ip.data(), n, DType::kF32).is_ok());
+  EXPECT_EQ(to_host(dev, ip, n * R), gathered) << "all_gather in place";
+  auto sb = on_device(dev, big);
+  ASSERT_TRUE(staged.reduce_scatter(sb.data(), d.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
+  EXPECT_EQ(to_host(dev, d, n), scattered);
+  auto b = on_device(dev, x);
+  ASSERT_TRUE(staged.broadcast(b.data(), 2 * n, DType::kBF16, 1).is_ok());
+  EXPECT_EQ(to_host(dev, b, n), input(1, n));
+  auto xs = on_device(dev, x), e = on_device(dev, std::vector<float>(n));
+  ASSERT_TRUE(staged.send_recv(xs.data(), n, 1 - r, e.data(), n, 1 - r, DType::kF32, 8).is_ok());
+  EXPECT_EQ(to_host(dev, e, n), input(1 - r, n));
+  if (r == 0) {
+    ASSERT_TRUE(staged.send(xs.data(), n, DType::kF32, 1, 7).is_ok());
+  } else {
+    ASSERT_TRUE(staged.recv(e.data(), n, DType::kF32, 0, 7).is_ok());
+    EXPECT_EQ(to_host(dev, e, n), input(0, n));
+  }
+  EXPECT_EQ(staged.device_plane_calls(), 7u);
+  EXPECT_EQ(calls.load(), 7u);
+  EXPECT_EQ(staged.bytes_down(), 0u) << "nothing staged";
+  EXPECT_EQ(staged.bytes_up(), 0u);
+
+  // Host buffers alone: the host communicator, nothing staged.
+  std::vector<float> h(n);
+  ASSERT_TRUE(staged.all_reduce(x.data(), h.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
+  EXPECT_EQ(h, sum);
+  EXPECT_EQ(staged.device_plane_calls(), 7u);
+  EXPECT_EQ(staged.bytes_down() + staged.bytes_up(), 0u);
+  // Mixed: the plane, with only this rank's part copied (ZeRO-3's gather of host shards into a device buffer,
+  // and its reduce-scatter of device gradients into host memory).
+  auto d2 = on_device(dev, std::vector<float>(n * R));
+  ASSERT_TRUE(staged.all_gather(x.data(), d2.data(), n, DType::kF32).is_ok());
+  EXPECT_EQ(to_host(dev, d2, n * R), gathered) << "host shards into a device buffer";
+  EXPECT_EQ(staged.bytes_up(), n * sizeof(float));
+  ASSERT_TRUE(staged.reduce_scatter(sb.data(), h.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
+  EXPECT_EQ(h, scattered) << "device gradients into host memory";
+  EXPECT_EQ(staged.bytes_down(), n * sizeof(float));
+  std::vector<float> h2(n), twice(n);  // `s` holds the sum on every rank since the in-place call
+  for (size_t i = 0; i < n; ++i) twice[i] = static_cast<float>(R) * sum[i];
+  ASSERT_TRUE(staged.all_reduce(s.data(), h2.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
+  EXPECT_EQ(h2, twice) << "device to host";
+  EXPECT_EQ(staged.device_plane_calls(), 10u);
+  EXPECT_EQ(calls.load(), 10u);
+
+  // A split has a plane of its own.
+  auto half = staged.split(0, r, "both");
+  ASSERT_TRUE(half.is_ok()) << half.status().to_string();
+  auto& part = static_cast<StagedCommunicator&>(*half.value());
+  ASSERT_TRUE(part.has_device_plane());
+  auto s2 = on_device(dev, x);
+  ASSERT_TRUE(part.all_reduce(s2.data(), d.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
+  EXPECT_EQ(to_host(dev, d, n), sum);
+  EXPECT_EQ(part.device_plane_calls(), 1u);
+  EXPECT_EQ(calls.load(), 11u);
+}
+
 using StagedTrainTest = TrainerTest;
 
 // Data parallelism with ZeRO stages 0-3, tensor parallelism (with and without sequence parallelism) and a
-// two-stage 1F1B pipeline, each trained on the CPU device and on the same device posing as one the host cannot
-// address: the same losses and norms, and the same checkpoint bytes; and MPI is never handed the device's memory.
+// two-stage 1F1B pipeline, each trained on the CPU device, on the same device posing as one the host cannot
+// address (every device buffer staged), and on that device with a device plane posing as NCCL: the same losses
+// and norms, and the same checkpoint bytes; MPI is never handed the device's memory, nor the plane the host's,
+// and the ranks always meet on the same plane (a call one rank made on the plane and another on MPI would
+// never complete: the test would time out).
 TEST_F(StagedTrainTest, EveryParallelModeOnAnUnaddressableDeviceIsBitwiseTheCpuRun) {
   auto world = world_or_die();
   ASSERT_NE(world, nullptr);
@@ -220,13 +337,17 @@ TEST_F(StagedTrainTest, EveryParallelModeOnAnUnaddressableDeviceIsBitwiseTheCpuR
       {"tp_sp", 2, 1, json(), true},
       {"pp", 1, 2, json()},
   };
+  enum Variant { kCpu, kStaged, kPlane };
+  const char* const variant_names[] = {"cpu", "staged", "plane"};
   for (const Run& run : runs) {
     SCOPED_TRACE(run.name);
     auto grid = comm::RankGrid::create(*world, run.tp, run.pp);
     ASSERT_TRUE(grid.is_ok()) << grid.status().to_string();
     UnaddressableDevice posing;
-    for (const bool staged : {false, true}) {
-      const std::string name = fmt::format("{}_{}", run.name, staged ? "staged" : "cpu");
+    std::atomic<size_t> plane_calls{0};
+    size_t staged_bytes[3] = {0, 0, 0};
+    for (const Variant v : {kCpu, kStaged, kPlane}) {
+      const std::string name = fmt::format("{}_{}", run.name, variant_names[v]);
       json j = base_config(name);
       j["model"]["n_head"] = 4;
       j["training"]["max_steps"] = 4;
@@ -234,25 +355,38 @@ TEST_F(StagedTrainTest, EveryParallelModeOnAnUnaddressableDeviceIsBitwiseTheCpuR
       j["training"]["grad_accum_steps"] = 2;
       j["parallel"] = {{"tensor_parallel_size", run.tp},
                        {"pipeline_parallel_size", run.pp},
-                       {"sequence_parallel", run.sequence_parallel}};
+                       {"sequence_parallel", run.sequence_parallel},
+                       {"distributed_backend", v == kStaged ? "mpi" : "auto"}};
       if (!run.zero.is_null()) j["zero_optimization"] = run.zero;
-      device_ = staged ? &posing : nullptr;
-      HostOnly dp(grid.value()->dp(), posing), pp(grid.value()->pp(), posing), tp(grid.value()->tp(), posing);
+      device_ = v != kCpu ? &posing : nullptr;
+      if (v == kPlane) device_plane_ = Checked::device_plane(posing, &plane_calls);
+      Checked dp(grid.value()->dp(), posing), pp(grid.value()->pp(), posing), tp(grid.value()->tp(), posing);
+      const size_t before = posing.downloaded.load() + posing.uploaded.load();
       const auto trained = train(j, "", (dir_ / (name + ".jsonl")).string(), &dp, &pp, &tp);
+      staged_bytes[v] = posing.downloaded.load() + posing.uploaded.load() - before;
       device_ = nullptr;
+      device_plane_ = nullptr;
       ASSERT_TRUE(trained.is_ok()) << trained.status().to_string();
     }
     if (run.staged) {
-      EXPECT_GT(posing.downloaded.load(), 0u) << "the staged run moved device memory through the host";
-      EXPECT_GT(posing.uploaded.load(), 0u);
+      EXPECT_GT(staged_bytes[kStaged], 0u) << "the staged run moved device memory through the host";
+      EXPECT_GT(plane_calls.load(), 0u) << "the device plane carried the calls on device buffers";
+      EXPECT_LT(staged_bytes[kPlane], staged_bytes[kStaged]) << "copying less between host and device";
+    } else {
+      EXPECT_EQ(plane_calls.load(), 0u);
     }
     if (world->rank() == 0) {
-      const std::string cpu = fmt::format("{}_cpu", run.name), staged = fmt::format("{}_staged", run.name);
-      const auto a = losses(dir_ / (cpu + ".jsonl")), b = losses(dir_ / (staged + ".jsonl"));
-      EXPECT_EQ(a.size(), 4u);
-      EXPECT_EQ(a, b);
-      for (const char* f : {"model.safetensors", "optimizer.safetensors"})
-        EXPECT_TRUE(file_bytes(dir_ / cpu / "step_000004" / f) == file_bytes(dir_ / staged / "step_000004" / f)) << f;
+      const auto cpu = losses(dir_ / fmt::format("{}_cpu.jsonl", run.name));
+      EXPECT_EQ(cpu.size(), 4u);
+      for (const Variant v : {kStaged, kPlane}) {
+        const std::string name = fmt::format("{}_{}", run.name, variant_names[v]);
+        SCOPED_TRACE(name);
+        EXPECT_EQ(losses(dir_ / (name + ".jsonl")), cpu);
+        for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
+          const fs::path a = dir_ / fmt::format("{}_cpu", run.name) / "step_000004" / f;
+          EXPECT_TRUE(file_bytes(a) == file_bytes(dir_ / name / "step_000004" / f)) << f;
+        }
+      }
     }
     ASSERT_TRUE(world->barrier().is_ok());
   }

@@ -61,7 +61,8 @@ TEST(ConfigTest, BadValuesAreRejectedByName) {
            {"training.beta2=1.5", "beta2"},
            {"training.batch_size=0", "batch_size"},
            {"parallel.tensor_parallel_size=0", "parallel.tensor_parallel_size"},
-           {"parallel.pipeline_parallel_size=-1", "pipeline_parallel_size"}}) {
+           {"parallel.pipeline_parallel_size=-1", "pipeline_parallel_size"},
+           {"parallel.distributed_backend=\"gloo\"", "parallel.distributed_backend must be"}}) {
     json j = json::object();
     ASSERT_TRUE(apply_overrides(&j, {over}).is_ok());
     auto c = parse_run_config(j, "cfg.json");
@@ -70,6 +71,15 @@ TEST(ConfigTest, BadValuesAreRejectedByName) {
   }
   json j = json::object();
   EXPECT_FALSE(apply_overrides(&j, {"no_equals_sign"}).is_ok());
+  // NCCL carries GPU buffers: asked for on the CPU device it is an error, not ignored.
+  ASSERT_TRUE(apply_overrides(&j, {"parallel.distributed_backend=\"nccl\"", "compute.device=\"cpu\""}).is_ok());
+  auto nccl_on_cpu = parse_run_config(j, "cfg.json");
+  ASSERT_FALSE(nccl_on_cpu.is_ok());
+  EXPECT_NE(nccl_on_cpu.status().message().find("distributed_backend \"nccl\" carries GPU buffers"), std::string::npos)
+      << nccl_on_cpu.status().message();
+  auto defaults = parse_run_config(json::object(), "cfg.json");
+  ASSERT_TRUE(defaults.is_ok());
+  EXPECT_EQ(defaults->parallel.distributed_backend, "auto");
 }
 
 // A DeepSpeed ZeRO-Infinity config, as users write it (scientific notation, "auto", nested offload sections),

@@ -65,6 +65,7 @@ class TrainerTest : public ::testing::Test {
     o.pipeline = pipeline;
     o.tensor_parallel = tensor_parallel;
     o.device = device_;
+    o.device_plane = device_plane_;
     return run_training(c.value(), o);
   }
   // Loss and grad_norm of every step, in order, from a metrics file.
@@ -84,6 +85,7 @@ class TrainerTest : public ::testing::Test {
   }
   fs::path dir_;
   kernels::Device* device_ = nullptr;  // train() trains on this device when set (else compute.device's)
+  DevicePlaneFactory device_plane_;    // and makes the groups' device planes with this when set
 };
 
 }  // namespace strata::engine
