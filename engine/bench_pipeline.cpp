@@ -40,7 +40,8 @@ Result<StageTimes> time_schedule(const BenchStepOptions& o, const GPT2Config& mc
                           GPT2::create(mc, *device, precision, false, plan.stages[static_cast<size_t>(pp.rank())]));
   STRATA_RETURN_IF_ERROR(model->init_gpt2(o.seed));
   const int B = o.batch_size, T = o.seq_len;
-  PipelineRunner runner(*model, pp, schedule, m, B, T);
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<PipelineRunner> runner,
+                          PipelineRunner::create(*model, pp, schedule, m, B, T));
   std::vector<std::vector<int32_t>> xs(static_cast<size_t>(m)), ys(static_cast<size_t>(m));
   std::vector<const int32_t*> in, tgt;
   for (int i = 0; i < m; ++i) {
@@ -52,7 +53,7 @@ Result<StageTimes> time_schedule(const BenchStepOptions& o, const GPT2Config& mc
   for (int s = 0; s < o.warmup + o.steps; ++s) {
     STRATA_RETURN_IF_ERROR(model->zero_grads());
     STRATA_RETURN_IF_ERROR(pp.barrier());  // every stage starts the schedule together
-    STRATA_ASSIGN_OR_RETURN(const PipelineStepStats st, runner.run(in, tgt, 1.0f / static_cast<float>(m)));
+    STRATA_ASSIGN_OR_RETURN(const PipelineStepStats st, runner->run(in, tgt, 1.0f / static_cast<float>(m)));
     if (s < o.warmup) continue;
     compute.push_back(st.compute_s);
     total.push_back(st.total_s);

@@ -447,7 +447,7 @@ Result<float> GPT2::forward_stage(const int32_t* inputs, const int32_t* targets,
     device_->copy_to_device(acts_.inputs, inputs, sizeof(int32_t) * N);
   } else {
     STRATA_ASSERT_MSG(x_in != nullptr, "a pipeline stage after the first needs its input activations");
-    device_->copy_to_device(acts_.encoded, x_in, sizeof(float) * residual_floats(B, T));
+    device_->copy_on_device(acts_.encoded, x_in, sizeof(float) * residual_floats(B, T));
   }
 
   char& ready = ready_for_backward_[static_cast<size_t>(slot_)];
@@ -629,7 +629,7 @@ Status GPT2::backward_stage(const float* dy, float loss_scale) {
   const size_t BTC = static_cast<size_t>(N) * C, RC = residual_floats(B, T);
   if (!stage_.head) {
     STRATA_ASSERT_MSG(dy != nullptr, "a pipeline stage before the last needs its output's gradient");
-    device_->copy_to_device(grads_.dres, dy, sizeof(float) * RC);
+    device_->copy_on_device(grads_.dres, dy, sizeof(float) * RC);
     STRATA_RETURN_IF_ERROR(backward_blocks(B, T));
     return Status::ok();
   }

@@ -166,9 +166,9 @@ class GPT2 {
   [[nodiscard]] Status backward(float loss_scale = 1.0f);
 
   // Pipeline stages. forward_stage: `inputs` (B,T) token ids for the embedding stage (else unused), `x_in`
-  // (B,T,C) host activations for the others, `targets` for the head stage (whose loss it returns; 0
-  // elsewhere). backward_stage: `dy` (B,T,C) host gradient of stage_output() for stages without the head
-  // (ignored with it), in the current slot, after its forward_stage.
+  // (B,T,C) activations in device memory for the others, `targets` for the head stage (whose loss it returns;
+  // 0 elsewhere). backward_stage: `dy` (B,T,C) gradient of stage_output() in device memory for stages without
+  // the head (ignored with it), in the current slot, after its forward_stage. Both copy what they take.
   Result<float> forward_stage(const int32_t* inputs, const int32_t* targets, const float* x_in, int B, int T);
   [[nodiscard]] Status backward_stage(const float* dy, float loss_scale);
   const float* stage_output() const;      // (B,T,C) device memory, of the current slot's forward

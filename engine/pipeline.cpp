@@ -81,19 +81,26 @@ PipelineRunner::PipelineRunner(GPT2& model, comm::Communicator& pp, PipelineSche
   model_.set_activation_slots(std::max(1, slots_));
   model_.set_marks_steps(false);  // a step of the offload trace is the whole schedule
   btc_ = model.residual_floats(B, T);  // this rank's rows of it under sequence parallelism
-  x_in_.resize(btc_);
-  out_.resize(btc_);
-  dy_.resize(btc_);
-  dx_.resize(btc_);
+}
+
+Result<std::unique_ptr<PipelineRunner>> PipelineRunner::create(GPT2& model, comm::Communicator& pp,
+                                                               PipelineSchedule schedule, int micro_batches, int B,
+                                                               int T) {
+  std::unique_ptr<PipelineRunner> r(new PipelineRunner(model, pp, schedule, micro_batches, B, T));
+  const size_t bytes = r->btc_ * sizeof(float);
+  for (kernels::DeviceBuffer* b : {&r->x_in_, &r->dy_, &r->out_, &r->dx_}) {
+    STRATA_ASSIGN_OR_RETURN(*b, model.device().allocate(bytes, "pipeline.exchange"));
+  }
+  return r;
 }
 
 Status PipelineRunner::forward(int i, const int32_t* inputs, const int32_t* targets, PipelineStepStats* st) {
   Timer t;
   model_.use_slot(i % slots_);
   STRATA_ASSIGN_OR_RETURN(const float loss,
-                          model_.forward_stage(inputs, targets, stage_ > 0 ? x_in_.data() : nullptr, B_, T_));
+                          model_.forward_stage(inputs, targets, stage_ > 0 ? x_in_.as<float>() : nullptr, B_, T_));
   if (stage_ + 1 < stages_) {
-    model_.device().copy_to_host(out_.data(), model_.stage_output(), btc_ * sizeof(float));
+    model_.device().copy_on_device(out_.data(), model_.stage_output(), btc_ * sizeof(float));
   } else {
     st->loss_sum += loss;
   }
@@ -104,8 +111,8 @@ Status PipelineRunner::forward(int i, const int32_t* inputs, const int32_t* targ
 Status PipelineRunner::backward(int i, float loss_scale, PipelineStepStats* st) {
   Timer t;
   model_.use_slot(i % slots_);
-  STRATA_RETURN_IF_ERROR(model_.backward_stage(stage_ + 1 < stages_ ? dy_.data() : nullptr, loss_scale));
-  if (stage_ > 0) model_.device().copy_to_host(dx_.data(), model_.stage_input_grad(), btc_ * sizeof(float));
+  STRATA_RETURN_IF_ERROR(model_.backward_stage(stage_ + 1 < stages_ ? dy_.as<float>() : nullptr, loss_scale));
+  if (stage_ > 0) model_.device().copy_on_device(dx_.data(), model_.stage_input_grad(), btc_ * sizeof(float));
   st->compute_s += t.seconds();
   return Status::ok();
 }

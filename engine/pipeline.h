@@ -57,8 +57,10 @@ struct PipelineStepStats {
 class PipelineRunner {
  public:
   // `model` is this stage's (created with plan.stages[pp.rank()]), `pp` the pipeline group (rank = stage); B, T
-  // the micro-batch shape. Sets the model's activation slots.
-  PipelineRunner(GPT2& model, comm::Communicator& pp, PipelineSchedule schedule, int micro_batches, int B, int T);
+  // the micro-batch shape. Sets the model's activation slots; fails only when the device has no room for the
+  // buffers the stages exchange.
+  static Result<std::unique_ptr<PipelineRunner>> create(GPT2& model, comm::Communicator& pp,
+                                                        PipelineSchedule schedule, int micro_batches, int B, int T);
 
   // Forward and backward of the step's micro-batches: inputs[i], targets[i] are micro-batch i's (B,T) tokens
   // (every stage gets them; the first stage reads the inputs, the last the targets). Gradients are added to
@@ -75,6 +77,7 @@ class PipelineRunner {
   Status recv_forward();
   Status send_backward();
   Status recv_backward();
+  PipelineRunner(GPT2& model, comm::Communicator& pp, PipelineSchedule schedule, int micro_batches, int B, int T);
 
   GPT2& model_;
   comm::Communicator& pp_;
@@ -82,7 +85,9 @@ class PipelineRunner {
   int m_, B_, T_, slots_;
   int stage_, stages_;
   size_t btc_;
-  std::vector<float> x_in_, out_, dy_, dx_;  // host staging of what crosses to the neighbours
+  // What crosses to the neighbours, in device memory (so NCCL moves it GPU to GPU): the input activations and
+  // the output's gradient received, the output and the input's gradient sent.
+  kernels::DeviceBuffer x_in_, dy_, out_, dx_;
 };
 
 // AdamW over a pipeline stage's units, with the clip norm of the whole model and the tied embedding kept in

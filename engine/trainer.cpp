@@ -126,11 +126,13 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> model,
                           GPT2::create(config.model, *device, config.compute.matmul_precision, offloaded, stage, tp,
                                        config.parallel.sequence_parallel));
-  std::optional<PipelineRunner> pipeline;
+  std::unique_ptr<PipelineRunner> pipeline;
   if (pp) {
-    pipeline.emplace(*model, *pp,
-                     config.parallel.pipeline_schedule == "gpipe" ? PipelineSchedule::kGPipe : PipelineSchedule::k1F1B,
-                     tc.grad_accum_steps, B, T);
+    STRATA_ASSIGN_OR_RETURN(
+        pipeline, PipelineRunner::create(*model, *pp,
+                                         config.parallel.pipeline_schedule == "gpipe" ? PipelineSchedule::kGPipe
+                                                                                      : PipelineSchedule::k1F1B,
+                                         tc.grad_accum_steps, B, T));
     if (pp_rank == 0) model->set_params_source(pipeline_params_source(*model, plan, *pp));
     STRATA_LOG_INFO("pipeline: {} stages, {} schedule, {} micro-batches per step: {}", pp_size,
                     config.parallel.pipeline_schedule, tc.grad_accum_steps, plan.describe());

@@ -114,6 +114,8 @@ class Device {
   virtual void copy_to_device(void* dst, const void* src, size_t bytes) = 0;
   // Device -> host after all work enqueued so far; `dst` holds the bytes when the call returns.
   virtual void copy_to_host(void* dst, const void* src, size_t bytes) = 0;
+  // Device -> device, in order with the kernels (the ranges do not overlap).
+  virtual void copy_on_device(void* dst, const void* src, size_t bytes) = 0;
   // Waits for everything enqueued so far.
   virtual void synchronize() = 0;
   // Copies for the copy engine's threads (offload/copy_engine.h). They may run on any thread, concurrently with

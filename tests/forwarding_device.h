@@ -20,6 +20,7 @@ class ForwardingDevice : public kernels::Device {
   void zero(void* dst, size_t bytes) override { inner_->zero(dst, bytes); }
   void copy_to_device(void* dst, const void* src, size_t bytes) override { inner_->copy_to_device(dst, src, bytes); }
   void copy_to_host(void* dst, const void* src, size_t bytes) override { inner_->copy_to_host(dst, src, bytes); }
+  void copy_on_device(void* dst, const void* src, size_t bytes) override { inner_->copy_on_device(dst, src, bytes); }
   void synchronize() override {}
   void upload(void* dst, const void* src, size_t bytes) override { inner_->upload(dst, src, bytes); }
   void download(void* dst, const void* src, size_t bytes) override { inner_->download(dst, src, bytes); }

@@ -33,6 +33,9 @@ class CpuDevice final : public Device {
   void copy_to_host(void* dst, const void* src, size_t bytes) override {
     if (dst != src) std::memcpy(dst, src, bytes);
   }
+  void copy_on_device(void* dst, const void* src, size_t bytes) override {
+    if (dst != src) std::memcpy(dst, src, bytes);
+  }
   void synchronize() override {}
   // The kernels run on the driving thread and have finished when they return: every fence has passed.
   void upload(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }

@@ -76,6 +76,9 @@ class CudaDevice final : public Device {
     CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
     CUDA_CHECK(cudaStreamSynchronize(s));
   }
+  void copy_on_device(void* dst, const void* src, size_t bytes) override {
+    if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, bind().compute));
+  }
   void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(bind().compute)); }
   // One stream per direction, each serialized by its mutex, so an upload and a download overlap each other
   // and the compute stream. Returning only once the copy is done keeps the callers' ordering host-side.
