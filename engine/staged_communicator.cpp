@@ -308,7 +308,11 @@ Result<comm::Communicator*> device_collectives(comm::Communicator* group, kernel
     STRATA_ASSIGN_OR_RETURN(const std::string shared, shared_gpus(*group, device));
     if (shared.empty()) {
       auto nccl = comm::NcclCommunicator::create(*group, group->name());
-      if (!nccl.is_ok()) return nccl.status().with_context(fmt::format("NCCL for group '{}'", group->name()));
+      if (!nccl.is_ok()) {
+        return nccl.status().with_context(fmt::format(
+            "NCCL for group '{}' (parallel.distributed_backend \"mpi\" stages through host memory instead)",
+            group->name()));
+      }
       plane = std::move(nccl).value();
     } else {
       why_not = fmt::format("NCCL needs a GPU per rank, and {}", shared);
