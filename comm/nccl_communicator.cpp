@@ -67,15 +67,27 @@ Result<std::unique_ptr<NcclCommunicator>> NcclCommunicator::create(Communicator&
                                                                    double timeout_s) {
   auto impl = std::make_unique<Impl>();
   impl->timeout_s = timeout_s;
-  ncclUniqueId id;
-  std::memset(&id, 0, sizeof(id));
+  // Rank 0's unique id, and whether it has one: it broadcasts either way, so that a failure there fails every
+  // rank now instead of leaving the others waiting.
+  struct {
+    ncclUniqueId id;
+    uint16_t made;
+  } shared;
+  std::memset(&shared, 0, sizeof(shared));
+  ncclResult_t made = ncclSuccess;
   if (bootstrap.rank() == 0) {
-    if (ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess)
-      return Status::internal("ncclGetUniqueId: {}", ncclGetErrorString(r));
+    made = ncclGetUniqueId(&shared.id);
+    shared.made = made == ncclSuccess ? 1 : 0;
   }
-  // The id's bytes travel as 16-bit words (copied, never converted).
-  static_assert(sizeof(ncclUniqueId) % 2 == 0);
-  STRATA_RETURN_IF_ERROR(bootstrap.broadcast(&id, sizeof(id) / 2, DType::kBF16, 0).with_context("NCCL unique id"));
+  // The bytes travel as 16-bit words (copied, never converted).
+  static_assert(sizeof(shared) % 2 == 0);
+  STRATA_RETURN_IF_ERROR(
+      bootstrap.broadcast(&shared, sizeof(shared) / 2, DType::kBF16, 0).with_context("NCCL unique id"));
+  if (shared.made == 0) {
+    return Status::internal("NCCL communicator '{}': rank 0 could not make NCCL's unique id{}", name,
+                            bootstrap.rank() == 0 ? fmt::format(" ({})", ncclGetErrorString(made)) : "");
+  }
+  const ncclUniqueId& id = shared.id;
   STRATA_RETURN_IF_ERROR(impl->prepare());
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;

@@ -15,6 +15,7 @@
 #include "engine/bench_step.h"
 #include "engine/gpt2.h"
 #include "engine/pipeline.h"
+#include "engine/staged_communicator.h"
 #include "kernels/cpu/cpu_kernels.h"
 
 namespace strata::engine {
@@ -40,8 +41,12 @@ Result<StageTimes> time_schedule(const BenchStepOptions& o, const GPT2Config& mc
                           GPT2::create(mc, *device, precision, false, plan.stages[static_cast<size_t>(pp.rank())]));
   STRATA_RETURN_IF_ERROR(model->init_gpt2(o.seed));
   const int B = o.batch_size, T = o.seq_len;
+  // The stages exchange device memory: on a GPU over NCCL or staged through host memory, as in training.
+  std::unique_ptr<comm::Communicator> on_device;
+  STRATA_ASSIGN_OR_RETURN(comm::Communicator* const exchange,
+                          device_collectives(&pp, *device, "auto", {}, &on_device));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<PipelineRunner> runner,
-                          PipelineRunner::create(*model, pp, schedule, m, B, T));
+                          PipelineRunner::create(*model, *exchange, schedule, m, B, T));
   std::vector<std::vector<int32_t>> xs(static_cast<size_t>(m)), ys(static_cast<size_t>(m));
   std::vector<const int32_t*> in, tgt;
   for (int i = 0; i < m; ++i) {

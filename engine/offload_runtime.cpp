@@ -203,11 +203,35 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
       return Status(StatusCode::kUnimplemented,
                     "zero_optimization.stage 3 over several ranks needs an MPI library with MPI_THREAD_MULTIPLE; this "
                     "one gives less");
-    STRATA_ASSIGN_OR_RETURN(rt->shard_group_, dp->split(0, dp->rank(), "dp.zero3"));
-    // On a GPU its collectives are staged through host memory; the coordinator fences every one of them (the
-    // slot's last use before a gather, backward's gradients before a reduce-scatter), so they need not wait for
-    // the compute stream to drain, which would keep prefetches from overlapping the kernels.
-    if (auto* staged = dynamic_cast<StagedCommunicator*>(rt->shard_group_.get())) staged->set_caller_fenced(true);
+    // On a GPU (a StagedCommunicator) its collectives go over NCCL, or are staged through host memory. NCCL's
+    // kernels wait on the GPU for their peers, and two communicators driven from two threads at once can
+    // deadlock when the ranks launch their calls in different orders (NCCL's documentation): with tensor or
+    // pipeline parallelism, whose groups this thread drives meanwhile, the shard group stays off NCCL.
+    auto* staged_dp = dynamic_cast<StagedCommunicator*>(dp);
+    const bool nccl_shards = staged_dp != nullptr && pp == nullptr && !model.tensor_parallel();
+    if (staged_dp != nullptr) {
+      STRATA_ASSIGN_OR_RETURN(rt->shard_group_, staged_dp->split(0, dp->rank(), "dp.zero3", nccl_shards));
+      if (staged_dp->has_device_plane() && !nccl_shards)
+        STRATA_LOG_INFO("collectives of group 'dp.zero3': staged through host memory over MPI (driven from the offload "
+                        "coordinator's thread while this one drives the {} group over NCCL)",
+                        pp != nullptr ? "pipeline" : "tensor-parallel");
+    } else {
+      STRATA_ASSIGN_OR_RETURN(rt->shard_group_, dp->split(0, dp->rank(), "dp.zero3"));
+    }
+    if (auto* staged = dynamic_cast<StagedCommunicator*>(rt->shard_group_.get())) {
+      // The coordinator fences every call (the slot's last use before a gather, backward's gradients before a
+      // reduce-scatter), so they need not wait for the compute stream to drain, which would keep prefetches
+      // from overlapping the kernels.
+      staged->set_caller_fenced(true);
+      // Over NCCL, a reduce-scatter into a host shard receives in device memory first: sized now for the
+      // largest shard, so the collectives thread never allocates device memory (nor frees it, which waits for
+      // the whole GPU).
+      size_t largest = 0;
+      for (const Unit& u : model.units())
+        largest = std::max(largest, offload::shard_stride(u.numel(), static_cast<size_t>(dp->size())));
+      STRATA_RETURN_IF_ERROR(staged->reserve_device_staging(largest * sizeof(float))
+                                 .with_context("ZeRO-3's reduce-scatter into host shards"));
+    }
   }
 
   // One file size that holds the largest key; files are preallocated, so no bigger than the state needs.

@@ -104,6 +104,7 @@ Status PipelineRunner::forward(int i, const int32_t* inputs, const int32_t* targ
   } else {
     st->loss_sum += loss;
   }
+  model_.device().synchronize();  // the stage's compute time is the kernels' (the bubble is what is left)
   st->compute_s += t.seconds();
   return Status::ok();
 }
@@ -113,6 +114,7 @@ Status PipelineRunner::backward(int i, float loss_scale, PipelineStepStats* st) 
   model_.use_slot(i % slots_);
   STRATA_RETURN_IF_ERROR(model_.backward_stage(stage_ + 1 < stages_ ? dy_.as<float>() : nullptr, loss_scale));
   if (stage_ > 0) model_.device().copy_on_device(dx_.data(), model_.stage_input_grad(), btc_ * sizeof(float));
+  model_.device().synchronize();
   st->compute_s += t.seconds();
   return Status::ok();
 }

@@ -44,6 +44,11 @@ Result<std::byte*> StagedCommunicator::staging(int which, size_t bytes) {
   return b.as<std::byte>();
 }
 
+Status StagedCommunicator::reserve_device_staging(size_t bytes) {
+  if (plane_ == nullptr) return Status::ok();
+  return device_staging(1, bytes).status();
+}
+
 Result<std::byte*> StagedCommunicator::device_staging(int which, size_t bytes) {
   kernels::DeviceBuffer& b = device_stage_[which];
   if (b.size() < bytes) {
@@ -132,15 +137,19 @@ Status StagedCommunicator::all_gather(const void* send, void* recv, size_t count
   STRATA_ASSIGN_OR_RETURN(const bool rd, on_device(recv, all));
   if (!sd && !rd) return host_->all_gather(send, recv, count, dtype);
   sync();
-  if (plane_ != nullptr) {  // in place only when both are on the device: then untouched
+  const size_t mine = n * static_cast<size_t>(rank());
+  if (plane_ != nullptr) {
     ++plane_calls_;
-    STRATA_ASSIGN_OR_RETURN(const void* s, plane_in(send, n, sd));
+    if (!sd) {  // host shards into device memory (ZeRO-3): this rank's goes where the gather leaves it, in place
+      std::byte* at = static_cast<std::byte*>(recv) + mine;
+      up(at, send, n);
+      return plane_->all_gather(at, recv, count, dtype);
+    }
     STRATA_ASSIGN_OR_RETURN(void* r, plane_out(recv, all, rd));
-    STRATA_RETURN_IF_ERROR(plane_->all_gather(s, r, count, dtype));
+    STRATA_RETURN_IF_ERROR(plane_->all_gather(send, r, count, dtype));
     if (!rd) down(recv, r, all);
     return Status::ok();
   }
-  const size_t mine = n * static_cast<size_t>(rank());
   const bool in_place = send == static_cast<const std::byte*>(recv) + mine;
   STRATA_ASSIGN_OR_RETURN(void* r, incoming(recv, all, rd));
   const void* s = static_cast<std::byte*>(r) + mine;
@@ -243,10 +252,15 @@ Status StagedCommunicator::send_recv(const void* send, size_t send_count, int de
 }
 
 Result<std::unique_ptr<comm::Communicator>> StagedCommunicator::split(int color, int key, const std::string& name) {
+  return split(color, key, name, true);
+}
+
+Result<std::unique_ptr<comm::Communicator>> StagedCommunicator::split(int color, int key, const std::string& name,
+                                                                      bool with_device_plane) {
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> part, host_->split(color, key, name));
   if (part == nullptr) return part;
   std::unique_ptr<comm::Communicator> plane;
-  if (plane_ != nullptr) {
+  if (plane_ != nullptr && with_device_plane) {
     STRATA_ASSIGN_OR_RETURN(plane, plane_->split(color, key, name));
   }
   auto staged = std::make_unique<StagedCommunicator>(std::move(part), device_, std::move(plane));
@@ -326,8 +340,8 @@ Result<comm::Communicator*> device_collectives(comm::Communicator* group, kernel
                                     "device's buffers through host memory over MPI instead",
                                     group->name(), why_not);
   if (plane != nullptr) {
-    STRATA_LOG_INFO("collectives of group '{}': the {} device's buffers over its own plane, host buffers over MPI, "
-                    "calls that mix the two staged through host memory",
+    STRATA_LOG_INFO("collectives of group '{}': calls on the {} device's buffers over its own plane (NCCL; a host "
+                    "buffer among them copied through device memory), calls on host buffers alone over MPI",
                     group->name(), device.name());
   } else {
     STRATA_LOG_INFO("collectives of group '{}': the {} device's buffers staged through host memory over MPI ({})",

@@ -64,12 +64,20 @@ class StagedCommunicator final : public comm::Communicator {
   Status barrier() override { return host_->barrier(); }
   // The split of the host communicator (and of the device plane), staged through this device too.
   Result<std::unique_ptr<comm::Communicator>> split(int color, int key, const std::string& name) override;
+  // The same, with or without a device plane (without: its calls on device buffers staged through host memory).
+  Result<std::unique_ptr<comm::Communicator>> split(int color, int key, const std::string& name,
+                                                    bool with_device_plane);
 
   // The caller waits, before each call, for the kernels that wrote what it sends and those that read what it
   // receives into (a fence, as ZeRO-3's collectives thread does): the calls then skip waiting for the whole
   // compute stream, which would hold each prefetch back until every kernel queued so far had run. Its splits
   // inherit it.
   void set_caller_fenced(bool fenced) { caller_fenced_ = fenced; }
+  // With a device plane: the device memory that a reduce-scatter of device buffers into host memory receives
+  // into, at least `bytes`, allocated now (ZeRO-3 reserves its largest shard at setup, so that its collectives
+  // thread never allocates, nor frees, device memory: a cudaFree waits for the whole device, NCCL's kernels
+  // included). Larger calls grow it.
+  Status reserve_device_staging(size_t bytes);
 
   // Bytes copied each way since creation, and the calls the device plane carried (tests; figures for logs).
   size_t bytes_down() const { return bytes_down_; }

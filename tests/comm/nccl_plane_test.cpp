@@ -64,6 +64,7 @@ TEST_F(NcclPlaneTest, DeviceBuffersGoOverNcclAndHostBuffersOverTheHost) {
   ASSERT_TRUE(staged.all_gather(s.data(), d.data(), n, DType::kF32).is_ok());
   EXPECT_EQ(to_host(d, n), x);
   ASSERT_TRUE(staged.broadcast(d.data(), 2 * n, DType::kBF16, 0).is_ok());
+  EXPECT_EQ(to_host(d, n), x) << "a world of one's broadcast leaves the root's bytes";
   EXPECT_EQ(staged.device_plane_calls(), 4u);
   EXPECT_EQ(staged.bytes_up() + staged.bytes_down(), 0u) << "nothing staged";
 

@@ -62,7 +62,8 @@ class Checked final : public comm::Communicator {
       : owned_(std::move(inner)), inner_(owned_.get()), device_(device), want_(want), calls_(calls) {}
   // A device plane posing as NCCL for `group` (a host-checked MPI group): a split of that MPI group, so that a
   // call one rank makes on this plane and another on the host plane never meets (the test times out instead of
-  // passing), checked to take device memory alone.
+  // passing), checked to take device memory alone, to reduce fp32 alone, and matching messages in order per
+  // peer whatever their tags, as NCCL does.
   static DevicePlaneFactory device_plane(const kernels::Device& device, std::atomic<size_t>* calls) {
     return [&device, calls](comm::Communicator& group) -> Result<std::unique_ptr<comm::Communicator>> {
       comm::Communicator& mpi = *dynamic_cast<Checked&>(group).inner_;
@@ -76,25 +77,25 @@ class Checked final : public comm::Communicator {
   int size() const override { return inner_->size(); }
   const std::string& name() const override { return inner_->name(); }
   Status all_reduce(const void* s, void* r, size_t n, DType t, comm::ReduceOp op) override {
-    return check(s, r, "all_reduce") ? inner_->all_reduce(s, r, n, t, op) : refused();
+    return check(s, r, "all_reduce", t) ? inner_->all_reduce(s, r, n, t, op) : refused();
   }
   Status all_gather(const void* s, void* r, size_t n, DType t) override {
     return check(s, r, "all_gather") ? inner_->all_gather(s, r, n, t) : refused();
   }
   Status reduce_scatter(const void* s, void* r, size_t n, DType t, comm::ReduceOp op) override {
-    return check(s, r, "reduce_scatter") ? inner_->reduce_scatter(s, r, n, t, op) : refused();
+    return check(s, r, "reduce_scatter", t) ? inner_->reduce_scatter(s, r, n, t, op) : refused();
   }
   Status broadcast(void* b, size_t n, DType t, int root) override {
     return check(b, b, "broadcast") ? inner_->broadcast(b, n, t, root) : refused();
   }
   Status send(const void* b, size_t n, DType t, int peer, int tag) override {
-    return check(b, b, "send") ? inner_->send(b, n, t, peer, tag) : refused();
+    return check(b, b, "send") ? inner_->send(b, n, t, peer, plane_tag(tag)) : refused();
   }
   Status recv(void* b, size_t n, DType t, int peer, int tag) override {
-    return check(b, b, "recv") ? inner_->recv(b, n, t, peer, tag) : refused();
+    return check(b, b, "recv") ? inner_->recv(b, n, t, peer, plane_tag(tag)) : refused();
   }
   Status send_recv(const void* s, size_t sn, int dest, void* r, size_t rn, int src, DType t, int tag) override {
-    return check(s, r, "send_recv") ? inner_->send_recv(s, sn, dest, r, rn, src, t, tag) : refused();
+    return check(s, r, "send_recv") ? inner_->send_recv(s, sn, dest, r, rn, src, t, plane_tag(tag)) : refused();
   }
   Status barrier() override { return inner_->barrier(); }
   Result<std::unique_ptr<comm::Communicator>> split(int color, int key, const std::string& name) override {
@@ -104,8 +105,13 @@ class Checked final : public comm::Communicator {
   }
 
  private:
-  bool check(const void* s, const void* r, const char* what) const {
+  int plane_tag(int tag) const { return want_ == Memory::kDevice ? 0 : tag; }
+  bool check(const void* s, const void* r, const char* what, DType reduced = DType::kF32) const {
     if (calls_ != nullptr) ++*calls_;
+    if (want_ == Memory::kDevice && reduced != DType::kF32) {
+      ADD_FAILURE() << what << " on the device plane of group '" << name() << "' reduces " << dtype_name(reduced);
+      return false;
+    }
     for (const void* p : {s, r}) {
       const bool on_device = p != nullptr && device_.owns(p, 0);
       if (want_ == Memory::kHost && on_device) {
