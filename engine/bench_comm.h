@@ -1,7 +1,9 @@
 // bench_comm.h — `strata bench comm`: all-reduce, all-gather and reduce-scatter over the communicator of the
-// run (under `mpirun -np N`: MPI on host buffers), timed over message sizes and reported the way nccl-tests
-// reports them: time per call, algorithm bandwidth (bytes / time) and bus bandwidth (algbw x 2(n-1)/n for
-// all-reduce, (n-1)/n for all-gather and reduce-scatter — what each link carried), rank 0 printing.
+// run (under `mpirun -np N`: MPI on host buffers; with `--device cuda`, GPU buffers over what
+// parallel.distributed_backend would choose — NCCL, or staged through host memory over MPI), timed over
+// message sizes and reported the way nccl-tests reports them: time per call, algorithm bandwidth (bytes / time)
+// and bus bandwidth (algbw x 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter — what each
+// link carried), rank 0 printing.
 #pragma once
 
 #include <string>
@@ -17,6 +19,8 @@ struct BenchCommOptions {
   std::string ops = "all_reduce,all_gather,reduce_scatter";
   int iters = 10, warmup = 2;
   bool json = false;
+  std::string device = "cpu";     // "cpu": host buffers over MPI; "cuda": GPU buffers
+  std::string backend = "auto";   // with cuda: "auto", "nccl" or "mpi" (parallel.distributed_backend's meaning)
 };
 
 void add_bench_comm_command(CLI::App& bench, BenchCommOptions& opts);

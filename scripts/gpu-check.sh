@@ -114,11 +114,11 @@ if [[ $bench == 1 ]]; then
   fi
 fi
 
-# Several ranks sharing the GPU (NCCL refuses two ranks on one device, so their collectives on device buffers
-# are staged through host memory over MPI: engine/staged_communicator.h): data parallelism with ZeRO 0-3, tensor
-# and pipeline parallelism (ZeRO-3 also with every shard on NVMe), each against the single process on the same
-# GPU with the same global batch. The same sums in another association: the losses agree to about 1e-5
-# relative, not bitwise.
+# Several ranks sharing the GPU (NCCL refuses two ranks on one device, so parallel.distributed_backend "auto"
+# stages their collectives on device buffers through host memory over MPI: engine/staged_communicator.h): data
+# parallelism with ZeRO 0-3, tensor and pipeline parallelism (ZeRO-3 also with every shard on NVMe), each against
+# the single process on the same GPU with the same global batch. The same sums in another association: the
+# losses agree to about 1e-5 relative, not bitwise.
 data_dir=data/sotu
 [[ $mode == from-bundle ]] && data_dir="$bundle/data"
 if ! command -v mpiexec >/dev/null; then
@@ -165,6 +165,14 @@ JSON
     fi
   done
   rm -rf "$ckpt"
+  # The ranks share the GPU, so parallel.distributed_backend "auto" must have staged (NCCL refuses them), saying why.
+  if grep -q "ranks 0 and 1 share" "$out/multi_dp_zero0.log"; then r=ok; else r=FAILED; status=1; fi
+  rows+=("$(printf '%-28s %-7s %s' "2 ranks, one GPU: staged" "$r" "auto saw the shared GPU")")
+  if [[ $bench == 1 ]]; then
+    echo; echo "== strata bench comm, 2 ranks sharing the GPU (GPU buffers staged through host memory over MPI)"
+    "${mpi[@]}" "$strata" bench comm --device cuda --max-bytes 256M 2>"$out/bench_comm.log" |
+      tee "$out/bench_comm.txt" || { status=1; tail -20 "$out/bench_comm.log"; }
+  fi
 fi
 
 echo
