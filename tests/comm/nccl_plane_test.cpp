@@ -8,12 +8,15 @@
 // with the reason, where no GPU is usable.
 #include <cuda_runtime.h>
 
+#include <chrono>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "engine/staged_communicator.h"
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cuda/cuda_context.h"
 #include "kernels/device.h"
 #include "tests/comm/self_communicator.h"
 
@@ -52,9 +55,13 @@ TEST_F(NcclPlaneTest, DeviceBuffersGoOverNcclAndHostBuffersOverTheHost) {
   const size_t n = 1 << 20;
   std::vector<float> x(n);
   for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>(i % 1013) - 500.0f;
-  // Kernels still running on the compute stream when the call starts must be waited for: the zero below is
-  // enqueued there, then the all-reduce reads what it wrote.
+  // Work still queued on the compute stream when the call starts must be waited for: the zero below runs only
+  // after a host function that sleeps 200 ms, so an all-reduce that did not wait would read `x`, not zeros.
   auto s = on_device(x), d = on_device(std::vector<float>(n, -1.0f));
+  ASSERT_EQ(cudaLaunchHostFunc(
+                kernels::cuda::cuda_context().compute,
+                [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); }, nullptr),
+            cudaSuccess);
   device_->zero(s.data(), n * sizeof(float));
   ASSERT_TRUE(staged.all_reduce(s.data(), d.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
   EXPECT_EQ(to_host(d, n), std::vector<float>(n, 0.0f)) << "after the compute stream's kernels";
