@@ -308,6 +308,10 @@ Result<std::string> shared_gpus(comm::Communicator& group, kernels::Device& devi
 Result<comm::Communicator*> device_collectives(comm::Communicator* group, kernels::Device& device,
                                                const std::string& backend, const DevicePlaneFactory& make_plane,
                                                std::unique_ptr<comm::Communicator>* owned) {
+  if (group != nullptr && device.host_accessible() && backend == "nccl")
+    STRATA_LOG_WARN("parallel.distributed_backend \"nccl\": the {} device's memory is the host's, so MPI carries "
+                    "group '{}'",
+                    device.name(), group->name());
   if (group == nullptr || device.host_accessible()) return group;
   std::unique_ptr<comm::Communicator> plane;
   std::string why_not;  // why the device's buffers are staged through host memory

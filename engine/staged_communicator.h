@@ -41,7 +41,7 @@ class StagedCommunicator final : public comm::Communicator {
  public:
   // `host` carries the calls (borrowed: it must outlive this; or owned); `device`, which must outlive this
   // too, owns the device buffers. `device_plane`, when given, is the same ranks in the same order on a
-  // communicator that takes the device's buffers (NCCL), and carries the calls whose buffers are all there.
+  // communicator that takes the device's buffers (NCCL), and carries every call with a buffer there.
   StagedCommunicator(comm::Communicator& host, kernels::Device& device,
                      std::unique_ptr<comm::Communicator> device_plane = nullptr)
       : host_(&host), plane_(std::move(device_plane)), device_(device) {}

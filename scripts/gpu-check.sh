@@ -165,9 +165,22 @@ JSON
     fi
   done
   rm -rf "$ckpt"
-  # The ranks share the GPU, so parallel.distributed_backend "auto" must have staged (NCCL refuses them), saying why.
+  # The ranks share the GPU, so parallel.distributed_backend "auto" must have staged (NCCL refuses them), saying
+  # why, and "nccl" must fail at start, naming the ranks (not hang).
   if grep -q "ranks 0 and 1 share" "$out/multi_dp_zero0.log"; then r=ok; else r=FAILED; status=1; fi
   rows+=("$(printf '%-28s %-7s %s' "2 ranks, one GPU: staged" "$r" "auto saw the shared GPU")")
+  refused=$(mktemp -d)
+  if timeout 120 "${mpi[@]}" "$strata" train --config "$out/multi.json" --set parallel.distributed_backend=nccl \
+      --set training.max_steps=1 --checkpoint-dir "$refused" >"$out/multi_nccl.log" 2>&1; then
+    r=FAILED
+  elif grep -q 'distributed_backend "nccl" for group .*share' "$out/multi_nccl.log"; then
+    r=ok
+  else
+    r=FAILED
+  fi
+  [[ $r == ok ]] || { status=1; tail -20 "$out/multi_nccl.log"; }
+  rows+=("$(printf '%-28s %-7s %s' "2 ranks, one GPU: nccl" "$r" "refused at start, naming the shared GPU")")
+  rm -rf "$refused"
   if [[ $bench == 1 ]]; then
     echo; echo "== strata bench comm, 2 ranks sharing the GPU (GPU buffers staged through host memory over MPI)"
     "${mpi[@]}" "$strata" bench comm --device cuda --max-bytes 256M 2>"$out/bench_comm.log" |
