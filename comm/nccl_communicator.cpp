@@ -109,13 +109,19 @@ Result<std::unique_ptr<NcclCommunicator>> NcclCommunicator::create(Communicator&
 std::string NcclCommunicator::device_place() {
   int device = 0;
   char bus[64] = {};
-  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetPCIBusId(bus, sizeof(bus), device) != cudaSuccess) {
+  cudaDeviceProp p{};
+  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetPCIBusId(bus, sizeof(bus), device) != cudaSuccess ||
+      cudaGetDeviceProperties(&p, device) != cudaSuccess) {
     (void)cudaGetLastError();
     return {};
   }
   char host[256] = {};
   if (gethostname(host, sizeof(host) - 1) != 0) return {};
-  return fmt::format("{}/{}", host, bus);
+  std::string uuid = "GPU";  // as nvidia-smi writes it: GPU-8-4-4-4-12 hex digits
+  for (int i = 0; i < 16; ++i)
+    uuid += fmt::format("{}{:02x}", i == 0 || i == 4 || i == 6 || i == 8 || i == 10 ? "-" : "",
+                        static_cast<unsigned char>(p.uuid.bytes[i]));
+  return fmt::format("{}/{} {}", host, bus, uuid);
 }
 
 Status NcclCommunicator::check(const char* what) const {

@@ -25,8 +25,9 @@ class NcclCommunicator final : public Communicator {
   static Result<std::unique_ptr<NcclCommunicator>> create(Communicator& bootstrap, const std::string& name,
                                                           double timeout_s = 300);
   ~NcclCommunicator() override;
-  // The current CUDA device's place, "host/PCI bus id" (what NCCL tells ranks' GPUs apart by): two ranks whose
-  // places are equal share a GPU, which NCCL refuses. Empty if CUDA cannot say.
+  // The current CUDA device's place, "host/PCI bus id GPU-uuid": two ranks share a GPU, which NCCL refuses, when
+  // either half is the same for both (the first is what NCCL tells GPUs apart by on one host; the UUID also
+  // catches containers that name one host differently). Empty if CUDA cannot say.
   static std::string device_place();
 
   int rank() const override { return rank_; }

@@ -270,7 +270,8 @@ Result<std::unique_ptr<comm::Communicator>> StagedCommunicator::split(int color,
 
 namespace {
 
-// Where this rank's device is, as "host/PCI bus id", for telling ranks that share a GPU apart (empty: unknown).
+// Where this rank's device is, as "host/PCI bus id GPU-uuid", for telling ranks that share a GPU apart (empty:
+// unknown).
 std::string device_place(kernels::Device& device) {
 #if STRATA_HAVE_NCCL
   device.synchronize();  // binds this thread to the device's GPU, whose bus id the NCCL side reads
@@ -281,10 +282,10 @@ std::string device_place(kernels::Device& device) {
 #endif
 }
 
-// The ranks of `group` that share a GPU with an earlier rank: "ranks 0 and 2 share host/0000:1b:00.0; ...", or
-// empty. Collective (every rank sees every rank's place, so every rank decides alike).
+// The ranks of `group` that share a GPU with an earlier rank: "ranks 0 and 2 share host/0000:1b:00.0 GPU-...;
+// ...", or empty. Collective (every rank sees every rank's place, so every rank decides alike).
 Result<std::string> shared_gpus(comm::Communicator& group, kernels::Device& device) {
-  constexpr size_t kPlace = 128;  // bytes per rank, zero-padded
+  constexpr size_t kPlace = 512;  // bytes per rank, zero-padded (a host name may be 255)
   std::string mine = device_place(device);
   mine.resize(kPlace - 1, '\0');
   std::vector<char> all(kPlace * static_cast<size_t>(group.size()));
@@ -294,8 +295,8 @@ Result<std::string> shared_gpus(comm::Communicator& group, kernels::Device& devi
   std::string shared;
   for (int a = 0; a < group.size(); ++a) {
     const std::string pa(&all[kPlace * static_cast<size_t>(a)]);
-    for (int b = a + 1; b < group.size() && !pa.empty(); ++b) {
-      if (pa != std::string(&all[kPlace * static_cast<size_t>(b)])) continue;
+    for (int b = a + 1; b < group.size(); ++b) {
+      if (!same_gpu(pa, std::string(&all[kPlace * static_cast<size_t>(b)]))) continue;
       shared += fmt::format("{}ranks {} and {} share {}", shared.empty() ? "" : "; ", a, b, pa);
       break;
     }
@@ -304,6 +305,13 @@ Result<std::string> shared_gpus(comm::Communicator& group, kernels::Device& devi
 }
 
 }  // namespace
+
+bool same_gpu(const std::string& a, const std::string& b) {
+  if (a.empty() || b.empty()) return false;
+  const size_t sa = a.find(' '), sb = b.find(' ');
+  if (sa == std::string::npos || sb == std::string::npos) return a == b;
+  return a.compare(0, sa, b, 0, sb) == 0 || a.compare(sa, std::string::npos, b, sb, std::string::npos) == 0;
+}
 
 Result<comm::Communicator*> device_collectives(comm::Communicator* group, kernels::Device& device,
                                                const std::string& backend, const DevicePlaneFactory& make_plane,

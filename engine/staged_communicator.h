@@ -119,6 +119,10 @@ class StagedCommunicator final : public comm::Communicator {
   bool caller_fenced_ = false;
 };
 
+// Whether two GPU places ("host/PCI bus id GPU-uuid", comm::NcclCommunicator::device_place) are one GPU: the same
+// host and bus, or the same UUID. Empty places (CUDA could not say) are nobody's.
+bool same_gpu(const std::string& a, const std::string& b);
+
 // A group's device plane: the same ranks, in the same order, on a communicator that takes the device's buffers.
 using DevicePlaneFactory = std::function<Result<std::unique_ptr<comm::Communicator>>(comm::Communicator& group)>;
 

@@ -316,6 +316,16 @@ TEST(StagedCommunicator, CallsOnDeviceBuffersGoOverTheDevicePlane) {
   EXPECT_EQ(calls.load(), 11u);
 }
 
+// Two ranks share a GPU when their host and bus agree, or their UUIDs do (containers that name one host twice).
+TEST(DeviceCollectives, SameGpuByHostAndBusOrByUuid) {
+  EXPECT_TRUE(same_gpu("h1/0000:1B:00.0 GPU-aa", "h1/0000:1B:00.0 GPU-aa"));
+  EXPECT_TRUE(same_gpu("h1/0000:1B:00.0 GPU-aa", "h2/0000:1B:00.0 GPU-aa")) << "one GPU, two host names";
+  EXPECT_TRUE(same_gpu("h1/0000:1B:00.0 GPU-aa", "h1/0000:1B:00.0 GPU-bb")) << "MIG instances of one GPU";
+  EXPECT_FALSE(same_gpu("h1/0000:1B:00.0 GPU-aa", "h1/0000:1C:00.0 GPU-bb"));
+  EXPECT_FALSE(same_gpu("h1/0000:1B:00.0 GPU-aa", "h2/0000:1B:00.0 GPU-bb")) << "same slot, two machines";
+  EXPECT_FALSE(same_gpu("", "")) << "unknown places are nobody's";
+}
+
 using StagedTrainTest = TrainerTest;
 
 // Data parallelism with ZeRO stages 0-3, tensor parallelism (with and without sequence parallelism) and a
