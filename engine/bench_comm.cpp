@@ -70,12 +70,13 @@ Status sweep(const BenchCommOptions& o, const std::vector<std::string>& ops, uin
   std::unique_ptr<kernels::Device> device;
   std::unique_ptr<comm::Communicator> on_device;  // declared after the device: destroyed first
   comm::Communicator* group = &mpi_world;
-  std::string carrier = "MPI (host buffers, fp32)";
+  std::string carrier = "MPI (host buffers, fp32)", over = "mpi";
   if (o.device == "cuda") {
     STRATA_ASSIGN_OR_RETURN(device, kernels::make_device("cuda", kernels::cpu_fast_kernels()));
     STRATA_ASSIGN_OR_RETURN(group, device_collectives(group, *device, o.backend, {}, &on_device));
     const bool nccl = dynamic_cast<StagedCommunicator&>(*group).has_device_plane();
     carrier = nccl ? "NCCL (GPU buffers, fp32)" : "MPI (GPU buffers staged through host memory, fp32)";
+    over = nccl ? "nccl" : "mpi_staged";
   }
   comm::Communicator& world = *group;
   const int n = world.size();
@@ -110,8 +111,8 @@ Status sweep(const BenchCommOptions& o, const std::vector<std::string>& ops, uin
       if (!leader) continue;
       if (o.json) {
         const nlohmann::json j = {{"bench", "comm"},      {"op", op},           {"ranks", n},
-                                  {"bytes", moved},       {"us", secs * 1e6},   {"algbw_gb_per_s", algbw},
-                                  {"busbw_gb_per_s", algbw * factor}};
+                                  {"over", over},         {"bytes", moved},     {"us", secs * 1e6},
+                                  {"algbw_gb_per_s", algbw}, {"busbw_gb_per_s", algbw * factor}};
         std::printf("%s\n", j.dump().c_str());
       } else {
         std::printf("%-15s %12.0f %12.1f %12.2f %12.2f\n", op.c_str(), moved, secs * 1e6, algbw, algbw * factor);

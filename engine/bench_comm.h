@@ -21,6 +21,8 @@ struct BenchCommOptions {
   bool json = false;
   std::string device = "cpu";     // "cpu": host buffers over MPI; "cuda": GPU buffers
   std::string backend = "auto";   // with cuda: "auto", "nccl" or "mpi" (parallel.distributed_backend's meaning)
+  // --json: one object per op and size, with "over" saying what carried it: "mpi" (host buffers), "nccl",
+  // or "mpi_staged" (GPU buffers through host memory).
 };
 
 void add_bench_comm_command(CLI::App& bench, BenchCommOptions& opts);
