@@ -60,17 +60,23 @@ Result<std::byte*> StagedCommunicator::device_staging(int which, size_t bytes) {
   return b.as<std::byte>();
 }
 
-Result<const void*> StagedCommunicator::plane_in(const void* p, size_t bytes, bool on_dev) {
-  if (on_dev) return p;
-  STRATA_ASSIGN_OR_RETURN(std::byte* st, device_staging(0, bytes));
-  up(st, p, bytes);
-  return static_cast<const void*>(st);
-}
-
-Result<void*> StagedCommunicator::plane_out(void* p, size_t bytes, bool on_dev) {
-  if (on_dev) return p;
-  STRATA_ASSIGN_OR_RETURN(std::byte* st, device_staging(1, bytes));
-  return static_cast<void*>(st);
+template <typename Call>
+Status StagedCommunicator::over_plane(const void* send, size_t send_bytes, bool sd, void* recv, size_t recv_bytes,
+                                      bool rd, Call call) {
+  ++plane_calls_;
+  const void* s = send;
+  if (!sd) {
+    STRATA_ASSIGN_OR_RETURN(std::byte* st, device_staging(0, send_bytes));
+    up(st, send, send_bytes);
+    s = st;
+  }
+  void* r = recv;
+  if (!rd) {
+    STRATA_ASSIGN_OR_RETURN(r, device_staging(1, recv_bytes));
+  }
+  STRATA_RETURN_IF_ERROR(call(s, r));
+  if (!rd) down(recv, r, recv_bytes);
+  return Status::ok();
 }
 
 Result<bool> StagedCommunicator::on_device(const void* p, size_t bytes) const {
@@ -112,12 +118,8 @@ Status StagedCommunicator::all_reduce(const void* send, void* recv, size_t count
   if (!sd && !rd) return host_->all_reduce(send, recv, count, dtype, op);
   sync();  // the kernels that wrote `send` are done; none still reads `recv`
   if (plane_ != nullptr) {
-    ++plane_calls_;
-    STRATA_ASSIGN_OR_RETURN(const void* s, plane_in(send, n, sd));
-    STRATA_ASSIGN_OR_RETURN(void* r, plane_out(recv, n, rd));
-    STRATA_RETURN_IF_ERROR(plane_->all_reduce(s, r, count, dtype, op));
-    if (!rd) down(recv, r, n);
-    return Status::ok();
+    return over_plane(send, n, sd, recv, n, rd,
+                      [&](const void* s, void* r) { return plane_->all_reduce(s, r, count, dtype, op); });
   }
   STRATA_ASSIGN_OR_RETURN(void* r, incoming(recv, n, rd));
   const void* s = r;
@@ -138,17 +140,16 @@ Status StagedCommunicator::all_gather(const void* send, void* recv, size_t count
   if (!sd && !rd) return host_->all_gather(send, recv, count, dtype);
   sync();
   const size_t mine = n * static_cast<size_t>(rank());
-  if (plane_ != nullptr) {
+  // Host shards into device memory (ZeRO-3): this rank's goes where the gather leaves it, which runs in place.
+  if (plane_ != nullptr && !sd) {
     ++plane_calls_;
-    if (!sd) {  // host shards into device memory (ZeRO-3): this rank's goes where the gather leaves it, in place
-      std::byte* at = static_cast<std::byte*>(recv) + mine;
-      up(at, send, n);
-      return plane_->all_gather(at, recv, count, dtype);
-    }
-    STRATA_ASSIGN_OR_RETURN(void* r, plane_out(recv, all, rd));
-    STRATA_RETURN_IF_ERROR(plane_->all_gather(send, r, count, dtype));
-    if (!rd) down(recv, r, all);
-    return Status::ok();
+    std::byte* at = static_cast<std::byte*>(recv) + mine;
+    up(at, send, n);
+    return plane_->all_gather(at, recv, count, dtype);
+  }
+  if (plane_ != nullptr) {
+    return over_plane(send, n, sd, recv, all, rd,
+                      [&](const void* s, void* r) { return plane_->all_gather(s, r, count, dtype); });
   }
   const bool in_place = send == static_cast<const std::byte*>(recv) + mine;
   STRATA_ASSIGN_OR_RETURN(void* r, incoming(recv, all, rd));
@@ -171,12 +172,8 @@ Status StagedCommunicator::reduce_scatter(const void* send, void* recv, size_t c
   if (!sd && !rd) return host_->reduce_scatter(send, recv, count, dtype, op);
   sync();
   if (plane_ != nullptr) {
-    ++plane_calls_;
-    STRATA_ASSIGN_OR_RETURN(const void* s, plane_in(send, all, sd));
-    STRATA_ASSIGN_OR_RETURN(void* r, plane_out(recv, n, rd));
-    STRATA_RETURN_IF_ERROR(plane_->reduce_scatter(s, r, count, dtype, op));
-    if (!rd) down(recv, r, n);
-    return Status::ok();
+    return over_plane(send, all, sd, recv, n, rd,
+                      [&](const void* s, void* r) { return plane_->reduce_scatter(s, r, count, dtype, op); });
   }
   STRATA_ASSIGN_OR_RETURN(const void* s, outgoing(send, all, sd));
   STRATA_ASSIGN_OR_RETURN(void* r, incoming(recv, n, rd));
@@ -237,12 +234,9 @@ Status StagedCommunicator::send_recv(const void* send, size_t send_count, int de
   if (!sd && !rd) return host_->send_recv(send, send_count, dest, recv, recv_count, src, dtype, tag);
   sync();
   if (plane_ != nullptr) {
-    ++plane_calls_;
-    STRATA_ASSIGN_OR_RETURN(const void* s, plane_in(send, sn, sd));
-    STRATA_ASSIGN_OR_RETURN(void* r, plane_out(recv, rn, rd));
-    STRATA_RETURN_IF_ERROR(plane_->send_recv(s, send_count, dest, r, recv_count, src, dtype, tag));
-    if (!rd) down(recv, r, rn);
-    return Status::ok();
+    return over_plane(send, sn, sd, recv, rn, rd, [&](const void* s, void* r) {
+      return plane_->send_recv(s, send_count, dest, r, recv_count, src, dtype, tag);
+    });
   }
   STRATA_ASSIGN_OR_RETURN(const void* s, outgoing(send, sn, sd));
   STRATA_ASSIGN_OR_RETURN(void* r, incoming(recv, rn, rd));

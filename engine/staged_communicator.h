@@ -95,10 +95,10 @@ class StagedCommunicator final : public comm::Communicator {
   // Device memory `which` (0: what is sent, 1: what is received) of at least `bytes`, for the device plane's
   // calls that mix host and device buffers (allocated within device_memory_limit, "collectives.staging").
   Result<std::byte*> device_staging(int which, size_t bytes);
-  // What the device plane sends: `p` itself when on the device, else its bytes uploaded to device staging.
-  Result<const void*> plane_in(const void* p, size_t bytes, bool on_dev);
-  // Where the device plane receives: `p` itself when on the device, else device staging (downloaded after).
-  Result<void*> plane_out(void* p, size_t bytes, bool on_dev);
+  // A call on the device plane: `call(s, r)` with s = `send` (sd: on the device) or its bytes uploaded to
+  // device staging, and r = `recv` (rd) or device staging, downloaded to `recv` after.
+  template <typename Call>
+  Status over_plane(const void* send, size_t send_bytes, bool sd, void* recv, size_t recv_bytes, bool rd, Call call);
   // Whether [p, p + bytes) is the device's memory (by where it starts); an error if it starts in a device buffer
   // and runs past its end, which MPI would otherwise be handed as host memory.
   Result<bool> on_device(const void* p, size_t bytes) const;
