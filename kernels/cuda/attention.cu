@@ -1,6 +1,6 @@
 // attention.cu — causal multi-head self-attention, forward and backward.
 //
-// bf16 precision with a head size of 32 or 64 (and at most 65535 heads in the batch): flash attention
+// bf16 precision with a head size of 32 or 64 (and fewer than 2^31 rows of B*NH*T): flash attention
 // (flash_attention.cu), which never forms the T×T matrix; `att` then holds its saved statistics
 // (attention_saved_floats). Otherwise as llm.c's CUDA version does it: permute q, k, v to (B,NH,T,hs), batched
 // cuBLAS GEMMs for QKᵀ and for att·V, a warp-per-row causal softmax, and `att` holds the probabilities
@@ -205,17 +205,17 @@ struct Dims {
   }
 };
 
-// The flash kernels' grid takes the B*NH heads on its y axis (at most 65535 blocks); more heads than that take
-// the batched GEMMs, whose batch count has no such limit.
-bool use_flash(int B, int C, int NH, MatmulPrecision precision) {
+// The flash kernels' grid takes a sequence's tiles of 64 on its y axis (at most 65535 blocks) and index rows of
+// B*NH*T with an int; beyond either, the batched GEMMs (which would need T*T floats a head anyway).
+bool use_flash(int B, int T, int C, int NH, MatmulPrecision precision) {
   return precision == MatmulPrecision::kBF16 && flash_attention_supported(C / NH) &&
-         static_cast<long long>(B) * NH <= 65535;
+         static_cast<long long>(B) * NH * T < (1ll << 31) && T <= 65535ll * 64;
 }
 
 }  // namespace
 
 size_t attention_saved_floats(int B, int T, int C, int NH, MatmulPrecision precision) {
-  if (use_flash(B, C, NH, precision)) return flash_attention_saved_floats(B, T, NH, C / NH);
+  if (use_flash(B, T, C, NH, precision)) return flash_attention_saved_floats(B, T, NH, C / NH);
   return static_cast<size_t>(B) * NH * T * T;
 }
 
@@ -227,7 +227,7 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
   const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
   HeadTensors h(bf16, n);
   h.permute(qkv, B, T, NH, hs, n);
-  if (use_flash(B, C, NH, precision)) {
+  if (use_flash(B, T, C, NH, precision)) {
     flash_attention_forward(out, att, h.q.as<uint16_t>(), h.k.as<uint16_t>(), h.v.as<uint16_t>(), B, T, NH, hs);
     return;
   }
@@ -256,7 +256,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
   const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
   HeadTensors h(bf16, n);
   h.permute(qkv, B, T, NH, hs, n);
-  if (use_flash(B, C, NH, precision)) {  // adds into dqkv itself; rounds dout to bf16 on the way
+  if (use_flash(B, T, C, NH, precision)) {  // adds into dqkv itself; rounds dout to bf16 on the way
     flash_attention_backward(dqkv, dout, att, h.q.as<uint16_t>(), h.k.as<uint16_t>(), h.v.as<uint16_t>(), B, T, NH,
                              hs);
     return;

@@ -203,7 +203,7 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// grid (ceil(T/64), B*NH). saved: lse (B*NH, T) padded to a multiple of 4 floats, then O (B*NH, T, HS) fp32.
+// grid (B*NH, ceil(T/64)). saved: lse (B*NH, T) padded to a multiple of 4 floats, then O (B*NH, T, HS) fp32.
 template <int HS>
 __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(float* out, float* lse_out, float* o_out, const bf16* q,
                                                              const bf16* k, const bf16* v, int T, int NH,
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(float* out, float* 
   __shared__ __align__(16) bf16 Ks[2][kTile * (HS + kPad)];
   __shared__ __align__(16) bf16 Vs[2][kTile * (HS + kPad)];
   // The heaviest query tiles (most key tiles below the diagonal) first, so the last wave is the light ones.
-  const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, q0 = qt * kTile;
+  const int qt = gridDim.y - 1 - blockIdx.y, bh = blockIdx.x, q0 = qt * kTile;
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const size_t head = static_cast<size_t>(bh) * T * HS;
   const int row0 = q0 + warp * 16;  // this thread's rows: row0 + g and row0 + g + 8
@@ -332,7 +332,7 @@ __device__ void add_rows(float* dqkv, const float (&acc)[HS / 8][4], int row0, i
   }
 }
 
-// grid (ceil(T/64), B*NH): dK (scaled) and dV of the block's 64 keys, added into dqkv (B,T,3C).
+// grid (B*NH, ceil(T/64)): dK (scaled) and dV of the block's 64 keys, added into dqkv (B,T,3C).
 template <int HS>
 __global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(float* dqkv, const bf16* q, const bf16* k,
                                                                 const bf16* v, const bf16* dy, const float* lse,
@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(float* dqkv, con
   __shared__ __align__(16) bf16 Qs[2][kTile * (HS + kPad)];
   __shared__ __align__(16) bf16 dYs[2][kTile * (HS + kPad)];
   __shared__ float lse_s[2][kTile], D_s[2][kTile];
-  const int kt = blockIdx.x, bh = blockIdx.y, k0 = kt * kTile;  // the heaviest key tiles are the first
+  const int kt = blockIdx.y, bh = blockIdx.x, k0 = kt * kTile;  // the heaviest key tiles are the first
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const size_t head = static_cast<size_t>(bh) * T * HS;
   const int row0 = k0 + warp * 16;  // this thread's keys: row0 + g and row0 + g + 8
@@ -408,14 +408,14 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(float* dqkv, con
   add_rows<HS>(dqkv, dV, row0, b, 2 * C + col, T, C, 1.0f);
 }
 
-// grid (ceil(T/64), B*NH): dQ (scaled) of the block's 64 queries, added into dqkv (B,T,3C).
+// grid (B*NH, ceil(T/64)): dQ (scaled) of the block's 64 queries, added into dqkv (B,T,3C).
 template <int HS>
 __global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dqkv, const bf16* q, const bf16* k,
                                                                const bf16* v, const bf16* dy, const float* lse,
                                                                const float* D, int T, int NH, float scale) {
   __shared__ __align__(16) bf16 Ks[2][kTile * (HS + kPad)];
   __shared__ __align__(16) bf16 Vs[2][kTile * (HS + kPad)];
-  const int qt = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, q0 = qt * kTile;  // heaviest tiles first
+  const int qt = gridDim.y - 1 - blockIdx.y, bh = blockIdx.x, q0 = qt * kTile;  // heaviest tiles first
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const size_t head = static_cast<size_t>(bh) * T * HS;
   const int row0 = q0 + warp * 16;
@@ -458,13 +458,22 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dqkv, cons
   add_rows<HS>(dqkv, dQ, row0, bh / NH, bh % NH * HS, T, NH * HS, scale);
 }
 
+// Heads on x, tiles on y: blocks start x-fastest, so every head's heaviest tile (the causal mask's last query
+// tile, or first key tile) starts before any head's lighter ones, and the last wave holds the cheap tiles. x
+// also takes B*NH beyond y's 65535.
+dim3 tile_grid(int B, int T, int NH) {
+  const int tiles = (T + kTile - 1) / kTile;
+  STRATA_ASSERT_MSG(tiles <= 65535, "flash attention: more than 65535 tiles of a sequence");
+  return dim3(static_cast<unsigned>(B) * static_cast<unsigned>(NH), static_cast<unsigned>(tiles));
+}
+
 // The saved log-sum-exps, padded so that the saved output after them stays 16-byte aligned for vector stores.
 size_t lse_floats(int B, int T, int NH) { return (static_cast<size_t>(B) * NH * T + 3) / 4 * 4; }
 
 template <int HS>
 void forward(float* out, float* saved, const uint16_t* q, const uint16_t* k, const uint16_t* v, int B, int T,
              int NH) {
-  const dim3 grid((T + kTile - 1) / kTile, B * NH);
+  const dim3 grid = tile_grid(B, T, NH);
   const float scale = 1.0f / sqrtf(static_cast<float>(HS));
   float* lse = saved;
   float* o = saved + lse_floats(B, T, NH);
@@ -485,7 +494,7 @@ void backward(float* dqkv, const float* dout, const float* saved, const uint16_t
   flash_bwd_dot_kernel<HS><<<(rows + kWarps - 1) / kWarps, kThreads, 0, ctx.compute>>>(D.as<float>(), dy.as<bf16>(),
                                                                                        dout, o, B, T, NH);
   CUDA_CHECK_LAUNCH();
-  const dim3 grid((T + kTile - 1) / kTile, B * NH);
+  const dim3 grid = tile_grid(B, T, NH);
   const float scale = 1.0f / sqrtf(static_cast<float>(HS));
   const auto* qb = reinterpret_cast<const bf16*>(q);
   const auto* kb = reinterpret_cast<const bf16*>(k);
