@@ -292,8 +292,10 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
 
   // Bytes: the fewest an op must move (each input read once, each output written once, "+=" read and written).
   auto mm_fwd = [&](int OC, int IC) { return f * (double(N) * IC + double(OC) * IC + double(N) * OC + OC); };
+  // The block's linears overwrite their input gradients (matmul_backward_set, as the model runs them): dinp is
+  // written, not read and written.
   auto mm_bwd = [&](int OC, int IC) {
-    return f * (double(N) * OC + 3.0 * N * IC + 3.0 * double(OC) * IC + 2.0 * OC);
+    return f * (double(N) * OC + 2.0 * N * IC + 3.0 * double(OC) * IC + 2.0 * OC);
   };
   // What attention saves for its backward: the probabilities, or flash attention's statistics and output.
   const double saved_att = static_cast<double>(k.attention_saved_floats(B, T, C, NH, prec));
@@ -329,18 +331,18 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
        }},
       {"layernorm bwd", 2 * L + 1, f * 5 * NC, 0,
        [&] { k.layernorm_backward(dx.f(), dlnw.f(), dlnb.f(), y.f(), x.f(), lnw.f(), mean.f(), rstd.f(), N, C); }},
-      {"matmul+gelu bwd fcproj", L, mm_bwd(C, 4 * C), 4 * NC * 4 * C,
+      {"matmul+gelu bwd fcproj", L, mm_bwd(C, 4 * C) + f * 4 * NC, 4 * NC * 4 * C,  // and pre read
        [&] {
          k.matmul_backward_gelu(dh4.f(), dw4.f(), db4.f(), y.f(), g4.f(), h4.f(), w4.f(), s4.f(), N, 4 * C, C, prec);
        }},
       {"matmul bwd fc", L, mm_bwd(4 * C, C), 4 * NC * 4 * C,
-       [&] { k.matmul_backward(dx.f(), dw4.f(), db4.f(), h4.f(), y.f(), w4.f(), N, C, 4 * C, prec); }},
+       [&] { k.matmul_backward_set(dx.f(), dw4.f(), db4.f(), h4.f(), y.f(), w4.f(), N, C, 4 * C, prec); }},
       {"matmul bwd attproj", L, mm_bwd(C, C), 4 * NC * C,
-       [&] { k.matmul_backward(dx.f(), dw4.f(), db4.f(), y.f(), x.f(), w4.f(), N, C, C, prec); }},
+       [&] { k.matmul_backward_set(dx.f(), dw4.f(), db4.f(), y.f(), x.f(), w4.f(), N, C, C, prec); }},
       {"attention bwd", L, f * (10 * NC + saved_att), 4 * att * (C / NH),
        [&] { k.attention_backward(dqkv.f(), y.f(), qkv.f(), attn.f(), B, T, C, NH, prec); }},
       {"matmul bwd qkv", L, mm_bwd(3 * C, C), 4 * NC * 3 * C,
-       [&] { k.matmul_backward(dx.f(), dw4.f(), db4.f(), qkv.f(), x.f(), w4.f(), N, C, 3 * C, prec); }},
+       [&] { k.matmul_backward_set(dx.f(), dw4.f(), db4.f(), qkv.f(), x.f(), w4.f(), N, C, 3 * C, prec); }},
       {"encoder bwd", 1, f * 5 * NC, 0,
        [&] { k.encoder_backward(dwte.f(), dwpe.f(), dx.f(), d_tokens.i(), B, T, C, 0, V); }},
       {"adamw", 1, 28.0 * np, 0, [&] { k.adamw_update(p.f(), m.f(), v.f(), g.f(), np, hp); }},

@@ -563,7 +563,7 @@ Status GPT2::forward_units(int B, int T, bool with_loss) {
 Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* residual, float* dres, int B, int T) {
   const int C = config_.n_embd, A = attn_width_, NH = heads_, F = mlp_width_;
   const int N = B * T, Nr = static_cast<int>(rows_here(N));
-  const size_t RC = static_cast<size_t>(Nr) * C, BTC = static_cast<size_t>(N) * C;
+  const size_t RC = static_cast<size_t>(Nr) * C;
   const size_t BTA = static_cast<size_t>(N) * A, BTF = static_cast<size_t>(N) * F;
   const BlockParams w = block_params(l, unit.params);
   const BlockParams dw = block_params(l, unit.grads);
@@ -583,8 +583,9 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
   float* dln_rows = sp_ ? grads_.dln_rows : grads_.dln;
 
   // The residual adds pass dres through unchanged, so dres is used directly as the gradient of fcproj and of
-  // attproj, and the layernorm backwards accumulate into it: no residual_backward copies are needed.
-  device_->zero(grads_.dln, sizeof(float) * BTC);
+  // attproj, and the layernorm backwards accumulate into it: no residual_backward copies are needed. dfch,
+  // dln and datty are each written by one linear's backward, which overwrites them: nothing is zeroed first
+  // but dqkv, which the attention's backward adds into.
   {
     // dfch is overwritten (dfch_gelu: the kernels' scratch).
     STRATA_ASSIGN_OR_RETURN(const float* dout, gather_rows(dres, RC));
@@ -593,23 +594,21 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
   }
   {
     STRATA_ASSIGN_OR_RETURN(const float* ln2_in, gather_rows(ln2, RC));
-    k_->matmul_backward(grads_.dln, dw.fcw, dw.fcb, grads_.dfch, ln2_in, w.fcw, N, C, F, precision_);
+    k_->matmul_backward_set(grads_.dln, dw.fcw, dw.fcb, grads_.dfch, ln2_in, w.fcw, N, C, F, precision_);
   }
   STRATA_RETURN_IF_ERROR(reduce_rows(grads_.dln, dln_rows, RC));
   STRATA_RETURN_IF_ERROR(
       layernorm_backward_rows(dres, dw.ln2w, dw.ln2b, dln_rows, residual2, w.ln2w, ln2_mean, ln2_rstd, Nr));
 
-  device_->zero(grads_.datty, sizeof(float) * BTA);
   device_->zero(grads_.dqkv, sizeof(float) * BTA * 3);
-  device_->zero(grads_.dln, sizeof(float) * BTC);
   {
     STRATA_ASSIGN_OR_RETURN(const float* dout, gather_rows(dres, RC));
-    k_->matmul_backward(grads_.datty, dw.attprojw, dw.attprojb, dout, atty, w.attprojw, N, A, C, precision_);
+    k_->matmul_backward_set(grads_.datty, dw.attprojw, dw.attprojb, dout, atty, w.attprojw, N, A, C, precision_);
   }
   k_->attention_backward(grads_.dqkv, grads_.datty, qkv, att, B, T, A, NH, precision_);
   {
     STRATA_ASSIGN_OR_RETURN(const float* ln1_in, gather_rows(ln1, RC));
-    k_->matmul_backward(grads_.dln, dw.qkvw, dw.qkvb, grads_.dqkv, ln1_in, w.qkvw, N, C, 3 * A, precision_);
+    k_->matmul_backward_set(grads_.dln, dw.qkvw, dw.qkvb, grads_.dqkv, ln1_in, w.qkvw, N, C, 3 * A, precision_);
   }
   STRATA_RETURN_IF_ERROR(reduce_rows(grads_.dln, dln_rows, RC));
   return layernorm_backward_rows(dres, dw.ln1w, dw.ln1b, dln_rows, residual, w.ln1w, ln1_mean, ln1_rstd, Nr);

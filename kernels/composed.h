@@ -63,6 +63,14 @@ void composed_matmul_backward_gelu(float* dpre, float* dweight, float* dbias, co
   GeluBackward(dpre, pre, scratch, n);
 }
 
+// matmul_backward into a cleared dinp.
+template <auto MatmulBackward, auto Zero>
+void composed_matmul_backward_set(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                                  const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+  Zero(dinp, static_cast<size_t>(N) * static_cast<size_t>(C));
+  MatmulBackward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, precision);
+}
+
 // Zero for backends whose memory the host addresses (the CPU ones).
 inline void host_zero(float* p, size_t n) { std::fill_n(p, n, 0.0f); }
 

@@ -1,14 +1,16 @@
 // kernels.h — the one interface every compute backend implements: forward and backward of each GPT op.
 //
 // A KernelSet is a table of functions, one slot per op (ggml-style), filled by a backend: the plain CPU
-// reference (kernels/cpu/reference.h), the fast CPU version (kernels/cpu/fast.h), and later CUDA. The model calls
-// only through this table, so dispatch happens in one place and the golden tests run on every backend.
+// reference (kernels/cpu/reference.h), the fast CPU version (kernels/cpu/fast.h), and CUDA (kernels/cuda). The
+// model calls only through this table, so dispatch happens in one place and the golden tests run on every
+// backend.
 //
 // Conventions (llm.c's): all tensors are fp32, row-major and contiguous; shapes are in the comments; N = B*T
 // rows. Gradients carry a `d` prefix. Backward functions ACCUMULATE (+=) into every gradient they write — the
-// caller zeroes them — except softmax_crossentropy_backward, which overwrites (and may run in place on the
-// logits). Functions run on the calling thread and may use the TBB arena for parallelism; they must not be
-// called concurrently on overlapping outputs.
+// caller zeroes them — except where a slot says it OVERWRITES (softmax_crossentropy_backward, which may run in
+// place on the logits; the input gradients of matmul_backward_set and matmul_backward_gelu). Functions run on
+// the calling thread and may use the TBB arena for parallelism; they must not be called concurrently on
+// overlapping outputs.
 #pragma once
 
 #include <cstddef>
@@ -62,6 +64,11 @@ struct KernelSet {
   // dinp (N,C) += dout @ weight; dweight (OC,C) += dout^T @ inp; dbias (OC) += column sums of dout (if non-null).
   void (*matmul_backward)(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                           const float* weight, int N, int C, int OC, MatmulPrecision precision);
+  // matmul_backward with dinp OVERWRITTEN (dinp = dout @ weight), for a gradient this linear alone writes: the
+  // caller need not zero it first (CUDA: the GEMM's beta 0, so dinp is neither cleared nor read). dweight and
+  // dbias still +=.
+  void (*matmul_backward_set)(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                              const float* weight, int N, int C, int OC, MatmulPrecision precision);
 
   // Causal multi-head self-attention. qkv (B,T,3C) holds q,k,v side by side, each split into NH heads of C/NH.
   // out (B,T,C); att (B,NH,T,T) saves the softmax probabilities (row t only defined up to column t; the rest

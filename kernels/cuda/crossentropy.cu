@@ -1,6 +1,8 @@
-// crossentropy.cu — fused softmax + cross-entropy over rows of logits, one block per row. Forward saves the log
-// of the row's softmax denominator (lse); backward recomputes each probability from it and overwrites, element
-// by element (read, then write, by the same thread), so dlogits may alias logits.
+// crossentropy.cu — fused softmax + cross-entropy over rows of fp32 logits, one block per row, each read once
+// (a running max and sum: reduce.cuh's softmax_merge). Forward saves the log of the row's softmax denominator
+// (lse); backward recomputes each probability from it and overwrites, element by element (read, then write, by
+// the same thread), so dlogits may alias logits. The bf16 logits of the classifier have their own kernels
+// (classifier.cu).
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_context.h"
 #include "kernels/cuda/ops.h"
@@ -10,14 +12,6 @@ namespace strata::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 512;
-
-// One pass over the row: each thread keeps a running (max, sum of exp(x - max)) over its elements, and the pairs
-// are merged across the block — the row is read once, not twice.
-__device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
-  const float mx = fmaxf(m, m2);
-  s = (m == -INFINITY ? 0.0f : s * __expf(m - mx)) + (m2 == -INFINITY ? 0.0f : s2 * __expf(m2 - mx));
-  m = mx;
-}
 
 __global__ void crossentropy_forward_kernel(float* losses, float* lse, const float* logits, const int32_t* targets,
                                             int V, int vocab_start) {
@@ -34,29 +28,12 @@ __global__ void crossentropy_forward_kernel(float* losses, float* lse, const flo
       s += __expf(x - m);
     }
   }
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float m2 = __shfl_xor_sync(0xffffffffu, m, offset), s2 = __shfl_xor_sync(0xffffffffu, s, offset);
-    merge(m, s, m2, s2);
-  }
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  if (lane == 0) {
-    shared_m[warp] = m;
-    shared_s[warp] = s;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    m = lane < warps ? shared_m[lane] : -INFINITY;
-    s = lane < warps ? shared_s[lane] : 0.0f;
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m, offset), s2 = __shfl_xor_sync(0xffffffffu, s, offset);
-      merge(m, s, m2, s2);
-    }
-    if (lane == 0) {
-      const float l = m + logf(s);
-      lse[n] = l;
-      const int t = targets[n] - vocab_start;  // the target's column, if it is one of ours
-      losses[n] = targets[n] < 0 || t < 0 || t >= V ? 0.0f : l - row[t];
-    }
+  block_softmax_merge(m, s, shared_m, shared_s);
+  if (threadIdx.x == 0) {
+    const float l = m + logf(s);
+    lse[n] = l;
+    const int t = targets[n] - vocab_start;  // the target's column, if it is one of ours
+    losses[n] = targets[n] < 0 || t < 0 || t >= V ? 0.0f : l - row[t];
   }
 }
 

@@ -1,4 +1,3 @@
-#include "kernels/composed.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/ops.h"
 
@@ -12,23 +11,24 @@ const KernelSet& cuda_kernels() {
       &c::encoder_backward,
       &c::layernorm_forward,
       &c::layernorm_backward,
-      &composed_residual_layernorm_forward<&c::residual_forward, &c::layernorm_forward>,
+      &c::residual_layernorm_forward,
       &c::matmul_forward,
       &c::matmul_backward,
+      &c::matmul_backward_set,
       &c::attention_forward,
       &c::attention_backward,
       &c::attention_saved_floats,
-      &composed_matmul_gelu_forward<&c::matmul_forward, &c::gelu_forward>,
-      &composed_matmul_backward_gelu<&c::matmul_backward, &c::gelu_backward, &c::zero_floats>,
+      &c::matmul_gelu_forward,
+      &c::matmul_backward_gelu,
       &c::gelu_forward,
       &c::gelu_backward,
       &c::residual_forward,
       &c::residual_backward,
       &c::softmax_crossentropy_forward,
       &c::softmax_crossentropy_backward,
-      &composed_classifier_forward<&c::matmul_forward, &c::softmax_crossentropy_forward>,
-      &composed_classifier_backward<&c::matmul_backward, &c::softmax_crossentropy_backward>,
-      &composed_classifier_logits_bytes,
+      &c::classifier_forward,
+      &c::classifier_backward,
+      &c::classifier_logits_bytes,
       &c::adamw_update,
   };
   return k;

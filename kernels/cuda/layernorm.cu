@@ -1,6 +1,6 @@
-// layernorm.cu — layernorm forward and backward, one warp per row (torch.nn.LayerNorm: biased variance, eps 1e-5
-// inside the square root). The weight and bias gradients are column sums over rows, done by the deterministic
-// two-pass reduction of reduce.cuh.
+// layernorm.cu — layernorm forward (also fused with the residual add before it) and backward, one warp per row
+// (torch.nn.LayerNorm: biased variance, eps 1e-5 inside the square root). The weight and bias gradients are
+// column sums over rows, done by the deterministic two-pass reduction of reduce.cuh.
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_context.h"
 #include "kernels/cuda/ops.h"
@@ -11,14 +11,27 @@ namespace {
 
 constexpr int kRowsPerBlock = 8;  // warps per block
 
-__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                                         const float* bias, int N, int C) {
+// kResidual: the row is inp + inp2, written to `res` as it is summed; the two later passes read back only what
+// the same thread wrote there (residual_layernorm_forward: one kernel instead of an add and a layernorm, the sum
+// read once from memory instead of twice, with the same arithmetic).
+template <bool kResidual>
+__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, float* res, const float* inp,
+                                         const float* inp2, const float* weight, const float* bias, int N, int C) {
   const int n = blockIdx.x * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (n >= N) return;
-  const float* x = inp + static_cast<size_t>(n) * C;
+  const size_t row = static_cast<size_t>(n) * C;
+  const float* x = (kResidual ? res : inp) + row;
   float s = 0.0f;
-  for (int i = lane; i < C; i += 32) s += x[i];
+  if constexpr (kResidual) {
+    for (int i = lane; i < C; i += 32) {
+      const float v = inp[row + i] + inp2[row + i];
+      res[row + i] = v;
+      s += v;
+    }
+  } else {
+    for (int i = lane; i < C; i += 32) s += x[i];
+  }
   const float m = warp_sum(s) / C;
   float v = 0.0f;
   for (int i = lane; i < C; i += 32) {
@@ -78,8 +91,17 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
                        int N, int C) {
   if (N <= 0) return;
   const unsigned blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
-  layernorm_forward_kernel<<<blocks, 32 * kRowsPerBlock, 0, cuda_context().compute>>>(out, mean, rstd, inp, weight,
-                                                                                       bias, N, C);
+  layernorm_forward_kernel<false><<<blocks, 32 * kRowsPerBlock, 0, cuda_context().compute>>>(
+      out, mean, rstd, nullptr, inp, nullptr, weight, bias, N, C);
+  CUDA_CHECK_LAUNCH();
+}
+
+void residual_layernorm_forward(float* res, float* out, float* mean, float* rstd, const float* inp1,
+                                const float* inp2, const float* weight, const float* bias, int N, int C) {
+  if (N <= 0) return;
+  const unsigned blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
+  layernorm_forward_kernel<true><<<blocks, 32 * kRowsPerBlock, 0, cuda_context().compute>>>(
+      out, mean, rstd, res, inp1, inp2, weight, bias, N, C);
   CUDA_CHECK_LAUNCH();
 }
 

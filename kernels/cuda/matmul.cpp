@@ -3,8 +3,12 @@
 // Row-major (N,C) activations are column-major (C,N) matrices to cuBLAS, so each product is written below in
 // column-major terms. fp32 runs with CUBLAS_COMPUTE_32F (full fp32, no TF32). bf16 rounds both operands to bf16
 // (the CPU backend's kBF16 semantics) and multiplies them on the tensor cores with fp32 accumulation and an fp32
-// output. The bias is fused into the forward GEMM's epilogue; "+=" into gradients is the GEMM's beta = 1. The
-// bias gradient is a deterministic column sum (reduce.cuh), not cuBLASLt's BGRAD epilogue, which overwrites.
+// output. The bias is fused into the forward GEMM's epilogue; "+=" into gradients is the GEMM's beta = 1 (and
+// matmul_backward_set's beta 0 overwrites). The bias gradient is a deterministic column sum (reduce.cuh), not
+// cuBLASLt's BGRAD epilogue, which overwrites. Under bf16 the MLP's GELU rides the GEMMs' epilogues where
+// cuBLASLt takes them: GELU_AUX_BIAS writes gelu(pre) and pre from the first linear, and DGELU multiplies the
+// second linear's input gradient by gelu'(pre) — two elementwise passes over (N,4C) fp32 saved a layer each way.
+// The classifier's GEMMs write and read bf16 logits (classifier.cu).
 //
 // Each distinct problem (shapes, operations, types, pointer alignments) is planned once: descriptors and the
 // heuristic's best algorithm are cached, so a training step does no planning after its first.
@@ -23,6 +27,11 @@
 namespace strata::kernels::cuda {
 namespace {
 
+// What the epilogue does besides the optional bias: nothing; GELU with its input written to `aux`
+// (GELU_AUX[_BIAS]: D = gelu(acc + bias), aux = acc + bias); or the GELU's gradient at the input in `aux`
+// multiplied into the product (DGELU: D = gelu'(aux) * acc; no bias, beta 0).
+enum class Epilogue : uint8_t { kPlain, kGeluAux, kDGelu };
+
 // D (m,n) = alpha * op(A) (m,k) @ op(B) (k,n) + beta * D, column-major, with an optional bias (m) epilogue.
 struct Gemm {
   cublasOperation_t op_a, op_b;
@@ -31,11 +40,15 @@ struct Gemm {
   int lda;
   const void* b;
   int ldb;
-  float* d;
+  void* d;  // d_type: fp32, or bf16 (the classifier's logits)
   int ldd;
   float beta;
-  const float* bias;  // null: no epilogue
+  const float* bias;  // null: no bias
   cudaDataType_t ab_type;
+  cudaDataType_t d_type = CUDA_R_32F;
+  Epilogue epilogue = Epilogue::kPlain;
+  const float* aux = nullptr;  // (m,n) with leading dimension aux_ld (a multiple of 8), fp32 like D
+  int aux_ld = 0;
 };
 
 int alignment_of(const void* p) {
@@ -45,35 +58,72 @@ int alignment_of(const void* p) {
   return a;
 }
 
+// `supported` false: cuBLASLt has no algorithm for this epilogue here (only GELU ones may say so; the caller
+// then runs the GEMM and the GELU apart). Never destroyed: plans live as long as the process.
 struct Plan {
+  bool supported = true;
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
 };
 
-using PlanKey = std::tuple<int, int, int, int, int, int, int, int, int, bool, bool, int, int, int, int>;
+using PlanKey =
+    std::tuple<int, int, int, int, int, int, int, int, int, int, bool, bool, int, int, int, int, int, int, int>;
+
+cublasLtEpilogue_t lt_epilogue(const Gemm& g) {
+  switch (g.epilogue) {
+    case Epilogue::kGeluAux:
+      return g.bias != nullptr ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    case Epilogue::kDGelu:
+      return CUBLASLT_EPILOGUE_DGELU;
+    case Epilogue::kPlain:
+      break;
+  }
+  return g.bias != nullptr ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+}
+
+// The pointers cuBLASLt reads from the descriptor rather than from cublasLtMatmul's arguments. The heuristic
+// takes their alignments from their values (cublasLt.h), so they are set before it as well as on every call:
+// planned with NULL, an algorithm assuming an aligned bias could be picked and then run on a bias packed at a
+// 4-byte offset.
+void set_epilogue_pointers(cublasLtMatmulDesc_t desc, const Gemm& g) {
+  if (g.bias != nullptr) {
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
+  }
+  if (g.epilogue != Epilogue::kPlain) {
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux,
+                                                sizeof(g.aux)));
+  }
+}
+
+MatmulEpilogueCounts epilogue_counts;
 
 Plan make_plan(const CudaContext& ctx, const Gemm& g, int align_a, int align_b, int align_d) {
   Plan p;
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &g.op_a, sizeof(g.op_a)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &g.op_b, sizeof(g.op_b)));
-  if (g.bias != nullptr) {
-    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
-    const int32_t bias_type = CUDA_R_32F;
+  const cublasLtEpilogue_t epilogue = lt_epilogue(g);
+  if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+  }
+  if (g.bias != nullptr) {
+    const int32_t bias_type = CUDA_R_32F;
     CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
-    // The heuristic takes the bias's alignment from the pointer's value (cublasLt.h), so it is set before it
-    // as well as on every call: planned with NULL, an algorithm assuming an aligned bias could be picked and
-    // then run on a bias packed at a 4-byte offset.
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
   }
+  if (g.epilogue != Epilogue::kPlain) {
+    // The aux type is left unset: it defaults to D's (fp32), and setting it at all is documented to fail
+    // cublasLtMatmul for combinations that do not take a non-default one.
+    const int64_t aux_ld = g.aux_ld;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld)));
+  }
+  set_epilogue_pointers(p.desc, g);
   // Stored (pre-op) shapes.
   const bool ta = g.op_a != CUBLAS_OP_N, tb = g.op_b != CUBLAS_OP_N;
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, g.ab_type, ta ? g.k : g.m, ta ? g.m : g.k, g.lda));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, g.ab_type, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.d, CUDA_R_32F, g.m, g.n, g.ldd));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.d, g.d_type, g.m, g.n, g.ldd));
 
   cublasLtMatmulPreference_t pref;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -92,8 +142,20 @@ Plan make_plan(const CudaContext& ctx, const Gemm& g, int align_a, int align_b, 
                                                     sizeof(uint32_t)));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx.lt, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found));
+  const cublasStatus_t heuristic =
+      cublasLtMatmulAlgoGetHeuristic(ctx.lt, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
   CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+  if (g.epilogue != Epilogue::kPlain) {
+    // A GELU epilogue cuBLASLt does not take for these types, shapes or alignments: the caller falls back. Any
+    // other failure is a bug, and fails loudly below.
+    if (heuristic == CUBLAS_STATUS_NOT_SUPPORTED || (heuristic == CUBLAS_STATUS_SUCCESS && found == 0)) {
+      p.supported = false;
+      ++epilogue_counts.fallback_plans;
+      return p;
+    }
+    ++epilogue_counts.gelu_plans;
+  }
+  CUBLAS_CHECK(heuristic);
   if (found == 0) {
     const std::string msg = fmt::format(
         "cuBLASLt has no algorithm for m={} n={} k={} op_a={} op_b={} lda={} ldb={} ldd={} type={} bias={}", g.m, g.n,
@@ -105,11 +167,18 @@ Plan make_plan(const CudaContext& ctx, const Gemm& g, int align_a, int align_b, 
   return p;
 }
 
-void run_gemm(const Gemm& g) {
-  if (g.m == 0 || g.n == 0) return;
-  if (g.k == 0) {  // an empty sum: only the accumulating GEMMs (backward with N = 0) meet it, and add nothing
-    STRATA_ASSERT_MSG(g.beta == 1.0f && g.bias == nullptr, "matmul with an empty inner dimension");
-    return;
+// Enqueues the GEMM; false (and nothing enqueued) only for a GELU epilogue cuBLASLt does not take here.
+bool run_gemm(const Gemm& g) {
+  if (g.m == 0 || g.n == 0) return true;
+  if (g.k == 0) {  // an empty sum (backward with N = 0): adds nothing, or leaves an overwritten D zero
+    STRATA_ASSERT_MSG(g.bias == nullptr && g.epilogue == Epilogue::kPlain,
+                      "matmul with an epilogue and an empty inner dimension");
+    if (g.beta == 0.0f) {
+      const size_t elem = g.d_type == CUDA_R_32F ? sizeof(float) : sizeof(uint16_t);
+      CUDA_CHECK(cudaMemset2DAsync(g.d, static_cast<size_t>(g.ldd) * elem, 0, static_cast<size_t>(g.m) * elem, g.n,
+                                   cuda_context().compute));
+    }
+    return true;
   }
   const CudaContext& ctx = cuda_context();
   static std::map<PlanKey, Plan> plans;  // one driving thread (cuda_context.h), so no lock
@@ -117,17 +186,24 @@ void run_gemm(const Gemm& g) {
   // The bias pointer's alignment is part of the key too (an algorithm may depend on it), though cuBLASLt takes
   // no preference for it.
   const int align_bias = g.bias != nullptr ? alignment_of(g.bias) : 0;
-  const PlanKey key{g.op_a, g.op_b, g.m,         g.n,     g.k,     g.lda,   g.ldb,     g.ldd,
-                    g.ab_type, g.beta != 0.0f, g.bias != nullptr, align_a, align_b, align_d, align_bias};
+  const int align_aux = g.aux != nullptr ? alignment_of(g.aux) : 0;
+  const PlanKey key{g.op_a,      g.op_b,   g.m,      g.n,        g.k,
+                    g.lda,       g.ldb,    g.ldd,    g.ab_type,  g.d_type,
+                    g.beta != 0.0f,        g.bias != nullptr,    align_a,    align_b,
+                    align_d,     align_bias,  static_cast<int>(g.epilogue), g.aux_ld, align_aux};
   auto it = plans.find(key);
   if (it == plans.end()) it = plans.emplace(key, make_plan(ctx, g, align_a, align_b, align_d)).first;
   const Plan& p = it->second;
-  if (g.bias != nullptr) {
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias)));
-  }
+  if (!p.supported) return false;
+  set_epilogue_pointers(p.desc, g);
   const float alpha = 1.0f;
   CUBLAS_CHECK(cublasLtMatmul(ctx.lt, p.desc, &alpha, g.a, p.a, g.b, p.b, &g.beta, g.d, p.d, g.d, p.d, &p.algo,
                               ctx.lt_workspace, CudaContext::kLtWorkspaceBytes, ctx.compute));
+  return true;
+}
+void run_plain(const Gemm& g) {
+  const bool ran = run_gemm(g);
+  STRATA_ASSERT_MSG(ran, "a GEMM without a GELU epilogue was not run");
 }
 
 // The operands of one GEMM, as the precision wants them: the fp32 originals, or bf16 copies in scratch whose
@@ -173,25 +249,141 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
   DeviceScratch padded(pad ? static_cast<size_t>(N) * m * sizeof(float) : 0);
   float* d = pad ? padded.as<float>() : out;
   // out^T (OC,N) = W (C,OC)^T @ inp^T (C,N)
-  run_gemm(Gemm{CUBLAS_OP_T, CUBLAS_OP_N, m, N, C, w.ptr, w.ld, x.ptr, x.ld, d, m, 0.0f, bias, ab_type(precision)});
+  run_plain(Gemm{CUBLAS_OP_T, CUBLAS_OP_N, m, N, C, w.ptr, w.ld, x.ptr, x.ld, d, m, 0.0f, bias, ab_type(precision)});
   if (pad) {
     copy_rows(out, OC, d, m, N, OC);
   }
 }
 
-void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+namespace {
+
+// The operands of a linear's backward: dout (N,OC), weight (OC,C) and inp (N,C) as the precision wants them.
+struct BackwardOperands {
+  Operand dy, w, x;
+  int k;  // the input gradient's inner dimension: OC, rounded up over the weight's zero rows in bf16
+  cudaDataType_t type;
+};
+BackwardOperands backward_operands(const float* dout, const float* inp, const float* weight, int N, int C, int OC,
+                                   MatmulPrecision precision) {
   const bool bf16 = precision == MatmulPrecision::kBF16;
-  const Operand dy = operand(dout, N, OC, precision);  // bf16: columns padded with zeros to dy.ld
-  const Operand w = operand(weight, OC, C, precision, bf16);  // bf16: zero rows up to a multiple of 8
-  const Operand x = operand(inp, N, C, precision);
-  const cudaDataType_t t = ab_type(precision);
-  // dinp^T (C,N) += W (C,OC) @ dout^T (OC,N), the inner dimension rounded up over the zero padding in bf16.
-  const int k = bf16 ? round_up(OC, kBf16RowAlign) : OC;
-  run_gemm(Gemm{CUBLAS_OP_N, CUBLAS_OP_N, C, N, k, w.ptr, w.ld, dy.ptr, dy.ld, dinp, C, 1.0f, nullptr, t});
-  // dweight^T (C,OC) += inp^T (C,N) @ dout (N,OC)
-  run_gemm(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x.ptr, x.ld, dy.ptr, dy.ld, dweight, C, 1.0f, nullptr, t});
+  return {operand(dout, N, OC, precision),         // bf16: columns padded with zeros to dy.ld
+          operand(weight, OC, C, precision, bf16),  // bf16: zero rows up to a multiple of 8
+          operand(inp, N, C, precision), bf16 ? round_up(OC, kBf16RowAlign) : OC, ab_type(precision)};
+}
+// dinp^T (C,N) = W (C,OC) @ dout^T (OC,N) + beta * dinp^T.
+Gemm input_gradient(const BackwardOperands& o, float* dinp, float beta, int N, int C) {
+  return Gemm{CUBLAS_OP_N, CUBLAS_OP_N, C, N, o.k, o.w.ptr, o.w.ld, o.dy.ptr, o.dy.ld, dinp, C, beta, nullptr, o.type};
+}
+// dweight^T (C,OC) += inp^T (C,N) @ dout (N,OC); dbias (OC) += column sums of dout.
+void weight_gradients(const BackwardOperands& o, float* dweight, float* dbias, const float* dout, int N, int C,
+                      int OC) {
+  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, o.x.ptr, o.x.ld, o.dy.ptr, o.dy.ld, dweight, C, 1.0f, nullptr,
+                 o.type});
   if (dbias != nullptr) column_sums_accumulate(dbias, dout, N, OC);
 }
+
+// dinp_beta: 1 adds into dinp (matmul_backward), 0 overwrites it (matmul_backward_set).
+void backward(float* dinp, float dinp_beta, float* dweight, float* dbias, const float* dout, const float* inp,
+              const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+  const BackwardOperands o = backward_operands(dout, inp, weight, N, C, OC, precision);
+  run_plain(input_gradient(o, dinp, dinp_beta, N, C));
+  weight_gradients(o, dweight, dbias, dout, N, C, OC);
+}
+
+// cuBLASLt's GELU epilogues need the GELU's input matrix (aux) with a leading dimension that is a multiple of 8
+// elements and, as every matrix of the tensor-core kernels, 16-byte aligned; fp32 stays composed (the
+// epilogues' GELU is cuBLASLt's own tanh, not the reference's to the ulp).
+bool gelu_fusable(MatmulPrecision precision, int width, const float* aux) {
+  return precision == MatmulPrecision::kBF16 && width % kBf16RowAlign == 0 && alignment_of(aux) >= 16;
+}
+
+}  // namespace
+
+void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+  backward(dinp, 1.0f, dweight, dbias, dout, inp, weight, N, C, OC, precision);
+}
+
+void matmul_backward_set(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                         const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+  backward(dinp, 0.0f, dweight, dbias, dout, inp, weight, N, C, OC, precision);
+}
+
+void matmul_gelu_forward(float* out, float* pre, const float* inp, const float* weight, const float* bias, int N,
+                         int C, int OC, MatmulPrecision precision) {
+  const size_t n = static_cast<size_t>(N) * static_cast<size_t>(OC);
+  if (!gelu_fusable(precision, OC, pre)) {
+    matmul_forward(pre, inp, weight, bias, N, C, OC, precision);
+    gelu_forward(out, pre, n);
+    return;
+  }
+  const Operand w = operand(weight, OC, C, precision);
+  const Operand x = operand(inp, N, C, precision);
+  // out^T (OC,N) = gelu(W (C,OC)^T @ inp^T (C,N) + bias), pre^T (OC,N) the GELU's input.
+  Gemm g{CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, w.ptr, w.ld, x.ptr, x.ld, out, OC, 0.0f, bias, ab_type(precision)};
+  g.epilogue = Epilogue::kGeluAux;
+  g.aux = pre;
+  g.aux_ld = OC;
+  if (run_gemm(g)) return;
+  // cuBLASLt has no GELU epilogue for this problem: the same GEMM into pre, then the GELU kernel.
+  g.epilogue = Epilogue::kPlain;
+  g.aux = nullptr;
+  g.aux_ld = 0;
+  g.d = pre;
+  run_plain(g);
+  gelu_forward(out, pre, n);
+}
+
+void matmul_backward_gelu(float* dpre, float* dweight, float* dbias, const float* dout, const float* inp,
+                          const float* pre, const float* weight, float* scratch, int N, int C, int OC,
+                          MatmulPrecision precision) {
+  const BackwardOperands o = backward_operands(dout, inp, weight, N, C, OC, precision);
+  Gemm g = input_gradient(o, dpre, 0.0f, N, C);
+  bool fused = false;
+  if (gelu_fusable(precision, C, pre)) {
+    // dpre^T (C,N) = gelu'(pre^T) * (W (C,OC) @ dout^T (OC,N)).
+    g.epilogue = Epilogue::kDGelu;
+    g.aux = pre;
+    g.aux_ld = C;
+    fused = run_gemm(g);
+  }
+  if (!fused) {  // the gradient of gelu(pre) into scratch, then the GELU's backward into the cleared dpre
+    const size_t n = static_cast<size_t>(N) * static_cast<size_t>(C);
+    g.epilogue = Epilogue::kPlain;
+    g.aux = nullptr;
+    g.aux_ld = 0;
+    g.d = scratch;
+    run_plain(g);
+    zero_floats(dpre, n);
+    gelu_backward(dpre, pre, scratch, n);
+  }
+  weight_gradients(o, dweight, dbias, dout, N, C, OC);
+}
+
+void matmul_forward_bf16_out(uint16_t* out, int ld_out, const float* inp, const float* weight, int N, int C,
+                             int OC) {
+  STRATA_ASSERT_MSG(ld_out == round_up(OC, kBf16RowAlign), "bf16 output rows must be padded to a multiple of 8");
+  // Zero weight rows up to ld_out make the padding columns 0.
+  const Operand w = operand(weight, OC, C, MatmulPrecision::kBF16, /*pad_rows=*/true);
+  const Operand x = operand(inp, N, C, MatmulPrecision::kBF16);
+  Gemm g{CUBLAS_OP_T, CUBLAS_OP_N, ld_out, N, C, w.ptr, w.ld, x.ptr, x.ld, out, ld_out, 0.0f, nullptr, CUDA_R_16BF};
+  g.d_type = CUDA_R_16BF;
+  run_plain(g);
+}
+
+void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout, int ld_dout, const float* inp,
+                               const float* weight, int N, int C, int OC) {
+  STRATA_ASSERT_MSG(ld_dout == round_up(OC, kBf16RowAlign), "bf16 gradient rows must be padded to a multiple of 8");
+  const Operand w = operand(weight, OC, C, MatmulPrecision::kBF16, /*pad_rows=*/true);
+  const Operand x = operand(inp, N, C, MatmulPrecision::kBF16);
+  // dinp^T (C,N) += W (C,ld_dout) @ dout^T (ld_dout,N): the padding columns of dout meet zero weight rows.
+  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_N, C, N, ld_dout, w.ptr, w.ld, dout, ld_dout, dinp, C, 1.0f, nullptr,
+                 CUDA_R_16BF});
+  // dweight^T (C,OC) += inp^T (C,N) @ dout (N,OC), the first OC of each padded row.
+  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x.ptr, x.ld, dout, ld_dout, dweight, C, 1.0f, nullptr,
+                 CUDA_R_16BF});
+}
+
+MatmulEpilogueCounts matmul_epilogue_counts() { return epilogue_counts; }
 
 }  // namespace strata::kernels::cuda

@@ -1,7 +1,7 @@
 // ops.h — the CUDA implementations behind cuda_kernels(): one function per KernelSet slot, with the slot's
 // signature (kernels/kernels.h; every pointer is device memory), each enqueued on cuda_context().compute.
 // One file per op: encoder.cu, layernorm.cu, matmul.cpp, attention.cu, gelu.cu, residual.cu, crossentropy.cu,
-// adamw.cu. The helpers at the end are shared between them.
+// classifier.cu, adamw.cu. The helpers at the end are shared between them.
 #pragma once
 
 #include <cstddef>
@@ -19,10 +19,34 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
                        int N, int C);
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                         const float* weight, const float* mean, const float* rstd, int N, int C);
+void residual_layernorm_forward(float* res, float* out, float* mean, float* rstd, const float* inp1,
+                                const float* inp2, const float* weight, const float* bias, int N, int C);
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC,
                     MatmulPrecision precision);
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int N, int C, int OC, MatmulPrecision precision);
+void matmul_backward_set(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                         const float* weight, int N, int C, int OC, MatmulPrecision precision);
+void matmul_gelu_forward(float* out, float* pre, const float* inp, const float* weight, const float* bias, int N,
+                         int C, int OC, MatmulPrecision precision);
+void matmul_backward_gelu(float* dpre, float* dweight, float* dbias, const float* dout, const float* inp,
+                          const float* pre, const float* weight, float* scratch, int N, int C, int OC,
+                          MatmulPrecision precision);
+// The classifier's GEMMs over bf16 logits (classifier.cu), inputs rounded to bf16 as under kBF16: out (N,ld_out)
+// = inp (N,C) @ weight (OC,C)^T in bf16, rows padded with zeros to ld_out (OC rounded up to a multiple of 8); and its
+// backward from such a bf16 gradient (padding columns zero): dinp (N,C) += dout @ weight, dweight (OC,C) +=
+// dout^T @ inp.
+void matmul_forward_bf16_out(uint16_t* out, int ld_out, const float* inp, const float* weight, int N, int C, int OC);
+void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout, int ld_dout, const float* inp,
+                               const float* weight, int N, int C, int OC);
+// How many distinct GEMM problems were planned with a GELU epilogue of cuBLASLt's (GELU_AUX[_BIAS], DGELU), and
+// how many of those cuBLASLt did not take (run as a GEMM and the GELU kernel instead): for tests, to tell the
+// two apart. matmul.cpp.
+struct MatmulEpilogueCounts {
+  int gelu_plans = 0;
+  int fallback_plans = 0;
+};
+MatmulEpilogueCounts matmul_epilogue_counts();
 void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH,
                        MatmulPrecision precision);
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T, int C,
@@ -36,6 +60,12 @@ void softmax_crossentropy_forward(float* losses, float* lse, const float* logits
                                   int V, int vocab_start);
 void softmax_crossentropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
                                    const float* dlosses, int N, int V, int vocab_start);
+void classifier_forward(void* logits, float* losses, float* lse, const float* inp, const float* weight,
+                        const int32_t* targets, int N, int C, int V, int vocab_start, MatmulPrecision precision);
+void classifier_backward(float* dinp, float* dweight, void* logits, const float* lse, const int32_t* targets,
+                         const float* dlosses, const float* inp, const float* weight, int N, int C, int V,
+                         int vocab_start, MatmulPrecision precision);
+size_t classifier_logits_bytes(int N, int V, MatmulPrecision precision);
 void adamw_update(float* params, float* m, float* v, const float* grads, size_t n, const AdamWParams& hp);
 
 // n floats of device memory set to zero, on the compute stream. cuda_context.cpp.

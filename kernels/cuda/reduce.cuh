@@ -34,6 +34,37 @@ __device__ __forceinline__ float block_reduce(float x, float* shared) {
   return y;
 }
 
+// A running softmax denominator: (m, s) stands for s * exp(m) = the sum of exp(x) over the values seen, with
+// m their maximum (-inf and 0 before the first). Merging two such pairs, and the block-wide merge, read each row
+// once instead of twice (max, then sum).
+__device__ __forceinline__ void softmax_merge(float& m, float& s, float m2, float s2) {
+  const float mx = fmaxf(m, m2);
+  s = (m == -INFINITY ? 0.0f : s * __expf(m - mx)) + (m2 == -INFINITY ? 0.0f : s2 * __expf(m2 - mx));
+  m = mx;
+}
+// The pairs of all the block's threads merged; the result is valid in thread 0. `shared_m` and `shared_s` hold
+// 32 floats each. blockDim.x a multiple of 32.
+__device__ __forceinline__ void block_softmax_merge(float& m, float& s, float* shared_m, float* shared_s) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, offset), s2 = __shfl_xor_sync(0xffffffffu, s, offset);
+    softmax_merge(m, s, m2, s2);
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  if (lane == 0) {
+    shared_m[warp] = m;
+    shared_s[warp] = s;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < warps ? shared_m[lane] : -INFINITY;
+    s = lane < warps ? shared_s[lane] : 0.0f;
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m, offset), s2 = __shfl_xor_sync(0xffffffffu, s, offset);
+      softmax_merge(m, s, m2, s2);
+    }
+  }
+}
+
 // Column sums in two deterministic passes. Pass 1: block (32, kColumnRows) takes 32 columns and one chunk of
 // kColumnChunkRows rows; each thread sums its rows in order, then the block adds its kColumnRows partial sums in
 // order and writes partials[chunk][k][c]. Pass 2 adds the chunks in order into the destinations.

@@ -20,6 +20,7 @@
 #include "kernels/cpu/reference.h"
 #include "kernels/cpu/reference_matmul.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/ops.h"
 #include "tests/test_util.h"
 
 namespace strata::kernels {
@@ -214,6 +215,17 @@ void check_matmul(const KernelSet& k, int N, int C, int OC, MatmulPrecision prec
   } else {
     EXPECT_EQ(g_db.download(), dbias0) << "dbias must be untouched when null is passed";
   }
+
+  // matmul_backward_set overwrites dinp (poisoned: every element must be written, none read) and still adds
+  // into dweight, here a second time.
+  std::vector<double> dinp_set(inp.size(), 0.0);
+  ref::matmul_backward(dinp_set.data(), dweight.data(), static_cast<double*>(nullptr), dout_d.data(), inp_d.data(),
+                       w_d.data(), N, C, OC, MatmulPrecision::kF32);
+  auto g_dinp_set = Dev<float>::poisoned(inp.size());
+  k.matmul_backward_set(g_dinp_set.get(), g_dw.get(), nullptr, g_dout.get(), g_inp.get(), g_w.get(), N, C, OC,
+                        precision);
+  EXPECT_TRUE(all_close(g_dinp_set.download(), dinp_set, accum_atol(OC), kRtol, "dinp (set)"));
+  EXPECT_TRUE(all_close(g_dw.download(), dweight, 2 * accum_atol(N), kRtol, "dweight (added twice)"));
 }
 
 TEST_F(CudaOpsTest, MatmulF32) {
@@ -325,6 +337,14 @@ TEST_F(CudaOpsTest, MatmulGelu) {
     check_matmul_gelu(k, 64, 96, 384, precision, 25);  // widths that take the epilogues
     check_matmul_gelu(k, 37, 45, 61, precision, 26);   // odd widths: the unfused fallback
   }
+  // The GPT-2-like widths must really have run cuBLASLt's epilogues under bf16 (GELU_AUX_BIAS forward, DGELU
+  // backward), not the fallback the odd widths take: the comparison above passes either way.
+  const cuda::MatmulEpilogueCounts before = cuda::matmul_epilogue_counts();
+  check_matmul_gelu(k, 128, 768, 3072, MatmulPrecision::kBF16, 27);
+  const cuda::MatmulEpilogueCounts after = cuda::matmul_epilogue_counts();
+  EXPECT_EQ(after.fallback_plans, before.fallback_plans) << "cuBLASLt took no GELU epilogue for bf16 inputs with "
+                                                            "fp32 output and aux";
+  EXPECT_EQ(after.gelu_plans - before.gelu_plans, 2) << "a GELU epilogue planned before, or not planned";
 }
 
 TEST_F(CudaOpsTest, Attention) {

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "common/rng.h"
+#include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/fast.h"
 #include "kernels/cpu/matmul_info.h"
 #include "kernels/cpu/reference_matmul.h"
@@ -212,6 +213,25 @@ TEST(MatmulFast, Bf16RoundsInputs) {
     EXPECT_TRUE(all_close(got, exact, bf16_vs_f32_atol(c.C), 0.0, "bf16 out vs fp32 answer"));
     EXPECT_FALSE(all_close(got, exact, accum_atol(c.C), kRtol, "bf16 out vs fp32 answer"))
         << "kBF16 gave fp32-accurate results: were the inputs rounded?";
+  }
+}
+
+TEST(MatmulKernelSets, BackwardSetOverwritesTheInputGradient) {
+  // Both CPU sets: dinp starts as NaN and must come out as matmul_backward into zeros, bit for bit; dweight and
+  // dbias are still added into.
+  for (const KernelSet* k : {&cpu_reference_kernels(), &cpu_fast_kernels()}) {
+    const Case c{kShapes[1].N, kShapes[1].C, kShapes[1].OC, true, MatmulPrecision::kF32};
+    SCOPED_TRACE(fmt::format("{} {}", k->name, case_name(c)));
+    const Data d = make_data(c);
+    std::vector<float> want_dinp(d.dinp0.size(), 0.0f), want_dw = d.dweight0, want_db = d.dbias0;
+    k->matmul_backward(want_dinp.data(), want_dw.data(), want_db.data(), d.dout.data(), d.inp.data(),
+                       d.weight.data(), c.N, c.C, c.OC, c.precision);
+    std::vector<float> dinp(d.dinp0.size(), std::nanf("")), dw = d.dweight0, db = d.dbias0;
+    k->matmul_backward_set(dinp.data(), dw.data(), db.data(), d.dout.data(), d.inp.data(), d.weight.data(), c.N,
+                           c.C, c.OC, c.precision);
+    EXPECT_EQ(0, std::memcmp(dinp.data(), want_dinp.data(), dinp.size() * sizeof(float)));
+    EXPECT_EQ(0, std::memcmp(dw.data(), want_dw.data(), dw.size() * sizeof(float)));
+    EXPECT_EQ(0, std::memcmp(db.data(), want_db.data(), db.size() * sizeof(float)));
   }
 }
 
