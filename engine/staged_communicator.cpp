@@ -298,6 +298,33 @@ Result<std::string> shared_gpus(comm::Communicator& group, kernels::Device& devi
   return shared;
 }
 
+// Every rank's plane, or none: the group agrees whether all of its ranks made theirs (NCCL's set-up can fail on
+// one rank alone: a device or network it cannot use), so that no rank sends over a plane a peer lacks; then a
+// plane made here is dropped where another rank failed. Under "auto" the group goes on without a plane (its
+// device buffers staged over MPI), saying why; under "nccl" every rank fails, naming the group and the error.
+Result<std::unique_ptr<comm::Communicator>> agree_on_plane(comm::Communicator& group,
+                                                           Result<std::unique_ptr<comm::Communicator>> made,
+                                                           const std::string& backend, std::string* why_not) {
+  const float failed_here = made.is_ok() ? 0.0f : 1.0f;
+  float failed = 0.0f;
+  STRATA_RETURN_IF_ERROR(group.all_reduce(&failed_here, &failed, 1, DType::kF32, comm::ReduceOp::kMax)
+                             .with_context(fmt::format("group '{}' agreeing on its device plane", group.name())));
+  if (failed == 0.0f) return std::move(made).value();
+  const std::string what = made.is_ok() ? fmt::format("the device plane (NCCL) of group '{}' failed to start on "
+                                                      "another of its ranks",
+                                                      group.name())
+                                        : made.status().to_string();
+  if (backend == "nccl") {
+    return Status::internal("parallel.distributed_backend \"nccl\": {} (\"auto\" stages the device's buffers "
+                            "through host memory over MPI instead)",
+                            what);
+  }
+  STRATA_LOG_WARN("group '{}': no device plane, so its device buffers go through host memory over MPI (slower): {}",
+                  group.name(), what);
+  *why_not = fmt::format("the device plane failed to start: {}", what);
+  return std::unique_ptr<comm::Communicator>();
+}
+
 }  // namespace
 
 bool same_gpu(const std::string& a, const std::string& b) {
@@ -320,20 +347,18 @@ Result<comm::Communicator*> device_collectives(comm::Communicator* group, kernel
   if (backend == "mpi") {
     why_not = "parallel.distributed_backend is \"mpi\"";
   } else if (make_plane) {
-    STRATA_ASSIGN_OR_RETURN(plane, make_plane(*group));
+    STRATA_ASSIGN_OR_RETURN(plane, agree_on_plane(*group, make_plane(*group), backend, &why_not));
   } else if (std::string(device.name()) != "cuda") {
     why_not = fmt::format("NCCL carries CUDA buffers, not the {} device's", device.name());
   } else {
 #if STRATA_HAVE_NCCL
     STRATA_ASSIGN_OR_RETURN(const std::string shared, shared_gpus(*group, device));
     if (shared.empty()) {
-      auto nccl = comm::NcclCommunicator::create(*group, group->name());
-      if (!nccl.is_ok()) {
-        return nccl.status().with_context(fmt::format(
-            "NCCL for group '{}' (parallel.distributed_backend \"mpi\" stages through host memory instead)",
-            group->name()));
-      }
-      plane = std::move(nccl).value();
+      auto start_nccl = [&]() -> Result<std::unique_ptr<comm::Communicator>> {  // its errors name the group
+        STRATA_ASSIGN_OR_RETURN(auto nccl, comm::NcclCommunicator::create(*group, group->name()));
+        return std::unique_ptr<comm::Communicator>(std::move(nccl));
+      };
+      STRATA_ASSIGN_OR_RETURN(plane, agree_on_plane(*group, start_nccl(), backend, &why_not));
     } else {
       why_not = fmt::format("NCCL needs a GPU per rank, and {}", shared);
     }

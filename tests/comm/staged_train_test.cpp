@@ -326,6 +326,53 @@ TEST(DeviceCollectives, SameGpuByHostAndBusOrByUuid) {
   EXPECT_FALSE(same_gpu("", "")) << "unknown places are nobody's";
 }
 
+// A device plane that starts on rank 0 and fails on rank 1 (the split is collective, so both make it first):
+// under "auto" neither rank keeps a plane, and a call on device buffers meets over MPI; under "nccl" both fail,
+// the error named on the rank it happened on. Neither hangs (a rank with a plane its peer lacks would).
+TEST(DeviceCollectives, APlaneThatFailsOnOneRankIsDroppedOnEvery) {
+  auto world = world_or_die();
+  ASSERT_NE(world, nullptr);
+  ASSERT_EQ(world->size(), 2) << "run under mpiexec -np 2 (CTest does)";
+  UnaddressableDevice dev;
+  std::atomic<size_t> calls{0};
+  const DevicePlaneFactory posing = Checked::device_plane(dev, &calls);
+  const DevicePlaneFactory fails_on_rank_1 =
+      [&posing](comm::Communicator& group) -> Result<std::unique_ptr<comm::Communicator>> {
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> plane, posing(group));
+    if (group.rank() == 1) return Status::internal("posing NCCL: no usable network on rank 1");
+    return plane;
+  };
+  const int r = world->rank();
+  const size_t n = 257;
+  const std::vector<float> x = input(r, n);
+  std::vector<float> sum(n);
+  ASSERT_TRUE(world->all_reduce(x.data(), sum.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
+  {
+    Checked checked(*world, dev);
+    std::unique_ptr<comm::Communicator> owned;
+    auto staged = device_collectives(&checked, dev, "auto", fails_on_rank_1, &owned);
+    ASSERT_TRUE(staged.is_ok()) << staged.status().to_string();
+    auto& s = dynamic_cast<StagedCommunicator&>(*staged.value());
+    EXPECT_FALSE(s.has_device_plane());
+    auto on = on_device(dev, x), out = on_device(dev, std::vector<float>(n));
+    ASSERT_TRUE(s.all_reduce(on.data(), out.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
+    EXPECT_EQ(to_host(dev, out, n), sum);
+    EXPECT_EQ(s.device_plane_calls(), 0u);
+  }
+  {
+    Checked checked(*world, dev);
+    std::unique_ptr<comm::Communicator> owned;
+    auto staged = device_collectives(&checked, dev, "nccl", fails_on_rank_1, &owned);
+    ASSERT_FALSE(staged.is_ok());
+    const std::string message = staged.status().to_string();
+    EXPECT_NE(message.find("parallel.distributed_backend \"nccl\""), std::string::npos) << message;
+    EXPECT_NE(message.find(r == 1 ? "no usable network on rank 1" : "failed to start on another of its ranks"),
+              std::string::npos)
+        << message;
+  }
+  EXPECT_EQ(calls.load(), 0u) << "no call went over a plane";
+}
+
 using StagedTrainTest = TrainerTest;
 
 // Data parallelism with ZeRO stages 0-3, tensor parallelism (with and without sequence parallelism) and a
