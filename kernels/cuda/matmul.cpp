@@ -19,6 +19,7 @@
 
 #include <fmt/format.h>
 
+#include "common/log.h"
 #include "kernels/cuda/convert.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_context.h"
@@ -193,12 +194,24 @@ bool run_gemm(const Gemm& g) {
                     align_d,     align_bias,  static_cast<int>(g.epilogue), g.aux_ld, align_aux};
   auto it = plans.find(key);
   if (it == plans.end()) it = plans.emplace(key, make_plan(ctx, g, align_a, align_b, align_d)).first;
-  const Plan& p = it->second;
+  Plan& p = it->second;
   if (!p.supported) return false;
   set_epilogue_pointers(p.desc, g);
   const float alpha = 1.0f;
-  CUBLAS_CHECK(cublasLtMatmul(ctx.lt, p.desc, &alpha, g.a, p.a, g.b, p.b, &g.beta, g.d, p.d, g.d, p.d, &p.algo,
-                              ctx.lt_workspace, CudaContext::kLtWorkspaceBytes, ctx.compute));
+  const cublasStatus_t ran = cublasLtMatmul(ctx.lt, p.desc, &alpha, g.a, p.a, g.b, p.b, &g.beta, g.d, p.d, g.d, p.d,
+                                            &p.algo, ctx.lt_workspace, CudaContext::kLtWorkspaceBytes, ctx.compute);
+  if (g.epilogue != Epilogue::kPlain && (ran == CUBLAS_STATUS_NOT_SUPPORTED || ran == CUBLAS_STATUS_INVALID_VALUE)) {
+    // Refused before anything was launched, after the heuristic had offered an algorithm: this problem runs as
+    // the GEMM and the GELU kernel from now on.
+    STRATA_LOG_WARN("cuBLASLt refused its GELU epilogue for m={} n={} k={} ({}); the GEMM and the GELU kernel run "
+                    "instead",
+                    g.m, g.n, g.k, cublasGetStatusString(ran));
+    p.supported = false;
+    --epilogue_counts.gelu_plans;
+    ++epilogue_counts.fallback_plans;
+    return false;
+  }
+  CUBLAS_CHECK(ran);
   return true;
 }
 void run_plain(const Gemm& g) {
