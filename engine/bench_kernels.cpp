@@ -285,6 +285,8 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   {
     // Real probabilities in att for the backward (as forward would leave them).
     k.attention_forward(y.f(), attn.f(), qkv.f(), B, T, C, NH, prec);
+    // real hidden activations (the backend's form) for the MLP's backward: gelu(pre) in g4, pre in h4,
+    k.matmul_gelu_forward(g4.f(), h4.f(), x.f(), w4.f(), b4.f(), N, C, 4 * C, prec);
     // and real logits and lse for the classifier's.
     k.classifier_forward(logits.f(), losses.f(), lse.f(), x.f(), wte.f(), d_targets.i(), N, C, V, 0, prec);
     kernels::cuda_synchronize();
@@ -297,6 +299,8 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   auto mm_bwd = [&](int OC, int IC) {
     return f * (double(N) * OC + 2.0 * N * IC + 3.0 * double(OC) * IC + 2.0 * OC);
   };
+  // Bytes per element of the MLP's hidden activations in the backend's form (4, or 2 in bf16).
+  const double hf = static_cast<double>(k.mlp_hidden_bytes(N, 4 * C, prec)) / (4 * NC);
   // What attention saves for its backward: the probabilities, or flash attention's statistics and output.
   const double saved_att = static_cast<double>(k.attention_saved_floats(B, T, C, NH, prec));
   kernels::AdamWParams hp;
@@ -316,10 +320,10 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
          k.residual_layernorm_forward(h4.f(), y.f(), mean.f(), rstd.f(), x.f(), dx.f(), lnw.f(), lnb.f(), N, C);
        }},
       {"residual fwd", L, f * 3 * NC, 0, [&] { k.residual_forward(y.f(), x.f(), dx.f(), size_t(NC)); }},
-      {"matmul+gelu fwd fc", L, mm_fwd(4 * C, C) + f * 4 * NC, 2 * NC * 4 * C,
+      {"matmul+gelu fwd fc", L, f * (NC + 4.0 * C * C + 4 * C) + 2 * hf * 4 * NC, 2 * NC * 4 * C,
        [&] { k.matmul_gelu_forward(dh4.f(), h4.f(), x.f(), w4.f(), b4.f(), N, C, 4 * C, prec); }},
-      {"matmul fwd fcproj", L, mm_fwd(C, 4 * C), 2 * NC * 4 * C,
-       [&] { k.matmul_forward(y.f(), h4.f(), w4.f(), b4.f(), N, 4 * C, C, prec); }},
+      {"matmul fwd fcproj", L, hf * 4 * NC + f * (4.0 * C * C + NC + C), 2 * NC * 4 * C,
+       [&] { k.matmul_forward_hidden(y.f(), h4.f(), w4.f(), b4.f(), N, 4 * C, C, prec); }},
       {"classifier fwd", 1, f * (NC + double(V) * C) + logits_bytes + 12.0 * N, 2 * NC * V,
        [&] {
          k.classifier_forward(logits.f(), losses.f(), lse.f(), x.f(), wte.f(), d_targets.i(), N, C, V, 0, prec);
@@ -331,12 +335,13 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
        }},
       {"layernorm bwd", 2 * L + 1, f * 5 * NC, 0,
        [&] { k.layernorm_backward(dx.f(), dlnw.f(), dlnb.f(), y.f(), x.f(), lnw.f(), mean.f(), rstd.f(), N, C); }},
-      {"matmul+gelu bwd fcproj", L, mm_bwd(C, 4 * C) + f * 4 * NC, 4 * NC * 4 * C,  // and pre read
+      // dout read; inp and pre read, dpre written (hidden); the weight and its gradient.
+      {"matmul+gelu bwd fcproj", L, f * (NC + 12.0 * C * C + 2 * C) + 3 * hf * 4 * NC, 4 * NC * 4 * C,
        [&] {
          k.matmul_backward_gelu(dh4.f(), dw4.f(), db4.f(), y.f(), g4.f(), h4.f(), w4.f(), s4.f(), N, 4 * C, C, prec);
        }},
-      {"matmul bwd fc", L, mm_bwd(4 * C, C), 4 * NC * 4 * C,
-       [&] { k.matmul_backward_set(dx.f(), dw4.f(), db4.f(), h4.f(), y.f(), w4.f(), N, C, 4 * C, prec); }},
+      {"matmul bwd fc", L, hf * 4 * NC + f * (2 * NC + 12.0 * C * C + 8 * C), 4 * NC * 4 * C,
+       [&] { k.matmul_backward_set_hidden(dx.f(), dw4.f(), db4.f(), h4.f(), y.f(), w4.f(), N, C, 4 * C, prec); }},
       {"matmul bwd attproj", L, mm_bwd(C, C), 4 * NC * C,
        [&] { k.matmul_backward_set(dx.f(), dw4.f(), db4.f(), y.f(), x.f(), w4.f(), N, C, C, prec); }},
       {"attention bwd", L, f * (10 * NC + saved_att), 4 * att * (C / NH),

@@ -300,10 +300,12 @@ Status GPT2::ensure_activations(int B, int T) {
   }
   // Rows of the residual stream here (sequence parallelism: this rank's share).
   const size_t Nr = rows_here(static_cast<int>(BT));
-  // This rank's widths: attention (A = C/t), MLP hidden (F = 4C/t), vocabulary columns (Vr): all of them
-  // without tensor parallelism.
-  const size_t A = attn_width_, F = mlp_width_, Vr = static_cast<size_t>(vocab_.count);
+  // This rank's widths: attention (A = C/t), vocabulary columns (Vr) and the MLP hidden (4C/t, sized below): all
+  // of them without tensor parallelism.
+  const size_t A = attn_width_, Vr = static_cast<size_t>(vocab_.count);
   const size_t att_floats = k_->attention_saved_floats(B, T, attn_width_, heads_, precision_);
+  // The MLP's hidden activations and their gradients, in whatever form the backend keeps them (kernels.h).
+  const size_t hidden_floats = (mlp_hidden_bytes(static_cast<int>(BT)) + 3) / 4;
   // The classifier's logits, in whatever form its backend keeps them (kernels.h).
   const size_t logits_floats =
       stage_.head ? (k_->classifier_logits_bytes(static_cast<int>(BT), static_cast<int>(Vr), precision_) + 3) / 4 : 0;
@@ -316,12 +318,12 @@ Status GPT2::ensure_activations(int B, int T) {
       L * att_floats,                          // att: what attention saves for backward
       L * Nr * C, L * Nr * C,                  // attproj, residual2
       L * Nr * C, L * Nr, L * Nr,              // ln2, ln2_mean, ln2_rstd
-      L * BT * F, L * BT * F,                  // fch, fch_gelu
+      L * hidden_floats, L * hidden_floats,    // fch, fch_gelu
       L * Nr * C, R * Nr * C,                  // fcproj, residual3
       Nr * C, Nr, Nr,                          // lnf, lnf_mean, lnf_rstd
       logits_floats, BT, BT, BT,               // logits (the head's stage only), losses, lse, dlosses
       BT, BT,                                  // inputs, targets (int32, same size as float)
-      Nr * C, BT * C, BT * A, BT * 3 * A, BT * F, BT * F,  // dres, dln, datty, dqkv, dfch, dfch_gelu
+      Nr * C, BT * C, BT * A, BT * 3 * A, hidden_floats, hidden_floats,  // dres, dln, datty, dqkv, dfch, dfch_gelu
       sp_ ? Nr * C : 0, sp_ ? BT * C : 0, sp_ ? 2 * C : 0,  // dln_rows, full, ln_grads
   };
   // The first kPerSlot arrays are one micro-batch's activations (one set per slot); the block gradients after
@@ -385,7 +387,7 @@ Status GPT2::ensure_activations(int B, int T) {
 Status GPT2::block_forward(int l, const float* params, const float* residual, int B, int T) {
   const int C = config_.n_embd, A = attn_width_, NH = heads_, F = mlp_width_;
   const int N = B * T, Nr = static_cast<int>(rows_here(N));
-  const size_t RC = static_cast<size_t>(Nr) * C, BTA = static_cast<size_t>(N) * A, BTF = static_cast<size_t>(N) * F;
+  const size_t RC = static_cast<size_t>(Nr) * C, BTA = static_cast<size_t>(N) * A;
   const BlockParams w = block_params(l, params);
   const size_t a = act_layer(l);
   float* ln1 = acts_.ln1 + a * RC;
@@ -399,8 +401,8 @@ Status GPT2::block_forward(int l, const float* params, const float* residual, in
   float* ln2 = acts_.ln2 + a * RC;
   float* ln2_mean = acts_.ln2_mean + a * Nr;
   float* ln2_rstd = acts_.ln2_rstd + a * Nr;
-  float* fch = acts_.fch + a * BTF;
-  float* fch_gelu = acts_.fch_gelu + a * BTF;
+  void* fch = hidden_layer(acts_.fch, a, N);
+  void* fch_gelu = hidden_layer(acts_.fch_gelu, a, N);
   float* fcproj = acts_.fcproj + a * RC;
   float* residual3 = block_output(l, RC);
   const bool adds_bias = tp_rank_ == 0;  // of the row-parallel linears
@@ -416,7 +418,7 @@ Status GPT2::block_forward(int l, const float* params, const float* residual, in
   STRATA_ASSIGN_OR_RETURN(const float* ln2_in, gather_rows(ln2, RC));
   k_->matmul_gelu_forward(fch_gelu, fch, ln2_in, w.fcw, w.fcb, N, C, F, precision_);
   partial = partial_for(fcproj);
-  k_->matmul_forward(partial, fch_gelu, w.fcprojw, adds_bias ? w.fcprojb : nullptr, N, F, C, precision_);
+  k_->matmul_forward_hidden(partial, fch_gelu, w.fcprojw, adds_bias ? w.fcprojb : nullptr, N, F, C, precision_);
   STRATA_RETURN_IF_ERROR(reduce_rows(partial, fcproj, RC));
   k_->residual_forward(residual3, residual2, fcproj, RC);
   return Status::ok();
@@ -564,7 +566,7 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
   const int C = config_.n_embd, A = attn_width_, NH = heads_, F = mlp_width_;
   const int N = B * T, Nr = static_cast<int>(rows_here(N));
   const size_t RC = static_cast<size_t>(Nr) * C;
-  const size_t BTA = static_cast<size_t>(N) * A, BTF = static_cast<size_t>(N) * F;
+  const size_t BTA = static_cast<size_t>(N) * A;
   const BlockParams w = block_params(l, unit.params);
   const BlockParams dw = block_params(l, unit.grads);
   const size_t a = act_layer(l);
@@ -578,8 +580,8 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
   const float* ln2 = acts_.ln2 + a * RC;
   const float* ln2_mean = acts_.ln2_mean + a * Nr;
   const float* ln2_rstd = acts_.ln2_rstd + a * Nr;
-  const float* fch = acts_.fch + a * BTF;
-  const float* fch_gelu = acts_.fch_gelu + a * BTF;
+  const void* fch = hidden_layer(acts_.fch, a, N);
+  const void* fch_gelu = hidden_layer(acts_.fch_gelu, a, N);
   float* dln_rows = sp_ ? grads_.dln_rows : grads_.dln;
 
   // The residual adds pass dres through unchanged, so dres is used directly as the gradient of fcproj and of
@@ -594,7 +596,7 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
   }
   {
     STRATA_ASSIGN_OR_RETURN(const float* ln2_in, gather_rows(ln2, RC));
-    k_->matmul_backward_set(grads_.dln, dw.fcw, dw.fcb, grads_.dfch, ln2_in, w.fcw, N, C, F, precision_);
+    k_->matmul_backward_set_hidden(grads_.dln, dw.fcw, dw.fcb, grads_.dfch, ln2_in, w.fcw, N, C, F, precision_);
   }
   STRATA_RETURN_IF_ERROR(reduce_rows(grads_.dln, dln_rows, RC));
   STRATA_RETURN_IF_ERROR(

@@ -45,6 +45,7 @@
 // for (B, T) at the first forward and re-allocated only when B*T grows.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -259,6 +260,11 @@ class GPT2 {
   // Which layer slot of the per-layer activations block l uses, and where its output (the next block's
   // input) is, given B*T*C.
   size_t act_layer(int l) const { return checkpointing_ == ActivationCheckpointing::kNone ? l - stage_.first : 0; }
+  // Bytes of one (N, mlp_width_) hidden activation in the backend's form, and layer `a`'s in an array of them.
+  size_t mlp_hidden_bytes(int N) const { return k_->mlp_hidden_bytes(N, mlp_width_, precision_); }
+  void* hidden_layer(float* array, size_t a, int N) const {
+    return reinterpret_cast<std::byte*>(array) + a * mlp_hidden_bytes(N);
+  }
   float* block_output(int l, size_t BTC) const {
     return acts_.residual3 + (checkpointing_ == ActivationCheckpointing::kHost ? l % 2 : l - stage_.first) * BTC;
   }
@@ -312,8 +318,8 @@ class GPT2 {
     float* ln2;        // (L,B,T,C)
     float* ln2_mean;   // (L,B,T)
     float* ln2_rstd;   // (L,B,T)
-    float* fch;        // (L,B,T,4C)
-    float* fch_gelu;   // (L,B,T,4C)
+    float* fch;        // (L,B,T,4C) hidden (kernels.h: the backend's form; hidden_layer() finds a layer's)
+    float* fch_gelu;   // (L,B,T,4C) hidden
     float* fcproj;     // (L,B,T,C)
     float* residual3;  // (L,B,T,C)
     float* lnf;        // (B,T,C)
@@ -332,8 +338,8 @@ class GPT2 {
     float* dln;        // (B,T,C) dln1 / dln2 / dlnf
     float* datty;      // (B,T,C)
     float* dqkv;       // (B,T,3C)
-    float* dfch;       // (B,T,4C)
-    float* dfch_gelu;  // (B,T,4C)
+    float* dfch;       // (B,T,4C) hidden
+    float* dfch_gelu;  // (B,T,4C) hidden
     // Sequence parallelism only (empty otherwise):
     float* dln_rows;   // this rank's rows of dln, reduce-scattered
     float* full;       // (B,T,C) the ranks' rows gathered, or a partial sum before its reduce-scatter

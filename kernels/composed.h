@@ -42,25 +42,39 @@ void composed_residual_layernorm_forward(float* res, float* out, float* mean, fl
   LayernormForward(out, mean, rstd, res, weight, bias, N, C);
 }
 
+// The MLP's hidden activations kept as fp32 (N,F).
+inline size_t composed_mlp_hidden_bytes(int N, int F, MatmulPrecision /*precision*/) {
+  return static_cast<size_t>(N) * static_cast<size_t>(F) * sizeof(float);
+}
+
 // The MLP's first linear, then its GELU.
 template <auto MatmulForward, auto GeluForward>
-void composed_matmul_gelu_forward(float* out, float* pre, const float* inp, const float* weight, const float* bias,
+void composed_matmul_gelu_forward(void* out, void* pre, const float* inp, const float* weight, const float* bias,
                                   int N, int C, int OC, MatmulPrecision precision) {
-  MatmulForward(pre, inp, weight, bias, N, C, OC, precision);
-  GeluForward(out, pre, static_cast<size_t>(N) * static_cast<size_t>(OC));
+  MatmulForward(static_cast<float*>(pre), inp, weight, bias, N, C, OC, precision);
+  GeluForward(static_cast<float*>(out), static_cast<const float*>(pre),
+              static_cast<size_t>(N) * static_cast<size_t>(OC));
+}
+
+template <auto MatmulForward>
+void composed_matmul_forward_hidden(float* out, const void* inp, const float* weight, const float* bias, int N,
+                                    int C, int OC, MatmulPrecision precision) {
+  MatmulForward(out, static_cast<const float*>(inp), weight, bias, N, C, OC, precision);
 }
 
 // The second linear's backward into `scratch` (the gradient of gelu(pre)), then the GELU's into dpre; `Zero`
 // (float* p, size_t n) clears n floats of the backend's memory, for the two "+=" to start from.
 template <auto MatmulBackward, auto GeluBackward, auto Zero>
-void composed_matmul_backward_gelu(float* dpre, float* dweight, float* dbias, const float* dout, const float* inp,
-                                   const float* pre, const float* weight, float* scratch, int N, int C, int OC,
-                                   MatmulPrecision precision) {
+void composed_matmul_backward_gelu(void* dpre_hidden, float* dweight, float* dbias, const float* dout,
+                                   const void* inp, const void* pre, const float* weight, void* scratch_hidden,
+                                   int N, int C, int OC, MatmulPrecision precision) {
   const size_t n = static_cast<size_t>(N) * static_cast<size_t>(C);
+  auto* dpre = static_cast<float*>(dpre_hidden);
+  auto* scratch = static_cast<float*>(scratch_hidden);
   Zero(scratch, n);
   Zero(dpre, n);
-  MatmulBackward(scratch, dweight, dbias, dout, inp, weight, N, C, OC, precision);
-  GeluBackward(dpre, pre, scratch, n);
+  MatmulBackward(scratch, dweight, dbias, dout, static_cast<const float*>(inp), weight, N, C, OC, precision);
+  GeluBackward(dpre, static_cast<const float*>(pre), scratch, n);
 }
 
 // matmul_backward into a cleared dinp.
@@ -69,6 +83,13 @@ void composed_matmul_backward_set(float* dinp, float* dweight, float* dbias, con
                                   const float* weight, int N, int C, int OC, MatmulPrecision precision) {
   Zero(dinp, static_cast<size_t>(N) * static_cast<size_t>(C));
   MatmulBackward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, precision);
+}
+
+template <auto MatmulBackwardSet>
+void composed_matmul_backward_set_hidden(float* dinp, float* dweight, float* dbias, const void* dout,
+                                         const float* inp, const float* weight, int N, int C, int OC,
+                                         MatmulPrecision precision) {
+  MatmulBackwardSet(dinp, dweight, dbias, static_cast<const float*>(dout), inp, weight, N, C, OC, precision);
 }
 
 // Zero for backends whose memory the host addresses (the CPU ones).

@@ -85,17 +85,29 @@ struct KernelSet {
   // output), and then `att` holds those instead of probabilities.
   size_t (*attention_saved_floats)(int B, int T, int C, int NH, MatmulPrecision precision);
 
+  // The MLP's hidden activations — pre (N,F), gelu(pre) and their gradients — in a form only the slots below
+  // interpret, in buffers of mlp_hidden_bytes(N, F, precision) each: fp32 (N,F) on the CPU backends; CUDA keeps
+  // them in bf16 under kBF16 (as PyTorch's autocast does), so the matmuls on either side of the GELU take and
+  // give them without conversion passes.
+  size_t (*mlp_hidden_bytes)(int N, int F, MatmulPrecision precision);
   // The MLP's first linear and its GELU, fused where a backend can (CUDA under kBF16: cuBLASLt's GELU epilogue):
   // pre (N,OC) = inp (N,C) @ weight (OC,C)^T + bias (OC; may be null), out (N,OC) = gelu(pre), pre kept for the
-  // backward.
-  void (*matmul_gelu_forward)(float* out, float* pre, const float* inp, const float* weight, const float* bias,
+  // backward; out and pre hidden (OC = F).
+  void (*matmul_gelu_forward)(void* out, void* pre, const float* inp, const float* weight, const float* bias,
                               int N, int C, int OC, MatmulPrecision precision);
+  // The MLP's second linear: matmul_forward from a hidden inp (N,C) (C = F).
+  void (*matmul_forward_hidden)(float* out, const void* inp, const float* weight, const float* bias, int N, int C,
+                                int OC, MatmulPrecision precision);
   // The backward of a linear whose input was gelu(pre) (the MLP's second linear), through the GELU:
   // dpre (N,C) = gelu'(pre) * (dout @ weight) — OVERWRITTEN, not added to; dweight (OC,C) += dout^T @ inp with
-  // inp = gelu(pre); dbias (OC) += column sums of dout (if non-null). The backend may use `scratch` (N,C floats).
-  void (*matmul_backward_gelu)(float* dpre, float* dweight, float* dbias, const float* dout, const float* inp,
-                               const float* pre, const float* weight, float* scratch, int N, int C, int OC,
+  // inp = gelu(pre); dbias (OC) += column sums of dout (if non-null). dpre, inp, pre and `scratch` (which the
+  // backend may use) are hidden (C = F).
+  void (*matmul_backward_gelu)(void* dpre, float* dweight, float* dbias, const float* dout, const void* inp,
+                               const void* pre, const float* weight, void* scratch, int N, int C, int OC,
                                MatmulPrecision precision);
+  // The MLP's first linear's backward: matmul_backward_set from a hidden dout (N,OC) (OC = F).
+  void (*matmul_backward_set_hidden)(float* dinp, float* dweight, float* dbias, const void* dout, const float* inp,
+                                     const float* weight, int N, int C, int OC, MatmulPrecision precision);
 
   // GELU, tanh approximation (GPT-2's). out (N) = gelu(inp).
   void (*gelu_forward)(float* out, const float* inp, size_t N);

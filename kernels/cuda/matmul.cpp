@@ -5,10 +5,12 @@
 // (the CPU backend's kBF16 semantics) and multiplies them on the tensor cores with fp32 accumulation and an fp32
 // output. The bias is fused into the forward GEMM's epilogue; "+=" into gradients is the GEMM's beta = 1 (and
 // matmul_backward_set's beta 0 overwrites). The bias gradient is a deterministic column sum (reduce.cuh), not
-// cuBLASLt's BGRAD epilogue, which overwrites. Under bf16 the MLP's GELU rides the GEMMs' epilogues where
-// cuBLASLt takes them: GELU_AUX_BIAS writes gelu(pre) and pre from the first linear, and DGELU multiplies the
-// second linear's input gradient by gelu'(pre) — two elementwise passes over (N,4C) fp32 saved a layer each way.
-// The classifier's GEMMs write and read bf16 logits (classifier.cu).
+// cuBLASLt's BGRAD epilogue, which overwrites. Under bf16 the MLP's hidden activations (N,4C) are bf16
+// (mlp_hidden_bytes): the first linear writes gelu(pre) and pre in bf16 through cuBLASLt's GELU_AUX_BIAS epilogue
+// (its bias rounded to bf16, D's type, as autocast rounds it), the second reads gelu(pre) as it is, its input
+// gradient comes out as gelu'(pre) * (dout @ W) in bf16 through DGELU, and the first linear's backward reads
+// that; where cuBLASLt declines an epilogue, the GEMM and a bf16 GELU kernel. No conversion pass and no fp32
+// copy of the widest activations. The classifier's GEMMs write and read bf16 logits (classifier.cu).
 //
 // Each distinct problem (shapes, operations, types, pointer alignments) is planned once: descriptors and the
 // heuristic's best algorithm are cached, so a training step does no planning after its first.
@@ -41,14 +43,14 @@ struct Gemm {
   int lda;
   const void* b;
   int ldb;
-  void* d;  // d_type: fp32, or bf16 (the classifier's logits)
+  void* d;  // d_type: fp32, or bf16 (the classifier's logits, the MLP's hidden activations)
   int ldd;
   float beta;
-  const float* bias;  // null: no bias
+  const void* bias;  // null: no bias; of D's type (cublasLt.h: the bias takes D's type, bar int8 and fp8 kernels)
   cudaDataType_t ab_type;
   cudaDataType_t d_type = CUDA_R_32F;
   Epilogue epilogue = Epilogue::kPlain;
-  const float* aux = nullptr;  // (m,n) with leading dimension aux_ld (a multiple of 8), fp32 like D
+  const void* aux = nullptr;  // (m,n) with leading dimension aux_ld (a multiple of 8), of D's type
   int aux_ld = 0;
 };
 
@@ -109,12 +111,12 @@ Plan make_plan(const CudaContext& ctx, const Gemm& g, int align_a, int align_b, 
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
   }
   if (g.bias != nullptr) {
-    const int32_t bias_type = CUDA_R_32F;
+    const int32_t bias_type = g.d_type;
     CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
   }
   if (g.epilogue != Epilogue::kPlain) {
-    // The aux type is left unset: it defaults to D's (fp32), and setting it at all is documented to fail
+    // The aux type is left unset: it defaults to D's, and setting it at all is documented to fail
     // cublasLtMatmul for combinations that do not take a non-default one.
     const int64_t aux_ld = g.aux_ld;
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld)));
@@ -303,11 +305,10 @@ void backward(float* dinp, float dinp_beta, float* dweight, float* dbias, const 
   weight_gradients(o, dweight, dbias, dout, N, C, OC);
 }
 
-// cuBLASLt's GELU epilogues need the GELU's input matrix (aux) with a leading dimension that is a multiple of 8
-// elements and, as every matrix of the tensor-core kernels, 16-byte aligned; fp32 stays composed (the
-// epilogues' GELU is cuBLASLt's own tanh, not the reference's to the ulp).
-bool gelu_fusable(MatmulPrecision precision, int width, const float* aux) {
-  return precision == MatmulPrecision::kBF16 && width % kBf16RowAlign == 0 && alignment_of(aux) >= 16;
+// The MLP's hidden activations are bf16 under kBF16 where their width is a multiple of 8 (whole 16-byte rows
+// for the tensor cores and for cuBLASLt's GELU aux matrix); fp32 (the composed path) otherwise.
+bool hidden_bf16(int width, MatmulPrecision precision) {
+  return precision == MatmulPrecision::kBF16 && width % kBf16RowAlign == 0;
 }
 
 }  // namespace
@@ -322,55 +323,105 @@ void matmul_backward_set(float* dinp, float* dweight, float* dbias, const float*
   backward(dinp, 0.0f, dweight, dbias, dout, inp, weight, N, C, OC, precision);
 }
 
-void matmul_gelu_forward(float* out, float* pre, const float* inp, const float* weight, const float* bias, int N,
+size_t mlp_hidden_bytes(int N, int F, MatmulPrecision precision) {
+  return static_cast<size_t>(N) * static_cast<size_t>(F) * (hidden_bf16(F, precision) ? sizeof(uint16_t) : 4);
+}
+
+void matmul_gelu_forward(void* out, void* pre, const float* inp, const float* weight, const float* bias, int N,
                          int C, int OC, MatmulPrecision precision) {
   const size_t n = static_cast<size_t>(N) * static_cast<size_t>(OC);
-  if (!gelu_fusable(precision, OC, pre)) {
-    matmul_forward(pre, inp, weight, bias, N, C, OC, precision);
-    gelu_forward(out, pre, n);
+  if (!hidden_bf16(OC, precision)) {
+    matmul_forward(static_cast<float*>(pre), inp, weight, bias, N, C, OC, precision);
+    gelu_forward(static_cast<float*>(out), static_cast<const float*>(pre), n);
     return;
   }
   const Operand w = operand(weight, OC, C, precision);
   const Operand x = operand(inp, N, C, precision);
-  // out^T (OC,N) = gelu(W (C,OC)^T @ inp^T (C,N) + bias), pre^T (OC,N) the GELU's input.
-  Gemm g{CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, w.ptr, w.ld, x.ptr, x.ld, out, OC, 0.0f, bias, ab_type(precision)};
-  g.epilogue = Epilogue::kGeluAux;
-  g.aux = pre;
-  g.aux_ld = OC;
-  if (run_gemm(g)) return;
-  // cuBLASLt has no GELU epilogue for this problem: the same GEMM into pre, then the GELU kernel.
+  // The bias in D's type.
+  DeviceScratch bias16(bias != nullptr ? static_cast<size_t>(OC) * sizeof(uint16_t) : 0);
+  if (bias != nullptr) f32_to_bf16(bias16.as<uint16_t>(), bias, static_cast<size_t>(OC));
+  // out^T (OC,N) = gelu(W (C,OC)^T @ inp^T (C,N) + bias) in bf16, pre^T (OC,N) the GELU's input in bf16 too
+  // (the aux matrix takes D's type).
+  Gemm g{CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, w.ptr, w.ld, x.ptr, x.ld, out, OC, 0.0f,
+         bias != nullptr ? bias16.as<const void>() : nullptr, CUDA_R_16BF};
+  g.d_type = CUDA_R_16BF;
+  if (alignment_of(pre) >= 16) {
+    g.epilogue = Epilogue::kGeluAux;
+    g.aux = pre;
+    g.aux_ld = OC;
+    if (run_gemm(g)) return;
+  }
+  // Without the epilogue: the same GEMM into pre, then the GELU kernel.
   g.epilogue = Epilogue::kPlain;
   g.aux = nullptr;
   g.aux_ld = 0;
   g.d = pre;
   run_plain(g);
-  gelu_forward(out, pre, n);
+  gelu_forward_bf16(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(pre), n);
 }
 
-void matmul_backward_gelu(float* dpre, float* dweight, float* dbias, const float* dout, const float* inp,
-                          const float* pre, const float* weight, float* scratch, int N, int C, int OC,
+void matmul_forward_hidden(float* out, const void* inp, const float* weight, const float* bias, int N, int C, int OC,
+                           MatmulPrecision precision) {
+  if (!hidden_bf16(C, precision)) {
+    matmul_forward(out, static_cast<const float*>(inp), weight, bias, N, C, OC, precision);
+    return;
+  }
+  // out^T (OC,N) = W (C,OC)^T @ inp^T (C,N), inp already bf16 with rows of C.
+  const Operand w = operand(weight, OC, C, precision);
+  run_plain(Gemm{CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, w.ptr, w.ld, inp, C, out, OC, 0.0f, bias, CUDA_R_16BF});
+}
+
+void matmul_backward_gelu(void* dpre, float* dweight, float* dbias, const float* dout, const void* inp,
+                          const void* pre, const float* weight, void* scratch, int N, int C, int OC,
                           MatmulPrecision precision) {
-  const BackwardOperands o = backward_operands(dout, inp, weight, N, C, OC, precision);
-  Gemm g = input_gradient(o, dpre, 0.0f, N, C);
+  const size_t n = static_cast<size_t>(N) * static_cast<size_t>(C);
+  if (!hidden_bf16(C, precision)) {  // the gradient of gelu(pre) into scratch, then the GELU's into dpre
+    auto* s = static_cast<float*>(scratch);
+    backward(s, 0.0f, dweight, dbias, dout, static_cast<const float*>(inp), weight, N, C, OC, precision);
+    zero_floats(static_cast<float*>(dpre), n);
+    gelu_backward(static_cast<float*>(dpre), static_cast<const float*>(pre), s, n);
+    return;
+  }
+  const Operand dy = operand(dout, N, OC, precision);            // columns padded with zeros to dy.ld
+  const Operand w = operand(weight, OC, C, precision, /*pad_rows=*/true);  // zero rows up to a multiple of 8
+  const int k = round_up(OC, kBf16RowAlign);
+  // dpre^T (C,N) = gelu'(pre^T) * (W (C,k) @ dout^T (k,N)), in bf16.
+  Gemm g{CUBLAS_OP_N, CUBLAS_OP_N, C, N, k, w.ptr, w.ld, dy.ptr, dy.ld, dpre, C, 0.0f, nullptr, CUDA_R_16BF};
+  g.d_type = CUDA_R_16BF;
   bool fused = false;
-  if (gelu_fusable(precision, C, pre)) {
-    // dpre^T (C,N) = gelu'(pre^T) * (W (C,OC) @ dout^T (OC,N)).
+  if (alignment_of(pre) >= 16) {
     g.epilogue = Epilogue::kDGelu;
     g.aux = pre;
     g.aux_ld = C;
     fused = run_gemm(g);
   }
-  if (!fused) {  // the gradient of gelu(pre) into scratch, then the GELU's backward into the cleared dpre
-    const size_t n = static_cast<size_t>(N) * static_cast<size_t>(C);
+  if (!fused) {  // the gradient of gelu(pre) into scratch (bf16), then the GELU's backward into dpre
     g.epilogue = Epilogue::kPlain;
     g.aux = nullptr;
     g.aux_ld = 0;
     g.d = scratch;
     run_plain(g);
-    zero_floats(dpre, n);
-    gelu_backward(dpre, pre, scratch, n);
+    gelu_backward_bf16(static_cast<uint16_t*>(dpre), static_cast<const uint16_t*>(pre),
+                       static_cast<const uint16_t*>(scratch), n);
   }
-  weight_gradients(o, dweight, dbias, dout, N, C, OC);
+  // dweight^T (C,OC) += inp^T (C,N) @ dout (N,OC), inp = gelu(pre) already bf16.
+  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dy.ptr, dy.ld, dweight, C, 1.0f, nullptr, CUDA_R_16BF});
+  if (dbias != nullptr) column_sums_accumulate(dbias, dout, N, OC);
+}
+
+void matmul_backward_set_hidden(float* dinp, float* dweight, float* dbias, const void* dout, const float* inp,
+                                const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+  if (!hidden_bf16(OC, precision)) {
+    matmul_backward_set(dinp, dweight, dbias, static_cast<const float*>(dout), inp, weight, N, C, OC, precision);
+    return;
+  }
+  const Operand w = operand(weight, OC, C, precision);  // OC is a multiple of 8: no padding rows
+  const Operand x = operand(inp, N, C, precision);
+  // dinp^T (C,N) = W (C,OC) @ dout^T (OC,N), dout already bf16 with rows of OC.
+  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, w.ptr, w.ld, dout, OC, dinp, C, 0.0f, nullptr, CUDA_R_16BF});
+  // dweight^T (C,OC) += inp^T (C,N) @ dout (N,OC).
+  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x.ptr, x.ld, dout, OC, dweight, C, 1.0f, nullptr, CUDA_R_16BF});
+  if (dbias != nullptr) column_sums_accumulate_bf16(dbias, static_cast<const uint16_t*>(dout), N, OC);
 }
 
 void matmul_forward_bf16_out(uint16_t* out, int ld_out, const float* inp, const float* weight, int N, int C,

@@ -27,11 +27,16 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
                      const float* weight, int N, int C, int OC, MatmulPrecision precision);
 void matmul_backward_set(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                          const float* weight, int N, int C, int OC, MatmulPrecision precision);
-void matmul_gelu_forward(float* out, float* pre, const float* inp, const float* weight, const float* bias, int N,
-                         int C, int OC, MatmulPrecision precision);
-void matmul_backward_gelu(float* dpre, float* dweight, float* dbias, const float* dout, const float* inp,
-                          const float* pre, const float* weight, float* scratch, int N, int C, int OC,
+size_t mlp_hidden_bytes(int N, int F, MatmulPrecision precision);
+void matmul_gelu_forward(void* out, void* pre, const float* inp, const float* weight, const float* bias, int N, int C,
+                         int OC, MatmulPrecision precision);
+void matmul_forward_hidden(float* out, const void* inp, const float* weight, const float* bias, int N, int C, int OC,
+                           MatmulPrecision precision);
+void matmul_backward_gelu(void* dpre, float* dweight, float* dbias, const float* dout, const void* inp,
+                          const void* pre, const float* weight, void* scratch, int N, int C, int OC,
                           MatmulPrecision precision);
+void matmul_backward_set_hidden(float* dinp, float* dweight, float* dbias, const void* dout, const float* inp,
+                                const float* weight, int N, int C, int OC, MatmulPrecision precision);
 // The classifier's GEMMs over bf16 logits (classifier.cu), inputs rounded to bf16 as under kBF16: out (N,ld_out)
 // = inp (N,C) @ weight (OC,C)^T in bf16, rows padded with zeros to ld_out (OC rounded up to a multiple of 8); and its
 // backward from such a bf16 gradient (padding columns zero): dinp (N,C) += dout @ weight, dweight (OC,C) +=
@@ -73,5 +78,11 @@ void zero_floats(float* p, size_t n);
 
 // dst (C) += column sums of src (N,C), summed in a fixed order (deterministic). reduce.cu.
 void column_sums_accumulate(float* dst, const float* src, int N, int C);
+void column_sums_accumulate_bf16(float* dst, const uint16_t* src, int N, int C);
+
+// The GELU over bf16 (the MLP's hidden activations under kBF16), computed in fp32 and rounded to nearest even:
+// out = gelu(inp); dinp = gelu'(inp) * dout, OVERWRITTEN. gelu.cu.
+void gelu_forward_bf16(uint16_t* out, const uint16_t* inp, size_t n);
+void gelu_backward_bf16(uint16_t* dinp, const uint16_t* inp, const uint16_t* dout, size_t n);
 
 }  // namespace strata::kernels::cuda

@@ -108,10 +108,11 @@ TEST_F(GpuTrainTest, Fp32StepsMatchTheCpu) {
   EXPECT_LT(cpu.losses.back(), cpu.losses.front()) << "the loss must fall over the steps";
 }
 
-// The GPU's bf16 mode also rounds attention's products (the CPU's attention stays fp32), so the runs differ by
-// bf16 rounding. Parameters are compared by their total update, not element by element: Adam normalizes each
-// gradient, so a parameter whose exact gradient is zero (the key bias: softmax ignores a constant added to a
-// row of scores) takes lr-sized steps driven by rounding noise, differently on each side.
+// The GPU's bf16 mode also rounds attention's products, the logits and the MLP's hidden activations and their
+// gradients (the CPU keeps all of those fp32), so the runs differ by bf16 rounding. Parameters are compared by
+// their total update, not element by element: Adam normalizes each gradient, so a parameter whose exact
+// gradient is zero (the key bias: softmax ignores a constant added to a row of scores) takes lr-sized steps
+// driven by rounding noise, differently on each side.
 TEST_F(GpuTrainTest, Bf16StepsMatchTheCpu) {
   const TrainRun cpu = train(*cpu_, MatmulPrecision::kBF16), gpu = train(*gpu_, MatmulPrecision::kBF16);
   EXPECT_TRUE(testing::all_close(gpu.losses, cpu.losses, 1e-2, 1e-2, "losses"));

@@ -287,24 +287,65 @@ AttentionRun run_attention(const KernelSet& k, int B, int T, int C, int NH, uint
   return r;
 }
 
+// The MLP's hidden activations (N,F) move in the backend's form (kernels.h: bf16 under kBF16 at widths that are
+// a multiple of 8, else fp32): these put them on the device and bring them back as floats.
+bool hidden_is_bf16(const KernelSet& k, int N, int F, MatmulPrecision p) {
+  return k.mlp_hidden_bytes(N, F, p) == size_t(N) * F * sizeof(uint16_t);
+}
+// `shift` floats in front of the data (get() + shift is the buffer): 1 leaves it 4-byte aligned only, which keeps
+// cuBLASLt's GELU epilogues off it (their aux matrix must be 16-byte aligned) and so tests the fallbacks.
+Dev<float> hidden_on_device(const KernelSet& k, const std::vector<float>& v, int N, int F, MatmulPrecision p,
+                            int shift = 0) {
+  std::vector<float> raw(shift + (hidden_is_bf16(k, N, F, p) ? (v.size() * 2 + 3) / 4 : v.size()), 0.0f);
+  if (!hidden_is_bf16(k, N, F, p)) {
+    std::copy(v.begin(), v.end(), raw.begin() + shift);
+  } else {
+    auto* h = reinterpret_cast<uint16_t*>(raw.data() + shift);
+    for (size_t i = 0; i < v.size(); ++i) h[i] = f32_to_bf16(v[i]);
+  }
+  return Dev<float>(raw);
+}
+std::vector<float> hidden_to_host(const KernelSet& k, const Dev<float>& d, int N, int F, MatmulPrecision p,
+                                  int shift = 0) {
+  std::vector<float> raw = d.download();
+  const size_t n = size_t(N) * F;
+  if (!hidden_is_bf16(k, N, F, p)) return {raw.begin() + shift, raw.begin() + shift + n};
+  std::vector<float> out(n);
+  const auto* h = reinterpret_cast<const uint16_t*>(raw.data() + shift);
+  for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(h[i]);
+  return out;
+}
+Dev<float> hidden_poisoned(const KernelSet& k, int N, int F, MatmulPrecision p, int shift = 0) {
+  return Dev<float>::poisoned(shift + (k.mlp_hidden_bytes(N, F, p) + 3) / 4);
+}
+
 // The MLP's linear + GELU slots against the reference's matmul and GELU. Under bf16 the GELU may be cuBLASLt's
-// epilogue's (its own tanh), so those values get 2e-3 relative on top of the accumulation's bound; the backward's
-// pre and inp are independent inputs here (the model's inp is gelu(pre)), and dpre starts as NaN: overwritten,
-// not added to.
-void check_matmul_gelu(const KernelSet& k, int N, int C, int OC, MatmulPrecision precision, uint64_t seed) {
+// epilogue's (its own tanh), so those values get 2e-3 relative on top of the accumulation's bound, and hidden
+// activations kept in bf16 another bf16 rounding (2^-8 relative; 1e-2 in all); the backward's pre and inp are
+// independent inputs here (the model's inp is gelu(pre)), and dpre starts as NaN: overwritten, not added to.
+// `shift` 1 puts pre (both directions) 4 bytes off 16-byte alignment: the GELU's own kernels instead of
+// cuBLASLt's epilogues.
+void check_matmul_gelu(const KernelSet& k, int N, int C, int OC, MatmulPrecision precision, uint64_t seed,
+                       int shift = 0) {
   const bool bf16 = precision == MatmulPrecision::kBF16;
-  SCOPED_TRACE(fmt::format("matmul+gelu N={} C={} OC={} precision={} seed={}", N, C, OC, bf16 ? "bf16" : "f32", seed));
+  SCOPED_TRACE(fmt::format("matmul+gelu N={} C={} OC={} precision={} seed={} shift={}", N, C, OC,
+                           bf16 ? "bf16" : "f32", seed, shift));
   Rng rng(seed);
   auto inp = rand_vec(size_t(N) * C, rng), weight = rand_vec(size_t(OC) * C, rng), bias = rand_vec(OC, rng);
   auto pre_b = rand_vec(size_t(N) * C, rng, -3.0, 3.0), dout = rand_vec(size_t(N) * OC, rng);
   auto dweight0 = rand_vec(weight.size(), rng), dbias0 = rand_vec(OC, rng);
-  auto round = [&](const std::vector<float>& v) {
+  // The forward writes (N,OC) hidden; the backward reads and writes (N,C) hidden.
+  const bool fwd_hidden_bf16 = hidden_is_bf16(k, N, OC, precision);
+  const bool bwd_hidden_bf16 = hidden_is_bf16(k, N, C, precision);
+  auto round = [&](const std::vector<float>& v, bool to_bf16) {
     std::vector<double> d(v.size());
-    for (size_t i = 0; i < v.size(); ++i) d[i] = bf16 ? bf16_to_f32(f32_to_bf16(v[i])) : v[i];
+    for (size_t i = 0; i < v.size(); ++i) d[i] = to_bf16 ? bf16_to_f32(f32_to_bf16(v[i])) : v[i];
     return d;
   };
-  const auto inp_d = round(inp), w_d = round(weight), dout_d = round(dout), bias_d = to_double(bias);
-  const auto pre_bd = to_double(pre_b);
+  // inp is both the forward's fp32 input (rounded by the matmul under bf16) and the backward's hidden one.
+  const auto inp_d = round(inp, bf16), w_d = round(weight, bf16), dout_d = round(dout, bf16);
+  // A bf16 output takes its bias in bf16 too (cuBLASLt's rule; autocast rounds it the same way).
+  const auto bias_d = round(bias, fwd_hidden_bf16), pre_bd = round(pre_b, bwd_hidden_bf16);
   // forward: inp (N,C) -> (N,OC)
   std::vector<double> pre(size_t(N) * OC), out(pre.size());
   ref::matmul_forward(pre.data(), inp_d.data(), w_d.data(), bias_d.data(), N, C, OC, MatmulPrecision::kF32);
@@ -318,32 +359,99 @@ void check_matmul_gelu(const KernelSet& k, int N, int C, int OC, MatmulPrecision
   for (int n = 0; n < N; ++n)
     for (int o = 0; o < OC; ++o) dbias[o] += dout[size_t(n) * OC + o];
 
-  Dev<float> g_inp(inp), g_w(weight), g_b(bias), g_pre_b(pre_b), g_dout(dout), g_dw(dweight0), g_db(dbias0);
-  auto g_out = Dev<float>::poisoned(out.size()), g_pre = Dev<float>::poisoned(pre.size());
-  auto g_dpre = Dev<float>::poisoned(dpre.size()), g_scratch = Dev<float>::poisoned(dpre.size());
-  k.matmul_gelu_forward(g_out.get(), g_pre.get(), g_inp.get(), g_w.get(), g_b.get(), N, C, OC, precision);
-  k.matmul_backward_gelu(g_dpre.get(), g_dw.get(), g_db.get(), g_dout.get(), g_inp.get(), g_pre_b.get(), g_w.get(),
-                         g_scratch.get(), N, C, OC, precision);
-  const double gelu_rtol = bf16 ? 2e-3 : kRtol;
-  EXPECT_TRUE(all_close(g_pre.download(), pre, accum_atol(C), kRtol, "pre"));
-  EXPECT_TRUE(all_close(g_out.download(), out, 1.2 * accum_atol(C) + kElemAtol, gelu_rtol, "out"));
-  EXPECT_TRUE(all_close(g_dpre.download(), dpre, 1.2 * accum_atol(OC) + kElemAtol, gelu_rtol, "dpre"));
+  Dev<float> g_inp(inp), g_w(weight), g_b(bias), g_dout(dout), g_dw(dweight0), g_db(dbias0);
+  Dev<float> g_inp_h = hidden_on_device(k, inp, N, C, precision);
+  Dev<float> g_pre_b = hidden_on_device(k, pre_b, N, C, precision, shift);
+  auto g_out = hidden_poisoned(k, N, OC, precision), g_pre = hidden_poisoned(k, N, OC, precision, shift);
+  auto g_dpre = hidden_poisoned(k, N, C, precision), g_scratch = hidden_poisoned(k, N, C, precision);
+  k.matmul_gelu_forward(g_out.get(), g_pre.get() + shift, g_inp.get(), g_w.get(), g_b.get(), N, C, OC, precision);
+  k.matmul_backward_gelu(g_dpre.get(), g_dw.get(), g_db.get(), g_dout.get(), g_inp_h.get(), g_pre_b.get() + shift,
+                         g_w.get(), g_scratch.get(), N, C, OC, precision);
+  // bf16 hidden values: up to two roundings of 2^-8 relative each (the fallback rounds the GEMM's result, then
+  // what the GELU makes of it).
+  const double gelu_rtol = bf16 ? 2e-3 : kRtol, hidden_rtol = 1.0 / 128;
+  const double fwd_rtol = fwd_hidden_bf16 ? hidden_rtol : 0.0, bwd_rtol = bwd_hidden_bf16 ? hidden_rtol : 0.0;
+  EXPECT_TRUE(
+      all_close(hidden_to_host(k, g_pre, N, OC, precision, shift), pre, accum_atol(C), kRtol + fwd_rtol, "pre"));
+  {
+    // out = gelu(pre): where pre was rounded to bf16 first (the fallback), its error reaches out through
+    // gelu' (|gelu'| < 1.2), so the bound has a term in |pre| as well as in |out|.
+    const std::vector<float> got = hidden_to_host(k, g_out, N, OC, precision);
+    size_t bad = 0;
+    std::string first;
+    for (size_t i = 0; i < out.size(); ++i) {
+      const double allowed = 1.2 * accum_atol(C) + kElemAtol + (gelu_rtol + fwd_rtol) * std::fabs(out[i]) +
+                             (fwd_hidden_bf16 ? 1.2 * std::ldexp(std::fabs(pre[i]), -8) : 0.0);
+      if (std::fabs(got[i] - out[i]) <= allowed) continue;
+      if (++bad <= 8) first += fmt::format(" [{}] got {} want {};", i, got[i], out[i]);
+    }
+    EXPECT_EQ(bad, 0u) << "out: " << bad << " of " << out.size() << " elements differ; first:" << first;
+  }
+  EXPECT_TRUE(all_close(hidden_to_host(k, g_dpre, N, C, precision), dpre, 1.2 * accum_atol(OC) + kElemAtol,
+                        gelu_rtol + bwd_rtol, "dpre"));
   EXPECT_TRUE(all_close(g_dw.download(), dweight, accum_atol(N), kRtol, "dweight"));
   EXPECT_TRUE(all_close(g_db.download(), dbias, accum_atol(N), kRtol, "dbias"));
+}
+
+// The MLP's second linear's forward from a hidden input and its first linear's backward from a hidden output
+// gradient, against the reference on the values as the backend holds them (bf16-rounded where it keeps them so).
+void check_matmul_hidden(const KernelSet& k, int N, int F, int C, MatmulPrecision precision, uint64_t seed) {
+  const bool bf16 = precision == MatmulPrecision::kBF16;
+  SCOPED_TRACE(fmt::format("hidden matmuls N={} F={} C={} precision={} seed={}", N, F, C, bf16 ? "bf16" : "f32", seed));
+  Rng rng(seed);
+  auto h = rand_vec(size_t(N) * F, rng), w2 = rand_vec(size_t(C) * F, rng), b2 = rand_vec(C, rng);
+  auto x = rand_vec(size_t(N) * C, rng), w1 = rand_vec(size_t(F) * C, rng), dh = rand_vec(size_t(N) * F, rng);
+  auto dw1_0 = rand_vec(w1.size(), rng), db1_0 = rand_vec(F, rng);
+  auto round = [&](const std::vector<float>& v) {
+    std::vector<double> d(v.size());
+    for (size_t i = 0; i < v.size(); ++i) d[i] = bf16 ? bf16_to_f32(f32_to_bf16(v[i])) : v[i];
+    return d;
+  };
+  const auto h_d = round(h), w2_d = round(w2), x_d = round(x), w1_d = round(w1), dh_d = round(dh);
+  // out (N,C) = h @ w2^T + b2
+  std::vector<double> out(size_t(N) * C);
+  ref::matmul_forward(out.data(), h_d.data(), w2_d.data(), to_double(b2).data(), N, F, C, MatmulPrecision::kF32);
+  // dx (N,C) = dh @ w1 (overwritten); dw1 += dh^T @ x; db1 += column sums of dh (as the backend holds dh)
+  std::vector<double> dx(size_t(N) * C, 0.0), dw1 = to_double(dw1_0), db1 = to_double(db1_0);
+  const bool dh_bf16 = hidden_is_bf16(k, N, F, precision);
+  const std::vector<double> dh_held = dh_bf16 ? dh_d : to_double(dh);
+  ref::matmul_backward(dx.data(), dw1.data(), static_cast<double*>(nullptr), dh_d.data(), x_d.data(), w1_d.data(), N,
+                       C, F, MatmulPrecision::kF32);
+  for (int n = 0; n < N; ++n)
+    for (int f = 0; f < F; ++f) db1[f] += dh_held[size_t(n) * F + f];
+
+  Dev<float> g_h = hidden_on_device(k, h, N, F, precision), g_dh = hidden_on_device(k, dh, N, F, precision);
+  Dev<float> g_w2(w2), g_b2(b2), g_x(x), g_w1(w1), g_dw1(dw1_0), g_db1(db1_0);
+  auto g_out = Dev<float>::poisoned(out.size()), g_dx = Dev<float>::poisoned(dx.size());
+  k.matmul_forward_hidden(g_out.get(), g_h.get(), g_w2.get(), g_b2.get(), N, F, C, precision);
+  k.matmul_backward_set_hidden(g_dx.get(), g_dw1.get(), g_db1.get(), g_dh.get(), g_x.get(), g_w1.get(), N, C, F,
+                               precision);
+  EXPECT_TRUE(all_close(g_out.download(), out, accum_atol(F), kRtol, "out"));
+  EXPECT_TRUE(all_close(g_dx.download(), dx, accum_atol(F), kRtol, "dinp (set)"));
+  EXPECT_TRUE(all_close(g_dw1.download(), dw1, accum_atol(N), kRtol, "dweight"));
+  EXPECT_TRUE(all_close(g_db1.download(), db1, accum_atol(N), kRtol, "dbias"));
+}
+
+TEST_F(CudaOpsTest, MatmulHidden) {
+  for (MatmulPrecision precision : {MatmulPrecision::kF32, MatmulPrecision::kBF16}) {
+    check_matmul_hidden(k, 64, 384, 96, precision, 28);  // bf16 hidden
+    check_matmul_hidden(k, 37, 61, 45, precision, 29);   // an odd width: fp32 hidden
+  }
 }
 
 TEST_F(CudaOpsTest, MatmulGelu) {
   for (MatmulPrecision precision : {MatmulPrecision::kF32, MatmulPrecision::kBF16}) {
     check_matmul_gelu(k, 64, 96, 384, precision, 25);  // widths that take the epilogues
     check_matmul_gelu(k, 37, 45, 61, precision, 26);   // odd widths: the unfused fallback
+    check_matmul_gelu(k, 64, 96, 384, precision, 30, /*shift=*/1);  // pre misaligned: the GELU kernels
   }
   // The GPT-2-like widths must really have run cuBLASLt's epilogues under bf16 (GELU_AUX_BIAS forward, DGELU
   // backward), not the fallback the odd widths take: the comparison above passes either way.
   const cuda::MatmulEpilogueCounts before = cuda::matmul_epilogue_counts();
   check_matmul_gelu(k, 128, 768, 3072, MatmulPrecision::kBF16, 27);
   const cuda::MatmulEpilogueCounts after = cuda::matmul_epilogue_counts();
-  EXPECT_EQ(after.fallback_plans, before.fallback_plans) << "cuBLASLt took no GELU epilogue for bf16 inputs with "
-                                                            "fp32 output and aux";
+  EXPECT_EQ(after.fallback_plans, before.fallback_plans) << "cuBLASLt took no GELU epilogue for bf16 inputs, "
+                                                            "output and aux";
   EXPECT_EQ(after.gelu_plans - before.gelu_plans, 2) << "a GELU epilogue planned before, or not planned";
 }
 
