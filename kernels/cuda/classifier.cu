@@ -7,9 +7,8 @@
 // place with their bf16 gradient (the padding written 0), which the backward GEMMs take as it is.
 #include <cstdint>
 
-#include <cuda_bf16.h>
-
 #include "kernels/composed.h"
+#include "kernels/cuda/bf16.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_context.h"
 #include "kernels/cuda/ops.h"
@@ -22,8 +21,6 @@ constexpr int kThreads = 512;
 constexpr int kVec = 8;  // bf16 per 16-byte load; the row stride is a multiple of it
 
 int padded_width(int V) { return (V + kVec - 1) / kVec * kVec; }
-
-__device__ __forceinline__ float bf16_bits_to_float(uint16_t h) { return __uint_as_float(uint32_t{h} << 16); }
 
 // One block per row of `ld` bf16 logits, of which the first V are the vocabulary's columns: lse and loss as
 // crossentropy.cu's, over the values as stored.
@@ -77,7 +74,7 @@ __global__ void classifier_dlogits_kernel(uint16_t* logits, int ld, const float*
       const int v = c * kVec + j;
       float g = 0.0f;
       if (!ignored && v < V) g = (__expf(bf16_bits_to_float(h[j]) - l) - (v == t ? 1.0f : 0.0f)) * d;
-      h[j] = __bfloat16_as_ushort(__float2bfloat16_rn(g));
+      h[j] = float_to_bf16_bits(g);
     }
     row[c] = packed;
   }

@@ -272,37 +272,44 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
 
 namespace {
 
-// The operands of a linear's backward: dout (N,OC), weight (OC,C) and inp (N,C) as the precision wants them.
-struct BackwardOperands {
-  Operand dy, w, x;
-  int k;  // the input gradient's inner dimension: OC, rounded up over the weight's zero rows in bf16
-  cudaDataType_t type;
-};
-BackwardOperands backward_operands(const float* dout, const float* inp, const float* weight, int N, int C, int OC,
-                                   MatmulPrecision precision) {
-  const bool bf16 = precision == MatmulPrecision::kBF16;
-  return {operand(dout, N, OC, precision),         // bf16: columns padded with zeros to dy.ld
-          operand(weight, OC, C, precision, bf16),  // bf16: zero rows up to a multiple of 8
-          operand(inp, N, C, precision), bf16 ? round_up(OC, kBf16RowAlign) : OC, ab_type(precision)};
-}
-// dinp^T (C,N) = W (C,OC) @ dout^T (OC,N) + beta * dinp^T.
-Gemm input_gradient(const BackwardOperands& o, float* dinp, float beta, int N, int C) {
-  return Gemm{CUBLAS_OP_N, CUBLAS_OP_N, C, N, o.k, o.w.ptr, o.w.ld, o.dy.ptr, o.dy.ld, dinp, C, beta, nullptr, o.type};
-}
-// dweight^T (C,OC) += inp^T (C,N) @ dout (N,OC); dbias (OC) += column sums of dout.
-void weight_gradients(const BackwardOperands& o, float* dweight, float* dbias, const float* dout, int N, int C,
-                      int OC) {
-  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, o.x.ptr, o.x.ld, o.dy.ptr, o.dy.ld, dweight, C, 1.0f, nullptr,
-                 o.type});
-  if (dbias != nullptr) column_sums_accumulate(dbias, dout, N, OC);
-}
-
 // dinp_beta: 1 adds into dinp (matmul_backward), 0 overwrites it (matmul_backward_set).
 void backward(float* dinp, float dinp_beta, float* dweight, float* dbias, const float* dout, const float* inp,
               const float* weight, int N, int C, int OC, MatmulPrecision precision) {
-  const BackwardOperands o = backward_operands(dout, inp, weight, N, C, OC, precision);
-  run_plain(input_gradient(o, dinp, dinp_beta, N, C));
-  weight_gradients(o, dweight, dbias, dout, N, C, OC);
+  const bool bf16 = precision == MatmulPrecision::kBF16;
+  const Operand dy = operand(dout, N, OC, precision);  // bf16: columns padded with zeros to dy.ld
+  const Operand w = operand(weight, OC, C, precision, bf16);  // bf16: zero rows up to a multiple of 8
+  const Operand x = operand(inp, N, C, precision);
+  const cudaDataType_t t = ab_type(precision);
+  // dinp^T (C,N) = W (C,OC) @ dout^T (OC,N) + beta * dinp^T, the inner dimension rounded up over the zero
+  // padding in bf16.
+  const int k = bf16 ? round_up(OC, kBf16RowAlign) : OC;
+  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_N, C, N, k, w.ptr, w.ld, dy.ptr, dy.ld, dinp, C, dinp_beta, nullptr, t});
+  // dweight^T (C,OC) += inp^T (C,N) @ dout (N,OC)
+  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x.ptr, x.ld, dy.ptr, dy.ld, dweight, C, 1.0f, nullptr, t});
+  if (dbias != nullptr) column_sums_accumulate(dbias, dout, N, OC);
+}
+
+// A linear's backward from a bf16 output gradient whose rows are padded with zeros to ld_dout (a multiple of 8):
+// dinp (N,C) = dout @ W + dinp_beta * dinp, the padding columns meeting zero weight rows; dweight (OC,C) +=
+// dout^T @ inp, the first OC of each row.
+void backward_from_bf16(float* dinp, float dinp_beta, float* dweight, const uint16_t* dout, int ld_dout,
+                        const float* inp, const float* weight, int N, int C, int OC) {
+  STRATA_ASSERT_MSG(ld_dout == round_up(OC, kBf16RowAlign), "bf16 gradient rows must be padded to a multiple of 8");
+  const Operand w = operand(weight, OC, C, MatmulPrecision::kBF16, /*pad_rows=*/true);
+  const Operand x = operand(inp, N, C, MatmulPrecision::kBF16);
+  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_N, C, N, ld_dout, w.ptr, w.ld, dout, ld_dout, dinp, C, dinp_beta, nullptr,
+                 CUDA_R_16BF});
+  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x.ptr, x.ld, dout, ld_dout, dweight, C, 1.0f, nullptr,
+                 CUDA_R_16BF});
+}
+
+// The same GEMM with no GELU epilogue, writing D to `d` instead: what a declined epilogue falls back on.
+Gemm without_epilogue(Gemm g, void* d) {
+  g.epilogue = Epilogue::kPlain;
+  g.aux = nullptr;
+  g.aux_ld = 0;
+  g.d = d;
+  return g;
 }
 
 // The MLP's hidden activations are bf16 under kBF16 where their width is a multiple of 8 (whole 16-byte rows
@@ -352,11 +359,7 @@ void matmul_gelu_forward(void* out, void* pre, const float* inp, const float* we
     if (run_gemm(g)) return;
   }
   // Without the epilogue: the same GEMM into pre, then the GELU kernel.
-  g.epilogue = Epilogue::kPlain;
-  g.aux = nullptr;
-  g.aux_ld = 0;
-  g.d = pre;
-  run_plain(g);
+  run_plain(without_epilogue(g, pre));
   gelu_forward_bf16(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(pre), n);
 }
 
@@ -396,11 +399,7 @@ void matmul_backward_gelu(void* dpre, float* dweight, float* dbias, const float*
     fused = run_gemm(g);
   }
   if (!fused) {  // the gradient of gelu(pre) into scratch (bf16), then the GELU's backward into dpre
-    g.epilogue = Epilogue::kPlain;
-    g.aux = nullptr;
-    g.aux_ld = 0;
-    g.d = scratch;
-    run_plain(g);
+    run_plain(without_epilogue(g, scratch));
     gelu_backward_bf16(static_cast<uint16_t*>(dpre), static_cast<const uint16_t*>(pre),
                        static_cast<const uint16_t*>(scratch), n);
   }
@@ -415,12 +414,8 @@ void matmul_backward_set_hidden(float* dinp, float* dweight, float* dbias, const
     matmul_backward_set(dinp, dweight, dbias, static_cast<const float*>(dout), inp, weight, N, C, OC, precision);
     return;
   }
-  const Operand w = operand(weight, OC, C, precision);  // OC is a multiple of 8: no padding rows
-  const Operand x = operand(inp, N, C, precision);
-  // dinp^T (C,N) = W (C,OC) @ dout^T (OC,N), dout already bf16 with rows of OC.
-  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_N, C, N, OC, w.ptr, w.ld, dout, OC, dinp, C, 0.0f, nullptr, CUDA_R_16BF});
-  // dweight^T (C,OC) += inp^T (C,N) @ dout (N,OC).
-  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x.ptr, x.ld, dout, OC, dweight, C, 1.0f, nullptr, CUDA_R_16BF});
+  // dout already bf16 with rows of OC, a multiple of 8 (no padding).
+  backward_from_bf16(dinp, 0.0f, dweight, static_cast<const uint16_t*>(dout), OC, inp, weight, N, C, OC);
   if (dbias != nullptr) column_sums_accumulate_bf16(dbias, static_cast<const uint16_t*>(dout), N, OC);
 }
 
@@ -437,15 +432,7 @@ void matmul_forward_bf16_out(uint16_t* out, int ld_out, const float* inp, const 
 
 void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout, int ld_dout, const float* inp,
                                const float* weight, int N, int C, int OC) {
-  STRATA_ASSERT_MSG(ld_dout == round_up(OC, kBf16RowAlign), "bf16 gradient rows must be padded to a multiple of 8");
-  const Operand w = operand(weight, OC, C, MatmulPrecision::kBF16, /*pad_rows=*/true);
-  const Operand x = operand(inp, N, C, MatmulPrecision::kBF16);
-  // dinp^T (C,N) += W (C,ld_dout) @ dout^T (ld_dout,N): the padding columns of dout meet zero weight rows.
-  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_N, C, N, ld_dout, w.ptr, w.ld, dout, ld_dout, dinp, C, 1.0f, nullptr,
-                 CUDA_R_16BF});
-  // dweight^T (C,OC) += inp^T (C,N) @ dout (N,OC), the first OC of each padded row.
-  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x.ptr, x.ld, dout, ld_dout, dweight, C, 1.0f, nullptr,
-                 CUDA_R_16BF});
+  backward_from_bf16(dinp, 1.0f, dweight, dout, ld_dout, inp, weight, N, C, OC);
 }
 
 MatmulEpilogueCounts matmul_epilogue_counts() { return epilogue_counts; }

@@ -1,5 +1,6 @@
 // reduce.cu — column_sums_accumulate (matmul's bias gradient), of fp32 or bf16 matrices, on the reductions of
 // reduce.cuh.
+#include "kernels/cuda/bf16.cuh"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/reduce.cuh"
 
@@ -16,7 +17,7 @@ struct Bf16MatrixElement {
   const uint16_t* src;
   int C;
   __device__ void operator()(int n, int c, float (&v)[1]) const {
-    v[0] = __uint_as_float(uint32_t{src[static_cast<size_t>(n) * C + c]} << 16);
+    v[0] = bf16_bits_to_float(src[static_cast<size_t>(n) * C + c]);
   }
 };
 
