@@ -149,9 +149,15 @@ Plan make_plan(const CudaContext& ctx, const Gemm& g, int align_a, int align_b, 
       cublasLtMatmulAlgoGetHeuristic(ctx.lt, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
   CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
   if (g.epilogue != Epilogue::kPlain) {
-    // A GELU epilogue cuBLASLt does not take for these types, shapes or alignments: the caller falls back. Any
-    // other failure is a bug, and fails loudly below.
-    if (heuristic == CUBLAS_STATUS_NOT_SUPPORTED || (heuristic == CUBLAS_STATUS_SUCCESS && found == 0)) {
+    // A GELU epilogue cuBLASLt does not take for these types, shapes or alignments: the caller falls back.
+    // Versions differ in how they say so (NOT_SUPPORTED, INVALID_VALUE, or no algorithm), and cublasLtMatmul's
+    // refusal below is taken the same way. Any other failure is a bug, and fails loudly below.
+    const bool refused = heuristic == CUBLAS_STATUS_NOT_SUPPORTED || heuristic == CUBLAS_STATUS_INVALID_VALUE;
+    if (refused || (heuristic == CUBLAS_STATUS_SUCCESS && found == 0)) {
+      if (refused)
+        STRATA_LOG_WARN("cuBLASLt declined a GELU epilogue for m={} n={} k={} ({}); the GEMM and the GELU kernel run "
+                        "instead",
+                        g.m, g.n, g.k, cublasGetStatusString(heuristic));
       p.supported = false;
       ++epilogue_counts.fallback_plans;
       return p;
