@@ -6,14 +6,18 @@
 #                                                 change not yet committed is measured against its parent
 #                                                 state) and put both binaries, the kernel tests and the
 #                                                 shared libraries they need into DIR (keep it under 64 MiB)
-#   scripts/gpu-ab.sh --from-bundle DIR [--rounds N] [--out DIR]   (GPU machine) measure; N rounds (default 2)
-# The baseline is built in a git worktree under build-ab/ (the first time: a full build).
+#   scripts/gpu-ab.sh --from-bundle DIR [--rounds N] [--out DIR] [--pack]   (GPU machine) measure; N rounds
+#                                                 (default 2); --pack: the logs as one DIR.tgz (the device tool
+#                                                 brings back at most 8 files)
+# The baseline is built in a git worktree under build-ab/ (the first time: a full build). Each run on the GPU
+# machine has a time limit (a hang in a new kernel fails that run, not the whole call).
 set -euo pipefail
 
 die() { echo "gpu-ab.sh: $*" >&2; exit 2; }
-mode="" bundle="" base=HEAD rounds=2 out=gpu-ab-out
+mode="" bundle="" base=HEAD rounds=2 out=gpu-ab-out pack=0
 while [[ $# -gt 0 ]]; do
-  valid="valid: --bundle DIR, --from-bundle DIR, --base REV, --rounds N, --out DIR"
+  valid="valid: --bundle DIR, --from-bundle DIR, --base REV, --rounds N, --out DIR, --pack"
+  if [[ $1 == --pack ]]; then pack=1; shift; continue; fi
   [[ $1 == -* && $# -ge 2 ]] || die "'$1' needs a value ($valid)"
   case "$1" in
     --bundle) mode=bundle bundle="$2"; shift 2 ;;
@@ -58,15 +62,18 @@ if [[ $mode == bundle ]]; then
     git log -1 --format='%h %s'
     [[ -z $(git status --porcelain) ]] || echo "(and uncommitted changes)"
   } >"$bundle/new.txt"
+  bundle_fits "$bundle" || die "bundle too big to carry"
   echo "gpu-ab.sh: bundle in $bundle ($(du -sh "$bundle" | cut -f1)): base $(cat "$bundle/base.txt")"
   exit 0
 fi
 
+bundle_require "$bundle" strata_base strata_new kernels_cuda_test base.txt || exit 2
 bundle_library_path "$bundle"
 mkdir -p "$out"
+[[ $pack == 1 ]] && trap 'bundle_pack_out "$out"' EXIT
 echo "base: $(cat "$bundle/base.txt" 2>/dev/null)"; echo "new:  $(cat "$bundle/new.txt" 2>/dev/null)"
 status=0
-if "$bundle/kernels_cuda_test" >"$out/kernels_cuda_test.log" 2>&1; then
+if timeout -k 10 300 "$bundle/kernels_cuda_test" >"$out/kernels_cuda_test.log" 2>&1; then
   skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\{0,1\}, listed below.*/\1/p' "$out/kernels_cuda_test.log")
   echo "kernels_cuda_test (new): ok${skipped:+, but $skipped skipped: no GPU?}"
 else
@@ -79,16 +86,23 @@ step=(bench step --device cuda --precision bf16 --layers 12 --heads 12 --width 7
 echo; echo "== bench step, GPT-2 124M B=8 T=1024 bf16, alternating (ms/step, loss)"
 for ((r = 1; r <= rounds; ++r)); do
   for v in base new; do
-    if ! "$bundle/strata_$v" "${step[@]}" 2>"$out/step_$v.log" >"$out/step_${v}_$r.json"; then
-      status=1; tail -5 "$out/step_$v.log"; continue
+    if ! timeout -k 10 180 "$bundle/strata_$v" "${step[@]}" 2>"$out/step_$v.log" >"$out/step_${v}_$r.json"; then
+      status=1; echo "$v: bench step failed or ran past 180 s:"; tail -5 "$out/step_$v.log"; continue
     fi
-    python3 -c 'import json, sys; d = json.load(open(sys.argv[1]))
-print("%-5s %8.3f ms  loss %.9g" % (sys.argv[2], d["step_ms"], d["loss"]))' "$out/step_${v}_$r.json" "$v"
+    # A loss that is not finite comes as null: printed, and a failure.
+    python3 -c 'import json, math, sys; d = json.load(open(sys.argv[1])); loss = d.get("loss")
+ok = isinstance(loss, (int, float)) and math.isfinite(loss)
+print("%-5s %8.3f ms  loss %s" % (sys.argv[2], d["step_ms"], "%.9g" % loss if ok else "%s (not finite)" % loss))
+sys.exit(0 if ok else 1)' "$out/step_${v}_$r.json" "$v" ||
+      { status=1; head -c 300 "$out/step_${v}_$r.json"; echo; }
   done
 done
 echo; echo "== bench kernels: ms per call, base -> new"
-for v in base new; do "$bundle/strata_$v" bench kernels >"$out/kernels_$v.txt" 2>&1 || status=1; done
-python3 - "$out/kernels_base.txt" "$out/kernels_new.txt" <<'PY'
+for v in base new; do
+  timeout -k 10 180 "$bundle/strata_$v" bench kernels >"$out/kernels_$v.txt" 2>&1 ||
+    { status=1; echo "$v: bench kernels failed or ran past 180 s:"; tail -20 "$out/kernels_$v.txt"; }
+done
+python3 - "$out/kernels_base.txt" "$out/kernels_new.txt" <<'PY' || status=1
 import sys
 def ops(path):
     rows = {}
