@@ -39,6 +39,13 @@ struct NcclCommunicator::Impl {
   bool aborted = false;       // ncclCommAbort freed the communicator
   double timeout_s = 300;
 
+  // A communicator whose set-up failed or did not finish: aborted, not finalized (ncclCommFinalize and
+  // ncclCommDestroy wait for peers, and for a pending initialisation, that may never come).
+  void abandon() {
+    if (comm != nullptr && !aborted) ncclCommAbort(comm);
+    aborted = true;
+  }
+
   ~Impl() {
     if (comm != nullptr && !aborted) {
       ncclCommFinalize(comm);
@@ -88,12 +95,27 @@ Result<std::unique_ptr<NcclCommunicator>> NcclCommunicator::create(Communicator&
                             bootstrap.rank() == 0 ? fmt::format(" ({})", ncclGetErrorString(made)) : "");
   }
   const ncclUniqueId& id = shared.id;
-  STRATA_RETURN_IF_ERROR(impl->prepare());
+  // Every rank's stream and scratch, agreed on before the initialisation, which is collective: a rank that
+  // returned here alone would leave its peers in it until their timeout. The highest failing rank is named.
+  const Status prepared = impl->prepare();
+  const float failed_here = prepared.is_ok() ? 0.0f : static_cast<float>(bootstrap.rank() + 1);
+  float failed = 0.0f;
+  STRATA_RETURN_IF_ERROR(bootstrap.all_reduce(&failed_here, &failed, 1, DType::kF32, ReduceOp::kMax)
+                             .with_context(fmt::format("NCCL communicator '{}': agreeing on its set-up", name)));
+  if (!prepared.is_ok()) {
+    return Status::internal("NCCL communicator '{}' (rank {} of {}): {}", name, bootstrap.rank(), bootstrap.size(),
+                            prepared.message());
+  }
+  if (failed != 0.0f) {
+    return Status::internal("NCCL communicator '{}': rank {} could not set up its stream and buffer", name,
+                            static_cast<int>(failed) - 1);
+  }
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   ncclResult_t r = ncclCommInitRankConfig(&impl->comm, bootstrap.size(), id, bootstrap.rank(), &config);
   if (r == ncclInProgress) r = settle(impl->comm, timeout_s);
   if (r != ncclSuccess) {
+    impl->abandon();
     return Status(r == ncclInProgress ? StatusCode::kDeadlineExceeded : StatusCode::kInternal,
                   fmt::format("NCCL communicator '{}' (rank {} of {}): {}", name, bootstrap.rank(), bootstrap.size(),
                               r == ncclInProgress ? "initialisation did not finish in time" : ncclGetErrorString(r)));
@@ -264,6 +286,7 @@ Result<std::unique_ptr<Communicator>> NcclCommunicator::split(int color, int key
   }
   if (r == ncclSuccess) r = impl->comm == nullptr ? ncclInternalError : settle(impl->comm, timeout_s_);
   if (r != ncclSuccess) {
+    impl->abandon();
     return Status(r == ncclInProgress ? StatusCode::kDeadlineExceeded : StatusCode::kInternal,
                   fmt::format("split of NCCL group '{}' into '{}': {}", name_, name,
                               r == ncclInProgress ? "the new group did not finish in time" : ncclGetErrorString(r)));

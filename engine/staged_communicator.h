@@ -131,8 +131,9 @@ using DevicePlaneFactory = std::function<Result<std::unique_ptr<comm::Communicat
 // `backend` is "mpi" — NCCL, or what `make_plane` makes (tests: MPI posing as NCCL). "auto" takes NCCL when
 // this build has it and no two ranks of the group share a GPU, and says why not otherwise; "nccl" fails where
 // "auto" would not take it, naming why. Where the plane fails to start on any rank, "auto" stages the group
-// (a warning says why) and "nccl" fails on every rank. Collective over `group` (the ranks compare their GPUs and
-// agree on the plane). Null stays null; `owned` keeps the wrapper alive.
+// (a warning says why) and "nccl" fails on every rank of the group (ranks of other groups learn of it from the
+// caller: the command aborts the job). Collective over `group` (the ranks compare their GPUs and agree on the
+// plane). Null stays null; `owned` keeps the wrapper alive.
 Result<comm::Communicator*> device_collectives(comm::Communicator* group, kernels::Device& device,
                                                const std::string& backend, const DevicePlaneFactory& make_plane,
                                                std::unique_ptr<comm::Communicator>* owned);
