@@ -38,7 +38,8 @@ data: deps-demo build
 
 demo: data
 	@mkdir -p runs/demo
-	$(STRATA) train --config examples/configs/demo.json --metrics runs/demo/metrics.jsonl
+	$(STRATA) train --config examples/configs/demo.json --metrics runs/demo/metrics.jsonl \
+	    --set training.overwrite_checkpoints=true
 
 bench-step: build
 	$(STRATA) bench step

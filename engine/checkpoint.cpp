@@ -201,26 +201,39 @@ Status replace_dir(const fs::path& from, const fs::path& to) {
   return Status::ok();
 }
 
+// The folders under `dir` whose names start with "step_", listed before anything renames or removes them
+// (doing so while iterating may skip or repeat entries).
+std::vector<fs::path> step_folders(const std::string& dir) {
+  std::error_code ec;
+  std::vector<fs::path> folders;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (e.is_directory(ec) && e.path().filename().string().starts_with("step_")) folders.push_back(e.path());
+  }
+  return folders;
+}
+
+// Removes the leftovers of saves that failed or were killed ("step_*.tmp": never a checkpoint `latest` could
+// name; not "step_*.tmp.old", which can be the only copy of a step: see prune_checkpoints).
+void remove_unfinished_saves(const std::string& checkpoint_dir) {
+  std::error_code ec;
+  for (const fs::path& p : step_folders(checkpoint_dir)) {
+    if (p.filename().string().ends_with(".tmp")) fs::remove_all(p, ec);
+  }
+}
+
 // Keeps the `keep` checkpoints with the highest steps, counting `written` (the one just saved, never removed:
 // after a resume from an earlier step, the later steps of the abandoned run sort above it), and removes the
-// leftovers of saves that failed or were killed ("step_*.tmp": never a checkpoint `latest` could name). A
-// "step_N.tmp.old" is replace_dir's fallback killed halfway: the old step_N moved aside. With a step_N beside
-// it, the new one made it into place and the old one goes; without, it is the only copy of step N and goes
-// back to its name (load_checkpoint reads it from there meanwhile).
+// leftovers of saves that failed or were killed. A "step_N.tmp.old" is replace_dir's fallback killed halfway:
+// the old step_N moved aside. With a step_N beside it, the new one made it into place and the old one goes;
+// without, it is the only copy of step N and goes back to its name (load_checkpoint reads it from there
+// meanwhile).
 void prune_checkpoints(const std::string& checkpoint_dir, const std::string& written, int keep) {
   std::error_code ec;
+  remove_unfinished_saves(checkpoint_dir);
   std::vector<std::pair<int64_t, fs::path>> others;
-  std::vector<fs::path> entries;
-  for (const auto& e : fs::directory_iterator(checkpoint_dir, ec)) {
-    if (e.is_directory(ec)) entries.push_back(e.path());
-  }
-  for (fs::path p : entries) {  // listed first: renaming while iterating may skip or repeat entries
+  for (fs::path p : step_folders(checkpoint_dir)) {
     std::string n = p.filename().string();
-    if (!n.starts_with("step_") || n == written) continue;
-    if (n.ends_with(".tmp")) {
-      fs::remove_all(p, ec);
-      continue;
-    }
+    if (n == written || n.ends_with(".tmp")) continue;
     if (n.ends_with(".tmp.old")) {
       const fs::path original = p.parent_path() / n.substr(0, n.size() - 8);
       if (fs::exists(original, ec)) {
@@ -254,13 +267,38 @@ fs::path moved_aside_if_missing(const fs::path& dir) {
 
 }  // namespace
 
+Status check_no_checkpoints(const std::string& checkpoint_dir) {
+  const fs::path dir(checkpoint_dir);
+  std::error_code ec;
+  std::string found;
+  if (fs::exists(dir / "latest", ec)) {
+    std::ifstream in(dir / "latest");
+    std::string name;
+    std::getline(in, name);
+    found = fmt::format("'latest' names {}", name.empty() ? std::string("nothing") : name);
+  } else {
+    for (const fs::path& p : step_folders(checkpoint_dir)) {
+      if (!p.filename().string().ends_with(".tmp") && fs::exists(p / "state.json", ec)) {
+        found = p.filename().string();
+        break;
+      }
+    }
+  }
+  if (found.empty()) return Status::ok();
+  return Status::invalid_argument(
+      "training.checkpoint_dir {} already holds checkpoints ({}): --resume continues that run; a new one would "
+      "replace them step by step and prune them, so give it another folder (--checkpoint-dir), remove them, or set "
+      "training.overwrite_checkpoints = true to start over there",
+      checkpoint_dir, found);
+}
+
 Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT2& model, Optimizer& opt,
                                     const TrainState& state, int keep) {
   const std::string name = fmt::format("step_{:06d}", state.step);
   const fs::path final_dir = fs::path(checkpoint_dir) / name;
   const fs::path tmp_dir = fs::path(checkpoint_dir) / (name + ".tmp");
   std::error_code ec;
-  fs::remove_all(tmp_dir, ec);
+  remove_unfinished_saves(checkpoint_dir);
   fs::create_directories(tmp_dir, ec);
   if (ec) return Status::io_error("cannot create checkpoint folder {}: {}", tmp_dir.string(), ec.message());
 

@@ -37,8 +37,13 @@ Status save_model(const GPT2& model, const std::string& path);
 // Loads weights into a model of the same config; errors name the file and the tensor that disagrees.
 Status load_model(GPT2& model, const std::string& path);
 
+// For a run that does not resume: `checkpoint_dir` must hold no checkpoint (an earlier run's, which this run's
+// saves would replace step by step and prune); the error says which it found and the ways on.
+Status check_no_checkpoints(const std::string& checkpoint_dir);
+
 // Saves a checkpoint for `state.step` under `checkpoint_dir`; keeps the newest `keep` (0 = all). Returns the
-// directory written.
+// directory written. Unfinished saves' folders ("step_*.tmp", from a failed or killed save) go first, so that
+// one left by a full disk does not make the next save fail too.
 Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT2& model, Optimizer& opt,
                                     const TrainState& state, int keep);
 

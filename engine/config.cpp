@@ -195,6 +195,7 @@ Result<RunConfig> parse_run_config(const nlohmann::json& given, const std::strin
   STRATA_RETURN_IF_ERROR(tr.get_int("checkpoint_every", &t.checkpoint_every));
   STRATA_RETURN_IF_ERROR(tr.get_string("checkpoint_dir", &t.checkpoint_dir));
   STRATA_RETURN_IF_ERROR(tr.get_int("keep_checkpoints", &t.keep_checkpoints));
+  STRATA_RETURN_IF_ERROR(tr.get_bool("overwrite_checkpoints", &t.overwrite_checkpoints));
   STRATA_RETURN_IF_ERROR(tr.get_int("log_every", &t.log_every));
   STRATA_RETURN_IF_ERROR(tr.get_string("init_from", &t.init_from));
   STRATA_RETURN_IF_ERROR(tr.get_int("global_batch_size", &t.global_batch_size));

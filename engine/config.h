@@ -43,6 +43,9 @@ struct TrainingConfig {
   int checkpoint_every = 0;  // steps; 0: only at the end
   std::string checkpoint_dir = "runs/latest";
   int keep_checkpoints = 2;  // newest N kept; 0 keeps all
+  // A run that does not resume refuses a checkpoint_dir holding checkpoints (its saves would replace and prune
+  // them); true lets it start over there.
+  bool overwrite_checkpoints = false;
   int log_every = 1;
   std::string init_from;  // a model.safetensors to start from (fine-tuning); empty: GPT-2 init from seed
   // Sequences per optimizer step over every data-parallel rank (DeepSpeed's train_batch_size): when set, it must

@@ -84,6 +84,9 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
 
   // Everything that can fail on input is checked before the first step.
   STRATA_RETURN_IF_ERROR(check_writable_dir(tc.checkpoint_dir, "training.checkpoint_dir"));
+  // A new run would replace and prune an earlier run's checkpoints there: refused unless asked for.
+  if (options.resume.empty() && !tc.overwrite_checkpoints)
+    STRATA_RETURN_IF_ERROR(check_no_checkpoints(tc.checkpoint_dir));
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> metrics(nullptr, &std::fclose);
   if (!options.metrics_path.empty() && leader) {
     metrics.reset(std::fopen(options.metrics_path.c_str(), options.resume.empty() ? "w" : "a"));

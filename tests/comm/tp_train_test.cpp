@@ -40,6 +40,7 @@ class TensorParallelTest : public TrainerTest {
     j["model"]["n_head"] = 4;
     j["training"]["grad_accum_steps"] = accum;
     j["training"]["checkpoint_dir"] = (shared / name).string();
+    j["training"]["overwrite_checkpoints"] = true;  // run_all trains "one" again in each of its calls
     return j;
   }
 

@@ -1,8 +1,9 @@
 // checkpoint_test.cpp — saving a checkpoint never loses the last good one: `keep` counts checkpoints by their
 // step number and never removes the one just written (also after a resume from an earlier step, and past
 // step 999999, where the names stop sorting as text), a second save of the same step replaces the first
-// whole, leftovers of failed saves go, a checkpoint moved aside by a save killed halfway is read and restored,
-// and a `latest` naming a missing folder is an error naming it.
+// whole, leftovers of failed saves go (before the next save writes, so one left by a full disk does not fail
+// it too), a checkpoint moved aside by a save killed halfway is read and restored, a `latest` naming a missing
+// folder is an error naming it, and a folder holding checkpoints is refused to a run that would start over.
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -128,6 +129,34 @@ TEST_F(CheckpointTest, ASecondSaveOfAStepReplacesTheFirstWhole) {
   ASSERT_TRUE(state.is_ok()) << state.status().to_string();
   ASSERT_EQ(got.size(), want.size());
   EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
+}
+
+TEST_F(CheckpointTest, AFailedSavesLeftoverGoesBeforeTheNextSaveWrites) {
+  // What a save that ran out of space leaves: a whole model file in its ".tmp" folder. With a keep of 0 the
+  // pruning (which removed such folders after a save) never runs, so only the save itself can take it away
+  // before it writes.
+  fs::create_directories(fs::path(dir_) / "step_000003.tmp");
+  std::ofstream(fs::path(dir_) / "step_000003.tmp" / "model.safetensors") << std::string(4096, 'x');
+  fake("step_000002.tmp.old");  // may be the only copy of a step: not a leftover
+  save(4, 0);
+  EXPECT_FALSE(has("step_000003.tmp"));
+  EXPECT_TRUE(has("step_000002.tmp.old"));
+  EXPECT_TRUE(has("step_000004"));
+}
+
+TEST_F(CheckpointTest, AFolderHoldingCheckpointsIsRefusedToANewRun) {
+  ASSERT_OK(check_no_checkpoints(dir_));  // none yet (the folder does not even exist)
+  fs::create_directories(fs::path(dir_) / "step_000009.tmp");  // an unfinished save is no checkpoint
+  ASSERT_OK(check_no_checkpoints(dir_));
+  fake("step_000010");  // a checkpoint without `latest` (a run killed before its first save finished naming it)
+  Status refused = check_no_checkpoints(dir_);
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("step_000010"), std::string::npos) << refused.message();
+  save(11, 2);
+  refused = check_no_checkpoints(dir_);
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  for (const char* part : {"'latest' names step_000011", "--resume", "training.overwrite_checkpoints", dir_.c_str()})
+    EXPECT_NE(refused.message().find(part), std::string::npos) << part << " not in: " << refused.message();
 }
 
 TEST_F(CheckpointTest, ALatestNamingAMissingFolderIsAnErrorNamingIt) {

@@ -60,6 +60,18 @@ TEST_F(TrainerTest, ResumeGivesTheSameWeightsAsAStraightRun) {
   EXPECT_EQ(name, "step_000006");
   for (const auto& e : fs::directory_iterator(dir_ / "resumed"))
     EXPECT_FALSE(e.path().string().ends_with(".tmp")) << e.path();
+  // A new run in that folder would replace and prune its checkpoints: refused before anything is written,
+  // unless asked for.
+  const std::vector<char> before = file_bytes(dir_ / "resumed" / "step_000006" / "model.safetensors");
+  auto again = train(resumed);
+  EXPECT_EQ(again.status().code(), StatusCode::kInvalidArgument) << again.status().to_string();
+  EXPECT_NE(again.status().message().find("already holds checkpoints"), std::string::npos)
+      << again.status().to_string();
+  EXPECT_EQ(file_bytes(dir_ / "resumed" / "step_000006" / "model.safetensors"), before);
+  resumed["training"]["overwrite_checkpoints"] = true;
+  auto over = train(resumed);
+  ASSERT_TRUE(over.is_ok()) << over.status().to_string();
+  EXPECT_EQ(over->steps, 6);
 }
 
 TEST_F(TrainerTest, GradientAccumulationMatchesOneLargeBatch) {
