@@ -365,6 +365,18 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   speculation_.early_reads = gated_update;
   if (speculating) {
     Handoff& h = *handoff_;
+    // A worker that already failed (a read, a checksum, a write) has rolled every sub-group back, though some
+    // were published during backward: the step fails with its error, the published ones restored, instead of
+    // being confirmed with the state of before it.
+    Status worker;
+    {
+      std::lock_guard lock(h.mu);
+      if (h.done) worker = h.status;
+    }
+    if (!worker.is_ok()) {
+      STRATA_RETURN_IF_ERROR(abandon_speculation(/*restore=*/true));
+      return worker.with_context("the optimizer's updates during backward (resume from a checkpoint)");
+    }
     if (finite && hp.lr == speculated_hp_.lr && hp.grad_scale == speculated_hp_.grad_scale) {
       // The guess was right: the updates done during backward stand, and the rest follows with the same
       // parameters, overlapping the next forward.
