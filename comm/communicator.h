@@ -50,6 +50,11 @@ class Communicator {
 
   // The ranks with the same `color` form a new communicator, ordered by `key` (then by rank here). Collective.
   virtual Result<std::unique_ptr<Communicator>> split(int color, int key, const std::string& name) = 0;
+
+  // How long a call waits for the other ranks before it fails (seconds), and changing that for waits known to
+  // be long (the ranks waiting while one of them writes a checkpoint). Each rank sets its own; not collective.
+  virtual double timeout() const = 0;
+  virtual void set_timeout(double seconds) = 0;
 };
 
 }  // namespace strata::comm

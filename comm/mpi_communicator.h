@@ -67,6 +67,8 @@ class MpiCommunicator final : public Communicator {
                    DType dtype, int tag) override;
   Status barrier() override;
   Result<std::unique_ptr<Communicator>> split(int color, int key, const std::string& name) override;
+  double timeout() const override { return options_.timeout_s; }
+  void set_timeout(double seconds) override { options_.timeout_s = seconds; }
 
  private:
   MpiCommunicator(MPI_Comm comm, std::string name, const MpiOptions& options);

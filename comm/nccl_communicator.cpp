@@ -264,6 +264,11 @@ Status NcclCommunicator::send_recv(const void* send, size_t send_count, int dest
   return wait("send_recv", send_count + recv_count);
 }
 
+void NcclCommunicator::set_timeout(double seconds) {
+  timeout_s_ = seconds;
+  impl_->timeout_s = seconds;
+}
+
 Status NcclCommunicator::barrier() { return all_reduce(impl_->scratch, impl_->scratch, 1, DType::kF32, ReduceOp::kSum); }
 
 Result<std::unique_ptr<Communicator>> NcclCommunicator::split(int color, int key, const std::string& name) {

@@ -43,6 +43,8 @@ class NcclCommunicator final : public Communicator {
                    DType dtype, int tag) override;
   Status barrier() override;
   Result<std::unique_ptr<Communicator>> split(int color, int key, const std::string& name) override;
+  double timeout() const override { return timeout_s_; }
+  void set_timeout(double seconds) override;
 
  private:
   struct Impl;

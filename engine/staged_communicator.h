@@ -64,6 +64,11 @@ class StagedCommunicator final : public comm::Communicator {
   Status barrier() override { return host_->barrier(); }
   // The split of the host communicator (and of the device plane), staged through this device too.
   Result<std::unique_ptr<comm::Communicator>> split(int color, int key, const std::string& name) override;
+  double timeout() const override { return host_->timeout(); }
+  void set_timeout(double seconds) override {  // both planes: a call may go over either
+    host_->set_timeout(seconds);
+    if (plane_) plane_->set_timeout(seconds);
+  }
   // The same, with or without a device plane (without: its calls on device buffers staged through host memory).
   Result<std::unique_ptr<comm::Communicator>> split(int color, int key, const std::string& name,
                                                     bool with_device_plane);

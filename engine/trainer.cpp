@@ -29,6 +29,10 @@ namespace strata::engine {
 namespace {
 
 volatile std::sig_atomic_t g_stop_signal = 0;
+
+// How long the other ranks wait for the one writing a checkpoint (its model file, the moments it gathers, the
+// fsyncs): longer than any collective should take, but still an end to a leader that hangs.
+constexpr double kCheckpointWaitS = 3600;
 extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
 
 std::string hms(double seconds) {
@@ -298,6 +302,29 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     STRATA_ASSIGN_OR_RETURN(summary.checkpoint, std::move(saved));
     return Status::ok();
   };
+  // Every rank ends a checkpoint together, knowing whether every rank's part succeeded, however long the
+  // leader's writing takes: a rank that went on as soon as its own part was done could end the job (a signal,
+  // an error: MPI_Abort) while the leader was still writing, or fail in the next step's first collective after
+  // the groups' timeout under a long save. Meanwhile the groups wait up to kCheckpointWaitS.
+  auto checkpoint_together = [&]() -> Status {
+    std::vector<std::pair<comm::Communicator*, double>> groups;  // and their own timeouts
+    for (comm::Communicator* g : {tp, pp, dp}) {
+      if (g == nullptr) continue;
+      groups.emplace_back(g, g->timeout());
+      g->set_timeout(std::max(g->timeout(), kCheckpointWaitS));
+    }
+    const Status mine = checkpoint();
+    float failed = mine.is_ok() ? 0.0f : 1.0f;
+    Status agreed = Status::ok();
+    for (auto& [g, timeout] : groups) {  // over each axis of the grid: every rank's maximum
+      if (agreed.is_ok()) agreed = g->all_reduce(&failed, &failed, 1, DType::kF32, comm::ReduceOp::kMax);
+    }
+    for (auto& [g, timeout] : groups) g->set_timeout(timeout);
+    if (!mine.is_ok()) return mine;
+    STRATA_RETURN_IF_ERROR(agreed.with_context("ranks ending a checkpoint together"));
+    if (failed != 0.0f) return Status::internal("checkpoint: another rank's part of it failed (its message says why)");
+    return Status::ok();
+  };
 
   Timer run_timer;
   const int first_step = state.step;
@@ -311,7 +338,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     }
     if (stop != 0) {
       STRATA_LOG_WARN("signal {} received: saving a checkpoint at step {} and stopping", int(stop), state.step);
-      STRATA_RETURN_IF_ERROR(checkpoint());
+      STRATA_RETURN_IF_ERROR(checkpoint_together());
       STRATA_LOG_INFO("checkpoint: {}", summary.checkpoint);
       return Status(StatusCode::kInternal, fmt::format("interrupted by signal {}; resume with --resume {}", int(stop),
                                                        tc.checkpoint_dir));
@@ -378,7 +405,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     if (skipped) {
       STRATA_LOG_WARN("step {}: gradient norm is {}; update skipped", state.step + 1, norm);
       if (++skipped_in_a_row >= 10) {
-        STRATA_RETURN_IF_ERROR(checkpoint());
+        STRATA_RETURN_IF_ERROR(checkpoint_together());
         return Status::internal("10 steps in a row had non-finite gradients (last loss {}); stopped, checkpoint {}",
                                 loss, summary.checkpoint);
       }
@@ -419,13 +446,13 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     }
     if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0 && done != tc.max_steps) {
       state.step = done;
-      STRATA_RETURN_IF_ERROR(checkpoint());
+      STRATA_RETURN_IF_ERROR(checkpoint_together());
       if (options.progress) STRATA_LOG_INFO("checkpoint: {}", summary.checkpoint);
       state.step = done - 1;
     }
   }
   if (summary.steps > 0 || options.resume.empty()) {
-    STRATA_RETURN_IF_ERROR(checkpoint());
+    STRATA_RETURN_IF_ERROR(checkpoint_together());
   }
   const double total_s = run_timer.seconds();
   summary.tokens_per_s = total_s > 0 ? summary.steps * tokens_per_step / total_s : 0.0;

@@ -178,5 +178,28 @@ TEST(MpiCommTest, ARankThatDoesNotArriveIsADeadlineNotAHang) {
   EXPECT_TRUE(w->barrier().is_ok());
 }
 
+// What the ranks do while one writes a checkpoint: raise their timeout for a wait known to be long, then put
+// it back. The same late rank that fails the 1 s group above is waited for.
+TEST(MpiCommTest, ARaisedTimeoutWaitsForALateRankAndCanBeLoweredAgain) {
+  auto w = world();
+  auto quick_world = world(1.0);
+  auto g = quick_world->split(0, w->rank(), "patient");
+  ASSERT_TRUE(g.is_ok()) << g.status().to_string();
+  std::unique_ptr<Communicator> patient = std::move(g).value();
+  EXPECT_EQ(patient->timeout(), 1.0);
+  patient->set_timeout(10.0);
+  float x = 1, y = 0;
+  if (w->rank() == 3) std::this_thread::sleep_for(std::chrono::seconds(2));
+  const Status st = patient->all_reduce(&x, &y, 1, DType::kF32, ReduceOp::kSum);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(y, 4.0f);
+  patient->set_timeout(1.0);
+  EXPECT_EQ(patient->timeout(), 1.0);
+  EXPECT_TRUE(patient->barrier().is_ok());
+  patient.reset();
+  quick_world.reset();
+  EXPECT_TRUE(w->barrier().is_ok());
+}
+
 }  // namespace
 }  // namespace strata::comm

@@ -29,6 +29,8 @@ class SelfCommunicator final : public Communicator {
   Result<std::unique_ptr<Communicator>> split(int, int, const std::string&) override {
     return std::unique_ptr<Communicator>(new SelfCommunicator());
   }
+  double timeout() const override { return timeout_s_; }  // nothing to wait for; kept for the interface
+  void set_timeout(double seconds) override { timeout_s_ = seconds; }
 
  private:
   static Status copy(const void* s, void* r, size_t n, DType t) {
@@ -36,6 +38,7 @@ class SelfCommunicator final : public Communicator {
     return Status::ok();
   }
   std::string name_ = "self";
+  double timeout_s_ = 300;
 };
 
 }  // namespace strata::comm::testing

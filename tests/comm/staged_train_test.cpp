@@ -103,6 +103,8 @@ class Checked final : public comm::Communicator {
     if (part == nullptr) return part;
     return std::unique_ptr<comm::Communicator>(std::make_unique<Checked>(std::move(part), device_, want_, calls_));
   }
+  double timeout() const override { return inner_->timeout(); }
+  void set_timeout(double seconds) override { inner_->set_timeout(seconds); }
 
  private:
   int plane_tag(int tag) const { return want_ == Memory::kDevice ? 0 : tag; }
