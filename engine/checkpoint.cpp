@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <sstream>
 #include <vector>
 
@@ -267,6 +268,91 @@ fs::path moved_aside_if_missing(const fs::path& dir) {
 
 }  // namespace
 
+std::vector<ShardRecord> shard_records(const DataLoader& loader) {
+  std::vector<ShardRecord> out;
+  for (size_t i = 0; i < loader.paths().size(); ++i)
+    out.push_back({fs::path(loader.paths()[i]).filename().string(), loader.shard_tokens()[i]});
+  return out;
+}
+
+Result<size_t> resume_shard(const std::vector<ShardRecord>& saved, const DataLoader::Position& pos,
+                            const std::vector<ShardRecord>& now, const std::string& what) {
+  if (saved.empty()) return pos.shard;
+  if (pos.shard >= saved.size())
+    return Status::corruption("the checkpoint's {} position names shard {}, but it lists {} shards", what, pos.shard,
+                              saved.size());
+  const ShardRecord& at = saved[pos.shard];
+  if (now != saved) {
+    // Each side's shards the other lacks, named (the first few).
+    auto missing_from = [](const std::vector<ShardRecord>& a, const std::vector<ShardRecord>& b) {
+      std::string names;
+      size_t n = 0;
+      for (const ShardRecord& r : a) {
+        if (std::find(b.begin(), b.end(), r) != b.end()) continue;
+        if (++n <= 3) names += (names.empty() ? "" : ", ") + r.file;
+      }
+      if (n > 3) names += fmt::format(" and {} more", n - 3);
+      return n == 0 ? std::string("none") : names;
+    };
+    STRATA_LOG_WARN("{} differs from the shards the checkpoint's run read: new {}; gone {}", what,
+                    missing_from(now, saved), missing_from(saved, now));
+  }
+  if (pos.shard < now.size() && now[pos.shard] == at) return pos.shard;
+  std::vector<size_t> found;
+  for (size_t i = 0; i < now.size(); ++i) {
+    if (now[i] == at) found.push_back(i);
+  }
+  if (found.size() == 1) {
+    STRATA_LOG_WARN("{}: the checkpoint's position is in {}, now shard {} (it was shard {})", what, at.file,
+                    found[0], pos.shard);
+    return found[0];
+  }
+  std::string there = "no shard";
+  if (pos.shard < now.size())
+    there = fmt::format("{} ({} tokens)", now[pos.shard].file, now[pos.shard].tokens);
+  return Status::invalid_argument(
+      "{}: the checkpoint's position is token {} of {} ({} tokens, shard {} of the {} its run read), but {} its "
+      "shards give {} there{}: resuming would read other data than the run it continues; resume with the data it "
+      "trained on (state.json lists its shards)",
+      what, pos.offset, at.file, at.tokens, pos.shard, saved.size(), what, there,
+      found.size() > 1 ? fmt::format(", and {} shards have that name and size", found.size()) : std::string());
+}
+
+namespace {
+
+void flatten(const nlohmann::json& j, const std::string& prefix, std::map<std::string, std::string>* out) {
+  if (j.is_object()) {  // an empty one adds no key
+    for (const auto& [k, v] : j.items()) flatten(v, prefix.empty() ? k : prefix + "." + k, out);
+  } else {
+    (*out)[prefix] = j.dump();
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> config_changes(const nlohmann::json& saved, const nlohmann::json& now) {
+  std::map<std::string, std::string> a, b;
+  flatten(saved, "", &a);
+  flatten(now, "", &b);
+  std::vector<std::string> out;
+  auto ia = a.begin();
+  auto ib = b.begin();
+  while (ia != a.end() || ib != b.end()) {
+    if (ib == b.end() || (ia != a.end() && ia->first < ib->first)) {
+      out.push_back(fmt::format("{}: {} -> (unset)", ia->first, ia->second));
+      ++ia;
+    } else if (ia == a.end() || ib->first < ia->first) {
+      out.push_back(fmt::format("{}: (unset) -> {}", ib->first, ib->second));
+      ++ib;
+    } else {
+      if (ia->second != ib->second) out.push_back(fmt::format("{}: {} -> {}", ia->first, ia->second, ib->second));
+      ++ia;
+      ++ib;
+    }
+  }
+  return out;
+}
+
 Status check_no_checkpoints(const std::string& checkpoint_dir) {
   const fs::path dir(checkpoint_dir);
   std::error_code ec;
@@ -317,6 +403,11 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
        {{"shard", state.train_pos.shard}, {"offset", state.train_pos.offset}, {"epoch", state.train_pos.epoch}}},
       {"config", state.config},
   };
+  if (!state.train_shards.empty()) {
+    nlohmann::json shards = nlohmann::json::array();
+    for (const ShardRecord& r : state.train_shards) shards.push_back({{"file", r.file}, {"tokens", r.tokens}});
+    js["train_shards"] = std::move(shards);
+  }
   STRATA_RETURN_IF_ERROR(write_text_atomic((tmp_dir / "state.json").string(), js.dump(2) + "\n"));
 
   // In place; a checkpoint of the same step already there (a signal right after a periodic save, or an earlier
@@ -346,7 +437,8 @@ Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt, const std::fun
   return Status::ok();
 }
 
-Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimizer& opt) {
+Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimizer& opt,
+                                   const std::function<Status(const TrainState&)>& check) {
   fs::path dir(path);
   std::error_code ec;
   if (fs::exists(dir / "latest", ec)) {
@@ -361,6 +453,22 @@ Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimiz
                                name, (dir / "state.json").string());
   } else {
     dir = moved_aside_if_missing(dir);
+    if (!fs::exists(dir / "state.json", ec)) {  // a checkpoint_dir whose run stopped before writing `latest`?
+      int64_t best = -1;
+      fs::path found;
+      for (const fs::path& p : step_folders(path)) {
+        const int64_t step = checkpoint_step(p.filename().string());
+        if (step > best && fs::exists(p / "state.json", ec)) {
+          best = step;
+          found = p;
+        }
+      }
+      if (best >= 0) {
+        STRATA_LOG_WARN("{} has no 'latest' (its run stopped before writing one); reading {}, its highest step", path,
+                        found.string());
+        dir = found;
+      }
+    }
   }
   if (!fs::exists(dir / "state.json", ec)) {
     return Status::not_found("{} is not a checkpoint (no state.json, and no 'latest' file naming one)", path);
@@ -383,9 +491,12 @@ Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimiz
     st.train_pos.offset = p.at("offset").get<size_t>();
     st.train_pos.epoch = p.at("epoch").get<uint64_t>();
     st.config = js.value("config", nlohmann::json::object());
+    for (const auto& r : js.value("train_shards", nlohmann::json::array()))
+      st.train_shards.push_back({r.at("file").get<std::string>(), r.at("tokens").get<uint64_t>()});
   } catch (const nlohmann::json::exception& e) {
     return Status::corruption("{}: missing or malformed field: {}", (dir / "state.json").string(), e.what());
   }
+  if (check) STRATA_RETURN_IF_ERROR(check(st));
   STRATA_RETURN_IF_ERROR(load_model(model, (dir / "model.safetensors").string()));
   STRATA_ASSIGN_OR_RETURN(SafetensorsFile f, SafetensorsFile::open((dir / "optimizer.safetensors").string()));
   // After the parameters: an offloaded optimizer takes its master weights from them.

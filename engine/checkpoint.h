@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -22,11 +23,36 @@
 
 namespace strata::engine {
 
+// One shard of a data source as a checkpoint records it: enough to tell whether a resumed run reads the same
+// tokens from the position the checkpoint counts in.
+struct ShardRecord {
+  std::string file;     // the file's name without its folder (data moved elsewhere is still the same data)
+  uint64_t tokens = 0;  // its token count
+  bool operator==(const ShardRecord&) const = default;
+};
+
 struct TrainState {
   int step = 0;  // optimizer steps completed
   DataLoader::Position train_pos;
+  std::vector<ShardRecord> train_shards;  // data.train's shards; empty in checkpoints from before they were kept
   nlohmann::json config;  // the effective config of the run that wrote it
 };
+
+// The shards a loader reads, as a checkpoint records them.
+std::vector<ShardRecord> shard_records(const DataLoader& loader);
+
+// Where a resumed run continues in its data: the index, in `now` (the resumed run's shards), of the shard
+// `saved[pos.shard]` the checkpoint's position is in. The same index when that shard is still there; another
+// when shards were added or removed before it (the file found by name, once, with the same token count; a
+// warning says so); an error naming the file when it is missing or has other tokens, since the run would
+// silently read other data. Checkpoints without records (`saved` empty) continue at pos.shard. `what` names
+// the config field ("data.train").
+Result<size_t> resume_shard(const std::vector<ShardRecord>& saved, const DataLoader::Position& pos,
+                            const std::vector<ShardRecord>& now, const std::string& what);
+
+// The settings that differ between a checkpoint's config and the resumed run's, as "key: old -> new" with
+// dotted keys ("training.lr: 0.0003 -> 0.0001"; "(unset)" for a key only one has), in key order.
+std::vector<std::string> config_changes(const nlohmann::json& saved, const nlohmann::json& now);
 
 // Creates `dir` if needed and proves it is writable by writing and removing a probe file; the error names the
 // directory and the OS's reason. Called before training so a bad folder fails in the first second.
@@ -52,8 +78,13 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
 // with pipeline stages, the stage's own), in the same order, with nothing written.
 Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt, const std::function<bool(size_t unit)>& include);
 
-// Resolves `path` (a step directory, or a checkpoint_dir containing `latest`) and restores model, optimizer
-// and state. The model config in the checkpoint must equal the model's; the error names the field.
-Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimizer& opt);
+// Resolves `path` (a step directory, or a checkpoint_dir containing `latest`; in a checkpoint_dir without one,
+// left by a run stopped between its first save and writing `latest`, the complete step folder with the
+// highest step) and restores model, optimizer and state. The model config in the checkpoint must equal the
+// model's; the error names the field.
+// `check`, when given, sees the state before anything is loaded (minutes for a large model): an error from it
+// is returned as is.
+Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimizer& opt,
+                                   const std::function<Status(const TrainState&)>& check = {});
 
 }  // namespace strata::engine

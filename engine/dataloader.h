@@ -39,6 +39,7 @@ class DataLoader {
   Position position() const { return pos_; }
 
   const std::vector<std::string>& paths() const { return paths_; }
+  const std::vector<size_t>& shard_tokens() const { return sizes_; }  // per shard, as paths()
   uint64_t total_tokens() const { return total_tokens_; }
   // Batches in one pass over all shards.
   uint64_t batches_per_epoch() const { return batches_per_epoch_; }

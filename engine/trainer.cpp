@@ -29,11 +29,11 @@ namespace strata::engine {
 namespace {
 
 volatile std::sig_atomic_t g_stop_signal = 0;
+extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
 
 // How long the other ranks wait for the one writing a checkpoint (its model file, the moments it gathers, the
 // fsyncs): longer than any collective should take, but still an end to a leader that hangs.
 constexpr double kCheckpointWaitS = 3600;
-extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
 
 std::string hms(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "--:--";
@@ -210,12 +210,27 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
 
   TrainState state;
   state.config = config.json;
+  state.train_shards = shard_records(train);
   if (!options.resume.empty()) {
-    auto loaded = load_checkpoint(options.resume, *model, *opt);
+    // The data position counts in the checkpoint's shards: checked before the weights are read.
+    size_t shard = 0;
+    auto loaded = load_checkpoint(options.resume, *model, *opt, [&](const TrainState& saved) -> Status {
+      STRATA_ASSIGN_OR_RETURN(shard,
+                              resume_shard(saved.train_shards, saved.train_pos, state.train_shards, "data.train"));
+      return Status::ok();
+    });
     if (!loaded.is_ok()) return loaded.status().with_context("--resume " + options.resume);
     state.step = loaded->step;
     state.train_pos = loaded->train_pos;
+    state.train_pos.shard = shard;
     STRATA_RETURN_IF_ERROR(train.seek(state.train_pos));
+    if (const std::vector<std::string> changes = config_changes(loaded->config, config.json);
+        !changes.empty() && !loaded->config.empty()) {
+      std::string listed;
+      for (size_t i = 0; i < changes.size() && i < 12; ++i) listed += (i ? "; " : "") + changes[i];
+      if (changes.size() > 12) listed += fmt::format("; and {} more", changes.size() - 12);
+      STRATA_LOG_WARN("resuming with settings other than those of the run that saved the checkpoint: {}", listed);
+    }
     STRATA_LOG_INFO("resumed from {} at step {}", options.resume, state.step);
   } else if (!tc.init_from.empty()) {
     STRATA_RETURN_IF_ERROR(load_model(*model, tc.init_from).with_context("training.init_from"));
@@ -405,6 +420,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     if (skipped) {
       STRATA_LOG_WARN("step {}: gradient norm is {}; update skipped", state.step + 1, norm);
       if (++skipped_in_a_row >= 10) {
+        state.step += 1;  // this step is done (skipped), and the data position is after it
         STRATA_RETURN_IF_ERROR(checkpoint_together());
         return Status::internal("10 steps in a row had non-finite gradients (last loss {}); stopped, checkpoint {}",
                                 loss, summary.checkpoint);

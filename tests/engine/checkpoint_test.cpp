@@ -3,7 +3,9 @@
 // step 999999, where the names stop sorting as text), a second save of the same step replaces the first
 // whole, leftovers of failed saves go (before the next save writes, so one left by a full disk does not fail
 // it too), a checkpoint moved aside by a save killed halfway is read and restored, a `latest` naming a missing
-// folder is an error naming it, and a folder holding checkpoints is refused to a run that would start over.
+// folder is an error naming it, a checkpoint folder without `latest` gives its highest complete step, and a
+// folder holding checkpoints is refused to a run that would start over. A resume finds the shard its data
+// position is in, or refuses data that is not the checkpoint's; it lists the settings that changed.
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -49,7 +51,9 @@ class CheckpointTest : public ::testing::Test {
     opt_->step(model_->units(), 1e-2f);
   }
   void save(int step, int keep) {
-    auto saved = save_checkpoint(dir_, *model_, *opt_, TrainState{.step = step, .train_pos = {}, .config = {}}, keep);
+    TrainState state;
+    state.step = step;
+    auto saved = save_checkpoint(dir_, *model_, *opt_, state, keep);
     ASSERT_TRUE(saved.is_ok()) << saved.status().to_string();
   }
   // A folder that looks like another run's checkpoint to the pruning.
@@ -198,6 +202,101 @@ TEST_F(CheckpointTest, ACheckpointMovedAsideByAKilledSaveIsReadAndRestored) {
   EXPECT_FALSE(has("step_000006"));
   EXPECT_TRUE(has("step_000009"));
   EXPECT_TRUE(has("step_000010"));
+}
+
+// A run killed after its first save was renamed into place but before `latest` was written: `--resume` (the
+// checkpoint_dir) reads the highest complete step, not "not a checkpoint".
+TEST_F(CheckpointTest, ACheckpointFolderWithoutLatestGivesItsHighestCompleteStep) {
+  save(3, 0);
+  train_step();
+  save(12, 0);
+  const std::vector<float> want = params_of(*model_);
+  fs::remove(fs::path(dir_) / "latest");
+  fake("step_000011");
+  fs::remove(fs::path(dir_) / "step_000011" / "state.json");  // an incomplete folder is never chosen...
+  fs::create_directories(fs::path(dir_) / "step_000099.tmp");  // nor an unfinished save
+  std::vector<float> got;
+  auto state = load_fresh(&got);
+  ASSERT_TRUE(state.is_ok()) << state.status().to_string();
+  EXPECT_EQ(state.value().step, 12);
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
+
+  fs::remove_all(dir_);
+  fs::create_directories(dir_);
+  auto none = load_fresh();
+  ASSERT_FALSE(none.is_ok());
+  EXPECT_EQ(none.status().code(), StatusCode::kNotFound) << none.status().to_string();
+}
+
+TEST_F(CheckpointTest, TheDataShardsTravelWithTheCheckpointAndACheckSeesThemBeforeTheWeights) {
+  TrainState st{.step = 4, .train_pos = {.shard = 1, .offset = 64, .epoch = 2},
+                .train_shards = {{"a.bin", 1000}, {"b.bin", 2000}}, .config = {{"training", {{"lr", 0.001}}}}};
+  ASSERT_TRUE(save_checkpoint(dir_, *model_, *opt_, st, 0).is_ok());
+  auto other = GPT2::create(kConfig, *device_, kernels::MatmulPrecision::kF32);
+  ASSERT_TRUE(other.is_ok());
+  const std::vector<float> before = params_of(**other);
+  ASSERT_OK_AND_ASSIGN(AdamW other_opt, AdamW::create((*other)->units(), AdamWConfig{}, *device_));
+  TrainState seen;
+  auto refused = load_checkpoint(dir_, **other, other_opt, [&](const TrainState& s) {
+    seen = s;
+    return Status::invalid_argument("not this data");
+  });
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_EQ(refused.status().message(), "not this data");
+  EXPECT_EQ(seen.train_shards, st.train_shards);
+  EXPECT_EQ(seen.train_pos.shard, 1u);
+  EXPECT_EQ(seen.train_pos.offset, 64u);
+  EXPECT_EQ(seen.train_pos.epoch, 2u);
+  EXPECT_EQ(seen.config, st.config);
+  EXPECT_EQ(params_of(**other), before) << "nothing is loaded once the check refuses";
+}
+
+TEST(ResumeShardTest, FindsTheCheckpointsShardOrRefusesOtherData) {
+  const std::vector<ShardRecord> saved = {{"a.bin", 1000}, {"b.bin", 2000}, {"c.bin", 3000}};
+  const DataLoader::Position pos{.shard = 1, .offset = 500, .epoch = 0};
+  auto at = [&](const std::vector<ShardRecord>& now) { return resume_shard(saved, pos, now, "data.train"); };
+  ASSERT_OK_AND_ASSIGN(size_t same, at(saved));
+  EXPECT_EQ(same, 1u);
+  // A shard added before it (sorting first): the position follows its file.
+  ASSERT_OK_AND_ASSIGN(size_t moved, at({{"0.bin", 10}, {"a.bin", 1000}, {"b.bin", 2000}, {"c.bin", 3000}}));
+  EXPECT_EQ(moved, 2u);
+  // Shards after it added or gone: the same place.
+  ASSERT_OK_AND_ASSIGN(size_t fewer, at({{"a.bin", 1000}, {"b.bin", 2000}}));
+  EXPECT_EQ(fewer, 1u);
+  // Its file gone, or the same name with other tokens: refused, naming the file and what is there now.
+  for (const auto& now : {std::vector<ShardRecord>{{"a.bin", 1000}, {"c.bin", 3000}},
+                          std::vector<ShardRecord>{{"a.bin", 1000}, {"b.bin", 2048}, {"c.bin", 3000}},
+                          std::vector<ShardRecord>{{"a.bin", 1000}}}) {
+    auto r = at(now);
+    ASSERT_FALSE(r.is_ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    const std::string msg = r.status().message();
+    EXPECT_NE(msg.find("data.train"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("b.bin (2000 tokens"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(now.size() > 1 ? now[1].file : "no shard"), std::string::npos) << msg;
+  }
+  // Two shards with its name and size: which one is not knowable.
+  EXPECT_FALSE(at({{"b.bin", 2000}, {"x.bin", 5}, {"b.bin", 2000}}).is_ok());
+  // A checkpoint from before the records: its index, unchecked; a position past its own list: corrupt.
+  ASSERT_OK_AND_ASSIGN(size_t old, resume_shard({}, pos, {{"z.bin", 1}, {"y.bin", 2}}, "data.train"));
+  EXPECT_EQ(old, 1u);
+  EXPECT_EQ(resume_shard({{"a.bin", 1}}, pos, {{"a.bin", 1}}, "data.train").status().code(), StatusCode::kCorruption);
+}
+
+TEST(ConfigChangesTest, NamesEachChangedSettingByItsDottedKey) {
+  const nlohmann::json saved = {{"training", {{"lr", 0.001}, {"max_steps", 10}, {"seed", 1}}},
+                                {"data", {{"train", "a/*.bin"}}},
+                                {"zero_optimization", {{"stage", 3}}}};
+  nlohmann::json now = saved;
+  EXPECT_TRUE(config_changes(saved, now).empty());
+  now["training"]["lr"] = 0.0005;
+  now["training"]["max_steps"] = 20;
+  now["zero_optimization"].erase("stage");
+  now["compute"] = {{"threads", 2}};
+  const std::vector<std::string> want = {"compute.threads: (unset) -> 2", "training.lr: 0.001 -> 0.0005",
+                                         "training.max_steps: 10 -> 20", "zero_optimization.stage: 3 -> (unset)"};
+  EXPECT_EQ(config_changes(saved, now), want);
 }
 
 }  // namespace

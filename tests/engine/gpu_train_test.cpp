@@ -140,7 +140,9 @@ TEST_F(GpuTrainTest, CheckpointRoundTripsThroughTheHost) {
   ASSERT_TRUE(model.value()->forward(x.data(), y.data(), kB, kT).is_ok());
   ASSERT_OK(model.value()->backward());
   opt->step(model.value()->units(), 1e-3f);  // non-zero moments to save
-  auto saved = save_checkpoint(dir, *model.value(), *opt, TrainState{.step = 1, .train_pos = {}, .config = {}}, 0);
+  TrainState state;
+  state.step = 1;
+  auto saved = save_checkpoint(dir, *model.value(), *opt, state, 0);
   ASSERT_TRUE(saved.is_ok()) << saved.status().to_string();
   const std::vector<float> want = host_params(*model.value());
 

@@ -74,6 +74,54 @@ TEST_F(TrainerTest, ResumeGivesTheSameWeightsAsAStraightRun) {
   EXPECT_EQ(over->steps, 6);
 }
 
+// The checkpoint's data position is a shard index and a token offset: a resume whose data.train lists other
+// shards would read other tokens without a word. A shard added before it is followed by name; a missing one
+// refuses the resume before any weight is read.
+TEST_F(TrainerTest, AResumeFollowsItsShardOrRefusesOtherData) {
+  json straight = base_config("straight");
+  straight["training"]["checkpoint_every"] = 3;
+  ASSERT_TRUE(train(straight).is_ok());
+  const std::string step3 = (dir_ / "straight" / "step_000003").string();
+  // The same shards in another folder, with one more that sorts first.
+  fs::create_directories(dir_ / "moved");
+  for (const char* name : {"t_train_000000.bin", "t_train_000001.bin"})
+    fs::copy_file(dir_ / "data" / name, dir_ / "moved" / name);
+  fs::copy_file(dir_ / "data" / "t_val_000000.bin", dir_ / "moved" / "a_extra.bin");
+  json moved = base_config("moved_run");
+  moved["data"]["train"] = (dir_ / "moved" / "*.bin").string();
+  auto r = train(moved, step3);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  EXPECT_EQ(file_bytes(dir_ / "straight" / "step_000006" / "model.safetensors"),
+            file_bytes(dir_ / "moved_run" / "step_000006" / "model.safetensors"));
+  // Without the shard the position is in: refused, naming it; nothing written.
+  json other = base_config("other_run");
+  other["data"]["train"] = (dir_ / "data" / "t_train_000001.bin").string();
+  auto refused = train(other, step3);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status().to_string();
+  EXPECT_NE(refused.status().message().find("t_train_000000.bin (3000 tokens"), std::string::npos)
+      << refused.status().to_string();
+  EXPECT_FALSE(fs::exists(dir_ / "other_run" / "step_000006"));
+}
+
+// A run whose gradients stay non-finite stops after 10 skipped steps with a checkpoint whose step counts the
+// skipped steps the data position is past (it was one behind: a resume re-read a batch, and the save could
+// replace a periodic checkpoint of that step with a later position).
+TEST_F(TrainerTest, TenNonFiniteStepsStopWithACheckpointAtTheirDataPosition) {
+  json j = base_config("blown");
+  j["training"]["lr"] = 1e38;  // the first update makes the weights non-finite
+  j["training"]["max_steps"] = 30;
+  j["training"]["val_every"] = 0;
+  auto r = train(j);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("10 steps in a row"), std::string::npos) << r.status().to_string();
+  std::ifstream in(dir_ / "blown" / "step_000011" / "state.json");
+  ASSERT_TRUE(in) << "the checkpoint after the first step and 10 skipped ones";
+  const json state = json::parse(in);
+  EXPECT_EQ(state.at("step").get<int>(), 11);
+  EXPECT_EQ(state.at("train_position").at("offset").get<int>(), 11 * 2 * 16);
+}
+
 TEST_F(TrainerTest, GradientAccumulationMatchesOneLargeBatch) {
   json big = base_config("big");
   big["training"]["batch_size"] = 4;
