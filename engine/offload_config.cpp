@@ -89,6 +89,11 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
                         std::pair{"allgather_bucket_size", c->allgather_bucket_size}}) {
     if (v <= 0) return Status::invalid_argument("{}: zero_optimization.{} must be positive, got {}", source, key, v);
   }
+  // Sub-groups are rounded up to whole 1024-element chunks; beyond 2^40 elements (4 TiB of fp32 each) a size
+  // means "one per unit" as well as any, and the rounding must not overflow.
+  if (c->sub_group_size > kMaxSubGroupSize)
+    return Status::invalid_argument("{}: zero_optimization.sub_group_size must be at most {} (2^40), got {}", source,
+                                    kMaxSubGroupSize, c->sub_group_size);
   if (c->stage3_param_persistence_threshold < 0)
     return Status::invalid_argument("{}: zero_optimization.stage3_param_persistence_threshold must be >= 0", source);
 

@@ -63,6 +63,9 @@ struct ActivationCheckpointConfig {
   bool synchronize_checkpoint_boundary = false, profile = false;
 };
 
+// The largest zero_optimization.sub_group_size (elements): 2^40.
+constexpr int64_t kMaxSubGroupSize = int64_t{1} << 40;
+
 struct OffloadConfig {
   int stage = 0;  // zero_optimization.stage: 0..3
   OffloadTargetConfig offload_param;

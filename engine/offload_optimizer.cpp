@@ -8,6 +8,7 @@
 
 #include "common/timer.h"
 #include "common/trace.h"
+#include "engine/offload_config.h"
 #include "kernels/cpu/fast.h"
 
 namespace strata::engine {
@@ -21,7 +22,9 @@ Result<std::unique_ptr<OffloadedAdamW>> OffloadedAdamW::create(const GPT2& model
     return Status::invalid_argument("offload_optimizer.device must be cpu or nvme here");
   if (options.placement == offload::Tier::kNvme && store == nullptr)
     return Status::invalid_argument("offload_optimizer.device = nvme needs offload_optimizer.nvme_path");
-  if (options.sub_group_size == 0) return Status::invalid_argument("zero_optimization.sub_group_size must be > 0");
+  if (options.sub_group_size == 0 || options.sub_group_size > static_cast<size_t>(kMaxSubGroupSize))
+    return Status::invalid_argument("zero_optimization.sub_group_size must be in [1, 2^40], got {}",
+                                    options.sub_group_size);
   if (coordinator.num_units() != model.units().size())
     return Status::invalid_argument("offload: the coordinator has {} units, the model {}", coordinator.num_units(),
                                     model.units().size());
@@ -232,6 +235,7 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
   Handoff& h = *handoff_;
   h.speculative = speculative;
   h.gated = gated;
+  h.step = hp.step;
   if (!speculative) {
     for (size_t g = 0; g < groups_.size(); ++g) h.feed.push_back({g, offload::CopyTicket()});
     h.closed = true;
@@ -248,9 +252,9 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
     Status st = run_update(hp, grads, speculative);
     Handoff& h = *handoff_;
     std::lock_guard lock(h.mu);
-    // Cancelled before its first update: nothing changed. (A read that failed before the gate opened is an
-    // error like any other.)
-    if (h.gated && !h.opened && h.abandoned) st = Status::ok();
+    // Stopped by a cancellation before its first update: nothing changed. (A read that failed before the gate
+    // opened is an error like any other.)
+    if (h.gated && !h.opened && h.cancelled) st = Status::ok();
     h.stats.update_s = update.seconds() - h.gate_wait_s;
     h.status = std::move(st);
     h.done = true;
@@ -261,6 +265,12 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
 Status OffloadedAdamW::set_gradient_reducer(comm::Communicator* group) {
   reducer_ = group;
   return Status::ok();
+}
+
+bool OffloadedAdamW::update_ended() const {
+  if (!handoff_) return true;
+  std::lock_guard lock(handoff_->mu);
+  return handoff_->done;
 }
 
 bool OffloadedAdamW::gated() const {
@@ -278,15 +288,16 @@ void OffloadedAdamW::open_gate(const kernels::AdamWParams& hp, double grads_wait
   h.cv.notify_all();
 }
 
-void OffloadedAdamW::cancel_gated() {
+Status OffloadedAdamW::cancel_gated() {
   {
     std::lock_guard lock(handoff_->mu);
     handoff_->abandoned = true;
     handoff_->cv.notify_all();
   }
   const OffloadedStepStats last = stats_;  // the last completed update's, which this worker never replaced
-  (void)join();                            // ok: it stopped before its first update
+  const Status worker = join();            // ok unless a read failed before the cancellation
   stats_ = last;
+  return worker.with_context("reading the optimizer state of the next step");
 }
 
 Status OffloadedAdamW::begin_accumulating_backward() {
@@ -409,7 +420,7 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
     }
     if (failed) return join();
     if (!finite) {
-      cancel_gated();
+      STRATA_RETURN_IF_ERROR(cancel_gated());
       return norm;
     }
     ++t_;
@@ -429,7 +440,10 @@ Result<size_t> OffloadedAdamW::take_next(bool wait) {
   Handoff& h = *handoff_;
   std::unique_lock lock(h.mu);
   for (;;) {
-    if (h.abandoned) return Status::internal("optimizer step {}: abandoned by the training thread", t_ + 1);
+    if (h.abandoned) {
+      h.cancelled = true;
+      return Status::internal("optimizer step {}: abandoned by the training thread", h.step);
+    }
     if (h.taken < h.feed.size()) {
       const Handoff::Item item = h.feed[h.taken];
       if (!item.grads.done()) {
@@ -463,7 +477,10 @@ Status OffloadedAdamW::deliver(size_t group, const float* master) {
   const size_t lag = swapper_ ? static_cast<size_t>(std::max(2, options_.swap_slots)) - 2 : groups_.size();
   trace::Span span("waiting for publication", static_cast<int64_t>(group));
   h.cv.wait(lock, [&] { return h.published + lag > pos || h.abandoned; });
-  if (h.abandoned) return Status::internal("optimizer step {}: abandoned by the training thread", t_ + 1);
+  if (h.abandoned) {
+    h.cancelled = true;
+    return Status::internal("optimizer step {}: abandoned by the training thread", h.step);
+  }
   return Status::ok();
 }
 
@@ -487,7 +504,10 @@ Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp, const std::vec
         std::unique_lock lock(h.mu);
         h.cv.wait(lock, [&] { return h.opened || h.abandoned; });
         h.gate_wait_s = gate.seconds();
-        if (h.abandoned) return Status::internal("optimizer step {}: cancelled before its update", t_ + 1);
+        if (h.abandoned) {
+          h.cancelled = true;
+          return Status::internal("optimizer step {}: cancelled before its update", h.step);
+        }
         return h.hp;
       };
     }
@@ -499,6 +519,15 @@ Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp, const std::vec
       // Reaching here ok means step() confirmed the guess (it closes the feed only then).
       if (st.is_ok()) return swapper_->commit();
       swapper_->rollback();
+      bool confirmed = false;
+      {
+        std::lock_guard lock(handoff_->mu);
+        confirmed = !handoff_->speculative;
+      }
+      // Confirmed, some sub-groups' new parameters are published already: like any failed step, the run must
+      // restart from a checkpoint. Unconfirmed, step() restores them (abandon_speculation).
+      if (confirmed)
+        return st.with_context("optimizer step " + std::to_string(hp.step) + " (resume from a checkpoint)");
       return st;
     }
     // A failed step leaves some sub-groups updated (OptimizerSwapper's contract): the run must restart from a
@@ -595,10 +624,7 @@ Status OffloadedAdamW::finish() {
   // An update started during a backward whose step() never came (an error in between): undone, or (gated)
   // stopped before it changed anything.
   if (speculative) return abandon_speculation(/*restore=*/true);
-  if (gated()) {
-    cancel_gated();
-    return Status::ok();
-  }
+  if (gated()) return cancel_gated();
   return publish_through(SIZE_MAX);
 }
 

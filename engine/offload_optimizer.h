@@ -119,6 +119,9 @@ class OffloadedAdamW final : public Optimizer {
   const OffloadedStepStats& last_step_stats() const { return stats_; }
   const SpeculationStats& last_speculation() const { return speculation_; }
   size_t num_groups() const { return groups_.size(); }
+  // Whether no update is in flight or its worker has ended (finished, failed, or stopped) without being
+  // joined yet. Training thread.
+  bool update_ended() const;
 
  private:
   struct Group {
@@ -148,6 +151,8 @@ class OffloadedAdamW final : public Optimizer {
     size_t taken = 0, ready = 0, published = 0;
     std::vector<const float*> master;  // by position
     bool done = false, abandoned = false;
+    bool cancelled = false;    // the worker stopped because it saw `abandoned` (not for an error of its own)
+    int step = 0;              // the optimizer step it updates, for the worker's messages (t_ is the trainer's)
     Status status;
     OffloadedStepStats stats;  // the worker's timings and bytes
     double grads_wait_s = 0;   // the training thread's
@@ -156,10 +161,11 @@ class OffloadedAdamW final : public Optimizer {
   // Starts the worker on a new handoff: every sub-group in order when not speculative.
   // gated: the update starts reading, and waits for its parameters from open_gate() (or is cancelled).
   void start_update(const kernels::AdamWParams& hp, bool speculative, bool gated = false);
-  // Gated update: whether one is waiting; give it the step's parameters; or stop it (nothing was updated).
+  // Gated update: whether one is waiting; give it the step's parameters; or stop it (nothing was updated; the
+  // error of a read that failed before, which would otherwise surface only at the next step's reads).
   bool gated() const;
   void open_gate(const kernels::AdamWParams& hp, double grads_wait_s);
-  void cancel_gated();
+  Status cancel_gated();
   // On the worker: grads[g] is sub-group g's gradient in host memory, or null to read its swap key.
   Status run_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads, bool keep_old);
   Result<size_t> take_next(bool wait);                // on the worker: the next fed sub-group

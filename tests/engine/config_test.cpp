@@ -262,6 +262,10 @@ TEST(ConfigTest, BadOffloadValuesAreRejectedByName) {
                "stage = 3");
   expect_error(json::parse(R"({"zero_optimization": {"offload_optimizer": {"buffer_size": 5}}})"), "buffer_size");
   expect_error(json::parse(R"({"zero_optimization": {"offload_optimizer": {"buffer_count": 0}}})"), "buffer_count");
+  expect_error(json::parse(R"({"zero_optimization": {"sub_group_size": 0}})"), "zero_optimization.sub_group_size");
+  // Near 2^63 the rounding to whole chunks overflowed (and the optimizer's split into sub-groups never ended).
+  expect_error(json::parse(R"({"zero_optimization": {"sub_group_size": 9223372036854775807}})"),
+               "zero_optimization.sub_group_size must be at most");
   expect_error(json::parse(R"({"aio": {"block_size": 1000}})"), "aio.block_size");
   expect_error(json::parse(R"({"aio": {"block_size": 2147483648}})"), "aio.block_size");
   expect_error(json::parse(R"({"aio": {"queue_depth": 0}})"), "aio.queue_depth");

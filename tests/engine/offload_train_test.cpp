@@ -2,12 +2,14 @@
 // every placement (optimizer in host memory or on NVMe, parameters in host memory or on NVMe, small sub-groups
 // that split tensors, a cap on live parameters that forces evictions, gradient accumulation, activation
 // checkpoints on the device or in host memory), resumed runs included. Compared: the per-step loss and gradient norm, and the final checkpoint's weights and moments.
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -299,18 +301,19 @@ TEST_F(OffloadTrainTest, AReadFailingBeforeTheScaleIsKnownFailsTheStep) {
   const int B = 2, T = 16;
   std::vector<int32_t> x(B * T), y(B * T);
   for (int i = 0; i < B * T; ++i) x[i] = (i * 7) % kVocab, y[i] = (i * 7 + 7) % kVocab;
+  auto damage_swap_files = [&] {  // every byte of every one
+    for (const auto& e : fs::recursive_directory_iterator(dir_ / "swap")) {
+      if (!e.is_regular_file()) continue;
+      std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
+      const std::vector<char> junk(static_cast<size_t>(fs::file_size(e.path())), '\x5a');
+      f.write(junk.data(), static_cast<std::streamsize>(junk.size()));
+    }
+  };
   auto step = [&](bool damage) -> Result<double> {
     STRATA_RETURN_IF_ERROR((*model)->zero_grads());
     STRATA_RETURN_IF_ERROR((*model)->forward(x.data(), y.data(), B, T).status());
     STRATA_RETURN_IF_ERROR(opt.finish());  // the last update complete: its writes are on disk
-    if (damage) {  // every byte of every swap file
-      for (const auto& e : fs::recursive_directory_iterator(dir_ / "swap")) {
-        if (!e.is_regular_file()) continue;
-        std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
-        const std::vector<char> junk(static_cast<size_t>(fs::file_size(e.path())), '\x5a');
-        f.write(junk.data(), static_cast<std::streamsize>(junk.size()));
-      }
-    }
+    if (damage) damage_swap_files();
     STRATA_RETURN_IF_ERROR(opt.begin_last_backward(1e-3f));
     STRATA_RETURN_IF_ERROR((*model)->backward(1.0f));
     bool skipped = false;
@@ -325,6 +328,22 @@ TEST_F(OffloadTrainTest, AReadFailingBeforeTheScaleIsKnownFailsTheStep) {
   // The read's own error, naming the key, not a later symptom ("sub-groups were never published").
   EXPECT_NE(error.to_string().find("checksum mismatch"), std::string::npos) << error.to_string();
   EXPECT_NE(error.to_string().find("opt.wte.0"), std::string::npos) << error.to_string();
+
+  // A gated update whose reads failed, then cancelled without its step() (a checkpoint, or an error before
+  // step(), calls finish()): the read's error, not "nothing happened".
+  ASSERT_TRUE(opt.adopt_params().is_ok());  // state written afresh
+  ASSERT_TRUE(step(false).is_ok());         // clipped: the next update is gated
+  ASSERT_TRUE((*model)->zero_grads().is_ok());
+  ASSERT_TRUE((*model)->forward(x.data(), y.data(), B, T).is_ok());
+  ASSERT_TRUE(opt.finish().is_ok());
+  damage_swap_files();
+  ASSERT_TRUE(opt.begin_last_backward(1e-3f).is_ok());
+  OffloadedAdamW& offloaded = (*rt)->offloaded_optimizer();
+  for (int i = 0; i < 10000 && !offloaded.update_ended(); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_TRUE(offloaded.update_ended()) << "the gated update's first read should have failed within 10 s";
+  const Status cancelled = opt.finish();
+  EXPECT_NE(cancelled.to_string().find("checksum mismatch"), std::string::npos) << cancelled.to_string();
 }
 
 TEST_F(OffloadTrainTest, ResumeFromAnOffloadedCheckpointIsBitwiseAStraightRun) {
