@@ -15,7 +15,7 @@ Result<nlohmann::json> read_json_file(const std::string& path) {
   ss << in.rdbuf();
   try {
     return nlohmann::json::parse(ss.str());
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // a syntax error, or a number past a double's range (1e400)
     return Status::invalid_argument("{}: not valid JSON: {}", path, e.what());
   }
 }

@@ -1,6 +1,8 @@
 #include "engine/config.h"
 
 #include <cctype>
+#include <cmath>
+#include <limits>
 
 #include "common/json_config.h"
 
@@ -16,8 +18,8 @@ Status apply_overrides(nlohmann::json* j, const std::vector<std::string>& overri
     nlohmann::json value;
     try {
       value = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::parse_error&) {
-      value = text;  // a bare string such as runs/demo
+    } catch (const nlohmann::json::exception&) {
+      value = text;  // a bare string such as runs/demo (or 1e400, which the field's type check then names)
     }
     nlohmann::json* node = j;
     size_t start = 0;
@@ -25,7 +27,9 @@ Status apply_overrides(nlohmann::json* j, const std::vector<std::string>& overri
       const size_t dot = key.find('.', start);
       const std::string part = key.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
       if (part.empty()) return Status::invalid_argument("override '{}': empty key component", o);
-      if (!node->is_object()) return Status::invalid_argument("override '{}': {} is not a section", o, part);
+      if (!node->is_object())  // what the walk reached so far is a value
+        return Status::invalid_argument("override '{}': {} is a value, not a section", o,
+                                        start == 0 ? std::string("the config's top level") : key.substr(0, start - 1));
       if (dot == std::string::npos) {
         (*node)[part] = value;
         break;
@@ -120,8 +124,9 @@ Status apply_deepspeed_keys(nlohmann::json* j, const std::string& source) {
       if (k == "lr") {
         STRATA_RETURN_IF_ERROR(place(from, v, "training", "lr"));
         // DeepSpeed without a scheduler keeps the rate constant: so here, unless the file sets the schedule.
+        // (A schedule, not a min_lr equal to this rate, so that an --lr given with the file stays constant too.)
         nlohmann::json& t = section("training");
-        if (t.is_object() && !t.contains("min_lr")) t["min_lr"] = v;
+        if (t.is_object() && !t.contains("min_lr") && !t.contains("lr_schedule")) t["lr_schedule"] = "constant";
         if (t.is_object() && !t.contains("warmup_steps")) t["warmup_steps"] = 0;
       } else if (k == "eps") {
         STRATA_RETURN_IF_ERROR(place(from, v, "training", "eps"));
@@ -182,8 +187,10 @@ Result<RunConfig> parse_run_config(const nlohmann::json& given, const std::strin
   STRATA_RETURN_IF_ERROR(tr.get_int("grad_accum_steps", &t.grad_accum_steps));
   STRATA_RETURN_IF_ERROR(tr.get_int("max_steps", &t.max_steps));
   STRATA_RETURN_IF_ERROR(tr.get_double("lr", &t.lr));
+  t.min_lr = std::numeric_limits<double>::quiet_NaN();  // not in the file: from lr, below
   STRATA_RETURN_IF_ERROR(tr.get_double("min_lr", &t.min_lr));
   STRATA_RETURN_IF_ERROR(tr.get_int("warmup_steps", &t.warmup_steps));
+  STRATA_RETURN_IF_ERROR(tr.get_string("lr_schedule", &t.lr_schedule));
   STRATA_RETURN_IF_ERROR(tr.get_double("weight_decay", &t.weight_decay));
   STRATA_RETURN_IF_ERROR(tr.get_double("beta1", &t.beta1));
   STRATA_RETURN_IF_ERROR(tr.get_double("beta2", &t.beta2));
@@ -213,7 +220,16 @@ Result<RunConfig> parse_run_config(const nlohmann::json& given, const std::strin
   if (t.grad_accum_steps <= 0) return bad("grad_accum_steps", "must be positive");
   if (t.max_steps < 0) return bad("max_steps", "must be >= 0");
   if (!(t.lr >= 0)) return bad("lr", "must be >= 0");
-  if (!(t.min_lr >= 0 && t.min_lr <= t.lr)) return bad("min_lr", fmt::format("must be in [0, lr = {}]", t.lr));
+  if (t.lr_schedule == "constant") {
+    if (!std::isnan(t.min_lr))
+      return bad("min_lr", fmt::format("({}) has no meaning with training.lr_schedule \"constant\"", t.min_lr));
+    t.min_lr = t.lr;
+  } else if (t.lr_schedule != "cosine") {
+    return bad("lr_schedule", fmt::format("must be \"cosine\" or \"constant\", got \"{}\"", t.lr_schedule));
+  }
+  if (std::isnan(t.min_lr)) t.min_lr = t.lr / 10;  // nanoGPT's and llm.c's ratio
+  if (!(t.min_lr >= 0 && t.min_lr <= t.lr))
+    return bad("min_lr", fmt::format("({}) must be in [0, lr = {}]", t.min_lr, t.lr));
   if (t.warmup_steps < 0) return bad("warmup_steps", "must be >= 0");
   if (!(t.beta1 >= 0 && t.beta1 < 1)) return bad("beta1", "must be in [0, 1)");
   if (!(t.beta2 >= 0 && t.beta2 < 1)) return bad("beta2", "must be in [0, 1)");

@@ -30,8 +30,9 @@ struct TrainingConfig {
   int grad_accum_steps = 1;  // micro-batches per optimizer step
   int max_steps = 1000;
   double lr = 6e-4;
-  double min_lr = 6e-5;   // the cosine decays to this
+  double min_lr = 6e-5;   // the cosine decays to this; not in the file: lr / 10
   int warmup_steps = 50;  // linear warmup from lr/warmup_steps
+  std::string lr_schedule = "cosine";  // after the warmup: "cosine" to min_lr, or "constant" (min_lr = lr)
   double weight_decay = 0.1;
   double beta1 = 0.9;
   double beta2 = 0.95;

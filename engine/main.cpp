@@ -172,10 +172,11 @@ int main(int argc, char** argv) {
   train->add_option("--config,-c", ta.config, "Run configuration (JSON)")->required()->check(CLI::ExistingFile);
   train->add_option("--set", ta.sets, "Override a config field: section.key=value (repeatable)");
   train->add_option("--metrics", ta.metrics, "Write one JSON object per step to this file");
-  train->add_option("--resume", ta.resume,
-                    "Continue from a checkpoint (a step folder or a checkpoint_dir; empty: training.checkpoint_dir)")
-      ->expected(0, 1)
-      ->each([&](const std::string&) { ta.resume_flag = true; });
+  // Given with no value, CLI11 runs no callback on it: whether it was given is its count, read after parsing.
+  CLI::Option* resume = train->add_option(
+      "--resume", ta.resume,
+      "Continue from a checkpoint (a step folder or a checkpoint_dir; no value: training.checkpoint_dir)");
+  resume->expected(0, 1);
   train->add_flag("--quiet,-q", ta.quiet, "No per-step progress line");
   train->add_option("--trace", ta.trace,
                     "Write the run's timeline (steps, waits, transfers, the optimizer's work) here as Chrome trace "
@@ -209,7 +210,10 @@ int main(int argc, char** argv) {
   strata::engine::add_bench_comm_command(*bench, bc);
 
   CLI11_PARSE(app, argc, argv);
-  if (train->parsed()) return run_train(ta);
+  if (train->parsed()) {
+    ta.resume_flag = resume->count() > 0;
+    return run_train(ta);
+  }
   if (app.got_subcommand("tokenize")) return strata::engine::run_tokenize(tok);
   if (bench->got_subcommand("step")) return strata::engine::run_bench_step(bs);
   if (bench->got_subcommand("nvme")) return strata::engine::run_bench_nvme(bn);

@@ -3,6 +3,7 @@
 #include <csignal>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -27,6 +28,8 @@
 
 namespace strata::engine {
 namespace {
+
+namespace fs = std::filesystem;
 
 volatile std::sig_atomic_t g_stop_signal = 0;
 extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
@@ -102,6 +105,19 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   if (!config.data.val.empty()) {
     STRATA_ASSIGN_OR_RETURN(DataLoader v, DataLoader::open(config.data.val, B, T, config.model.vocab_size, "data.val"));
     val.emplace(std::move(v));
+  }
+  // A folder given as data.train takes every .bin in it: `strata tokenize` writes its validation shards there too.
+  for (const std::string& p : train.paths()) {
+    std::error_code ec;
+    for (const std::string& q : val ? val->paths() : std::vector<std::string>{}) {
+      if (fs::equivalent(p, q, ec))
+        return Status::invalid_argument(
+            "{}: data.train ({}) and data.val ({}) both read {}: the validation loss would be measured on training "
+            "data; narrow data.train (for example DIR/*_train_*.bin)",
+            config.source, config.data.train, config.data.val, p);
+    }
+    if (!val && fs::path(p).filename().string().find("_val_") != std::string::npos)
+      STRATA_LOG_WARN("data.train ({}) reads {}, which looks like a validation shard", config.data.train, p);
   }
 
   const kernels::KernelSet* k = kernels::find_kernel_set(config.compute.kernels.c_str());

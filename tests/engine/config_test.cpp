@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include "tests/test_util.h"
+
 namespace strata::engine {
 namespace {
 
@@ -21,6 +23,39 @@ TEST(ConfigTest, DefaultsParseAndOverridesApply) {
   EXPECT_EQ(c->training.checkpoint_dir, "runs/x");
   EXPECT_EQ(c->compute.kernels, "reference");
   EXPECT_EQ(c->model.n_layer, 2);
+  EXPECT_DOUBLE_EQ(c->training.min_lr, 1e-4) << "not set: a tenth of the rate, whatever the rate";
+
+  // A value a double cannot hold: a string to the override (then the field's type check names it), and an
+  // error naming the key that is not a section.
+  json k = j;
+  ASSERT_TRUE(apply_overrides(&k, {"training.lr=1e400"}).is_ok());
+  auto huge = parse_run_config(k, "cfg.json");
+  ASSERT_FALSE(huge.is_ok());
+  EXPECT_NE(huge.status().message().find("training.lr must be a number"), std::string::npos)
+      << huge.status().to_string();
+  const Status deeper = apply_overrides(&k, {"training.seq_len.x=1"});
+  EXPECT_NE(deeper.message().find("training.seq_len is a value, not a section"), std::string::npos)
+      << deeper.to_string();
+  // A constant schedule after the warmup; a min_lr beside it, or another schedule, named.
+  json constant = j;
+  constant["training"]["lr_schedule"] = "constant";
+  ASSERT_OK_AND_ASSIGN(RunConfig cc, parse_run_config(constant, "cfg.json"));
+  EXPECT_DOUBLE_EQ(cc.training.min_lr, 1e-3);
+  constant["training"]["min_lr"] = 1e-5;
+  EXPECT_NE(parse_run_config(constant, "cfg.json").status().message().find("no meaning"), std::string::npos);
+  constant["training"]["lr_schedule"] = "linear";
+  EXPECT_NE(parse_run_config(constant, "cfg.json").status().message().find("training.lr_schedule must be"),
+            std::string::npos);
+}
+
+// A number past a double's range in the file is an error naming the file, not an uncaught exception.
+TEST(ConfigTest, ANumberPastADoublesRangeNamesTheFile) {
+  const std::string path = ::testing::TempDir() + "strata_huge_config.json";
+  std::ofstream(path) << R"({"training": {"lr": 1e400}})";
+  auto r = load_run_config(path, {});
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find(path + ": not valid JSON"), std::string::npos) << r.status().to_string();
+  std::remove(path.c_str());
 }
 
 TEST(ConfigTest, UnknownKeyListsTheValidKeys) {
@@ -232,6 +267,11 @@ TEST(ConfigTest, DeepSpeedTrainingKeysCarryOver) {
   auto loaded = load_run_config(path, {"training.lr=1e-3"});
   ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
   EXPECT_DOUBLE_EQ(loaded->training.lr, 1e-3);
+  EXPECT_DOUBLE_EQ(loaded->training.min_lr, 1e-3) << "still constant: the rate given replaces the file's";
+  // Below the file's rate too (a min_lr taken from the file's rate refused it).
+  auto lower = load_run_config(path, {"training.lr=1e-5"});
+  ASSERT_TRUE(lower.is_ok()) << lower.status().to_string();
+  EXPECT_DOUBLE_EQ(lower->training.min_lr, 1e-5);
   std::remove(path.c_str());
 }
 

@@ -148,6 +148,11 @@ TEST_F(TrainerTest, BadInputGivesAClearError) {
   missing["data"]["train"] = (dir_ / "data" / "nope.bin").string();
   expect_error(missing, StatusCode::kNotFound, {"data.train", "nope.bin"});
 
+  // The folder `strata tokenize` wrote, train and validation shards alike, as data.train.
+  json folder = base_config("m");
+  folder["data"]["train"] = (dir_ / "data").string();
+  expect_error(folder, StatusCode::kInvalidArgument, {"both read", "t_val_000000.bin", "narrow data.train"});
+
   // A shard with a bad magic number.
   {
     std::ofstream out(dir_ / "data" / "bad_magic.bin", std::ios::binary);
