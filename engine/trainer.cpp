@@ -25,6 +25,7 @@
 #include "engine/sharded_optimizer.h"
 #include "engine/staged_communicator.h"
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/matmul_info.h"
 
 namespace strata::engine {
 namespace {
@@ -86,8 +87,10 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
         config.source, tc.global_batch_size, B, tc.grad_accum_steps, dp_size, global_batch);
   if ((dp || pp || tp) && !leader) logger().set_level(spdlog::level::warn);
   std::optional<tbb::global_control> threads;
-  if (config.compute.threads > 0)
+  if (config.compute.threads > 0) {  // the TBB kernels', and the CPU matmuls' (OpenMP) on this thread
     threads.emplace(tbb::global_control::max_allowed_parallelism, config.compute.threads);
+    kernels::cpu::set_matmul_threads(config.compute.threads);
+  }
 
   // Everything that can fail on input is checked before the first step.
   STRATA_RETURN_IF_ERROR(check_writable_dir(tc.checkpoint_dir, "training.checkpoint_dir"));

@@ -22,6 +22,7 @@
 // oneDNN stream and its own bf16 scratch, so calls on disjoint outputs may come from several threads (each
 // such thread then gets its own OpenMP team: callers should not run matmuls from many threads at once).
 // Determinism: the same inputs on the same machine and thread count give the same bits every run.
+#include <dlfcn.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -349,6 +350,33 @@ const char* matmul_cpu_isa() {
     case dnnl::cpu_isa::avx512_core_amx: return "avx512_core_amx";
   }
   return "unknown";
+}
+
+namespace {
+
+// libgomp's entry points, found where libdnnl loaded it: this library does not link OpenMP itself.
+template <typename Fn>
+Fn omp_entry(const char* name) {
+#if DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP
+  return reinterpret_cast<Fn>(::dlsym(RTLD_DEFAULT, name));
+#else
+  (void)name;
+  return nullptr;
+#endif
+}
+
+}  // namespace
+
+int set_matmul_threads(int n) {
+  const auto set = omp_entry<void (*)(int)>("omp_set_num_threads");
+  if (set == nullptr || n <= 0) return 0;
+  set(n);
+  return matmul_threads();
+}
+
+int matmul_threads() {
+  const auto get = omp_entry<int (*)()>("omp_get_max_threads");
+  return get != nullptr ? get() : 0;
 }
 
 const char* matmul_cpu_runtime() {

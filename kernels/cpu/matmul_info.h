@@ -18,6 +18,12 @@ const char* matmul_cpu_isa();
 // "sequential". With OpenMP, the thread count comes from OMP_NUM_THREADS (default: all cores), not from TBB.
 const char* matmul_cpu_runtime();
 
+// With the OpenMP runtime: at most `n` threads for the matmuls this thread calls from now on (OpenMP's
+// nthreads ICV is the calling thread's; TBB's limit does not reach them), and the limit they run under now
+// (omp_get_max_threads). 0 from both where the runtime is another, or OpenMP is not loaded.
+int set_matmul_threads(int n);
+int matmul_threads();
+
 // oneDNN's name for the implementation the forward matmul uses at these shapes, e.g. "brg:avx512_core_bf16"
 // (creates and caches the primitive if needed).
 std::string matmul_forward_impl(int N, int C, int OC, MatmulPrecision precision);

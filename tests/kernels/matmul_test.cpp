@@ -6,6 +6,7 @@
 #include <cstring>
 #include <iostream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -319,6 +320,19 @@ TEST(MatmulFast, ReportsIsaAndRuntime) {
   std::cout << "oneDNN ISA " << isa << ", runtime " << runtime << ", bf16 native " << matmul_bf16_native()
             << ", impl f32 " << matmul_forward_impl(64, 96, 128, MatmulPrecision::kF32) << ", impl bf16 "
             << matmul_forward_impl(64, 96, 128, MatmulPrecision::kBF16) << "\n";
+}
+
+// compute.threads (--threads) limits the matmuls too: with oneDNN on OpenMP, TBB's limit does not reach them.
+// The limit is the calling thread's (OpenMP's nthreads ICV), so it is set on a thread of its own here.
+TEST(MatmulFast, AThreadsLimitReachesTheMatmulsOfItsThread) {
+  if (std::string(matmul_cpu_runtime()) != "OpenMP") GTEST_SKIP() << "oneDNN runs on " << matmul_cpu_runtime();
+  ASSERT_GT(matmul_threads(), 0) << "libgomp is loaded with libdnnl";
+  const int before = matmul_threads();
+  int limited = 0;
+  std::thread([&] { limited = set_matmul_threads(1); }).join();
+  EXPECT_EQ(limited, 1);
+  EXPECT_EQ(matmul_threads(), before) << "another thread's limit";
+  EXPECT_EQ(set_matmul_threads(0), 0) << "0 leaves it";
 }
 
 }  // namespace
