@@ -1,6 +1,9 @@
 // main.cpp — `strata`, the one command: train, tokenize, bench.
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -121,19 +124,30 @@ int run_train(TrainArgs& a) {
   opts.tensor_parallel = ranks.value().grid ? &ranks.value().grid->tp() : nullptr;
   const bool several = world && world->size() > 1;
   const int rank = world ? world->rank() : 0;
+  const std::string trace_path = several ? fmt::format("{}.rank{}", a.trace, rank) : a.trace;
   if (!a.trace.empty()) {
+    // A path that cannot be written fails now, not after the run whose timeline it was to hold.
+    if (!std::ofstream(trace_path, std::ios::app)) {
+      std::fprintf(stderr, "strata train: --trace %s cannot be written: %s\n", trace_path.c_str(),
+                   std::strerror(errno));
+      if (several) strata::comm::mpi_abort(strata::Status::invalid_argument("--trace {}", trace_path));
+      strata::comm::mpi_finalize();
+      return 2;
+    }
     strata::trace::start();
     strata::trace::name_thread("training");
   }
   auto summary = strata::engine::run_training(cfg.value(), opts);
+  bool trace_lost = false;
   if (!a.trace.empty()) {  // also after a failure: the timeline up to it is what explains it
-    const std::string path = several ? fmt::format("{}.rank{}", a.trace, rank) : a.trace;
     const size_t dropped = strata::trace::dropped();
-    if (const strata::Status st = strata::trace::write(path); !st.is_ok())
+    if (const strata::Status st = strata::trace::write(trace_path); !st.is_ok()) {
       std::fprintf(stderr, "strata train: %s\n", st.to_string().c_str());
-    else if (dropped > 0)
+      trace_lost = true;
+    } else if (dropped > 0) {
       std::fprintf(stderr, "strata train: trace %s: the last %zu events were dropped (its buffer was full)\n",
-                   path.c_str(), dropped);
+                   trace_path.c_str(), dropped);
+    }
   }
   if (!summary.is_ok()) {
     const strata::StatusCode code = summary.status().code();
@@ -151,12 +165,18 @@ int run_train(TrainArgs& a) {
   ranks.value().grid.reset();
   ranks.value().world.reset();
   strata::comm::mpi_finalize();
-  if (rank != 0) return 0;  // rank 0 reports for the group
+  const int code = trace_lost ? 1 : 0;
+  if (rank != 0) return code;  // rank 0 reports for the group
   const auto& s = summary.value();
+  if (s.steps == 0) {  // a resume at training.max_steps, or max_steps 0
+    std::printf("done: no step to run (training.max_steps %d reached)%s%s\n", cfg->training.max_steps,
+                s.checkpoint.empty() ? "" : "; checkpoint: ", s.checkpoint.c_str());
+    return code;
+  }
   std::printf("done: %d steps, final loss %.4f", s.steps, s.last_loss);
   if (s.val_loss >= 0) std::printf(", validation loss %.4f", s.val_loss);
   std::printf(", %.0f tokens/s\ncheckpoint: %s\n", s.tokens_per_s, s.checkpoint.c_str());
-  return 0;
+  return code;
 }
 
 }  // namespace

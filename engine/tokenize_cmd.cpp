@@ -107,7 +107,13 @@ Status read_documents(const fs::path& path, const std::string& field, std::vecto
       std::string line;
       for (size_t no = 1; std::getline(lines, line); ++no) {
         if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-        STRATA_RETURN_IF_ERROR(json_document(nlohmann::json::parse(line), field, fmt::format("{}:{}", name, no), docs));
+        nlohmann::json j;
+        try {
+          j = nlohmann::json::parse(line);
+        } catch (const nlohmann::json::exception& e) {  // each line parses alone: its own line number
+          return Status::invalid_argument("{}:{}: not valid JSON: {}", name, no, e.what());
+        }
+        STRATA_RETURN_IF_ERROR(json_document(j, field, fmt::format("{}:{}", name, no), docs));
       }
       return Status::ok();
     }
@@ -208,7 +214,9 @@ Result<TokenizeSummary> tokenize_corpus(const TokenizeOptions& o) {
   if (o.shard_tokens < 1 || o.shard_tokens > INT32_MAX)
     return Status::invalid_argument("--shard-tokens must be in [1, {}], got {}", INT32_MAX, o.shard_tokens);
   const fs::path out_dir(o.out_dir);
-  std::string prefix = o.prefix.empty() ? fs::path(o.out_dir).lexically_normal().filename().string() : o.prefix;
+  fs::path named = out_dir.lexically_normal();
+  if (!named.has_filename()) named = named.parent_path();  // "data/sotu/": the folder's name all the same
+  std::string prefix = o.prefix.empty() ? named.filename().string() : o.prefix;
   if (prefix.empty() || prefix == "." || prefix == "..") prefix = "tokens";
   if (prefix.find('/') != std::string::npos)
     return Status::invalid_argument("--prefix '{}' must be a file name, not a path", prefix);

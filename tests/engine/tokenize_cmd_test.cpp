@@ -88,6 +88,12 @@ TEST_F(TokenizeCmdTest, DirectoryOfTxtFilesInNameOrder) {
   EXPECT_EQ(m["train"]["tokens"], 8);
   EXPECT_EQ(m["val"]["files"], nlohmann::json::array({"corpus_val_000000.bin"}));
   EXPECT_EQ(m["eot_token"], 256);
+
+  // An --out-dir written with a trailing slash names the shards after the folder all the same.
+  opts_.out_dir = (dir_ / "out" / "slashed").string() + "/";
+  auto slashed = tokenize_corpus(opts_);
+  ASSERT_TRUE(slashed.is_ok()) << slashed.status().to_string();
+  EXPECT_EQ(fs::path(slashed->files[0].at(0)).filename(), "slashed_train_000000.bin");
 }
 
 TEST_F(TokenizeCmdTest, JsonForms) {
@@ -114,6 +120,10 @@ TEST_F(TokenizeCmdTest, BadJsonNamesFileAndElement) {
   opts_.inputs = {input("broken.json", R"(["x",)")};
   r = tokenize_corpus(opts_);
   EXPECT_NE(r.status().message().find("broken.json: not valid JSON"), std::string::npos) << r.status().message();
+  // A .jsonl line parses alone: the error names its line.
+  opts_.inputs = {input("lines.jsonl", "\"ok\"\n\"fine\"\n{\"text\": \n")};
+  r = tokenize_corpus(opts_);
+  EXPECT_NE(r.status().message().find("lines.jsonl:3: not valid JSON"), std::string::npos) << r.status().message();
   opts_.inputs = {(dir_ / "in" / "missing.txt").string()};
   EXPECT_EQ(tokenize_corpus(opts_).status().code(), StatusCode::kNotFound);
   opts_.inputs = {input("ok.txt", "x")};
