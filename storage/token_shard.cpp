@@ -43,6 +43,8 @@ Status write_all(int fd, const std::byte* p, size_t n, const std::string& path, 
     if (r < 0 && errno == EINTR) continue;
     if (r < 0)
       return Status::io_error("{}: write failed at offset {}: {}", path, already + done, std::strerror(errno));
+    if (r == 0) return Status::io_error("{}: write of {} bytes at offset {} wrote nothing", path, n - done,
+                                        already + done);
     done += static_cast<size_t>(r);
   }
   return Status::ok();

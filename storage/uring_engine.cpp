@@ -157,9 +157,12 @@ void UringEngine::submit_to(Ring& ring, RawIo* const* ios, size_t n) {
   }
   for (;;) {
     const int rc = io_uring_submit(&ring.ring);
-    if (rc >= 0) break;
+    // The kernel may take fewer than were queued (it stops at an entry it cannot set up, or when short of
+    // request memory): the rest would wait for the next submission on this ring, which may never come while
+    // the queue waits for these. Without SQPOLL, whatever the ring still holds is submitted again.
+    if (rc >= 0 && (options_.sqpoll || io_uring_sq_ready(&ring.ring) == 0)) break;
     // EAGAIN/EBUSY: the kernel is short of resources for a moment; our CQ cannot overflow (see create).
-    if (rc != -EAGAIN && rc != -EBUSY && rc != -EINTR) URING_CHECK(rc);
+    if (rc < 0 && rc != -EAGAIN && rc != -EBUSY && rc != -EINTR) URING_CHECK(rc);
     std::this_thread::yield();
   }
 }
