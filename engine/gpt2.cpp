@@ -535,8 +535,9 @@ Status GPT2::forward_units(int B, int T, bool with_loss) {
   const float* residual = acts_.encoded;
   for (int l = stage_.first; l < stage_.end; ++l) {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView block, acquire(1 + l, Pass::kForward));
-    STRATA_RETURN_IF_ERROR(block_forward(l, block.params, residual, B, T));
-    release(1 + l, Pass::kForward);
+    const Status ran = block_forward(l, block.params, residual, B, T);
+    release(1 + l, Pass::kForward);  // also after a failure: an acquired unit can be neither evicted nor written
+    STRATA_RETURN_IF_ERROR(ran);
     residual = block_output(l, RC);
     if (checkpointing_ == ActivationCheckpointing::kHost && l + 1 < stage_.end)
       device_->copy_to_host(host_checkpoint(l, RC), residual, RC * sizeof(float));
@@ -673,14 +674,16 @@ Status GPT2::backward_blocks(int B, int T) {
   for (int l = stage_.end - 1; l >= stage_.first; --l) {
     const float* residual = l == stage_.first ? acts_.encoded : block_output(l - 1, RC);
     STRATA_ASSIGN_OR_RETURN(offload::UnitView block, acquire(1 + l, Pass::kBackward));
+    Status ran;
     if (checkpointing_ != ActivationCheckpointing::kNone && l + 1 < stage_.end) {
       // Recompute the block from its checkpoint (the last block's activations are still those of forward).
       if (checkpointing_ == ActivationCheckpointing::kHost && l > stage_.first)
         device_->copy_to_device(const_cast<float*>(residual), host_checkpoint(l - 1, RC), RC * sizeof(float));
-      STRATA_RETURN_IF_ERROR(block_forward(l, block.params, residual, B, T));
+      ran = block_forward(l, block.params, residual, B, T);
     }
-    STRATA_RETURN_IF_ERROR(block_backward(l, block, residual, grads_.dres, B, T));
-    release(1 + l, Pass::kBackward);
+    if (ran.is_ok()) ran = block_backward(l, block, residual, grads_.dres, B, T);
+    release(1 + l, Pass::kBackward);  // as in forward
+    STRATA_RETURN_IF_ERROR(ran);
     if (on_grads_done_) on_grads_done_(1 + l);
   }
   if (!stage_.embedding) return Status::ok();

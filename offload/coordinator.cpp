@@ -256,7 +256,9 @@ Status Coordinator::read_params(size_t u, float* host) {
     std::memcpy(host, all.data(), r.bytes);
     return Status::ok();
   }
-  STRATA_RETURN_IF_ERROR(r.params_ready.wait().with_context("offload: loading unit '" + r.info.name + "'"));
+  // A load in flight ends first. One that failed (a prefetch's, whose error waits for the unit's acquire) left
+  // no device copy: forgotten, and the home copy read below.
+  if (!r.params_ready.wait().is_ok()) s_->drop_failed_params(r);
   if (r.home == Tier::kHost) {
     std::memcpy(host, r.host_params.data(), r.bytes);
   } else if (r.home == Tier::kNvme && !r.home_stale) {

@@ -71,6 +71,15 @@ inline void wait_all(const std::vector<CopyTicket>& tickets) {
   for (const CopyTicket& t : tickets) (void)t.wait();
 }
 
+// Waits for every job in `tickets` (a load's data prerequisites); the first one's error, or ok.
+inline Status first_failure(const std::vector<CopyTicket>& tickets) {
+  Status first;
+  for (const CopyTicket& t : tickets) {
+    if (Status st = t.wait(); !st.is_ok() && first.is_ok()) first = std::move(st);
+  }
+  return first;
+}
+
 // A device buffer no unit holds, kept for reuse: usable once the jobs in `after` have finished (whatever their
 // outcome) and `fence` has passed.
 struct Coordinator::Slot {
@@ -222,19 +231,24 @@ struct Coordinator::State {
   }
 
   // Queues dst <- src (host to device) once the jobs that used dst before (`reuse`, ordering only) and `fence`
-  // have passed and the data prerequisites `after` have succeeded.
+  // have passed and the data prerequisites `after` have succeeded. The ticket ends after `reuse` and `fence`
+  // also when a prerequisite failed (the job then copies nothing): whoever gives dst back to the spares after
+  // a failed load waits for the ticket alone, and the next user of dst must not meet the jobs and kernels that
+  // used it before. (As the queue's own prerequisites, a failed one would end the ticket without those waits.)
   CopyTicket upload(void* dst, const void* src, size_t bytes, kernels::DeviceFence fence,
                     std::vector<CopyTicket> reuse = {}, std::vector<CopyTicket> after = {}) {
     kernels::Device* dev = &device;
     stats.h2d_bytes += bytes;
     return copies.h2d.submit(
-        [dev, dst, src, bytes, fence, reuse] {
+        [dev, dst, src, bytes, fence, reuse, after] {
+          const Status data = first_failure(after);
           wait_all(reuse);
           fence.wait();
+          if (!data.is_ok()) return data;
           dev->upload(dst, src, bytes);
           return Status::ok();
         },
-        bytes, std::move(after));
+        bytes);
   }
 
   // Parameters on nvme exist once written: a read before that is the caller's ordering bug, named.
@@ -373,7 +387,8 @@ struct Coordinator::State {
   }
 
   // Queues dst <- the swap keys `keys` (chunks of nvme_chunk_elements): an NVMe read into a read-staging
-  // buffer, then the upload, once `fence` has passed and `after` have finished.
+  // buffer, then the upload, once `fence` has passed and `after` have finished (the ticket ending after
+  // `reuse` and `fence` whatever became of the read, as upload's).
   CopyTicket fetch_from_nvme(SwapStore* st, const std::vector<std::string>& keys, size_t bytes, void* dst,
                              kernels::DeviceFence fence, std::vector<CopyTicket> reuse,
                              std::vector<CopyTicket> after) {
@@ -390,14 +405,15 @@ struct Coordinator::State {
     kernels::Device* dev = &device;
     stats.h2d_bytes += bytes;
     return copies.h2d.submit(
-        [dev, dst, staging, bytes, fence, reuse]() mutable {
+        [dev, dst, staging, bytes, fence, reuse, after]() mutable {
+          const Status data = first_failure(after);
           wait_all(reuse);
           fence.wait();
-          dev->upload(dst, staging->buf->data(), bytes);
+          if (data.is_ok()) dev->upload(dst, staging->buf->data(), bytes);
           staging.reset();
-          return Status::ok();
+          return data;
         },
-        bytes, std::move(after));
+        bytes);
   }
 
   // ---- loading parameters ----

@@ -338,6 +338,27 @@ TEST(CoordinatorTest, AFailingDiskIsAnErrorNamingTheUnitNeverWrongData) {
   rig.coord->release(2, Pass::kForward);
 }
 
+// A prefetch that failed leaves its error for the acquire of its unit; a read of that unit's parameters (a
+// checkpoint's) comes from the home copy and must not fail on it.
+TEST(CoordinatorTest, AFailedPrefetchDoesNotFailAReadOfItsUnit) {
+  CoordinatorOptions o;
+  o.max_live_elements = 3 * numel_of(1);
+  Rig rig(Tier::kNvme, 0, o, /*faulty=*/true);
+  rig.zero_grads();
+  rig.step(all_units(), 0);  // records the trace; the units used first next are on the device
+  rig.fault->set_enabled(true);
+  rig.coord->begin_step();
+  for (int u : {0, 1}) {  // on the device; the second acquire's prefetch evicts unit 0 for unit 3, whose read fails
+    auto v = rig.coord->acquire(u, Pass::kForward);
+    ASSERT_TRUE(v.is_ok()) << v.status().to_string();
+    rig.coord->release(u, Pass::kForward);
+  }
+  ASSERT_FALSE(rig.coord->residency(0, StateClass::kParams).on_device);
+  ASSERT_OK(rig.copies.h2d.submit([] { return Status::ok(); }).wait());  // every load queued before has ended
+  rig.fault->set_enabled(false);
+  for (int u = 0; u < kUnits; ++u) rig.expect_params_read_back(u);
+}
+
 TEST(CoordinatorTest, AUnitOnNvmeThatWasNeverWrittenIsAnErrorNamingIt) {
   auto device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
   MemoryEngine memory;
