@@ -18,8 +18,10 @@ deps:
 deps-demo:
 	@scripts/install_deps.sh --demo
 
+# A folder configured before is configured again when SANITIZE or CMAKE_FLAGS ask for something (they were
+# ignored there once it had a cache); otherwise its cache stands.
 configure: deps
-	@if [ ! -f $(BUILD)/CMakeCache.txt ]; then \
+	@if [ ! -f $(BUILD)/CMakeCache.txt ] || [ -n "$(SANITIZE)$(CMAKE_FLAGS)" ]; then \
 	  cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DSTRATA_SANITIZE=$(SANITIZE) $(CMAKE_FLAGS); fi
 
 build: configure

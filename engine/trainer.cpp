@@ -251,6 +251,8 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
       STRATA_LOG_WARN("resuming with settings other than those of the run that saved the checkpoint: {}", listed);
     }
     STRATA_LOG_INFO("resumed from {} at step {}", options.resume, state.step);
+    if (!tc.init_from.empty())
+      STRATA_LOG_WARN("training.init_from ({}) is not used: the run resumed with the checkpoint's weights", tc.init_from);
   } else if (!tc.init_from.empty()) {
     STRATA_RETURN_IF_ERROR(load_model(*model, tc.init_from).with_context("training.init_from"));
     STRATA_RETURN_IF_ERROR(opt->adopt_params());
