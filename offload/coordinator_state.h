@@ -71,15 +71,6 @@ inline void wait_all(const std::vector<CopyTicket>& tickets) {
   for (const CopyTicket& t : tickets) (void)t.wait();
 }
 
-// Waits for every job in `tickets` (a load's data prerequisites); the first one's error, or ok.
-inline Status first_failure(const std::vector<CopyTicket>& tickets) {
-  Status first;
-  for (const CopyTicket& t : tickets) {
-    if (Status st = t.wait(); !st.is_ok() && first.is_ok()) first = std::move(st);
-  }
-  return first;
-}
-
 // A device buffer no unit holds, kept for reuse: usable once the jobs in `after` have finished (whatever their
 // outcome) and `fence` has passed.
 struct Coordinator::Slot {
@@ -232,23 +223,22 @@ struct Coordinator::State {
 
   // Queues dst <- src (host to device) once the jobs that used dst before (`reuse`, ordering only) and `fence`
   // have passed and the data prerequisites `after` have succeeded. The ticket ends after `reuse` and `fence`
-  // also when a prerequisite failed (the job then copies nothing): whoever gives dst back to the spares after
-  // a failed load waits for the ticket alone, and the next user of dst must not meet the jobs and kernels that
-  // used it before. (As the queue's own prerequisites, a failed one would end the ticket without those waits.)
+  // also when a prerequisite failed (a settled job, which then copies nothing): whoever gives dst back to the
+  // spares after a failed load waits for the ticket alone, and the next user of dst must not meet the jobs and
+  // kernels that used it before. (A plain job would not run at all, and its ticket end without those waits.)
   CopyTicket upload(void* dst, const void* src, size_t bytes, kernels::DeviceFence fence,
                     std::vector<CopyTicket> reuse = {}, std::vector<CopyTicket> after = {}) {
     kernels::Device* dev = &device;
     stats.h2d_bytes += bytes;
-    return copies.h2d.submit(
-        [dev, dst, src, bytes, fence, reuse, after] {
-          const Status data = first_failure(after);
+    return copies.h2d.submit_settled(
+        [dev, dst, src, bytes, fence, reuse](const Status& data) {
           wait_all(reuse);
           fence.wait();
           if (!data.is_ok()) return data;
           dev->upload(dst, src, bytes);
           return Status::ok();
         },
-        bytes);
+        bytes, std::move(after));
   }
 
   // Parameters on nvme exist once written: a read before that is the caller's ordering bug, named.
@@ -404,16 +394,15 @@ struct Coordinator::State {
     after.push_back(read);
     kernels::Device* dev = &device;
     stats.h2d_bytes += bytes;
-    return copies.h2d.submit(
-        [dev, dst, staging, bytes, fence, reuse, after]() mutable {
-          const Status data = first_failure(after);
+    return copies.h2d.submit_settled(
+        [dev, dst, staging, bytes, fence, reuse](const Status& data) mutable {
           wait_all(reuse);
           fence.wait();
           if (data.is_ok()) dev->upload(dst, staging->buf->data(), bytes);
           staging.reset();
           return data;
         },
-        bytes);
+        bytes, std::move(after));
   }
 
   // ---- loading parameters ----

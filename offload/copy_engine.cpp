@@ -32,7 +32,18 @@ CopyTicket CopyQueue::submit(std::function<Status()> job, uint64_t bytes, std::v
   auto state = std::make_shared<CopyTicket::State>();
   {
     std::lock_guard lock(mu_);
-    jobs_.push_back(Job{std::move(job), bytes, std::move(after), state});
+    jobs_.push_back(Job{std::move(job), nullptr, bytes, std::move(after), state});
+  }
+  cv_.notify_one();
+  return CopyTicket(std::move(state));
+}
+
+CopyTicket CopyQueue::submit_settled(std::function<Status(const Status&)> job, uint64_t bytes,
+                                     std::vector<CopyTicket> after) {
+  auto state = std::make_shared<CopyTicket::State>();
+  {
+    std::lock_guard lock(mu_);
+    jobs_.push_back(Job{nullptr, std::move(job), bytes, std::move(after), state});
   }
   cv_.notify_one();
   return CopyTicket(std::move(state));
@@ -58,14 +69,15 @@ void CopyQueue::run() {
       if (Status s = t.wait(); !s.is_ok() && status.is_ok()) status = s;
     }
     double busy = 0;
-    if (status.is_ok()) {
+    if (job.settled || status.is_ok()) {
       Timer timer;
-      status = job.fn();
+      status = job.settled ? job.settled(status) : job.fn();
       busy = timer.seconds();
     }
     // What the job captured is destroyed before its ticket finishes, so a waiter may free what the captures'
     // destructors touch.
     job.fn = nullptr;
+    job.settled = nullptr;
     job.after.clear();
     {
       std::lock_guard lock(mu_);

@@ -5,8 +5,9 @@
 // (swap store reads and writes between NVMe and pinned buffers). A job is any function returning Status —
 // typically one Device::upload/download or one SwapStore read — and may name prerequisite tickets on any
 // queue: it starts only once they have finished, and if one failed it does not run and fails with that
-// status (so a failed NVMe read never uploads garbage). What a job touches must stay alive until its ticket
-// has finished; the job's function (and what it captured) is destroyed before that.
+// status (so a failed NVMe read never uploads garbage); a settled job (submit_settled) runs either way, told
+// how its prerequisites went. What a job touches must stay alive until its ticket has finished; the job's
+// function (and what it captured) is destroyed before that.
 //
 // Threading: submit() and every CopyTicket method are thread-safe. Each queue runs one job at a time on its
 // own thread, in submission order. Destroying a queue waits for every job it has accepted.
@@ -61,12 +62,18 @@ class CopyQueue {
 
   // Queues `job` behind everything submitted before it. `bytes` is only counted in stats().
   CopyTicket submit(std::function<Status()> job, uint64_t bytes = 0, std::vector<CopyTicket> after = {});
+  // The same, but `job` runs whatever became of `after`, given the first failure among them (ok when every one
+  // succeeded), and the ticket ends with what it returns: for a job that has waits to make even when it has
+  // nothing to copy (a load into a buffer that earlier jobs and kernels may still be using).
+  CopyTicket submit_settled(std::function<Status(const Status& prerequisites)> job, uint64_t bytes = 0,
+                            std::vector<CopyTicket> after = {});
   CopyQueueStats stats() const;
   const std::string& name() const { return name_; }
 
  private:
   struct Job {
     std::function<Status()> fn;
+    std::function<Status(const Status&)> settled;  // instead of fn
     uint64_t bytes;
     std::vector<CopyTicket> after;
     std::shared_ptr<CopyTicket::State> state;

@@ -65,6 +65,26 @@ TEST(CopyEngineTest, AFailedPrerequisiteFailsItsDependentsWithoutRunningThem) {
   EXPECT_TRUE(e.h2d.submit([] { return Status::ok(); }).wait().is_ok());
 }
 
+// A settled job runs after a failed prerequisite too, told its error (a load still waits for the buffer's
+// earlier users before its ticket ends, though it copies nothing); its ticket ends with what it returns.
+TEST(CopyEngineTest, ASettledJobRunsWhateverBecameOfItsPrerequisites) {
+  CopyEngine e;
+  CopyTicket ok = e.d2h.submit([] { return Status::ok(); });
+  CopyTicket read = e.nvme.submit([] { return Status::io_error("swap read of key 'param.h.2.0' failed: EIO"); });
+  std::string seen = "not run";
+  CopyTicket upload = e.h2d.submit_settled(
+      [&](const Status& prerequisites) {
+        seen = prerequisites.to_string();
+        return prerequisites;
+      },
+      0, {ok, read});
+  const Status st = upload.wait();
+  EXPECT_NE(seen.find("param.h.2.0"), std::string::npos) << seen;
+  EXPECT_NE(st.to_string().find("param.h.2.0"), std::string::npos) << st.to_string();
+  CopyTicket fine = e.h2d.submit_settled([](const Status& prerequisites) { return prerequisites; }, 0, {ok});
+  EXPECT_TRUE(fine.wait().is_ok());
+}
+
 TEST(CopyEngineTest, DestroyingAQueueRunsEverythingItAccepted) {
   std::atomic<int> ran{0};
   {
