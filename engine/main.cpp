@@ -131,6 +131,8 @@ int run_train(TrainArgs& a) {
       std::fprintf(stderr, "strata train: --trace %s cannot be written: %s\n", trace_path.c_str(),
                    std::strerror(errno));
       if (several) strata::comm::mpi_abort(strata::Status::invalid_argument("--trace {}", trace_path));
+      ranks.value().grid.reset();
+      ranks.value().world.reset();
       strata::comm::mpi_finalize();
       return 2;
     }

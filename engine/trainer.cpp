@@ -244,7 +244,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     state.train_pos.shard = shard;
     STRATA_RETURN_IF_ERROR(train.seek(state.train_pos));
     if (const std::vector<std::string> changes = config_changes(loaded->config, config.json);
-        !changes.empty() && !loaded->config.empty()) {
+        leader && !changes.empty() && !loaded->config.empty()) {  // every rank runs the same config
       std::string listed;
       for (size_t i = 0; i < changes.size() && i < 12; ++i) listed += (i ? "; " : "") + changes[i];
       if (changes.size() > 12) listed += fmt::format("; and {} more", changes.size() - 12);
