@@ -8,7 +8,6 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
-#include <tbb/global_control.h>
 
 #include "comm/mpi_communicator.h"
 #include "common/timer.h"
@@ -17,7 +16,7 @@
 #include "engine/pipeline.h"
 #include "engine/staged_communicator.h"
 #include "kernels/cpu/cpu_kernels.h"
-#include "kernels/cpu/matmul_info.h"
+#include "kernels/cpu/thread_limit.h"
 
 namespace strata::engine {
 namespace {
@@ -94,11 +93,7 @@ int run_bench_pipeline(const BenchStepOptions& o) {
     comm::mpi_finalize();
     return fail(st);
   }
-  std::optional<tbb::global_control> threads;
-  if (o.threads > 0) {
-    threads.emplace(tbb::global_control::max_allowed_parallelism, o.threads);
-    kernels::cpu::set_matmul_threads(o.threads);
-  }
+  const kernels::cpu::CpuThreadLimit threads(o.threads);  // TBB's and the matmuls' (OpenMP's)
   const GPT2Config mc{o.n_layer, o.n_head, o.n_embd, o.vocab_size, std::max(o.block_size, o.seq_len)};
   const PipelinePlan plan = plan_pipeline(mc, o.seq_len, P);
   if (leader && !o.json) {

@@ -8,7 +8,6 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
-#include <tbb/global_control.h>
 #include <tbb/info.h>
 
 #include "common/rng.h"
@@ -16,7 +15,7 @@
 #include "engine/gpt2.h"
 #include "engine/optimizer.h"
 #include "kernels/cpu/cpu_kernels.h"
-#include "kernels/cpu/matmul_info.h"
+#include "kernels/cpu/thread_limit.h"
 
 namespace strata::engine {
 
@@ -96,11 +95,7 @@ int run_bench_step(const BenchStepOptions& o) {
   if (o.pipeline) return run_bench_pipeline(o);
   if (o.offload_param != "none" || o.offload_optimizer != "none" || o.checkpointing != "none")
     return run_bench_step_offload(o);
-  std::optional<tbb::global_control> threads;
-  if (o.threads > 0) {
-    threads.emplace(tbb::global_control::max_allowed_parallelism, o.threads);
-    kernels::cpu::set_matmul_threads(o.threads);
-  }
+  const kernels::cpu::CpuThreadLimit threads(o.threads);  // TBB's and the matmuls' (OpenMP's)
   GPT2Config mc{o.n_layer, o.n_head, o.n_embd, o.vocab_size, std::max(o.block_size, o.seq_len)};
   if (o.steps <= 0 || o.batch_size <= 0 || o.seq_len <= 0) {
     std::fprintf(stderr, "strata bench step: --steps, --batch and --context must be positive\n");

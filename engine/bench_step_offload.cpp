@@ -13,7 +13,6 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
-#include <tbb/global_control.h>
 #include <tbb/info.h>
 
 #include "common/aligned.h"
@@ -28,7 +27,7 @@
 #include "engine/optimizer.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/fast.h"
-#include "kernels/cpu/matmul_info.h"
+#include "kernels/cpu/thread_limit.h"
 #include "storage/io_engine.h"
 #include "storage/io_queue.h"
 #include "storage/swap_store.h"
@@ -123,11 +122,7 @@ int fail(const Status& st) {
 }  // namespace
 
 int run_bench_step_offload(const BenchStepOptions& o) {
-  std::optional<tbb::global_control> threads;
-  if (o.threads > 0) {
-    threads.emplace(tbb::global_control::max_allowed_parallelism, o.threads);
-    kernels::cpu::set_matmul_threads(o.threads);
-  }
+  const kernels::cpu::CpuThreadLimit threads(o.threads);  // TBB's and the matmuls' (OpenMP's)
   if (o.steps <= 0 || o.batch_size <= 0 || o.seq_len <= 0) {
     std::fprintf(stderr, "strata bench step: --steps, --batch and --context must be positive\n");
     return 2;

@@ -10,7 +10,6 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <tbb/global_control.h>
 #include <tbb/info.h>
 
 #include "common/log.h"
@@ -25,7 +24,7 @@
 #include "engine/sharded_optimizer.h"
 #include "engine/staged_communicator.h"
 #include "kernels/cpu/cpu_kernels.h"
-#include "kernels/cpu/matmul_info.h"
+#include "kernels/cpu/thread_limit.h"
 
 namespace strata::engine {
 namespace {
@@ -86,11 +85,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
         "{} data-parallel rank(s) = {}",
         config.source, tc.global_batch_size, B, tc.grad_accum_steps, dp_size, global_batch);
   if ((dp || pp || tp) && !leader) logger().set_level(spdlog::level::warn);
-  std::optional<tbb::global_control> threads;
-  if (config.compute.threads > 0) {  // the TBB kernels', and the CPU matmuls' (OpenMP) on this thread
-    threads.emplace(tbb::global_control::max_allowed_parallelism, config.compute.threads);
-    kernels::cpu::set_matmul_threads(config.compute.threads);
-  }
+  const kernels::cpu::CpuThreadLimit threads(config.compute.threads);  // TBB's and the matmuls' (OpenMP's)
 
   // Everything that can fail on input is checked before the first step.
   STRATA_RETURN_IF_ERROR(check_writable_dir(tc.checkpoint_dir, "training.checkpoint_dir"));
@@ -111,16 +106,19 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   }
   // A folder given as data.train takes every .bin in it: `strata tokenize` writes its validation shards there too.
   for (const std::string& p : train.paths()) {
+    if (!val) {
+      if (fs::path(p).filename().string().find("_val_") != std::string::npos)
+        STRATA_LOG_WARN("data.train ({}) reads {}, which looks like a validation shard", config.data.train, p);
+      continue;
+    }
     std::error_code ec;
-    for (const std::string& q : val ? val->paths() : std::vector<std::string>{}) {
+    for (const std::string& q : val->paths()) {
       if (fs::equivalent(p, q, ec))
         return Status::invalid_argument(
             "{}: data.train ({}) and data.val ({}) both read {}: the validation loss would be measured on training "
             "data; narrow data.train (for example DIR/*_train_*.bin)",
             config.source, config.data.train, config.data.val, p);
     }
-    if (!val && fs::path(p).filename().string().find("_val_") != std::string::npos)
-      STRATA_LOG_WARN("data.train ({}) reads {}, which looks like a validation shard", config.data.train, p);
   }
 
   const kernels::KernelSet* k = kernels::find_kernel_set(config.compute.kernels.c_str());

@@ -85,6 +85,15 @@ class CheckpointTest : public ::testing::Test {
     if (got != nullptr) *got = params_of(*other);
     return state;
   }
+  // load_fresh gives the checkpoint of `step`, with the parameters `want`.
+  void expect_loads(int step, const std::vector<float>& want) {
+    std::vector<float> got;
+    auto state = load_fresh(&got);
+    ASSERT_TRUE(state.is_ok()) << state.status().to_string();
+    EXPECT_EQ(state.value().step, step);
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
+  }
 
   static inline int counter_ = 0;
   std::string dir_;
@@ -179,12 +188,7 @@ TEST_F(CheckpointTest, ACheckpointMovedAsideByAKilledSaveIsReadAndRestored) {
   save(8, 3);
   const std::vector<float> want = params_of(*model_);
   fs::rename(fs::path(dir_) / "step_000008", fs::path(dir_) / "step_000008.tmp.old");
-  std::vector<float> got;
-  auto state = load_fresh(&got);
-  ASSERT_TRUE(state.is_ok()) << state.status().to_string();
-  EXPECT_EQ(state.value().step, 8);
-  ASSERT_EQ(got.size(), want.size());
-  EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
+  ASSERT_NO_FATAL_FAILURE(expect_loads(8, want));
 
   fake("step_000006.tmp.old");  // killed after the new step 6 was in place: the old copy is left over
   fake("step_000006");
@@ -215,12 +219,7 @@ TEST_F(CheckpointTest, ACheckpointFolderWithoutLatestGivesItsHighestCompleteStep
   fake("step_000011");
   fs::remove(fs::path(dir_) / "step_000011" / "state.json");  // an incomplete folder is never chosen...
   fs::create_directories(fs::path(dir_) / "step_000099.tmp");  // nor an unfinished save
-  std::vector<float> got;
-  auto state = load_fresh(&got);
-  ASSERT_TRUE(state.is_ok()) << state.status().to_string();
-  EXPECT_EQ(state.value().step, 12);
-  ASSERT_EQ(got.size(), want.size());
-  EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
+  ASSERT_NO_FATAL_FAILURE(expect_loads(12, want));
 
   fs::remove_all(dir_);
   fs::create_directories(dir_);
