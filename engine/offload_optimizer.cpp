@@ -241,6 +241,8 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
     h.closed = true;
   }
   next_publish_ = 0;
+  unpublished_.assign(model_->units().size(), 0);
+  for (const Group& g : groups_) ++unpublished_[g.unit];
   // Where each sub-group's gradient is (null: in its swap key), taken here so the worker reads only memory.
   const bool grads_on_nvme = coordinator_->options().grad_home == offload::Tier::kNvme;
   std::vector<const float*> grads;
@@ -308,6 +310,7 @@ Status OffloadedAdamW::begin_accumulating_backward() {
 Status OffloadedAdamW::begin_last_backward(float lr) {
   coordinator_->set_accumulating(false);
   STRATA_RETURN_IF_ERROR(finish());  // the last update: published by the forward, its writes done
+  update_expected_ = true;
   if (!swapper_ || !options_.overlap_backward || reducer_ != nullptr || pp_ != nullptr) return Status::ok();
   if (!speculate_next_) {
     // The last step clipped, so this one probably will: no update before the norm, but its first sub-groups'
@@ -338,8 +341,14 @@ void OffloadedAdamW::grads_done(size_t unit) {
   h.cv.notify_all();
 }
 
+bool OffloadedAdamW::will_publish(size_t unit) const {
+  if (update_expected_) return true;
+  return handoff_ && unit < unpublished_.size() && unpublished_[unit] > 0;
+}
+
 Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   coordinator_->set_accumulating(false);
+  update_expected_ = false;  // from here the update in flight (if any) says
   if (coordinator_->sharded()) return step_sharded(lr, skipped);
   bool speculating = false;
   if (handoff_) {
@@ -474,14 +483,33 @@ Status OffloadedAdamW::deliver(size_t group, const float* master) {
   // The master weights live in the worker's buffers: a swap slot (nvme), which the swapper reuses for the
   // position `slots` later, whose read it issues `slots - 2` positions from now — so this waits until the
   // position that far back is published; or the sub-group's own state (cpu), untouched until the next update.
+  // The copies out of a published position may still be reading it: they end before its memory is reused.
   const size_t lag = swapper_ ? static_cast<size_t>(std::max(2, options_.swap_slots)) - 2 : groups_.size();
   trace::Span span("waiting for publication", static_cast<int64_t>(group));
   h.cv.wait(lock, [&] { return h.published + lag > pos || h.abandoned; });
-  if (h.abandoned) {
+  const bool abandoned = h.abandoned;
+  lock.unlock();
+  // Abandoned: the update is rolled back, which may rewrite any slot.
+  wait_copies(abandoned ? SIZE_MAX : pos + 1 - std::min(pos + 1, lag));
+  if (abandoned) {
+    lock.lock();
     h.cancelled = true;
     return Status::internal("optimizer step {}: abandoned by the training thread", h.step);
   }
   return Status::ok();
+}
+
+void OffloadedAdamW::wait_copies(size_t end) {
+  Handoff& h = *handoff_;
+  std::vector<offload::CopyTicket> pending;
+  {
+    std::lock_guard lock(h.mu);
+    end = std::min(end, h.copies.size());
+    for (; h.copies_waited < end; ++h.copies_waited) {
+      for (offload::CopyTicket& t : h.copies[h.copies_waited]) pending.push_back(std::move(t));
+    }
+  }
+  for (const offload::CopyTicket& t : pending) (void)t.wait();  // their failures reach the unit's next reader
 }
 
 Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads,
@@ -571,10 +599,14 @@ Status OffloadedAdamW::publish_next() {
   const Group& g = groups_[group];
   trace::Span span("publish", static_cast<int64_t>(group));
   Timer writing;
-  const Status status = coordinator_->write_params(g.unit, g.offset, g.spec.numel, master);
+  std::vector<offload::CopyTicket> copies;  // still reading `master` (the worker's) when this returns
+  const Status status = coordinator_->write_params(g.unit, g.offset, g.spec.numel, master, &copies);
   std::lock_guard lock(h.mu);
+  h.copies.resize(next_publish_ + 1);
+  h.copies[next_publish_] = std::move(copies);
   h.update_wait_s += writing.seconds();
   if (status.is_ok()) {
+    --unpublished_[g.unit];
     h.published = ++next_publish_;
   } else {
     h.abandoned = true;  // the worker must not wait for a publication that will not come
@@ -586,6 +618,7 @@ Status OffloadedAdamW::publish_next() {
 Status OffloadedAdamW::join() {
   Handoff& h = *handoff_;
   worker_.join();
+  wait_copies(SIZE_MAX);
   stats_ = h.stats;
   stats_.grads_wait_s = h.grads_wait_s;
   stats_.update_wait_s = h.update_wait_s;

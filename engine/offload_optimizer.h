@@ -91,6 +91,10 @@ class OffloadedAdamW final : public Optimizer {
   // Publishes the new parameters of every unit up to `unit` (SIZE_MAX: all, then waits for the update's
   // writes) from the update in flight, if any. Training thread.
   Status publish_through(size_t unit);
+  // Whether new parameters of `unit` are to come: from the step's last backward (begin_last_backward) until
+  // the update in flight has published all of the unit's sub-groups. The coordinator's prefetch hint
+  // (Coordinator::set_params_pending). Training thread.
+  bool will_publish(size_t unit) const;
   Status finish() override;
   Status begin_last_backward(float lr) override;
   Status begin_accumulating_backward() override;
@@ -150,6 +154,10 @@ class OffloadedAdamW final : public Optimizer {
     double gate_wait_s = 0;    // the worker waiting for it (not part of the update's time)
     size_t taken = 0, ready = 0, published = 0;
     std::vector<const float*> master;  // by position
+    // By position: the copies of its published master weights still reading them (to the device and home),
+    // which must end before the worker reuses that memory; those before `copies_waited` have ended.
+    std::vector<std::vector<offload::CopyTicket>> copies;
+    size_t copies_waited = 0;
     bool done = false, abandoned = false;
     bool cancelled = false;    // the worker stopped because it saw `abandoned` (not for an error of its own)
     int step = 0;              // the optimizer step it updates, for the worker's messages (t_ is the trainer's)
@@ -170,6 +178,8 @@ class OffloadedAdamW final : public Optimizer {
   Status run_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads, bool keep_old);
   Result<size_t> take_next(bool wait);                // on the worker: the next fed sub-group
   Status deliver(size_t group, const float* master);  // on the worker: wait until published
+  // Waits for the copies out of the published master weights of every position before `end` (ordering only).
+  void wait_copies(size_t end);
   Status publish_next();                              // the next position (delivered) to its home
   // Stops a speculative update; the worker rolls its writes back. With `restore`, parameters it published
   // go back to their old values (the update will not be redone).
@@ -196,6 +206,8 @@ class OffloadedAdamW final : public Optimizer {
   std::unique_ptr<Handoff> handoff_;  // an update in flight
   std::thread worker_;
   size_t next_publish_ = 0;
+  std::vector<size_t> unpublished_;     // per unit: its sub-groups the update in flight has not published
+  bool update_expected_ = false;        // between begin_last_backward and step()
   kernels::AdamWParams speculated_hp_;  // what a speculative update assumed
   bool speculate_next_ = true;          // the last step did not clip (or there was none)
   comm::Communicator* reducer_ = nullptr;  // data-parallel group the gradients are summed over

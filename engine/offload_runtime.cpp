@@ -299,6 +299,7 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
     STRATA_RETURN_IF_ERROR(opt->set_pipeline(*plan, *pp));
   }
   rt->coordinator_->set_before_use([opt](size_t unit) { return opt->publish_through(unit); });
+  rt->coordinator_->set_params_pending([opt](size_t unit) { return opt->will_publish(unit); });
   // And with the optimizer on nvme, updates start in the last backward as units' gradients are complete.
   model.set_on_grads_done([opt](size_t unit) { opt->grads_done(unit); });
   return rt;

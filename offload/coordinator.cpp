@@ -106,6 +106,7 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
       std::memset(r.host_params.data(), 0, home_capacity);
     } else {
       r.nvme_written.assign(chunks, false);
+      r.chunk_writes.resize(chunks);
       for (size_t k = 0; k < chunks; ++k) r.nvme_keys.push_back(fmt::format("{}{}.{}", options.key_prefix, r.info.name, k));
     }
   }
@@ -144,20 +145,28 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
 size_t Coordinator::num_units() const { return s_->units.size(); }
 const CoordinatorUnit& Coordinator::unit(size_t u) const { return s_->units[u].info; }
 
-Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float* host) {
+Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float* host,
+                                 std::vector<CopyTicket>* reads) {
   STRATA_ASSERT(u < s_->units.size());
-  State::UnitRec& r = s_->units[u];
+  State& s = *s_;
+  State::UnitRec& r = s.units[u];
   if (offset > r.info.numel || n > r.info.numel - offset)
     return Status::invalid_argument("offload: write of [{}, {}) is outside unit '{}' ({} elements)", offset,
                                     offset + n, r.info.name, r.info.numel);
   STRATA_ASSERT_MSG(r.in_use == 0, "write_params on a unit between acquire and release");
   if (!r.info.present) return Status::ok();  // another pipeline stage's
-  // Jobs may still read the home copy this overwrites (also loads into slots since evicted). One that failed
-  // left no valid device copy.
-  (void)r.params_home_read.wait();
-  if (!r.params_ready.wait().is_ok()) s_->drop_failed_params(r);
-  if (s_->sharded()) {
-    s_->drop_params(r);  // other ranks' parts of it may change too
+  // A device copy being assembled takes its pieces in order; any other write leaves it incomplete.
+  if (r.assembling && offset != r.assembled) s.drop_partial(r);
+  // Jobs may still read the home copy in host memory this overwrites (also loads into slots since evicted);
+  // the swap store keeps a version being read.
+  if (r.home == Tier::kHost) (void)r.params_home_read.wait();
+  // The whole of a loaded (nvme) copy is replaced below, after its load, whatever became of that.
+  const bool replaced = reads != nullptr && !s.sharded() && r.home == Tier::kNvme && r.dev_params.data() != nullptr &&
+                        !r.persistent && !r.assembling && offset == 0 && n == r.info.numel;
+  // Otherwise a load in flight ends first; one that failed left no valid device copy.
+  if (!r.assembling && !replaced && !r.params_ready.wait().is_ok()) s.drop_failed_params(r);
+  if (s.sharded()) {
+    s.drop_params(r);  // other ranks' parts of it may change too
     const size_t lo = std::max(offset, r.shard.lo), hi = std::min(offset + n, r.shard.lo + r.shard.len);
     if (lo >= hi) return Status::ok();
     const float* src = host + (lo - offset);
@@ -165,7 +174,7 @@ Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float*
       std::memcpy(r.host_params.as<float>() + (lo - r.shard.lo), src, (hi - lo) * sizeof(float));
       return Status::ok();
     }
-    const size_t chunk = s_->options.nvme_chunk_elements;
+    const size_t chunk = s.options.nvme_chunk_elements;
     const size_t at = lo - r.shard.lo, len = hi - lo;
     if (at % chunk != 0 || (len % chunk != 0 && hi != r.shard.lo + r.shard.len))
       return Status::invalid_argument("offload: write of [{}, {}) of unit '{}' does not cover whole nvme chunks of {} "
@@ -173,43 +182,89 @@ Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float*
                                       offset, offset + n, r.info.name, chunk, r.shard.lo, r.shard.lo + r.shard.len);
     for (size_t off = 0; off < len; off += chunk) {
       const size_t k = (at + off) / chunk;
-      STRATA_RETURN_IF_ERROR(s_->store->write(r.nvme_keys[k], src + off, std::min(chunk, len - off) * sizeof(float)));
+      STRATA_RETURN_IF_ERROR(s.store->write(r.nvme_keys[k], src + off, std::min(chunk, len - off) * sizeof(float)));
       r.nvme_written[k] = true;
     }
-    s_->stats.nvme_write_bytes += len * sizeof(float);
+    s.stats.nvme_write_bytes += len * sizeof(float);
     return Status::ok();
   }
   const size_t bytes = n * sizeof(float);
-  const kernels::DeviceFence fence = r.params_last_use;
+  kernels::DeviceFence fence = r.params_last_use;
+  std::vector<CopyTicket> reuse;  // a new slot's earlier users
   if (r.home == Tier::kHost) {
     copy_floats(r.host_params.as<float>() + offset, host, n);
-  } else if (r.home == Tier::kNvme && r.dev_params.data() != nullptr && !r.persistent) {
+  } else if (r.home == Tier::kNvme && r.dev_params.data() != nullptr && !r.persistent && !r.assembling) {
     // Only the device copy is refreshed below; it goes home when evicted (home_stale).
     STRATA_RETURN_IF_ERROR(State::check_written(r));
     r.home_stale = true;
   } else if (r.home == Tier::kNvme) {
-    const size_t chunk = s_->options.nvme_chunk_elements;
+    const size_t chunk = s.options.nvme_chunk_elements;
     if (offset % chunk != 0 || (n % chunk != 0 && offset + n != r.info.numel))
       return Status::invalid_argument("offload: write of [{}, {}) of unit '{}' does not cover whole nvme chunks of {}",
                                       offset, offset + n, r.info.name, chunk);
+    // Published by a forward's hook with no device copy: the pieces go to the device straight from `host` as
+    // well as home, so that its use does not wait for them to reach nvme and come back. The unit being
+    // acquired gets a slot as a demand load would; a later one (published with it, in the update's order) as
+    // a prefetch would, within the budgets. Without room it loads from home when used.
+    size_t ahead = kNever;
+    if (reads != nullptr && s.acquiring != SIZE_MAX && offset == 0 && r.dev_params.data() == nullptr)
+      ahead = u == s.acquiring ? 0 : s.replaying() ? s.next_use(false)[u] : kNever;
+    if (ahead != kNever) {
+      auto slot = s.params_slot(u, ahead);
+      if (!slot.is_ok() && slot.status().code() != StatusCode::kOutOfMemory) return slot.status();
+      if (slot.is_ok() && slot->has_value()) {
+        Slot& got = **slot;
+        fence = got.fence;
+        reuse = std::move(got.after);
+        r.dev_params = std::move(got.buf);
+        r.params_ready = CopyTicket();
+        r.assembling = true;
+        r.assembled = 0;
+        s.live_elements += s.live(r);
+        ++s.stats.fetches;
+      }
+    }
     for (size_t off = 0; off < n; off += chunk) {
       const size_t len = std::min(chunk, n - off);
       const size_t k = (offset + off) / chunk;
-      STRATA_RETURN_IF_ERROR(s_->store->write(r.nvme_keys[k], host + off, len * sizeof(float)));
+      if (reads != nullptr) {
+        // In order behind the key's earlier writes on the same queue.
+        r.chunk_writes[k] = s.copies.nvme.submit(
+            [st = s.store, key = r.nvme_keys[k], src = host + off, len] {
+              return st->write(key, src, len * sizeof(float));
+            },
+            len * sizeof(float));
+        reads->push_back(r.chunk_writes[k]);
+      } else {
+        (void)r.chunk_writes[k].wait();
+        STRATA_RETURN_IF_ERROR(s.store->write(r.nvme_keys[k], host + off, len * sizeof(float)));
+        r.chunk_writes[k] = CopyTicket();
+      }
       r.nvme_written[k] = true;
     }
-    s_->stats.nvme_write_bytes += bytes;
+    s.stats.nvme_write_bytes += bytes;
   }
   if (r.dev_params.data() == nullptr) return Status::ok();
   // Refresh the device copy, after the kernels that read the old one.
   float* dst = r.dev_params.as<float>() + offset;
   if (r.home == Tier::kHost) {
-    r.params_ready = s_->upload(dst, r.host_params.as<float>() + offset, bytes, fence);
+    r.params_ready = s.upload(dst, r.host_params.as<float>() + offset, bytes, fence);
     r.params_home_read = r.params_ready;
     return Status::ok();
   }
-  // `host` is the caller's: the upload finishes before returning.
-  return s_->upload(dst, host, bytes, fence).wait();
+  if (reads == nullptr) return s.upload(dst, host, bytes, fence).wait();  // `host` is the caller's
+  if (replaced) {
+    reuse.push_back(r.params_ready);  // ordering only
+    r.params_ready = CopyTicket();
+  }
+  // After the copy's load or earlier pieces, which it depends on.
+  r.params_ready = s.upload(dst, host, bytes, fence, std::move(reuse), {r.params_ready});
+  reads->push_back(r.params_ready);
+  if (r.assembling) {
+    r.assembled += n;
+    if (r.assembled == r.info.numel) r.assembling = false;
+  }
+  return Status::ok();
 }
 
 Status Coordinator::read_shard(size_t u, float* host) {
@@ -259,10 +314,12 @@ Status Coordinator::read_params(size_t u, float* host) {
   // A load in flight ends first. One that failed (a prefetch's, whose error waits for the unit's acquire) left
   // no device copy: forgotten, and the home copy read below.
   if (!r.params_ready.wait().is_ok()) s_->drop_failed_params(r);
+  s_->drop_partial(r);
   if (r.home == Tier::kHost) {
     std::memcpy(host, r.host_params.data(), r.bytes);
   } else if (r.home == Tier::kNvme && !r.home_stale) {
     STRATA_RETURN_IF_ERROR(State::check_written(r));
+    STRATA_RETURN_IF_ERROR(State::wait_home_writes(r));
     STRATA_RETURN_IF_ERROR(
         read_chunks(*s_->store, r.nvme_keys, s_->options.nvme_chunk_elements * sizeof(float), host, r.bytes));
   } else {
@@ -271,6 +328,8 @@ Status Coordinator::read_params(size_t u, float* host) {
   }
   return Status::ok();
 }
+
+void Coordinator::set_params_pending(std::function<bool(size_t unit)> fn) { s_->params_pending = std::move(fn); }
 
 void Coordinator::begin_step() {
   State& s = *s_;
@@ -282,9 +341,15 @@ void Coordinator::begin_step() {
 Result<UnitView> Coordinator::acquire(size_t u, Pass pass) {
   STRATA_ASSERT(u < s_->units.size());
   STRATA_ASSERT_MSG(s_->units[u].info.present, "acquire of another pipeline stage's unit");
-  if (before_use_) STRATA_RETURN_IF_ERROR(before_use_(uses_grads(pass) ? SIZE_MAX : u));
   State& s = *s_;
   State::UnitRec& r = s.units[u];
+  if (before_use_) {
+    s.acquiring = uses_grads(pass) ? SIZE_MAX : u;
+    const Status published = before_use_(s.acquiring);
+    s.acquiring = SIZE_MAX;
+    STRATA_RETURN_IF_ERROR(published);
+  }
+  s.drop_partial(r);  // a publication that stopped half-way: the unit loads from home
   s.record(Access{u, pass});
   r.last_access = ++s.clock;
   ++r.in_use;  // protects it from the evictions below

@@ -148,7 +148,13 @@ class Coordinator {
   // has a copy. With home nvme, offset and n must cover whole chunks (or reach the unit's end). ZeRO-3: only
   // the part inside this rank's shard is kept (chunks count from the shard's start), and a device copy is
   // dropped (the other ranks' parts of it may be stale).
-  Status write_params(size_t u, size_t offset, size_t n, const float* host);
+  // With `reads` (not sharded), the copies out of `host` may still run when this returns: their jobs are
+  // appended to `reads`, and the caller keeps host[0..n) alive and unchanged until every one has finished.
+  // Called with `reads` from the before_use hook of a forward acquire, when u has no device copy and its home
+  // is nvme, the pieces (written in order from offset 0) also go straight to a device copy, so that its use
+  // does not wait for them to reach nvme and come back: the acquired unit's slot is had as a demand load's,
+  // another's as a prefetch's (within the budgets, or not at all). The copy is used only once complete.
+  Status write_params(size_t u, size_t offset, size_t n, const float* host, std::vector<CopyTicket>* reads = nullptr);
   Status write_params(size_t u, const float* host) { return write_params(u, 0, unit(u).numel, host); }
   // The current parameters of unit u into host[0..numel). ZeRO-3: gathered from every rank (collective).
   Status read_params(size_t u, float* host);
@@ -164,6 +170,10 @@ class Coordinator {
   // will overwrite gradients): the offloaded optimizer publishes the new parameters of an update that runs in
   // the background through it. Its error fails the acquire. Driving thread.
   void set_before_use(std::function<Status(size_t unit)> fn) { before_use_ = std::move(fn); }
+  // Whether unit u's parameters will be written (write_params) before its next forward use: the offloaded
+  // optimizer has an update of it coming. Prefetch then leaves a unit at home on nvme alone when its next use
+  // is a forward (the load would be replaced at once); its publication puts it on the device. Driving thread.
+  void set_params_pending(std::function<bool(size_t unit)> fn);
 
   // The step protocol. begin_step() marks the start of a forward pass (a step, or one micro-batch of it).
   void begin_step();

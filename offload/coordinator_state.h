@@ -11,6 +11,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -102,6 +103,15 @@ struct Coordinator::State {
     // written home only when it is evicted, or read from the device by read_params. With every unit on the
     // device (a device budget that holds the model) parameters then never go to nvme between steps.
     bool home_stale = false;
+    // Home nvme: each chunk's last write queued on the nvme queue (write_params with `reads`). A later read of
+    // the chunk takes it as a data prerequisite (a failed write fails the read instead of reading the previous
+    // version), and a write from the driving thread waits for it (the store refuses a key being written).
+    std::vector<CopyTicket> chunk_writes;
+    // A device copy write_params is filling from the optimizer's buffers, piece by piece in order, just before
+    // the unit's use: valid only once `assembled` reaches numel (its home copy is written as well, and is the
+    // truth until then).
+    bool assembling = false;
+    size_t assembled = 0;
     int in_use = 0;
     uint64_t last_access = 0;
     // Gradients.
@@ -150,6 +160,9 @@ struct Coordinator::State {
   std::function<void(size_t u, const kernels::DeviceFence& fence)> send_grads_home;
   size_t pos = 0;  // accesses of this step so far
   uint64_t clock = 0;
+  size_t acquiring = SIZE_MAX;  // the unit whose forward acquire is calling the before_use hook
+  std::function<bool(size_t)> params_pending;  // Coordinator::set_params_pending
+
   CoordinatorStats stats;
   // ZeRO-3: the group, one shard's worth of reduce-scatter output (used by one collective at a time), and the
   // queue that runs every collective in order (declared last: destroyed first, while what its jobs use lives).
@@ -171,6 +184,7 @@ struct Coordinator::State {
 
   ~State() {
     for (UnitRec& r : units) {
+      wait_all(r.chunk_writes);
       (void)r.params_ready.wait();
       (void)r.grads_ready.wait();
       (void)r.grads_download.wait();
@@ -258,6 +272,32 @@ struct Coordinator::State {
       live_elements -= live(r);
     }
     r.params_ready = CopyTicket();
+    r.assembling = false;
+  }
+
+  // A device copy whose assembly by write_params did not complete (the publication stopped, or was not in
+  // order): given back, and the unit loads from home (written as well) at its next use.
+  void drop_partial(UnitRec& r) {
+    if (!r.assembling) return;
+    r.assembling = false;
+    if (r.dev_params.data() == nullptr) return;
+    to_spare(std::move(r.dev_params), r.params_last_use, {r.params_ready});
+    r.params_ready = CopyTicket();
+    live_elements -= live(r);
+  }
+
+  // Waits for the queued writes of r's home chunks; the first failure (kept: until the chunk is written again
+  // every read of it fails). The succeeded ones are forgotten.
+  static Status wait_home_writes(UnitRec& r) {
+    Status first;
+    for (CopyTicket& t : r.chunk_writes) {
+      if (Status st = t.wait(); !st.is_ok()) {
+        if (first.is_ok()) first = st.with_context(fmt::format("writing unit '{}' home", r.info.name));
+      } else {
+        t = CopyTicket();
+      }
+    }
+    return first;
   }
 
   // ---- distances on the trace ----
@@ -289,6 +329,7 @@ struct Coordinator::State {
   Status write_back(UnitRec& r) {
     STRATA_ASSERT(r.home == Tier::kNvme && r.home_stale && r.dev_params.data() != nullptr);
     STRATA_RETURN_IF_ERROR(r.params_ready.wait());
+    wait_all(r.chunk_writes);  // overwritten below (a failed one's chunk too)
     device.fence().wait();
     StagingLease staging(&read_staging);
     staging.take();
@@ -299,6 +340,7 @@ struct Coordinator::State {
       const size_t len = std::min(chunk, r.info.numel - off);
       STRATA_RETURN_IF_ERROR(store->write(r.nvme_keys[k], staged + off, len * sizeof(float))
                                  .with_context("offload: writing unit '" + r.info.name + "' home before evicting it"));
+      r.chunk_writes[k] = CopyTicket();
     }
     stats.nvme_write_bytes += r.bytes;
     ++stats.write_backs;
@@ -340,6 +382,7 @@ struct Coordinator::State {
       if (r.home_stale) STRATA_RETURN_IF_ERROR(write_back(r));
       to_spare(std::move(r.dev_params), r.params_last_use, {r.params_ready});
       r.params_ready = CopyTicket();
+      r.assembling = false;  // the pieces written so far went home too, and the rest will
       live_elements -= live(r);
     }
     ++stats.evictions;
@@ -407,25 +450,35 @@ struct Coordinator::State {
 
   // ---- loading parameters ----
 
+  // A device slot for unit u's parameters, as for a load: within the live-parameter cap and the device budget,
+  // evicting what is used later than `sooner_than` accesses from now (0, a demand: anything not in use, and
+  // the cap is soft). Nothing (ok) when a prefetch finds no room.
+  Result<std::optional<Slot>> params_slot(size_t u, size_t sooner_than) {
+    UnitRec& r = units[u];
+    const bool demand = sooner_than == 0;
+    STRATA_ASSERT(r.dev_params.data() == nullptr && !r.persistent);
+    while (live(r) > 0 && live_elements + live(r) > options.max_live_elements) {
+      STRATA_ASSIGN_OR_RETURN(const bool evicted, evict_one(sooner_than, /*params_only=*/true));
+      if (!evicted) break;  // demand loads go over the soft cap, not fail
+    }
+    if (!demand && live(r) > 0 && live_elements + live(r) > options.max_live_elements) return std::optional<Slot>();
+    auto slot = obtain(u, r.slot_bytes, sooner_than, "parameters");
+    if (!slot.is_ok()) {
+      if (!demand && slot.status().code() == StatusCode::kOutOfMemory) return std::optional<Slot>();
+      return slot.status();
+    }
+    return std::optional<Slot>(std::move(slot).value());
+  }
+
   // Queues the load of unit u's parameters onto the device. A demand load (sooner_than 0) may evict any unit
   // not in use; a prefetch for the access `sooner_than` ahead only units used later, and returns false (with
   // an ok status) when that is not enough.
   Result<bool> load_params(size_t u, size_t sooner_than) {
     UnitRec& r = units[u];
-    const bool demand = sooner_than == 0;
-    STRATA_ASSERT(r.dev_params.data() == nullptr && !r.persistent);
     STRATA_RETURN_IF_ERROR(check_written(r));
-    while (live(r) > 0 && live_elements + live(r) > options.max_live_elements) {
-      STRATA_ASSIGN_OR_RETURN(const bool evicted, evict_one(sooner_than, /*params_only=*/true));
-      if (!evicted) break;  // demand loads go over the soft cap, not fail
-    }
-    if (!demand && live(r) > 0 && live_elements + live(r) > options.max_live_elements) return false;
-    auto slot = obtain(u, r.slot_bytes, sooner_than, "parameters");
-    if (!slot.is_ok()) {
-      if (!demand && slot.status().code() == StatusCode::kOutOfMemory) return false;
-      return slot.status();
-    }
-    Slot s = std::move(slot).value();
+    STRATA_ASSIGN_OR_RETURN(std::optional<Slot> room, params_slot(u, sooner_than));
+    if (!room) return false;
+    Slot s = std::move(*room);
     void* dst = s.buf.data();
     if (sharded()) {
       r.params_ready = gather_params(r, s);
@@ -433,7 +486,7 @@ struct Coordinator::State {
       r.params_ready = upload(dst, r.host_params.data(), r.bytes, s.fence, std::move(s.after));
     } else {
       STRATA_ASSERT(r.home == Tier::kNvme);
-      r.params_ready = fetch_from_nvme(store, r.nvme_keys, r.bytes, dst, s.fence, std::move(s.after), {});
+      r.params_ready = fetch_from_nvme(store, r.nvme_keys, r.bytes, dst, s.fence, std::move(s.after), r.chunk_writes);
     }
     r.params_home_read = r.params_ready;
     ++stats.fetches;
@@ -555,6 +608,7 @@ struct Coordinator::State {
     STRATA_ASSERT(!r.home_stale);
     to_spare(std::move(r.dev_params), r.params_last_use, {r.params_ready});
     r.params_ready = CopyTicket();
+    r.assembling = false;
     live_elements -= live(r);
   }
 
@@ -593,7 +647,10 @@ struct Coordinator::State {
         seen[a.unit] = true;
         window += r.info.numel;
         if (window > options.prefetch_elements && k > 1) break;
-        if (r.dev_params.data() == nullptr) {
+        // A forward publishes a pending update of its unit first (the before_use hook).
+        const bool replaced_soon =
+            a.pass == Pass::kForward && r.home == Tier::kNvme && params_pending && params_pending(a.unit);
+        if (r.dev_params.data() == nullptr && !replaced_soon) {
           STRATA_ASSIGN_OR_RETURN(bool queued, load_params(a.unit, k));
           if (!queued) break;
         }

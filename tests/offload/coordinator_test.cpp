@@ -359,6 +359,185 @@ TEST(CoordinatorTest, AFailedPrefetchDoesNotFailAReadOfItsUnit) {
   for (int u = 0; u < kUnits; ++u) rig.expect_params_read_back(u);
 }
 
+// The offloaded optimizer's way of publishing: each forward acquire's hook writes its unit's new parameters
+// (in `pieces` in order, the copies still reading the caller's buffer when write_params returns), or with
+// `publish_all` every pending unit, last first (the order of updates started during backward); the pending
+// hint tells prefetch which units the next forward will rewrite.
+struct PublishingRig : Rig {
+  explicit PublishingRig(CoordinatorOptions o, bool faulty = false) : Rig(Tier::kNvme, 0, o, faulty) {
+    coord->set_before_use([this](size_t u) -> Status {
+      if (u == SIZE_MAX) return Status::ok();
+      if (!publish_all) return publish(u);
+      for (int w = kUnits - 1; w >= 0; --w) STRATA_RETURN_IF_ERROR(publish(w));
+      return Status::ok();
+    });
+  }
+  Status publish(size_t u) {
+    if (!pending[u]) return Status::ok();
+    pending[u] = false;
+    const size_t n = numel_of(static_cast<int>(u)), first = pieces == 1 ? n : std::min<size_t>(2048, n);
+    STRATA_RETURN_IF_ERROR(coord->write_params(u, 0, first, params[u].data(), &copies));
+    if (first == n || publish_first_piece_only) return Status::ok();
+    return coord->write_params(u, first, n - first, params[u].data() + first, &copies);
+  }
+  // New parameters for every unit, to be published at their next forward use.
+  void update_all(int n) {
+    for (const CopyTicket& t : copies) (void)t.wait();  // the old ones are still being copied out
+    copies.clear();
+    for (int u = 0; u < kUnits; ++u) {
+      const size_t end = publish_first_piece_only ? std::min<size_t>(2048, numel_of(u)) : numel_of(u);
+      for (size_t i = 0; i < end; ++i) params[u][i] -= 0.002f * static_cast<float>(n + 1);
+      pending[u] = true;
+    }
+  }
+  void forward() {
+    coord->begin_step();
+    for (int u = 0; u < kUnits; ++u) {
+      auto v = coord->acquire(u, Pass::kForward);
+      ASSERT_TRUE(v.is_ok()) << v.status().to_string();
+      ASSERT_EQ(std::memcmp(v->params, params[u].data(), numel_of(u) * 4), 0) << "stale parameters of unit " << u;
+      coord->release(u, Pass::kForward);
+    }
+  }
+  void backward(int n) {
+    for (int u = kUnits - 1; u >= 0; --u) {
+      auto v = coord->acquire(u, Pass::kBackward);
+      ASSERT_TRUE(v.is_ok()) << v.status().to_string();
+      ASSERT_EQ(std::memcmp(v->params, params[u].data(), numel_of(u) * 4), 0) << "stale parameters of unit " << u;
+      for (size_t i = 0; i < numel_of(u); ++i) v->grads[i] += static_cast<float>(n);
+      coord->release(u, Pass::kBackward);
+    }
+  }
+  int pieces = 2;
+  bool publish_first_piece_only = false;
+  bool publish_all = false;
+  std::vector<bool> pending = std::vector<bool>(kUnits, false);
+  std::vector<CopyTicket> copies;
+};
+
+// Published at its own acquire, a unit on nvme goes to the device straight from the optimizer's buffer (and
+// home): the forward reads nothing from nvme, while the home copy gets the same values (the backward, after
+// the live cap evicted the units, loads them from there).
+TEST(CoordinatorTest, ParametersPublishedAtTheirAcquireGoToTheDeviceWithoutARoundTrip) {
+  for (int pieces : {1, 2}) {
+    for (bool hint : {true, false}) {
+      SCOPED_TRACE(fmt::format("{} pieces, pending hint {}", pieces, hint));
+      CoordinatorOptions o;
+      o.max_live_elements = 2 * numel_of(1);
+      PublishingRig rig(o);
+      rig.pieces = pieces;
+      if (hint) rig.coord->set_params_pending([&rig](size_t u) { return static_cast<bool>(rig.pending[u]); });
+      for (int n = 0; n < 3; ++n) {
+        ASSERT_OK(rig.coord->zero_grads());
+        rig.forward();
+        rig.backward(n);
+        ASSERT_OK(rig.coord->flush_grads());
+        rig.update_all(n);
+        (void)rig.coord->take_stats();
+        rig.forward();
+        const CoordinatorStats fwd = rig.coord->take_stats();
+        // Without the hint the prefetches load the old values (replaced on the device before any use).
+        if (hint) {
+          EXPECT_EQ(fwd.nvme_read_bytes, 0u) << "step " << n;
+        }
+        rig.backward(n);
+        ASSERT_OK(rig.coord->flush_grads());
+        EXPECT_GT(rig.coord->take_stats().nvme_read_bytes, 0u) << "the backward loads evicted units from home";
+      }
+      for (const CopyTicket& t : rig.copies) ASSERT_OK(t.wait());
+      for (int u = 0; u < kUnits; ++u) rig.expect_params_read_back(u);
+    }
+  }
+}
+
+// Units published together with the one being acquired (the update's order differs from the forward's) go
+// to the device as a prefetch would: with room for all, the forward reads nothing from nvme.
+TEST(CoordinatorTest, UnitsPublishedWithTheAcquiredOneGoToTheDeviceToo) {
+  PublishingRig rig(CoordinatorOptions{});
+  rig.publish_all = true;
+  rig.coord->set_params_pending([&rig](size_t u) { return static_cast<bool>(rig.pending[u]); });
+  ASSERT_OK(rig.coord->zero_grads());
+  rig.forward();
+  rig.backward(0);
+  ASSERT_OK(rig.coord->flush_grads());
+  rig.coord->drop_device_params();
+  rig.update_all(0);
+  (void)rig.coord->take_stats();
+  rig.forward();
+  const CoordinatorStats fwd = rig.coord->take_stats();
+  EXPECT_EQ(fwd.nvme_read_bytes, 0u);
+  EXPECT_EQ(fwd.fetches, static_cast<uint64_t>(kUnits));
+  for (const CopyTicket& t : rig.copies) ASSERT_OK(t.wait());
+  rig.coord->drop_device_params();
+  for (int u = 0; u < kUnits; ++u) rig.expect_params_read_back(u);
+}
+
+// With the home writes held back by a slow disk, the acquire that published its unit still sees the new
+// values at once; a read of the home copy waits for the writes instead of reading the old version.
+TEST(CoordinatorTest, APublishedUnitIsUsableBeforeItsHomeWriteAndTheHomeReadWaitsForIt) {
+  PublishingRig rig(CoordinatorOptions{}, /*faulty=*/true);
+  rig.coord->set_params_pending([&rig](size_t u) { return static_cast<bool>(rig.pending[u]); });
+  ASSERT_OK(rig.coord->zero_grads());
+  rig.forward();
+  rig.backward(0);
+  ASSERT_OK(rig.coord->flush_grads());
+  rig.coord->drop_device_params();  // every unit loads from home next
+  rig.update_all(0);
+  rig.fault->hold_writes(true);
+  rig.forward();
+  EXPECT_GT(rig.fault->held_writes(), 0u);
+  std::thread release([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    rig.fault->hold_writes(false);
+  });
+  rig.coord->drop_device_params();
+  for (int u = 0; u < kUnits; ++u) rig.expect_params_read_back(u);
+  release.join();
+}
+
+// A publication that stops after the first piece leaves a device copy that is never used: the acquire loads
+// the unit from home, whose first chunk is new and second old, as the optimizer left it.
+TEST(CoordinatorTest, AHalfPublishedUnitIsLoadedFromHome) {
+  PublishingRig rig(CoordinatorOptions{});
+  rig.publish_first_piece_only = true;
+  rig.coord->set_params_pending([&rig](size_t u) { return static_cast<bool>(rig.pending[u]); });
+  ASSERT_OK(rig.coord->zero_grads());
+  rig.forward();
+  rig.coord->drop_device_params();
+  rig.update_all(0);
+  (void)rig.coord->take_stats();
+  rig.forward();  // checks every unit against the half-updated values
+  EXPECT_GT(rig.coord->take_stats().nvme_read_bytes, 0u);
+  for (int u = 0; u < kUnits; ++u) rig.expect_params_read_back(u);
+}
+
+// A home write that fails is not hidden by the device copy published beside it: once that copy is gone, the
+// next load of the unit and a read of it fail, naming it, instead of returning the previous version.
+TEST(CoordinatorTest, AFailedHomeWriteOfAPublishedUnitFailsItsNextLoadNeverStaleData) {
+  PublishingRig rig(CoordinatorOptions{}, /*faulty=*/true);
+  rig.coord->set_params_pending([&rig](size_t u) { return static_cast<bool>(rig.pending[u]); });
+  ASSERT_OK(rig.coord->zero_grads());
+  rig.forward();
+  rig.coord->drop_device_params();
+  rig.update_all(0);
+  rig.fault->set_enabled(true);
+  rig.forward();  // the uploads need no disk: the new values are on the device
+  for (const CopyTicket& t : rig.copies) (void)t.wait();
+  rig.fault->set_enabled(false);
+  rig.coord->drop_device_params();
+  rig.coord->begin_step();
+  auto v = rig.coord->acquire(1, Pass::kForward);
+  ASSERT_FALSE(v.is_ok());
+  EXPECT_NE(v.status().to_string().find("writing key 'param.unit1.0'"), std::string::npos) << v.status().to_string();
+  std::vector<float> back(numel_of(2));
+  const Status read = rig.coord->read_params(2, back.data());
+  ASSERT_FALSE(read.is_ok());
+  EXPECT_NE(read.to_string().find("unit2"), std::string::npos) << read.to_string();
+  // Written again, it reads back right.
+  ASSERT_OK(rig.coord->write_params(2, rig.params[2].data()));
+  rig.expect_params_read_back(2);
+}
+
 TEST(CoordinatorTest, AUnitOnNvmeThatWasNeverWrittenIsAnErrorNamingIt) {
   auto device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
   MemoryEngine memory;
