@@ -335,7 +335,11 @@ OffloadStepReport OffloadRuntime::take_report() {
   };
   r.h2d_busy_s = delta(copies_->h2d.stats(), &last_h2d_);
   r.d2h_busy_s = delta(copies_->d2h.stats(), &last_d2h_);
-  r.nvme_busy_s = delta(copies_->nvme.stats(), &last_nvme_) + delta(coordinator_->gradient_io_stats(), &last_grad_io_);
+  if (io_queue_) {
+    const double busy = io_queue_->stats().busy_s;
+    r.nvme_busy_s = busy - last_disk_busy_s_;
+    last_disk_busy_s_ = busy;
+  }
   r.collectives_busy_s = delta(coordinator_->collective_stats(), &last_collectives_);
   r.gather_bytes = cs.gather_bytes;
   r.reduce_bytes = cs.reduce_bytes;

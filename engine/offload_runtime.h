@@ -71,9 +71,10 @@ struct OffloadStepReport {
   double grads_wait_s = 0;      // the optimizer waiting for the last gradients to reach host memory (and
                                 // taking the norm's sums of those already there; summing them over the
                                 // data-parallel ranks and the pipeline's ends, with nvme gradients their
-                                // synchronous reads and writes too, outside nvme_busy_s)
+                                // synchronous reads and writes too)
   double update_wait_s = 0;     // the training thread waiting for the optimizer's new parameters
-  // Copy queues' busy time; nvme includes ZeRO-3's gradient shard I/O (a queue of its own).
+  // Copy queues' busy time; nvme: the time the disk had I/O in flight (every store: parameters, gradients and
+  // the optimizer's state).
   double h2d_busy_s = 0, d2h_busy_s = 0, nvme_busy_s = 0;
   uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_write_bytes = 0;
   uint64_t fetches = 0, prefetch_hits = 0, evictions = 0, retraces = 0;
@@ -126,7 +127,8 @@ class OffloadRuntime {
   std::unique_ptr<comm::Communicator> shard_group_;  // ZeRO-3: the coordinator's own copy of the dp group
   std::unique_ptr<offload::Coordinator> coordinator_;
   std::unique_ptr<OffloadedAdamW> optimizer_;
-  offload::CopyQueueStats last_h2d_, last_d2h_, last_nvme_, last_collectives_, last_grad_io_;
+  offload::CopyQueueStats last_h2d_, last_d2h_, last_collectives_;
+  double last_disk_busy_s_ = 0;
   uint64_t nvme_peak_ = 0;
 };
 

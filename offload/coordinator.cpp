@@ -745,8 +745,6 @@ CopyQueueStats Coordinator::collective_stats() const {
   return s_->collectives ? s_->collectives->stats() : CopyQueueStats{};
 }
 
-CopyQueueStats Coordinator::gradient_io_stats() const { return s_->grad_io ? s_->grad_io->stats() : CopyQueueStats{}; }
-
 CoordinatorStats Coordinator::take_stats() {
   CoordinatorStats out = s_->stats;
   s_->stats = CoordinatorStats{};

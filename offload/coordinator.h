@@ -226,7 +226,6 @@ class Coordinator {
   Residency residency(size_t u, StateClass what) const;  // kParams or kGrads
   CoordinatorStats take_stats();   // the counters since the last call, then zeroes them
   CopyQueueStats collective_stats() const;  // ZeRO-3's queue of collectives (zeros otherwise)
-  CopyQueueStats gradient_io_stats() const;  // the queue of gradient I/O with grad_home nvme (zeros otherwise)
 
  private:
   struct Slot;

@@ -82,7 +82,11 @@ IoQueue::~IoQueue() {
 }
 
 IoQueueStats IoQueue::stats() const {
-  return IoQueueStats{requests_.load(), pieces_.load(), resumed_short_.load(), retried_.load(), failed_.load()};
+  IoQueueStats st{requests_.load(), pieces_.load(), resumed_short_.load(), retried_.load(), failed_.load()};
+  std::lock_guard<std::mutex> lock(mu_);
+  st.busy_s = busy_s_;
+  if (busy_) st.busy_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - busy_since_).count();
+  return st;
 }
 
 void IoQueue::take_waiting(std::vector<RawIo*>* run) {
@@ -114,6 +118,10 @@ void IoQueue::take_waiting(std::vector<RawIo*>* run) {
     ++total_in_flight_;
     p->lane = lane;
     run->push_back(p);
+  }
+  if (total_in_flight_ > 0 && !busy_) {
+    busy_ = true;
+    busy_since_ = std::chrono::steady_clock::now();
   }
 }
 
@@ -162,6 +170,10 @@ void IoQueue::release_lane(uint32_t lane, IoOp op, uint32_t bytes) {
     --total_in_flight_;
     if (op == IoOp::kWrite) write_bytes_in_flight_ -= bytes;
     take_waiting(&run);  // the freed slot goes to the next waiting piece, reads first
+    if (total_in_flight_ == 0 && busy_) {
+      busy_ = false;
+      busy_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - busy_since_).count();
+    }
     // With pieces handed on, total_in_flight_ > 0 keeps ~IoQueue waiting while they are submitted below.
     if (run.empty()) cv_.notify_all();
   }

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -81,6 +82,7 @@ struct IoQueueOptions {
 
 struct IoQueueStats {
   uint64_t requests = 0, pieces = 0, resumed_short = 0, retried = 0, failed = 0;
+  double busy_s = 0;  // time with at least one piece in the engine: how long the disk had work
 };
 
 class IoQueue {
@@ -114,10 +116,14 @@ class IoQueue {
   IoEngine& engine_;
   IoQueueOptions options_;
   uint32_t lanes_, depth_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<uint32_t> in_flight_;  // per lane
   uint64_t total_in_flight_ = 0;
+  // Busy time: closed periods with pieces in the engine, and the start of the open one (when busy_).
+  double busy_s_ = 0;
+  bool busy_ = false;
+  std::chrono::steady_clock::time_point busy_since_;
   uint64_t write_bytes_in_flight_ = 0;
   std::deque<Piece*> waiting_reads_, waiting_writes_;  // pieces no lane had a slot for yet
   uint64_t reads_past_writes_ = 0;  // reads taken since the oldest waiting write began to wait

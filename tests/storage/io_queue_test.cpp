@@ -7,9 +7,11 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/ranges.h>
@@ -69,6 +71,32 @@ TEST(IoQueueTest, SubmitNeverBlocksAndReadsGoBeforeWaitingWrites) {
   EXPECT_LT(at("r"), at("w2")) << fmt::format("completion order: {}", fmt::join(done, ","));
   EXPECT_LT(at("r"), at("w3")) << fmt::format("completion order: {}", fmt::join(done, ","));
   EXPECT_EQ(std::string(back.begin(), back.end()), std::string(kBlock, 'w'));
+}
+
+// The busy time counts only while the disk has pieces: a write held back for 60 ms counts about that long,
+// and the idle time around it not at all.
+TEST(IoQueueTest, BusyTimeIsTheTimeWithPiecesInTheEngine) {
+  MemoryEngine memory(MemoryEngineOptions{.lanes = 1, .queue_depth = 2});
+  ASSERT_OK(memory.create_dirs("/mem"));
+  ASSERT_OK_AND_ASSIGN(const int f, memory.open("/mem/busy.bin", OpenOptions{.create = true, .direct = false}));
+  FaultEngine disk(memory, FaultOptions{});
+  IoQueue q(disk, IoQueueOptions{.block_size = kBlock});
+  EXPECT_EQ(q.stats().busy_s, 0.0);
+  std::vector<char> data(kBlock, 'b');
+  disk.hold_writes(true);
+  IoBatch batch;
+  const auto start = std::chrono::steady_clock::now();
+  q.submit(IoRequest{IoOp::kWrite, f, 0, data.data(), kBlock, nullptr}, &batch);
+  std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  EXPECT_GE(q.stats().busy_s, 0.055) << "the open period counts too";
+  disk.hold_writes(false);
+  ASSERT_OK(batch.wait());
+  const double held = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double busy = q.stats().busy_s;
+  EXPECT_GE(busy, 0.055);
+  EXPECT_LE(busy, held);
+  std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  EXPECT_EQ(q.stats().busy_s, busy) << "an idle disk is not busy";
 }
 
 // Reads go first, but no more than a full queue's worth past a waiting write: a write somebody waits on (to
