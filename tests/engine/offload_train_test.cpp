@@ -136,6 +136,36 @@ TEST_F(OffloadTrainTest, EveryPlacementIsBitwiseThePlainRun) {
   EXPECT_EQ(t["retraces"].get<double>(), 0) << "the access order of training steps does not change";
 }
 
+// A device whose uploads are slow: the copies out of the optimizer's published buffers end long after
+// publication returns, so a staging slot the swapper reused before they ended would show up as wrong
+// parameters (with 2 slots it reuses one as soon as its sub-group is published).
+class SlowUploadDevice final : public testing::ForwardingDevice {
+ public:
+  void upload(void* dst, const void* src, size_t bytes) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(3));
+    ForwardingDevice::upload(dst, src, bytes);
+  }
+};
+
+TEST_F(OffloadTrainTest, SlowCopiesOutOfPublishedParametersStillGiveThePlainRun) {
+  run("plain", config("plain", json()));
+  SlowUploadDevice slow;
+  device_ = &slow;
+  for (int slots : {2, 3}) {
+    const std::string name = "slow_uploads_" + std::to_string(slots);
+    SCOPED_TRACE(name);
+    const json zero = {{"stage", 3},
+                       {"offload_param", {{"device", "nvme"}, {"buffer_count", 2}}},
+                       {"offload_optimizer", {{"device", "nvme"}, {"buffer_count", slots}}},
+                       {"stage3_param_persistence_threshold", 100},
+                       {"sub_group_size", 3000},
+                       {"stage3_max_live_parameters", 20000}};
+    run(name, config(name, zero));
+    expect_same_run("plain", name, 6);
+  }
+  device_ = nullptr;
+}
+
 TEST_F(OffloadTrainTest, GradientAccumulationIsExactWithOffloadedGradients) {
   run("plain", config("plain", json(), 2));
   const Placement p = placements().back();  // gradients on NVMe, re-read for every micro-batch
