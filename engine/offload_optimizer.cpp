@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "common/thread_name.h"
 #include "common/timer.h"
 #include "common/trace.h"
 #include "engine/offload_config.h"
@@ -250,6 +251,7 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
     grads.push_back(grads_on_nvme ? nullptr : coordinator_->host_grads(g.unit) + g.shard_offset);
   worker_ = std::thread([this, hp, speculative, grads = std::move(grads)] {
     trace::name_thread("optimizer update");
+    set_thread_name("optimizer");
     Timer update;
     Status st = run_update(hp, grads, speculative);
     Handoff& h = *handoff_;

@@ -1,5 +1,6 @@
 #include "offload/copy_engine.h"
 
+#include "common/thread_name.h"
 #include "common/timer.h"
 
 namespace strata::offload {
@@ -55,6 +56,7 @@ CopyQueueStats CopyQueue::stats() const {
 }
 
 void CopyQueue::run() {
+  set_thread_name("cq " + name_);
   for (;;) {
     Job job;
     {

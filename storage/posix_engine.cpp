@@ -5,6 +5,7 @@
 #include <cerrno>
 
 #include "common/check.h"
+#include "common/thread_name.h"
 
 namespace strata {
 
@@ -13,7 +14,10 @@ PosixEngine::PosixEngine(uint32_t lanes, uint32_t queue_depth) : depth_(queue_de
   for (uint32_t i = 0; i < lanes; ++i) {
     lanes_.push_back(std::make_unique<Lane>());
     Lane* lane = lanes_.back().get();
-    lane->thread = std::thread([this, lane] { run(*lane); });
+    lane->thread = std::thread([this, lane] {
+      set_thread_name("posix io");
+      run(*lane);
+    });
   }
 }
 

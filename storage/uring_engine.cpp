@@ -5,6 +5,7 @@
 
 #include "common/check.h"
 #include "common/log.h"
+#include "common/thread_name.h"
 #include "storage/io_queue.h"
 
 // The kernel hands a RawIo from the submitting thread to the completion thread; ThreadSanitizer cannot see that
@@ -86,7 +87,10 @@ Result<std::unique_ptr<UringEngine>> UringEngine::create(const EngineOptions& op
   for (auto& r : e->rings_) {
     Ring* ring = r.get();
     UringEngine* self = e.get();
-    ring->reaper = std::thread([self, ring] { self->reap(*ring); });
+    ring->reaper = std::thread([self, ring] {
+      set_thread_name("uring reaper");
+      self->reap(*ring);
+    });
   }
   return e;
 }
