@@ -315,11 +315,19 @@ Status Coordinator::read_params(size_t u, float* host) {
   // no device copy: forgotten, and the home copy read below.
   if (!r.params_ready.wait().is_ok()) s_->drop_failed_params(r);
   s_->drop_partial(r);
+  if (r.home == Tier::kNvme && !r.home_stale) {
+    STRATA_RETURN_IF_ERROR(State::check_written(r));
+    if (Status written = State::wait_home_writes(r); !written.is_ok()) {
+      // A write home failed while the device copy has the same values: read those, and write them home
+      // when the copy is evicted. Without a device copy the values are lost here: the error says which.
+      if (r.dev_params.data() == nullptr) return written;
+      STRATA_LOG_WARN("offload: {}; reading the device copy, which goes home when evicted", written.to_string());
+      r.home_stale = true;
+    }
+  }
   if (r.home == Tier::kHost) {
     std::memcpy(host, r.host_params.data(), r.bytes);
   } else if (r.home == Tier::kNvme && !r.home_stale) {
-    STRATA_RETURN_IF_ERROR(State::check_written(r));
-    STRATA_RETURN_IF_ERROR(State::wait_home_writes(r));
     STRATA_RETURN_IF_ERROR(
         read_chunks(*s_->store, r.nvme_keys, s_->options.nvme_chunk_elements * sizeof(float), host, r.bytes));
   } else {

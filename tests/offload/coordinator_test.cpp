@@ -538,6 +538,45 @@ TEST(CoordinatorTest, AFailedHomeWriteOfAPublishedUnitFailsItsNextLoadNeverStale
   rig.expect_params_read_back(2);
 }
 
+// A unit whose home write failed but whose published device copy is still there reads back from that copy
+// (a checkpoint of it succeeds), and the copy goes home when it is evicted; one already evicted fails.
+TEST(CoordinatorTest, AFailedHomeWriteIsReadFromTheDeviceCopyWhileThereIsOne) {
+  CoordinatorOptions o;
+  o.max_live_elements = 2 * numel_of(1);  // the forward evicts all but the last units it published
+  PublishingRig rig(o, /*faulty=*/true);
+  rig.coord->set_params_pending([&rig](size_t u) { return static_cast<bool>(rig.pending[u]); });
+  ASSERT_OK(rig.coord->zero_grads());
+  rig.forward();
+  rig.backward(0);
+  ASSERT_OK(rig.coord->flush_grads());
+  rig.coord->drop_device_params();  // every unit is published to a new device copy
+  rig.update_all(0);
+  rig.fault->set_enabled(true);
+  rig.forward();
+  for (const CopyTicket& t : rig.copies) (void)t.wait();
+  rig.fault->set_enabled(false);
+  const int last = kUnits - 1;
+  ASSERT_TRUE(rig.coord->residency(last, StateClass::kParams).on_device);
+  ASSERT_FALSE(rig.coord->residency(0, StateClass::kParams).on_device);
+  for (int u = 0; u < kUnits; ++u) {  // a checkpoint reads every unit
+    if (!rig.coord->residency(u, StateClass::kParams).on_device) continue;
+    rig.expect_params_read_back(u);
+    EXPECT_TRUE(rig.coord->residency(u, StateClass::kParams).dirty) << "its home copy is not what unit " << u << " holds";
+  }
+  std::vector<float> back(numel_of(0));
+  EXPECT_FALSE(rig.coord->read_params(0, back.data()).is_ok());
+  // The units evicted with a failed write are written again (as a resume would); the next forward evicts the
+  // read one (the cap), writing it home first, and later loads it from home intact.
+  for (int u = 0; u < kUnits; ++u) {
+    if (!rig.coord->residency(u, StateClass::kParams).on_device) ASSERT_OK(rig.coord->write_params(u, rig.params[u].data()));
+  }
+  rig.forward();
+  EXPECT_GT(rig.coord->take_stats().write_backs, 0u);
+  rig.backward(1);
+  ASSERT_OK(rig.coord->flush_grads());
+  for (int u = 0; u < kUnits; ++u) rig.expect_params_read_back(u);
+}
+
 TEST(CoordinatorTest, AUnitOnNvmeThatWasNeverWrittenIsAnErrorNamingIt) {
   auto device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
   MemoryEngine memory;
