@@ -190,7 +190,7 @@ Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float*
   }
   const size_t bytes = n * sizeof(float);
   kernels::DeviceFence fence = r.params_last_use;
-  std::vector<CopyTicket> reuse;  // a new slot's earlier users
+  std::vector<CopyTicket> reuse, after;  // a new slot's earlier users; the upload's data prerequisites
   if (r.home == Tier::kHost) {
     copy_floats(r.host_params.as<float>() + offset, host, n);
   } else if (r.home == Tier::kNvme && r.dev_params.data() != nullptr && !r.persistent && !r.assembling) {
@@ -253,12 +253,9 @@ Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float*
     return Status::ok();
   }
   if (reads == nullptr) return s.upload(dst, host, bytes, fence).wait();  // `host` is the caller's
-  if (replaced) {
-    reuse.push_back(r.params_ready);  // ordering only
-    r.params_ready = CopyTicket();
-  }
-  // After the copy's load or earlier pieces, which it depends on.
-  r.params_ready = s.upload(dst, host, bytes, fence, std::move(reuse), {r.params_ready});
+  // After the copy's load or earlier pieces: what it depends on, or (replaced) only follows.
+  (replaced ? reuse : after).push_back(r.params_ready);
+  r.params_ready = s.upload(dst, host, bytes, fence, std::move(reuse), std::move(after));
   reads->push_back(r.params_ready);
   if (r.assembling) {
     r.assembled += n;

@@ -162,7 +162,6 @@ struct Coordinator::State {
   uint64_t clock = 0;
   size_t acquiring = SIZE_MAX;  // the unit whose forward acquire is calling the before_use hook
   std::function<bool(size_t)> params_pending;  // Coordinator::set_params_pending
-
   CoordinatorStats stats;
   // ZeRO-3: the group, one shard's worth of reduce-scatter output (used by one collective at a time), and the
   // queue that runs every collective in order (declared last: destroyed first, while what its jobs use lives).
@@ -265,14 +264,19 @@ struct Coordinator::State {
     return Status::ok();
   }
 
-  // A device copy whose load failed never arrived: forget it, so the next acquire loads the unit again.
-  void drop_failed_params(UnitRec& r) {
-    if (!r.persistent && r.dev_params.data() != nullptr) {
-      to_spare(std::move(r.dev_params), r.params_last_use, {});
-      live_elements -= live(r);
-    }
+  // Gives r's device copy of its parameters back to the spares (reusable once the job that filled it and the
+  // kernels that read it are done): the unit is no longer on the device.
+  void give_back_params(UnitRec& r) {
+    to_spare(std::move(r.dev_params), r.params_last_use, {r.params_ready});
     r.params_ready = CopyTicket();
     r.assembling = false;
+    live_elements -= live(r);
+  }
+
+  // A device copy whose load failed never arrived: forget it, so the next acquire loads the unit again.
+  void drop_failed_params(UnitRec& r) {
+    if (!r.persistent && r.dev_params.data() != nullptr) give_back_params(r);
+    r.params_ready = CopyTicket();
   }
 
   // A device copy whose assembly by write_params did not complete (the publication stopped, or was not in
@@ -280,10 +284,7 @@ struct Coordinator::State {
   void drop_partial(UnitRec& r) {
     if (!r.assembling) return;
     r.assembling = false;
-    if (r.dev_params.data() == nullptr) return;
-    to_spare(std::move(r.dev_params), r.params_last_use, {r.params_ready});
-    r.params_ready = CopyTicket();
-    live_elements -= live(r);
+    if (r.dev_params.data() != nullptr) give_back_params(r);
   }
 
   // Waits for the queued writes of r's home chunks; the first failure (kept: until the chunk is written again
@@ -380,10 +381,7 @@ struct Coordinator::State {
       drop_device_grads(r);
     } else {
       if (r.home_stale) STRATA_RETURN_IF_ERROR(write_back(r));
-      to_spare(std::move(r.dev_params), r.params_last_use, {r.params_ready});
-      r.params_ready = CopyTicket();
-      r.assembling = false;  // the pieces written so far went home too, and the rest will
-      live_elements -= live(r);
+      give_back_params(r);  // one being assembled: the pieces written so far went home too, and the rest will
     }
     ++stats.evictions;
     return true;
@@ -606,10 +604,7 @@ struct Coordinator::State {
   void drop_params(UnitRec& r) {  // under ZeRO-3, whose home copies are never stale
     if (r.persistent || r.dev_params.data() == nullptr) return;
     STRATA_ASSERT(!r.home_stale);
-    to_spare(std::move(r.dev_params), r.params_last_use, {r.params_ready});
-    r.params_ready = CopyTicket();
-    r.assembling = false;
-    live_elements -= live(r);
+    give_back_params(r);
   }
 
   // Queues the upload of unit u's accumulated host gradient into a device buffer (sooner_than as load_params).

@@ -30,13 +30,10 @@ CopyQueue::~CopyQueue() {
 }
 
 CopyTicket CopyQueue::submit(std::function<Status()> job, uint64_t bytes, std::vector<CopyTicket> after) {
-  auto state = std::make_shared<CopyTicket::State>();
-  {
-    std::lock_guard lock(mu_);
-    jobs_.push_back(Job{std::move(job), nullptr, bytes, std::move(after), state});
-  }
-  cv_.notify_one();
-  return CopyTicket(std::move(state));
+  // A failed prerequisite is the job's outcome, and the job does not run.
+  return submit_settled(
+      [job = std::move(job)](const Status& prerequisites) { return prerequisites.is_ok() ? job() : prerequisites; },
+      bytes, std::move(after));
 }
 
 CopyTicket CopyQueue::submit_settled(std::function<Status(const Status&)> job, uint64_t bytes,
@@ -44,7 +41,7 @@ CopyTicket CopyQueue::submit_settled(std::function<Status(const Status&)> job, u
   auto state = std::make_shared<CopyTicket::State>();
   {
     std::lock_guard lock(mu_);
-    jobs_.push_back(Job{nullptr, std::move(job), bytes, std::move(after), state});
+    jobs_.push_back(Job{std::move(job), bytes, std::move(after), state});
   }
   cv_.notify_one();
   return CopyTicket(std::move(state));
@@ -70,16 +67,12 @@ void CopyQueue::run() {
     for (const CopyTicket& t : job.after) {
       if (Status s = t.wait(); !s.is_ok() && status.is_ok()) status = s;
     }
-    double busy = 0;
-    if (job.settled || status.is_ok()) {
-      Timer timer;
-      status = job.settled ? job.settled(status) : job.fn();
-      busy = timer.seconds();
-    }
+    Timer timer;
+    status = job.fn(status);
+    const double busy = timer.seconds();
     // What the job captured is destroyed before its ticket finishes, so a waiter may free what the captures'
     // destructors touch.
     job.fn = nullptr;
-    job.settled = nullptr;
     job.after.clear();
     {
       std::lock_guard lock(mu_);

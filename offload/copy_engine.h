@@ -72,8 +72,7 @@ class CopyQueue {
 
  private:
   struct Job {
-    std::function<Status()> fn;
-    std::function<Status(const Status&)> settled;  // instead of fn
+    std::function<Status(const Status& prerequisites)> fn;
     uint64_t bytes;
     std::vector<CopyTicket> after;
     std::shared_ptr<CopyTicket::State> state;

@@ -408,6 +408,20 @@ struct PublishingRig : Rig {
       coord->release(u, Pass::kBackward);
     }
   }
+  // Prefetch is told which units the next forward publishes (as the optimizer's will_publish does).
+  void use_pending_hint() {
+    coord->set_params_pending([this](size_t u) { return static_cast<bool>(pending[u]); });
+  }
+  // A step that records the trace, every device copy dropped, and new values for every unit: the next forward
+  // publishes each of them to a device copy of its own.
+  void record_step_and_update() {
+    ASSERT_OK(coord->zero_grads());
+    forward();
+    backward(0);
+    ASSERT_OK(coord->flush_grads());
+    coord->drop_device_params();
+    update_all(0);
+  }
   int pieces = 2;
   bool publish_first_piece_only = false;
   bool publish_all = false;
@@ -426,7 +440,7 @@ TEST(CoordinatorTest, ParametersPublishedAtTheirAcquireGoToTheDeviceWithoutARoun
       o.max_live_elements = 2 * numel_of(1);
       PublishingRig rig(o);
       rig.pieces = pieces;
-      if (hint) rig.coord->set_params_pending([&rig](size_t u) { return static_cast<bool>(rig.pending[u]); });
+      if (hint) rig.use_pending_hint();
       for (int n = 0; n < 3; ++n) {
         ASSERT_OK(rig.coord->zero_grads());
         rig.forward();
@@ -455,13 +469,8 @@ TEST(CoordinatorTest, ParametersPublishedAtTheirAcquireGoToTheDeviceWithoutARoun
 TEST(CoordinatorTest, UnitsPublishedWithTheAcquiredOneGoToTheDeviceToo) {
   PublishingRig rig(CoordinatorOptions{});
   rig.publish_all = true;
-  rig.coord->set_params_pending([&rig](size_t u) { return static_cast<bool>(rig.pending[u]); });
-  ASSERT_OK(rig.coord->zero_grads());
-  rig.forward();
-  rig.backward(0);
-  ASSERT_OK(rig.coord->flush_grads());
-  rig.coord->drop_device_params();
-  rig.update_all(0);
+  rig.use_pending_hint();
+  rig.record_step_and_update();
   (void)rig.coord->take_stats();
   rig.forward();
   const CoordinatorStats fwd = rig.coord->take_stats();
@@ -476,13 +485,8 @@ TEST(CoordinatorTest, UnitsPublishedWithTheAcquiredOneGoToTheDeviceToo) {
 // values at once; a read of the home copy waits for the writes instead of reading the old version.
 TEST(CoordinatorTest, APublishedUnitIsUsableBeforeItsHomeWriteAndTheHomeReadWaitsForIt) {
   PublishingRig rig(CoordinatorOptions{}, /*faulty=*/true);
-  rig.coord->set_params_pending([&rig](size_t u) { return static_cast<bool>(rig.pending[u]); });
-  ASSERT_OK(rig.coord->zero_grads());
-  rig.forward();
-  rig.backward(0);
-  ASSERT_OK(rig.coord->flush_grads());
-  rig.coord->drop_device_params();  // every unit loads from home next
-  rig.update_all(0);
+  rig.use_pending_hint();
+  rig.record_step_and_update();
   rig.fault->hold_writes(true);
   rig.forward();
   EXPECT_GT(rig.fault->held_writes(), 0u);
@@ -500,7 +504,7 @@ TEST(CoordinatorTest, APublishedUnitIsUsableBeforeItsHomeWriteAndTheHomeReadWait
 TEST(CoordinatorTest, AHalfPublishedUnitIsLoadedFromHome) {
   PublishingRig rig(CoordinatorOptions{});
   rig.publish_first_piece_only = true;
-  rig.coord->set_params_pending([&rig](size_t u) { return static_cast<bool>(rig.pending[u]); });
+  rig.use_pending_hint();
   ASSERT_OK(rig.coord->zero_grads());
   rig.forward();
   rig.coord->drop_device_params();
@@ -515,7 +519,7 @@ TEST(CoordinatorTest, AHalfPublishedUnitIsLoadedFromHome) {
 // next load of the unit and a read of it fail, naming it, instead of returning the previous version.
 TEST(CoordinatorTest, AFailedHomeWriteOfAPublishedUnitFailsItsNextLoadNeverStaleData) {
   PublishingRig rig(CoordinatorOptions{}, /*faulty=*/true);
-  rig.coord->set_params_pending([&rig](size_t u) { return static_cast<bool>(rig.pending[u]); });
+  rig.use_pending_hint();
   ASSERT_OK(rig.coord->zero_grads());
   rig.forward();
   rig.coord->drop_device_params();
@@ -544,13 +548,8 @@ TEST(CoordinatorTest, AFailedHomeWriteIsReadFromTheDeviceCopyWhileThereIsOne) {
   CoordinatorOptions o;
   o.max_live_elements = 2 * numel_of(1);  // the forward evicts all but the last units it published
   PublishingRig rig(o, /*faulty=*/true);
-  rig.coord->set_params_pending([&rig](size_t u) { return static_cast<bool>(rig.pending[u]); });
-  ASSERT_OK(rig.coord->zero_grads());
-  rig.forward();
-  rig.backward(0);
-  ASSERT_OK(rig.coord->flush_grads());
-  rig.coord->drop_device_params();  // every unit is published to a new device copy
-  rig.update_all(0);
+  rig.use_pending_hint();
+  rig.record_step_and_update();
   rig.fault->set_enabled(true);
   rig.forward();
   for (const CopyTicket& t : rig.copies) (void)t.wait();
@@ -561,14 +560,16 @@ TEST(CoordinatorTest, AFailedHomeWriteIsReadFromTheDeviceCopyWhileThereIsOne) {
   for (int u = 0; u < kUnits; ++u) {  // a checkpoint reads every unit
     if (!rig.coord->residency(u, StateClass::kParams).on_device) continue;
     rig.expect_params_read_back(u);
-    EXPECT_TRUE(rig.coord->residency(u, StateClass::kParams).dirty) << "its home copy is not what unit " << u << " holds";
+    EXPECT_TRUE(rig.coord->residency(u, StateClass::kParams).dirty)
+        << "its home copy is not what unit " << u << " holds";
   }
   std::vector<float> back(numel_of(0));
   EXPECT_FALSE(rig.coord->read_params(0, back.data()).is_ok());
   // The units evicted with a failed write are written again (as a resume would); the next forward evicts the
   // read one (the cap), writing it home first, and later loads it from home intact.
   for (int u = 0; u < kUnits; ++u) {
-    if (!rig.coord->residency(u, StateClass::kParams).on_device) ASSERT_OK(rig.coord->write_params(u, rig.params[u].data()));
+    if (rig.coord->residency(u, StateClass::kParams).on_device) continue;
+    ASSERT_OK(rig.coord->write_params(u, rig.params[u].data()));
   }
   rig.forward();
   EXPECT_GT(rig.coord->take_stats().write_backs, 0u);
