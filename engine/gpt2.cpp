@@ -29,6 +29,37 @@ Status GPT2Config::validate() const {
   return Status::ok();
 }
 
+std::vector<std::pair<std::string, FlatLayout>> gpt2_unit_layouts(const GPT2Config& config) {
+  const int64_t C = config.n_embd, V = config.vocab_size, maxT = config.block_size;
+  std::vector<std::pair<std::string, FlatLayout>> units;
+  FlatLayout emb;
+  emb.add("wte", {V, C});
+  emb.add("wpe", {maxT, C});
+  units.emplace_back("wte", std::move(emb));
+  for (int l = 0; l < config.n_layer; ++l) {
+    const std::string h = "h." + std::to_string(l) + ".";
+    FlatLayout b;
+    b.add(h + "ln_1.weight", {C});
+    b.add(h + "ln_1.bias", {C});
+    b.add(h + "attn.c_attn.weight", {3 * C, C});
+    b.add(h + "attn.c_attn.bias", {3 * C});
+    b.add(h + "attn.c_proj.weight", {C, C});
+    b.add(h + "attn.c_proj.bias", {C});
+    b.add(h + "ln_2.weight", {C});
+    b.add(h + "ln_2.bias", {C});
+    b.add(h + "mlp.c_fc.weight", {4 * C, C});
+    b.add(h + "mlp.c_fc.bias", {4 * C});
+    b.add(h + "mlp.c_proj.weight", {C, 4 * C});
+    b.add(h + "mlp.c_proj.bias", {C});
+    units.emplace_back("h." + std::to_string(l), std::move(b));
+  }
+  FlatLayout lnf;
+  lnf.add("ln_f.weight", {C});
+  lnf.add("ln_f.bias", {C});
+  units.emplace_back("ln_f", std::move(lnf));
+  return units;
+}
+
 Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, const kernels::KernelSet& cpu_kernels,
                                            MatmulPrecision precision) {
   std::unique_ptr<kernels::Device> device = kernels::make_cpu_device(cpu_kernels);
@@ -70,7 +101,6 @@ Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, kernels::De
   m->heads_ = config.n_head / t;
   m->mlp_width_ = 4 * config.n_embd / t;
   m->vocab_ = row_slice(config.vocab_size, m->tp_rank_, t);
-  const int64_t C = config.n_embd, V = config.vocab_size, maxT = config.block_size;
 
   auto add_unit = [&](std::string name, FlatLayout layout) -> Status {
     Unit u;
@@ -95,31 +125,7 @@ Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, kernels::De
     return Status::ok();
   };
 
-  FlatLayout emb;
-  emb.add("wte", {V, C});
-  emb.add("wpe", {maxT, C});
-  STRATA_RETURN_IF_ERROR(add_unit("wte", std::move(emb)));
-  for (int l = 0; l < config.n_layer; ++l) {
-    const std::string h = "h." + std::to_string(l) + ".";
-    FlatLayout b;
-    b.add(h + "ln_1.weight", {C});
-    b.add(h + "ln_1.bias", {C});
-    b.add(h + "attn.c_attn.weight", {3 * C, C});
-    b.add(h + "attn.c_attn.bias", {3 * C});
-    b.add(h + "attn.c_proj.weight", {C, C});
-    b.add(h + "attn.c_proj.bias", {C});
-    b.add(h + "ln_2.weight", {C});
-    b.add(h + "ln_2.bias", {C});
-    b.add(h + "mlp.c_fc.weight", {4 * C, C});
-    b.add(h + "mlp.c_fc.bias", {4 * C});
-    b.add(h + "mlp.c_proj.weight", {C, 4 * C});
-    b.add(h + "mlp.c_proj.bias", {C});
-    STRATA_RETURN_IF_ERROR(add_unit("h." + std::to_string(l), std::move(b)));
-  }
-  FlatLayout lnf;
-  lnf.add("ln_f.weight", {C});
-  lnf.add("ln_f.bias", {C});
-  STRATA_RETURN_IF_ERROR(add_unit("ln_f", std::move(lnf)));
+  for (auto& [name, layout] : gpt2_unit_layouts(config)) STRATA_RETURN_IF_ERROR(add_unit(name, std::move(layout)));
   return m;
 }
 

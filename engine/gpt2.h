@@ -74,6 +74,11 @@ struct GPT2Config {
   Status validate() const;  // names the offending field
 };
 
+// The units' names and whole layouts (the tensors' canonical names, shapes and order) for `config`: what
+// every rank's units are slices of, checkpoints hold, and other projects' GPT-2 files are mapped onto
+// (engine/foreign_weights.h).
+std::vector<std::pair<std::string, FlatLayout>> gpt2_unit_layouts(const GPT2Config& config);
+
 // One unit: its name, layout, parameters and gradients (both laid out by `layout`).
 struct Unit {
   std::string name;
