@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 
 #include "common/log.h"
+#include "engine/foreign_weights.h"
 #include "storage/safetensors.h"
 #include "storage/token_shard.h"
 
@@ -31,15 +32,6 @@ namespace {
 Status write_text_atomic(const std::string& path, const std::string& text) {
   std::span<const std::byte> part(reinterpret_cast<const std::byte*>(text.data()), text.size());
   return write_file_atomic(path, std::span<const std::span<const std::byte>>(&part, 1));
-}
-
-std::map<std::string, std::string> model_metadata(const GPT2Config& c) {
-  return {{"format", "strata-gpt2"},
-          {"n_layer", std::to_string(c.n_layer)},
-          {"n_head", std::to_string(c.n_head)},
-          {"n_embd", std::to_string(c.n_embd)},
-          {"vocab_size", std::to_string(c.vocab_size)},
-          {"block_size", std::to_string(c.block_size)}};
 }
 
 // One state class of one unit at a time in host memory, read on demand: checkpoints of offloaded state never
@@ -97,20 +89,6 @@ Status read_unit(const SafetensorsFile& f, const FlatLayout& layout, const std::
   return Status::ok();
 }
 
-Status check_model_metadata(const SafetensorsFile& f, const GPT2Config& c) {
-  const auto& md = f.metadata();
-  for (const auto& [key, want] : model_metadata(c)) {
-    if (key == "format") continue;
-    auto it = md.find(key);
-    if (it == md.end()) continue;  // foreign files may lack metadata; shapes are still checked per tensor
-    if (it->second != want) {
-      return Status::invalid_argument("{} was saved from a model with model.{} = {}, but this run has {}", f.path(),
-                                      key, it->second, want);
-    }
-  }
-  return Status::ok();
-}
-
 // Adam's moments of unit u as whole tensors: under tensor parallelism this rank's slices, gathered over the
 // group (collective); `m`, `v` hold the whole unit.
 Status read_whole_moments(const GPT2& model, Optimizer& opt, size_t u, float* m, float* v) {
@@ -130,6 +108,15 @@ Status write_whole_moments(const GPT2& model, Optimizer& opt, size_t u, const fl
 }
 
 }  // namespace
+
+std::map<std::string, std::string> model_metadata(const GPT2Config& c) {
+  return {{"format", "strata-gpt2"},
+          {"n_layer", std::to_string(c.n_layer)},
+          {"n_head", std::to_string(c.n_head)},
+          {"n_embd", std::to_string(c.n_embd)},
+          {"vocab_size", std::to_string(c.vocab_size)},
+          {"block_size", std::to_string(c.block_size)}};
+}
 
 Status check_writable_dir(const std::string& dir, const std::string& what) {
   std::error_code ec;
@@ -153,18 +140,17 @@ Status save_model(const GPT2& model, const std::string& path) {
 }
 
 Status load_model(GPT2& model, const std::string& path) {
-  STRATA_ASSIGN_OR_RETURN(SafetensorsFile f, SafetensorsFile::open(path));
-  STRATA_RETURN_IF_ERROR(check_model_metadata(f, model.config()));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> file, WeightsFile::open(path));
+  STRATA_RETURN_IF_ERROR(file->check(model.config()));  // every tensor before anything is written
   std::vector<float> unit;
-  for (size_t i = 0; i < model.units().size(); ++i) {  // every tensor is checked before anything is written
-    unit.resize(model.whole_layout(i).numel());
-    STRATA_RETURN_IF_ERROR(read_unit(f, model.whole_layout(i), "", unit.data()));
-  }
   for (size_t i = 0; i < model.units().size(); ++i) {
-    unit.resize(model.whole_layout(i).numel());
-    STRATA_RETURN_IF_ERROR(read_unit(f, model.whole_layout(i), "", unit.data()));
+    const FlatLayout& layout = model.whole_layout(i);
+    unit.resize(layout.numel());
+    for (const TensorSpec& s : layout.specs()) STRATA_RETURN_IF_ERROR(file->read(s, unit.data() + s.offset));
     STRATA_RETURN_IF_ERROR(model.write_params(i, unit.data()));
   }
+  if (file->format() != WeightsFormat::kStrata)
+    STRATA_LOG_INFO("read {} ({} weights)", path, weights_format_name(file->format()));
   return Status::ok();
 }
 

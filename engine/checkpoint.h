@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -58,9 +59,14 @@ std::vector<std::string> config_changes(const nlohmann::json& saved, const nlohm
 // directory and the OS's reason. Called before training so a bad folder fails in the first second.
 Status check_writable_dir(const std::string& dir, const std::string& what);
 
+// The safetensors metadata of a model.safetensors: "format" "strata-gpt2" and the model section's sizes.
+std::map<std::string, std::string> model_metadata(const GPT2Config& c);
+
 // Writes model weights alone (for fine-tuning or export) to a safetensors file, atomically.
 Status save_model(const GPT2& model, const std::string& path);
-// Loads weights into a model of the same config; errors name the file and the tensor that disagrees.
+// Loads weights into a model of the same config from our model.safetensors, Hugging Face's GPT-2 or an llm.c
+// model file (engine/foreign_weights.h); every tensor is checked before any is written, and errors name the
+// file, the tensor and the config key that disagrees.
 Status load_model(GPT2& model, const std::string& path);
 
 // For a run that does not resume: `checkpoint_dir` must hold no checkpoint (an earlier run's, which this run's

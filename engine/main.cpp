@@ -1,8 +1,9 @@
-// main.cpp — `strata`, the one command: train, tokenize, bench.
+// main.cpp — `strata`, the one command: train, tokenize, export, bench.
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -22,6 +23,7 @@
 #include "engine/bench_nvme.h"
 #include "engine/bench_step.h"
 #include "engine/config.h"
+#include "engine/foreign_weights.h"
 #include "engine/tokenize_cmd.h"
 #include "engine/trainer.h"
 
@@ -49,6 +51,32 @@ void default_omp_wait_policy(int argc, char** argv) {
   if (::setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
   ::execv(self, argv);
   ::unsetenv("OMP_WAIT_POLICY");
+}
+
+struct ExportArgs {
+  std::string from, format, out;
+};
+
+// `strata export`: a model.safetensors (or a checkpoint folder's), Hugging Face's GPT-2 or an llm.c file, written
+// in another of those layouts.
+int run_export(const ExportArgs& a) {
+  namespace fs = std::filesystem;
+  auto fail = [](const strata::Status& st) {
+    fmt::print(stderr, "strata export: {}\n", st.to_string());
+    return 1;
+  };
+  std::string from = a.from;
+  std::error_code ec;
+  if (fs::is_directory(from, ec)) {
+    from = (fs::path(from) / "model.safetensors").string();
+    if (!fs::exists(from, ec))
+      return fail(strata::Status::not_found("{} holds no model.safetensors (a checkpoint's step folder does)", a.from));
+  }
+  auto format = strata::engine::parse_weights_format(a.format);
+  if (!format.is_ok()) return fail(format.status());
+  if (const strata::Status st = strata::engine::export_weights(from, *format, a.out); !st.is_ok()) return fail(st);
+  fmt::print("wrote {} ({} layout) from {}\n", a.out, a.format, from);
+  return 0;
 }
 
 struct TrainArgs {
@@ -209,7 +237,8 @@ int main(int argc, char** argv) {
   train->add_option("--grad-accum", ta.grad_accum, "= --set training.grad_accum_steps=N");
   train->add_option("--lr", ta.lr, "= --set training.lr=X");
   train->add_option("--checkpoint-dir", ta.checkpoint_dir, "= --set training.checkpoint_dir=DIR");
-  train->add_option("--init-from", ta.init_from, "= --set training.init_from=FILE.safetensors");
+  train->add_option("--init-from", ta.init_from,
+                    "= --set training.init_from=FILE (model.safetensors, Hugging Face GPT-2 safetensors, llm.c .bin)");
   train->add_option("--kernels", ta.kernels, "= --set compute.kernels=fast|reference");
   train->add_option("--device", ta.device, "= --set compute.device=auto|cpu|cuda (auto: the GPU where there is one)");
   train->add_option("--precision", ta.precision, "= --set compute.matmul_precision=fp32|bf16");
@@ -217,6 +246,18 @@ int main(int argc, char** argv) {
 
   strata::engine::TokenizeOptions tok;
   strata::engine::add_tokenize_command(app, tok);
+
+  ExportArgs ea;
+  CLI::App* exp = app.add_subcommand(
+      "export", "Write a model's weights for Hugging Face transformers (hf) or llm.c (llmc), or back from them");
+  exp->add_option("--from", ea.from,
+                  "A model.safetensors or a checkpoint's step folder; also a Hugging Face GPT-2 model.safetensors "
+                  "or an llm.c model file")
+      ->required();
+  exp->add_option("--format", ea.format, "hf: a folder with model.safetensors and config.json; llmc: one .bin file; "
+                                         "strata: our model.safetensors")
+      ->required();
+  exp->add_option("--out", ea.out, "The folder (hf) or file (llmc, strata) to write")->required();
 
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
   bench->require_subcommand(1);
@@ -237,6 +278,7 @@ int main(int argc, char** argv) {
     return run_train(ta);
   }
   if (app.got_subcommand("tokenize")) return strata::engine::run_tokenize(tok);
+  if (exp->parsed()) return run_export(ea);
   if (bench->got_subcommand("step")) return strata::engine::run_bench_step(bs);
   if (bench->got_subcommand("nvme")) return strata::engine::run_bench_nvme(bn);
   if (bench->got_subcommand("kernels")) return strata::engine::run_bench_kernels(bk);

@@ -10,6 +10,7 @@
 
 #include "common/rng.h"
 #include "engine/config.h"
+#include "engine/foreign_weights.h"
 #include "storage/safetensors.h"
 #include "storage/token_shard.h"
 #include "tests/engine/trainer_fixture.h"
@@ -72,6 +73,30 @@ TEST_F(TrainerTest, ResumeGivesTheSameWeightsAsAStraightRun) {
   auto over = train(resumed);
   ASSERT_TRUE(over.is_ok()) << over.status().to_string();
   EXPECT_EQ(over->steps, 6);
+}
+
+// Fine-tuning from another project's weights: a run started from a model exported to Hugging Face's layout or
+// to llm.c's trains bitwise as the run started from the model.safetensors they came from.
+TEST_F(TrainerTest, AModelExportedToHuggingFaceOrLlmcStartsTheSameRun) {
+  json first = base_config("first");
+  first["training"]["max_steps"] = 2;
+  ASSERT_TRUE(train(first).is_ok());
+  const fs::path ours = dir_ / "first" / "step_000002" / "model.safetensors";
+  ASSERT_TRUE(export_weights(ours.string(), WeightsFormat::kHuggingFace, (dir_ / "hf").string()).is_ok());
+  ASSERT_TRUE(export_weights(ours.string(), WeightsFormat::kLlmc, (dir_ / "model.bin").string()).is_ok());
+  std::vector<std::vector<std::pair<double, double>>> runs;
+  for (const fs::path& from : {ours, dir_ / "hf" / "model.safetensors", dir_ / "model.bin"}) {
+    const std::string name = "tune" + std::to_string(runs.size());
+    json tune = base_config(name);
+    tune["training"]["max_steps"] = 3;
+    tune["training"]["init_from"] = from.string();
+    auto r = train(tune, "", (dir_ / (name + ".jsonl")).string());
+    ASSERT_TRUE(r.is_ok()) << from << ": " << r.status().to_string();
+    runs.push_back(losses(dir_ / (name + ".jsonl")));
+  }
+  ASSERT_EQ(runs[0].size(), 3u);
+  EXPECT_EQ(runs[1], runs[0]);
+  EXPECT_EQ(runs[2], runs[0]);
 }
 
 // The checkpoint's data position is a shard index and a token offset: a resume whose data.train lists other

@@ -1,0 +1,551 @@
+#include "engine/foreign_weights.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <charconv>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string_view>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "common/dtype.h"
+#include "common/log.h"
+#include "engine/checkpoint.h"
+#include "storage/safetensors.h"
+#include "storage/token_shard.h"
+
+namespace strata::engine {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int32_t kLlmcMagic = 20240326;
+constexpr size_t kLlmcHeaderInts = 256;
+constexpr int32_t kLlmcF32 = 3, kLlmcBf16 = 5;
+constexpr int64_t kLlmcVocabMultiple = 128;  // what llm.c pads the vocabulary to
+
+// Hugging Face's GPT-2 keeps these as Conv1D weights, stored (in, out): ours are (out, in).
+bool hf_transposed(std::string_view ours) {
+  return ours.ends_with(".attn.c_attn.weight") || ours.ends_with(".attn.c_proj.weight") ||
+         ours.ends_with(".mlp.c_fc.weight") || ours.ends_with(".mlp.c_proj.weight");
+}
+
+// Hugging Face's name (without its prefix) for ours.
+std::string hf_name(const std::string& ours) { return ours == "wte" || ours == "wpe" ? ours + ".weight" : ours; }
+
+std::vector<int64_t> hf_shape(const TensorSpec& s) {
+  return hf_transposed(s.name) ? std::vector<int64_t>{s.shape[1], s.shape[0]} : s.shape;
+}
+
+// dst (rows, cols) = the transpose of src (cols, rows), in tiles that stay in cache.
+void transpose(const float* src, float* dst, size_t rows, size_t cols) {
+  constexpr size_t kTile = 32;
+  for (size_t i0 = 0; i0 < rows; i0 += kTile) {
+    for (size_t j0 = 0; j0 < cols; j0 += kTile) {
+      const size_t i1 = std::min(rows, i0 + kTile), j1 = std::min(cols, j0 + kTile);
+      for (size_t i = i0; i < i1; ++i)
+        for (size_t j = j0; j < j1; ++j) dst[i * cols + j] = src[j * rows + i];
+    }
+  }
+}
+
+// n values of `dtype` at src (any alignment) as fp32.
+void to_f32(DType dtype, const std::byte* src, float* dst, size_t n) {
+  if (dtype == DType::kF32) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  std::vector<uint16_t> halves(n);
+  std::memcpy(halves.data(), src, n * sizeof(uint16_t));
+  if (dtype == DType::kBF16) {
+    bf16_to_f32_n(halves.data(), dst, n);
+  } else {
+    f16_to_f32_n(halves.data(), dst, n);
+  }
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// The number of blocks "h.0.", "h.1.", ... a file has tensors of (names under `prefix`).
+int count_blocks(const SafetensorsFile& f, const std::string& prefix) {
+  int n = 0;
+  while (f.find(fmt::format("{}h.{}.ln_1.weight", prefix, n)) != nullptr) ++n;
+  return n;
+}
+
+// A safetensors file: ours, or Hugging Face's (names under `prefix_`).
+class SafetensorsWeights final : public WeightsFile {
+ public:
+  static Result<std::unique_ptr<WeightsFile>> open(const std::string& path, SafetensorsFile file) {
+    std::string prefix;
+    WeightsFormat format = WeightsFormat::kStrata;
+    if (file.find("wte") == nullptr) {
+      format = WeightsFormat::kHuggingFace;
+      if (file.find("wte.weight") != nullptr) {
+        prefix = "";
+      } else if (file.find("transformer.wte.weight") != nullptr) {
+        prefix = "transformer.";
+      } else {
+        std::vector<std::string> names = file.names();
+        std::string some;
+        for (size_t i = 0; i < names.size() && i < 4; ++i) some += (i ? ", " : "") + names[i];
+        return Status::invalid_argument(
+            "{}: not a GPT-2's weights: no token embedding ('wte' as Strata writes it, 'wte.weight' or "
+            "'transformer.wte.weight' as Hugging Face does) among its {} tensors ({}{})",
+            path, names.size(), some, names.size() > 4 ? ", ..." : "");
+      }
+    }
+    std::unique_ptr<SafetensorsWeights> w(new SafetensorsWeights(format, path, std::move(file), prefix));
+    STRATA_RETURN_IF_ERROR(w->infer_config());
+    return std::unique_ptr<WeightsFile>(std::move(w));
+  }
+
+  Status check(const GPT2Config& want) const override {
+    STRATA_RETURN_IF_ERROR(check_sizes(want));
+    std::set<std::string> expected;
+    for (const auto& [unit, layout] : gpt2_unit_layouts(want)) {
+      for (const TensorSpec& s : layout.specs()) {
+        const std::string name = file_name(s.name);
+        const SafetensorsEntry* e = file_.find(name);
+        if (e == nullptr) return Status::invalid_argument("{}: no tensor '{}' (of unit {})", path_, name, unit);
+        if (e->shape != file_shape(s)) {
+          return Status::invalid_argument("{}: tensor '{}' is {}, a GPT-2 of this config needs {}", path_, name,
+                                          shape_text(e->shape), shape_text(file_shape(s)));
+        }
+        expected.insert(name);
+      }
+    }
+    if (format_ != WeightsFormat::kHuggingFace) return Status::ok();  // ours: other tensors are not weights
+    std::vector<std::string> unknown;
+    for (const SafetensorsEntry& e : file_.tensors()) {
+      if (expected.count(e.name) != 0) continue;
+      const std::string_view n(e.name);
+      if (n.starts_with(prefix_ + "h.") && (n.ends_with(".attn.bias") || n.ends_with(".attn.masked_bias")))
+        continue;  // the causal mask, a buffer
+      if (e.name == "lm_head.weight") {
+        STRATA_RETURN_IF_ERROR(check_tied_head(e));
+        continue;
+      }
+      unknown.push_back(e.name);
+    }
+    if (!unknown.empty()) {
+      std::string some;
+      for (size_t i = 0; i < unknown.size() && i < 5; ++i) some += (i ? ", " : "") + unknown[i];
+      return Status::invalid_argument("{}: {} tensor(s) that a GPT-2 does not have: {}{}", path_, unknown.size(), some,
+                                      unknown.size() > 5 ? ", ..." : "");
+    }
+    return Status::ok();
+  }
+
+  Status read(const TensorSpec& spec, float* dst) const override {
+    const std::string name = file_name(spec.name);
+    const SafetensorsEntry* e = file_.find(name);
+    if (e == nullptr) return Status::not_found("{}: no tensor '{}'", path_, name);
+    if (e->shape != file_shape(spec)) {
+      return Status::invalid_argument("{}: tensor '{}' is {}, wanted {}", path_, name, shape_text(e->shape),
+                                      shape_text(file_shape(spec)));
+    }
+    if (format_ != WeightsFormat::kHuggingFace || !hf_transposed(spec.name)) {
+      to_f32(e->dtype, e->data, dst, spec.numel());
+      return Status::ok();
+    }
+    std::vector<float> stored(spec.numel());
+    to_f32(e->dtype, e->data, stored.data(), stored.size());
+    transpose(stored.data(), dst, static_cast<size_t>(spec.shape[0]), static_cast<size_t>(spec.shape[1]));
+    return Status::ok();
+  }
+
+ private:
+  SafetensorsWeights(WeightsFormat format, std::string path, SafetensorsFile file, std::string prefix)
+      : WeightsFile(format, std::move(path)), file_(std::move(file)), prefix_(std::move(prefix)) {}
+
+  std::string file_name(const std::string& ours) const {
+    return format_ == WeightsFormat::kHuggingFace ? prefix_ + hf_name(ours) : ours;
+  }
+  std::vector<int64_t> file_shape(const TensorSpec& s) const {
+    return format_ == WeightsFormat::kHuggingFace ? hf_shape(s) : s.shape;
+  }
+
+  // From the shapes, and what the metadata (ours) or a config.json beside the file (Hugging Face's) says.
+  Status infer_config() {
+    const SafetensorsEntry* wte = file_.find(file_name("wte"));
+    const SafetensorsEntry* wpe = file_.find(file_name("wpe"));
+    if (wte->shape.size() != 2 || wpe == nullptr || wpe->shape.size() != 2) {
+      return Status::invalid_argument("{}: '{}' is {} and '{}' {}: a GPT-2's embeddings are (vocabulary, width) and "
+                                      "(positions, width)",
+                                      path_, file_name("wte"), shape_text(wte->shape), file_name("wpe"),
+                                      wpe ? shape_text(wpe->shape) : "missing");
+    }
+    config_.vocab_size = static_cast<int>(wte->shape[0]);
+    config_.n_embd = static_cast<int>(wte->shape[1]);
+    config_.block_size = static_cast<int>(wpe->shape[0]);
+    config_.n_layer = count_blocks(file_, prefix_);
+    config_.n_head = 0;
+    if (format_ == WeightsFormat::kStrata) {
+      const auto& md = file_.metadata();
+      if (auto it = md.find("n_head"); it != md.end()) {
+        int v = 0;
+        const auto [p, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), v);
+        if (ec == std::errc() && p == it->second.data() + it->second.size()) config_.n_head = v;
+      }
+      return Status::ok();
+    }
+    const fs::path beside = fs::path(path_).parent_path() / "config.json";
+    std::error_code ec;
+    if (!fs::exists(beside, ec)) return Status::ok();
+    std::ifstream in(beside);
+    const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object())
+      return Status::invalid_argument("{}: not a JSON object (the model's config beside {})", beside.string(), path_);
+    auto field = [&](const char* key, int have) -> Status {
+      auto it = j.find(key);
+      if (it == j.end() || !it->is_number_integer()) return Status::ok();
+      if (have != 0 && it->get<int>() != have) {
+        return Status::invalid_argument("{} says {} = {}, but {} holds {}: they are not the same model",
+                                        beside.string(), key, it->get<int>(), path_, have);
+      }
+      return Status::ok();
+    };
+    STRATA_RETURN_IF_ERROR(field("n_layer", config_.n_layer));
+    STRATA_RETURN_IF_ERROR(field("n_embd", config_.n_embd));
+    STRATA_RETURN_IF_ERROR(field("vocab_size", config_.vocab_size));
+    STRATA_RETURN_IF_ERROR(field("n_positions", config_.block_size));
+    if (auto it = j.find("n_head"); it != j.end() && it->is_number_integer()) config_.n_head = it->get<int>();
+    return Status::ok();
+  }
+
+  // Hugging Face files from save_pretrained may keep the tied head; Strata's is wte itself.
+  Status check_tied_head(const SafetensorsEntry& head) const {
+    const SafetensorsEntry* wte = file_.find(file_name("wte"));
+    if (head.shape == wte->shape && head.dtype == wte->dtype && head.nbytes() == wte->nbytes() &&
+        std::memcmp(head.data, wte->data, head.nbytes()) == 0) {
+      return Status::ok();
+    }
+    return Status::invalid_argument(
+        "{}: 'lm_head.weight' differs from '{}': an untied LM head, which Strata's GPT-2 (its head is the token "
+        "embedding) cannot hold",
+        path_, file_name("wte"));
+  }
+
+  SafetensorsFile file_;
+  std::string prefix_;
+};
+
+// llm.c's 16 tensors, in its file's order, and ours for each: unit-level names, or a block's suffix.
+constexpr std::array<std::string_view, 16> kLlmcTensors = {
+    "wte",           "wpe",         "ln_1.weight",         "ln_1.bias",        "attn.c_attn.weight", "attn.c_attn.bias",
+    "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+    "mlp.c_proj.weight", "mlp.c_proj.bias", "ln_f.weight", "ln_f.bias"};
+constexpr bool llmc_per_block(size_t i) { return i >= 2 && i < 14; }
+
+// Elements of each of llm.c's tensors (all blocks together) for a model of `c` with Vp vocabulary rows.
+std::array<size_t, 16> llmc_sizes(const GPT2Config& c, size_t Vp) {
+  const size_t C = static_cast<size_t>(c.n_embd), L = static_cast<size_t>(c.n_layer);
+  const size_t maxT = static_cast<size_t>(c.block_size);
+  return {Vp * C,     maxT * C,     L * C, L * C,     L * 3 * C * C, L * 3 * C, L * C * C, L * C,
+          L * C,      L * C,        L * 4 * C * C,    L * 4 * C,     L * C * 4 * C,       L * C, C, C};
+}
+
+// Which of llm.c's tensors holds ours, and which block (0 for the others).
+Result<std::pair<size_t, size_t>> llmc_place(const std::string& ours) {
+  std::string_view rest(ours);
+  size_t block = 0;
+  if (rest.starts_with("h.")) {
+    rest.remove_prefix(2);
+    const auto [p, ec] = std::from_chars(rest.data(), rest.data() + rest.size(), block);
+    if (ec != std::errc() || p == rest.data() + rest.size() || *p != '.')
+      return Status::internal("'{}' is not a block tensor's name", ours);
+    rest.remove_prefix(static_cast<size_t>(p - rest.data()) + 1);
+  }
+  for (size_t i = 0; i < kLlmcTensors.size(); ++i) {
+    if (kLlmcTensors[i] == rest && llmc_per_block(i) == ours.starts_with("h.")) return std::pair{i, block};
+  }
+  return Status::internal("'{}' has no place in llm.c's layout", ours);
+}
+
+class LlmcWeights final : public WeightsFile {
+ public:
+  ~LlmcWeights() override {
+    if (map_ != nullptr) ::munmap(map_, bytes_);
+  }
+
+  static Result<std::unique_ptr<WeightsFile>> open(const std::string& path, int fd, size_t bytes) {
+    std::unique_ptr<LlmcWeights> w(new LlmcWeights(path));
+    int32_t h[kLlmcHeaderInts];
+    if (bytes < sizeof(h)) {
+      return Status::corruption("{}: {} bytes, shorter than llm.c's {}-byte header", path, bytes, sizeof(h));
+    }
+    if (::pread(fd, h, sizeof(h), 0) != static_cast<ssize_t>(sizeof(h)))
+      return Status::io_error("{}: cannot read the header: {}", path, std::strerror(errno));
+    if (h[1] != kLlmcF32 && h[1] != kLlmcBf16) {
+      return Status::invalid_argument("{}: llm.c model file version {}: Strata reads versions {} (fp32) and {} (bf16)",
+                                      path, h[1], kLlmcF32, kLlmcBf16);
+    }
+    w->bf16_ = h[1] == kLlmcBf16;
+    w->config_ = GPT2Config{.n_layer = h[4], .n_head = h[5], .n_embd = h[6], .vocab_size = h[3], .block_size = h[2]};
+    const int32_t Vp = h[7];
+    if (h[2] <= 0 || h[3] <= 0 || h[4] <= 0 || h[5] <= 0 || h[6] <= 0 || Vp < h[3]) {
+      return Status::corruption(
+          "{}: header: max_seq_len {}, vocab_size {}, num_layers {}, num_heads {}, channels {}, padded_vocab_size "
+          "{}: each must be positive and the padded vocabulary at least the vocabulary",
+          path, h[2], h[3], h[4], h[5], h[6], Vp);
+    }
+    w->padded_vocab_ = static_cast<size_t>(Vp);
+    size_t total = 0;
+    const std::array<size_t, 16> sizes = llmc_sizes(w->config_, w->padded_vocab_);
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      w->offset_[i] = total;
+      total += sizes[i];
+    }
+    const size_t want = sizeof(h) + total * w->element_bytes();
+    if (bytes != want) {
+      return Status::corruption("{}: {} bytes, but the model its header describes takes {} ({} parameters in {})",
+                                path, bytes, want, total, w->bf16_ ? "bf16" : "fp32");
+    }
+    void* p = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) return Status::io_error("{}: cannot map: {}", path, std::strerror(errno));
+    w->map_ = p;
+    w->bytes_ = bytes;
+    return std::unique_ptr<WeightsFile>(std::move(w));
+  }
+
+  Status check(const GPT2Config& want) const override { return check_sizes(want); }
+
+  Status read(const TensorSpec& spec, float* dst) const override {
+    STRATA_ASSIGN_OR_RETURN(auto place, llmc_place(spec.name));
+    const auto [i, block] = place;
+    const std::array<size_t, 16> sizes = llmc_sizes(config_, padded_vocab_);
+    const size_t per = llmc_per_block(i) ? sizes[i] / static_cast<size_t>(config_.n_layer) : sizes[i];
+    const size_t n = spec.numel();
+    if (block >= static_cast<size_t>(config_.n_layer) || n > per) {  // wte: the first V of Vp rows
+      return Status::invalid_argument("{}: tensor '{}' ({} values) is not in this llm.c model", path_, spec.name, n);
+    }
+    const std::byte* src = static_cast<const std::byte*>(map_) + kLlmcHeaderInts * sizeof(int32_t) +
+                           (offset_[i] + block * per) * element_bytes();
+    to_f32(bf16_ ? DType::kBF16 : DType::kF32, src, dst, n);
+    return Status::ok();
+  }
+
+ private:
+  explicit LlmcWeights(std::string path) : WeightsFile(WeightsFormat::kLlmc, std::move(path)) {}
+  size_t element_bytes() const { return bf16_ ? 2 : 4; }
+
+  void* map_ = nullptr;
+  size_t bytes_ = 0;
+  bool bf16_ = false;
+  size_t padded_vocab_ = 0;
+  std::array<size_t, 16> offset_{};  // elements from the end of the header
+};
+
+// Every tensor of the model `c`, by our name.
+std::map<std::string, TensorSpec> specs_by_name(const GPT2Config& c) {
+  std::map<std::string, TensorSpec> out;
+  for (const auto& [unit, layout] : gpt2_unit_layouts(c))
+    for (const TensorSpec& s : layout.specs()) out.emplace(s.name, s);
+  return out;
+}
+
+std::span<const std::byte> bytes_of(const std::vector<float>& v) { return std::as_bytes(std::span<const float>(v)); }
+
+Status write_llmc(const WeightsFile& src, const std::string& out) {
+  const GPT2Config& c = src.config();
+  const size_t V = static_cast<size_t>(c.vocab_size), C = static_cast<size_t>(c.n_embd);
+  const size_t Vp = (V + kLlmcVocabMultiple - 1) / kLlmcVocabMultiple * kLlmcVocabMultiple;
+  int32_t h[kLlmcHeaderInts] = {};
+  h[0] = kLlmcMagic;
+  h[1] = kLlmcF32;
+  h[2] = c.block_size;
+  h[3] = c.vocab_size;
+  h[4] = c.n_layer;
+  h[5] = c.n_head;
+  h[6] = c.n_embd;
+  h[7] = static_cast<int32_t>(Vp);
+  const std::map<std::string, TensorSpec> specs = specs_by_name(c);
+  return write_file_atomic(out, [&](const AppendFn& append) -> Status {
+    STRATA_RETURN_IF_ERROR(append(std::as_bytes(std::span<const int32_t>(h))));
+    std::vector<float> buf;
+    for (size_t i = 0; i < kLlmcTensors.size(); ++i) {
+      const size_t blocks = llmc_per_block(i) ? static_cast<size_t>(c.n_layer) : 1;
+      for (size_t l = 0; l < blocks; ++l) {
+        const std::string name =
+            llmc_per_block(i) ? fmt::format("h.{}.{}", l, kLlmcTensors[i]) : std::string(kLlmcTensors[i]);
+        const TensorSpec& s = specs.at(name);
+        buf.assign(s.numel(), 0.0f);
+        STRATA_RETURN_IF_ERROR(src.read(s, buf.data()));
+        STRATA_RETURN_IF_ERROR(append(bytes_of(buf)));
+      }
+      if (i == 0 && Vp > V) {  // the padding rows
+        buf.assign((Vp - V) * C, 0.0f);
+        STRATA_RETURN_IF_ERROR(append(bytes_of(buf)));
+      }
+    }
+    return Status::ok();
+  });
+}
+
+// Hugging Face's GPT2LMHeadModel config for `c`; no dropout (Strata trains without it).
+nlohmann::json hf_config(const GPT2Config& c) {
+  nlohmann::json j = {{"architectures", {"GPT2LMHeadModel"}},
+                      {"model_type", "gpt2"},
+                      {"vocab_size", c.vocab_size},
+                      {"n_positions", c.block_size},
+                      {"n_ctx", c.block_size},
+                      {"n_embd", c.n_embd},
+                      {"n_layer", c.n_layer},
+                      {"n_head", c.n_head},
+                      {"n_inner", nullptr},
+                      {"activation_function", "gelu_new"},
+                      {"layer_norm_epsilon", 1e-5},
+                      {"resid_pdrop", 0.0},
+                      {"embd_pdrop", 0.0},
+                      {"attn_pdrop", 0.0},
+                      {"initializer_range", 0.02},
+                      {"tie_word_embeddings", true},
+                      {"torch_dtype", "float32"}};
+  if (c.vocab_size > 50256) {  // GPT-2's <|endoftext|>
+    j["bos_token_id"] = 50256;
+    j["eos_token_id"] = 50256;
+  }
+  return j;
+}
+
+Status write_safetensors_weights(const WeightsFile& src, WeightsFormat format, const std::string& path) {
+  const bool hf = format == WeightsFormat::kHuggingFace;
+  std::vector<SafetensorsTensor> tensors;
+  for (const auto& [unit, layout] : gpt2_unit_layouts(src.config())) {
+    for (const TensorSpec& s : layout.specs()) {
+      SafetensorsTensor t{hf ? hf_name(s.name) : s.name, DType::kF32, hf ? hf_shape(s) : s.shape, nullptr, {}};
+      t.fill = [&src, s, transposed = hf && hf_transposed(s.name)](void* dst) -> Status {
+        if (!transposed) return src.read(s, static_cast<float*>(dst));
+        std::vector<float> ours(s.numel());
+        STRATA_RETURN_IF_ERROR(src.read(s, ours.data()));
+        // Stored (in, out): the transpose of our (out, in).
+        transpose(ours.data(), static_cast<float*>(dst), static_cast<size_t>(s.shape[1]),
+                  static_cast<size_t>(s.shape[0]));
+        return Status::ok();
+      };
+      tensors.push_back(std::move(t));
+    }
+  }
+  const std::map<std::string, std::string> metadata =
+      hf ? std::map<std::string, std::string>{{"format", "pt"}} : model_metadata(src.config());
+  return write_safetensors(path, tensors, metadata);
+}
+
+}  // namespace
+
+const char* weights_format_name(WeightsFormat f) {
+  switch (f) {
+    case WeightsFormat::kStrata: return "strata";
+    case WeightsFormat::kHuggingFace: return "hf";
+    case WeightsFormat::kLlmc: return "llmc";
+  }
+  return "?";
+}
+
+Result<WeightsFormat> parse_weights_format(const std::string& name) {
+  for (WeightsFormat f : {WeightsFormat::kStrata, WeightsFormat::kHuggingFace, WeightsFormat::kLlmc})
+    if (name == weights_format_name(f)) return f;
+  return Status::invalid_argument("weights format '{}': one of strata, hf (Hugging Face transformers), llmc (llm.c)",
+                                  name);
+}
+
+Result<std::unique_ptr<WeightsFile>> WeightsFile::open(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return Status::not_found("{}: no such file", path);
+    return Status::io_error("{}: cannot open: {}", path, std::strerror(errno));
+  }
+  struct stat st{};
+  if (::fstat(fd, &st) != 0) {
+    const Status st_error = Status::io_error("{}: fstat failed: {}", path, std::strerror(errno));
+    ::close(fd);
+    return st_error;
+  }
+  int32_t magic = 0;
+  if (::pread(fd, &magic, sizeof(magic), 0) == sizeof(magic) && magic == kLlmcMagic) {
+    auto out = LlmcWeights::open(path, fd, static_cast<size_t>(st.st_size));
+    ::close(fd);  // the mapping stays
+    return out;
+  }
+  ::close(fd);
+  auto file = SafetensorsFile::open(path);
+  if (!file.is_ok()) {
+    return file.status().with_context(
+        "not an llm.c model file (no magic number 20240326 at its start), nor a readable safetensors file");
+  }
+  return SafetensorsWeights::open(path, std::move(file).value());
+}
+
+Status WeightsFile::check_sizes(const GPT2Config& want) const {
+  struct Field {
+    const char* key;
+    int want, have;
+  };
+  const Field fields[] = {{"n_layer", want.n_layer, config_.n_layer},
+                          {"n_head", want.n_head, config_.n_head},
+                          {"n_embd", want.n_embd, config_.n_embd},
+                          {"vocab_size", want.vocab_size, config_.vocab_size},
+                          {"block_size", want.block_size, config_.block_size}};
+  std::string differ;
+  bool positions = false;
+  for (const Field& f : fields) {
+    if (f.have == 0 || f.have == f.want) continue;  // 0: the file does not say
+    differ += fmt::format("{}model.{} is {}, the file's {}", differ.empty() ? "" : "; ", f.key, f.want, f.have);
+    positions = positions || std::string_view(f.key) == "block_size";
+  }
+  if (differ.empty()) return Status::ok();
+  return Status::invalid_argument("{} ({} weights) holds another model: {}. Set the model section to the file's "
+                                  "values{}",
+                                  path_, weights_format_name(format_), differ,
+                                  positions ? " (training.seq_len may stay below model.block_size)" : "");
+}
+
+Status export_weights(const std::string& from, WeightsFormat format, const std::string& out) {
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> src, WeightsFile::open(from));
+  const GPT2Config& c = src->config();
+  if (c.n_head == 0) {
+    return Status::invalid_argument(
+        "{}: the file does not say how many attention heads its model has, which {} needs: put the model's "
+        "config.json (with n_head) beside it",
+        from, weights_format_name(format));
+  }
+  STRATA_RETURN_IF_ERROR(c.validate().with_context(from));
+  STRATA_RETURN_IF_ERROR(src->check(c));
+  switch (format) {
+    case WeightsFormat::kLlmc: return write_llmc(*src, out);
+    case WeightsFormat::kStrata: return write_safetensors_weights(*src, format, out);
+    case WeightsFormat::kHuggingFace: {
+      std::error_code ec;
+      fs::create_directories(out, ec);
+      if (ec) return Status::io_error("{}: cannot create the folder: {}", out, ec.message());
+      STRATA_RETURN_IF_ERROR(write_safetensors_weights(*src, format, (fs::path(out) / "model.safetensors").string()));
+      const std::string text = hf_config(c).dump(2) + "\n";
+      const std::span<const std::byte> part = std::as_bytes(std::span<const char>(text));
+      return write_file_atomic((fs::path(out) / "config.json").string(),
+                               std::span<const std::span<const std::byte>>(&part, 1));
+    }
+  }
+  return Status::internal("weights format {}", static_cast<int>(format));
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,73 @@
+// foreign_weights.h — GPT-2 weights in the layouts of the projects Strata's users come from: read into a model
+// to fine-tune it (training.init_from takes any of them) and written by `strata export`.
+//
+//   strata  Our model.safetensors: the canonical names of gpt2_unit_layouts ("wte", "wpe", "h.0.attn.c_attn.weight"
+//           ...), F32, linear weights (out, in); its metadata names the config.
+//   hf      Hugging Face transformers' GPT-2 in safetensors: openai-community/gpt2's model.safetensors, or what
+//           save_pretrained writes (names under "transformer.", which Strata also accepts). "wte.weight",
+//           "wpe.weight", the rest as ours; its Conv1D weights (c_attn, c_proj, c_fc) are stored (in, out), so
+//           they are transposed on the way; F32, BF16 or F16. The attention-mask buffers ("attn.bias",
+//           "attn.masked_bias") are skipped, and an "lm_head.weight" must equal wte (Strata's head is tied).
+//           The weights do not say the head count: a config.json beside the file (as the hub has it) does.
+//   llmc    llm.c's model files (gpt2_124M.bin, and what its trainers write): a header of 256 int32 (magic
+//           20240326; version 3 for fp32, 5 for bf16; max_seq_len, vocab_size, num_layers, num_heads,
+//           channels, padded_vocab_size), then 16 tensors each stacked over the layers, in llm.c's order, with
+//           wte padded to padded_vocab_size rows (the padding rows are not read, and written as zeros).
+//
+// Reading goes one tensor at a time from a read-only mapping, so a model larger than RAM converts or loads
+// with one tensor's worth of memory at a time. Errors name the file, the tensor, and the config key that
+// differs. Threading: a WeightsFile is immutable once opened.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+#include "common/tensor.h"
+#include "engine/gpt2.h"
+
+namespace strata::engine {
+
+enum class WeightsFormat { kStrata, kHuggingFace, kLlmc };
+
+// "strata", "hf", "llmc"; and back (InvalidArgument listing the names).
+const char* weights_format_name(WeightsFormat f);
+Result<WeightsFormat> parse_weights_format(const std::string& name);
+
+class WeightsFile {
+ public:
+  // Opens `path` and tells its format from its content (llm.c's magic number, else safetensors with our
+  // names or Hugging Face's). NotFound for a missing file; InvalidArgument naming the file and what it holds
+  // when it is none of the three; Corruption for a malformed one.
+  static Result<std::unique_ptr<WeightsFile>> open(const std::string& path);
+  virtual ~WeightsFile() = default;
+
+  WeightsFormat format() const { return format_; }
+  const std::string& path() const { return path_; }
+  // The model the file holds, from its header, metadata, config.json or tensor shapes; n_head is 0 where the
+  // file does not say.
+  const GPT2Config& config() const { return config_; }
+
+  // That the file holds exactly a model of `want`'s sizes: every tensor with its shape, nothing unaccounted
+  // for. The error names the config key ("model.n_layer is 6, but FILE holds 12 blocks"). Reads no weights
+  // except a tied head's, which it compares.
+  virtual Status check(const GPT2Config& want) const = 0;
+  // The tensor Strata names spec.name (a spec of gpt2_unit_layouts(config())), as fp32 in Strata's orientation.
+  virtual Status read(const TensorSpec& spec, float* dst) const = 0;
+
+ protected:
+  WeightsFile(WeightsFormat format, std::string path) : format_(format), path_(std::move(path)) {}
+  Status check_sizes(const GPT2Config& want) const;  // the config fields the file knows against `want`
+
+  WeightsFormat format_;
+  std::string path_;
+  GPT2Config config_;
+};
+
+// Writes the model of `from` (a file WeightsFile opens, whose head count is known) in `format`: kHuggingFace,
+// a folder `out` holding model.safetensors (names as openai-community/gpt2 has them, F32, metadata format "pt")
+// and config.json (GPT2LMHeadModel); kLlmc, the file `out` (version 3, fp32, vocabulary padded to a multiple
+// of 128); kStrata, the file `out`. Each file is written atomically (storage/token_shard.h's write_file_atomic).
+Status export_weights(const std::string& from, WeightsFormat format, const std::string& out);
+
+}  // namespace strata::engine
