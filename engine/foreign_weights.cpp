@@ -520,6 +520,15 @@ Status WeightsFile::check_sizes(const GPT2Config& want) const {
                                   positions ? " (training.seq_len may stay below model.block_size)" : "");
 }
 
+Result<std::string> weights_path(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return path;
+  const std::string file = (fs::path(path) / "model.safetensors").string();
+  if (!fs::exists(file, ec))
+    return Status::not_found("{} holds no model.safetensors (a checkpoint's step folder does)", path);
+  return file;
+}
+
 Status export_weights(const std::string& from, WeightsFormat format, const std::string& out) {
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> src, WeightsFile::open(from));
   const GPT2Config& c = src->config();

@@ -64,6 +64,9 @@ class WeightsFile {
   GPT2Config config_;
 };
 
+// `path` itself, or for a folder (a checkpoint's step folder) its model.safetensors; NotFound when it has none.
+Result<std::string> weights_path(const std::string& path);
+
 // Writes the model of `from` (a file WeightsFile opens, whose head count is known) in `format`: kHuggingFace,
 // a folder `out` holding model.safetensors (names as openai-community/gpt2 has them, F32, metadata format "pt")
 // and config.json (GPT2LMHeadModel); kLlmc, the file `out` (version 3, fp32, vocabulary padded to a multiple

@@ -1,9 +1,8 @@
-// main.cpp — `strata`, the one command: train, tokenize, export, bench.
+// main.cpp — `strata`, the one command: train, tokenize, export, sample, bench.
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -24,6 +23,7 @@
 #include "engine/bench_step.h"
 #include "engine/config.h"
 #include "engine/foreign_weights.h"
+#include "engine/sample_cmd.h"
 #include "engine/tokenize_cmd.h"
 #include "engine/trainer.h"
 
@@ -60,22 +60,16 @@ struct ExportArgs {
 // `strata export`: a model.safetensors (or a checkpoint folder's), Hugging Face's GPT-2 or an llm.c file, written
 // in another of those layouts.
 int run_export(const ExportArgs& a) {
-  namespace fs = std::filesystem;
   auto fail = [](const strata::Status& st) {
     fmt::print(stderr, "strata export: {}\n", st.to_string());
     return 1;
   };
-  std::string from = a.from;
-  std::error_code ec;
-  if (fs::is_directory(from, ec)) {
-    from = (fs::path(from) / "model.safetensors").string();
-    if (!fs::exists(from, ec))
-      return fail(strata::Status::not_found("{} holds no model.safetensors (a checkpoint's step folder does)", a.from));
-  }
+  auto from = strata::engine::weights_path(a.from);
+  if (!from.is_ok()) return fail(from.status());
   auto format = strata::engine::parse_weights_format(a.format);
   if (!format.is_ok()) return fail(format.status());
-  if (const strata::Status st = strata::engine::export_weights(from, *format, a.out); !st.is_ok()) return fail(st);
-  fmt::print("wrote {} ({} layout) from {}\n", a.out, a.format, from);
+  if (const strata::Status st = strata::engine::export_weights(*from, *format, a.out); !st.is_ok()) return fail(st);
+  fmt::print("wrote {} ({} layout) from {}\n", a.out, a.format, *from);
   return 0;
 }
 
@@ -259,6 +253,9 @@ int main(int argc, char** argv) {
       ->required();
   exp->add_option("--out", ea.out, "The folder (hf) or file (llmc, strata) to write")->required();
 
+  strata::engine::SampleOptions so;
+  CLI::App* sample = strata::engine::add_sample_command(app, so);
+
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks");
   bench->require_subcommand(1);
   strata::engine::BenchStepOptions bs;
@@ -279,6 +276,7 @@ int main(int argc, char** argv) {
   }
   if (app.got_subcommand("tokenize")) return strata::engine::run_tokenize(tok);
   if (exp->parsed()) return run_export(ea);
+  if (sample->parsed()) return strata::engine::run_sample(so);
   if (bench->got_subcommand("step")) return strata::engine::run_bench_step(bs);
   if (bench->got_subcommand("nvme")) return strata::engine::run_bench_nvme(bn);
   if (bench->got_subcommand("kernels")) return strata::engine::run_bench_kernels(bk);

