@@ -38,6 +38,20 @@ constexpr int32_t kLlmcMagic = 20240326;
 constexpr size_t kLlmcHeaderInts = 256;
 constexpr int32_t kLlmcF32 = 3, kLlmcBf16 = 5;
 constexpr int64_t kLlmcVocabMultiple = 128;  // what llm.c pads the vocabulary to
+// Sizes a file may claim, far above any GPT-2 yet low enough that no product of them overflows 64 bits.
+constexpr int64_t kMaxWidth = 1 << 17, kMaxLayers = 1 << 12, kMaxPositions = 1 << 22, kMaxVocab = 1 << 22;
+
+// That the sizes a file claims are within the limits above (which keep its tensor sizes from overflowing).
+Status check_claimed(const std::string& path, const GPT2Config& c, int64_t padded_vocab) {
+  if (c.n_embd > kMaxWidth || c.n_layer > kMaxLayers || c.block_size > kMaxPositions || c.vocab_size > kMaxVocab ||
+      padded_vocab > kMaxVocab) {
+    return Status::corruption("{}: width {}, {} blocks, {} positions, vocabulary {} (padded {}): past what Strata "
+                              "reads (width {}, {} blocks, {} positions, vocabulary {})",
+                              path, c.n_embd, c.n_layer, c.block_size, c.vocab_size, padded_vocab, kMaxWidth,
+                              kMaxLayers, kMaxPositions, kMaxVocab);
+  }
+  return Status::ok();
+}
 
 // Hugging Face's GPT-2 keeps these as Conv1D weights, stored (in, out): ours are (out, in).
 bool hf_transposed(std::string_view ours) {
@@ -195,6 +209,12 @@ class SafetensorsWeights final : public WeightsFile {
                                       path_, file_name("wte"), shape_text(wte->shape), file_name("wpe"),
                                       wpe ? shape_text(wpe->shape) : "missing");
     }
+    if (wte->shape[0] > kMaxVocab || wte->shape[1] > kMaxWidth || wpe->shape[0] > kMaxPositions) {
+      return Status::corruption("{}: embeddings {} and {}: past what Strata reads (vocabulary {}, width {}, {} "
+                                "positions)",
+                                path_, shape_text(wte->shape), shape_text(wpe->shape), kMaxVocab, kMaxWidth,
+                                kMaxPositions);
+    }
     config_.vocab_size = static_cast<int>(wte->shape[0]);
     config_.n_embd = static_cast<int>(wte->shape[1]);
     config_.block_size = static_cast<int>(wpe->shape[0]);
@@ -284,6 +304,8 @@ Result<std::pair<size_t, size_t>> llmc_place(const std::string& ours) {
 
 class LlmcWeights final : public WeightsFile {
  public:
+  LlmcWeights(const LlmcWeights&) = delete;  // owns the mapping
+  LlmcWeights& operator=(const LlmcWeights&) = delete;
   ~LlmcWeights() override {
     if (map_ != nullptr) ::munmap(map_, bytes_);
   }
@@ -309,6 +331,7 @@ class LlmcWeights final : public WeightsFile {
           "{}: each must be positive and the padded vocabulary at least the vocabulary",
           path, h[2], h[3], h[4], h[5], h[6], Vp);
     }
+    STRATA_RETURN_IF_ERROR(check_claimed(path, w->config_, Vp));
     w->padded_vocab_ = static_cast<size_t>(Vp);
     size_t total = 0;
     const std::array<size_t, 16> sizes = llmc_sizes(w->config_, w->padded_vocab_);
@@ -364,15 +387,22 @@ std::map<std::string, TensorSpec> specs_by_name(const GPT2Config& c) {
   return out;
 }
 
-std::span<const std::byte> bytes_of(const std::vector<float>& v) { return std::as_bytes(std::span<const float>(v)); }
+// `v` as `dtype` (F32 or BF16, rounded to nearest even) into `dst`.
+void from_f32(const std::vector<float>& v, DType dtype, void* dst) {
+  if (dtype == DType::kBF16) {
+    f32_to_bf16_n(v.data(), static_cast<uint16_t*>(dst), v.size());
+  } else {
+    std::memcpy(dst, v.data(), v.size() * sizeof(float));
+  }
+}
 
-Status write_llmc(const WeightsFile& src, const std::string& out) {
+Status write_llmc(const WeightsFile& src, DType dtype, const std::string& out) {
   const GPT2Config& c = src.config();
   const size_t V = static_cast<size_t>(c.vocab_size), C = static_cast<size_t>(c.n_embd);
   const size_t Vp = (V + kLlmcVocabMultiple - 1) / kLlmcVocabMultiple * kLlmcVocabMultiple;
   int32_t h[kLlmcHeaderInts] = {};
   h[0] = kLlmcMagic;
-  h[1] = kLlmcF32;
+  h[1] = dtype == DType::kBF16 ? kLlmcBf16 : kLlmcF32;
   h[2] = c.block_size;
   h[3] = c.vocab_size;
   h[4] = c.n_layer;
@@ -383,6 +413,12 @@ Status write_llmc(const WeightsFile& src, const std::string& out) {
   return write_file_atomic(out, [&](const AppendFn& append) -> Status {
     STRATA_RETURN_IF_ERROR(append(std::as_bytes(std::span<const int32_t>(h))));
     std::vector<float> buf;
+    std::vector<std::byte> stored;
+    auto put = [&]() {
+      stored.resize(buf.size() * dtype_size(dtype));
+      from_f32(buf, dtype, stored.data());
+      return append(stored);
+    };
     for (size_t i = 0; i < kLlmcTensors.size(); ++i) {
       const size_t blocks = llmc_per_block(i) ? static_cast<size_t>(c.n_layer) : 1;
       for (size_t l = 0; l < blocks; ++l) {
@@ -391,11 +427,11 @@ Status write_llmc(const WeightsFile& src, const std::string& out) {
         const TensorSpec& s = specs.at(name);
         buf.assign(s.numel(), 0.0f);
         STRATA_RETURN_IF_ERROR(src.read(s, buf.data()));
-        STRATA_RETURN_IF_ERROR(append(bytes_of(buf)));
+        STRATA_RETURN_IF_ERROR(put());
       }
       if (i == 0 && Vp > V) {  // the padding rows
         buf.assign((Vp - V) * C, 0.0f);
-        STRATA_RETURN_IF_ERROR(append(bytes_of(buf)));
+        STRATA_RETURN_IF_ERROR(put());
       }
     }
     return Status::ok();
@@ -403,7 +439,7 @@ Status write_llmc(const WeightsFile& src, const std::string& out) {
 }
 
 // Hugging Face's GPT2LMHeadModel config for `c`; no dropout (Strata trains without it).
-nlohmann::json hf_config(const GPT2Config& c) {
+nlohmann::json hf_config(const GPT2Config& c, DType dtype) {
   nlohmann::json j = {{"architectures", {"GPT2LMHeadModel"}},
                       {"model_type", "gpt2"},
                       {"vocab_size", c.vocab_size},
@@ -420,27 +456,29 @@ nlohmann::json hf_config(const GPT2Config& c) {
                       {"attn_pdrop", 0.0},
                       {"initializer_range", 0.02},
                       {"tie_word_embeddings", true},
-                      {"torch_dtype", "float32"}};
-  if (c.vocab_size > 50256) {  // GPT-2's <|endoftext|>
-    j["bos_token_id"] = 50256;
-    j["eos_token_id"] = 50256;
-  }
+                      {"torch_dtype", dtype == DType::kBF16 ? "bfloat16" : "float32"}};
+  // GPT-2's <|endoftext|>; a smaller vocabulary has no such token (transformers would default to 50256).
+  j["bos_token_id"] = c.vocab_size > 50256 ? nlohmann::json(50256) : nlohmann::json(nullptr);
+  j["eos_token_id"] = j["bos_token_id"];
   return j;
 }
 
-Status write_safetensors_weights(const WeightsFile& src, WeightsFormat format, const std::string& path) {
+Status write_safetensors_weights(const WeightsFile& src, WeightsFormat format, DType dtype,
+                                 const std::string& path) {
   const bool hf = format == WeightsFormat::kHuggingFace;
   std::vector<SafetensorsTensor> tensors;
   for (const auto& [unit, layout] : gpt2_unit_layouts(src.config())) {
     for (const TensorSpec& s : layout.specs()) {
-      SafetensorsTensor t{hf ? hf_name(s.name) : s.name, DType::kF32, hf ? hf_shape(s) : s.shape, nullptr, {}};
-      t.fill = [&src, s, transposed = hf && hf_transposed(s.name)](void* dst) -> Status {
-        if (!transposed) return src.read(s, static_cast<float*>(dst));
+      SafetensorsTensor t{hf ? hf_name(s.name) : s.name, dtype, hf ? hf_shape(s) : s.shape, nullptr, {}};
+      t.fill = [&src, s, dtype, transposed = hf && hf_transposed(s.name)](void* dst) -> Status {
         std::vector<float> ours(s.numel());
         STRATA_RETURN_IF_ERROR(src.read(s, ours.data()));
-        // Stored (in, out): the transpose of our (out, in).
-        transpose(ours.data(), static_cast<float*>(dst), static_cast<size_t>(s.shape[1]),
-                  static_cast<size_t>(s.shape[0]));
+        if (transposed) {  // stored (in, out): the transpose of our (out, in)
+          std::vector<float> stored(ours.size());
+          transpose(ours.data(), stored.data(), static_cast<size_t>(s.shape[1]), static_cast<size_t>(s.shape[0]));
+          ours.swap(stored);
+        }
+        from_f32(ours, dtype, dst);
         return Status::ok();
       };
       tensors.push_back(std::move(t));
@@ -481,11 +519,17 @@ Result<std::unique_ptr<WeightsFile>> WeightsFile::open(const std::string& path) 
     ::close(fd);
     return st_error;
   }
-  int32_t magic = 0;
-  if (::pread(fd, &magic, sizeof(magic), 0) == sizeof(magic) && magic == kLlmcMagic) {
+  int32_t start[2] = {};
+  const bool magic = ::pread(fd, start, sizeof(start), 0) == sizeof(start) && start[0] == kLlmcMagic;
+  if (magic) {
     auto out = LlmcWeights::open(path, fd, static_cast<size_t>(st.st_size));
     ::close(fd);  // the mapping stays
-    return out;
+    // The same 4 bytes could begin a safetensors file (its header's length): an llm.c file of no version we
+    // read is taken for one if it opens as one.
+    if (out.is_ok() || (start[1] == kLlmcF32 || start[1] == kLlmcBf16)) return out;
+    auto file = SafetensorsFile::open(path);
+    if (!file.is_ok()) return out;
+    return SafetensorsWeights::open(path, std::move(file).value());
   }
   ::close(fd);
   auto file = SafetensorsFile::open(path);
@@ -513,7 +557,14 @@ Status WeightsFile::check_sizes(const GPT2Config& want) const {
     differ += fmt::format("{}model.{} is {}, the file's {}", differ.empty() ? "" : "; ", f.key, f.want, f.have);
     positions = positions || std::string_view(f.key) == "block_size";
   }
-  if (differ.empty()) return Status::ok();
+  if (differ.empty()) {
+    if (config_.n_head == 0) {
+      STRATA_LOG_WARN("{} does not say how many attention heads its model has (a config.json beside it would): "
+                      "taking model.n_head = {}; with another count the weights mean another model",
+                      path_, want.n_head);
+    }
+    return Status::ok();
+  }
   return Status::invalid_argument("{} ({} weights) holds another model: {}. Set the model section to the file's "
                                   "values{}",
                                   path_, weights_format_name(format_), differ,
@@ -529,7 +580,11 @@ Result<std::string> weights_path(const std::string& path) {
   return file;
 }
 
-Status export_weights(const std::string& from, WeightsFormat format, const std::string& out) {
+Status export_weights(const std::string& from, WeightsFormat format, const std::string& out, DType dtype) {
+  if (dtype != DType::kF32 && (dtype != DType::kBF16 || format == WeightsFormat::kStrata)) {
+    return Status::invalid_argument("export as {}: {} files are written in fp32{}", dtype_name(dtype),
+                                    weights_format_name(format), format == WeightsFormat::kStrata ? "" : " or bf16");
+  }
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> src, WeightsFile::open(from));
   const GPT2Config& c = src->config();
   if (c.n_head == 0) {
@@ -541,14 +596,15 @@ Status export_weights(const std::string& from, WeightsFormat format, const std::
   STRATA_RETURN_IF_ERROR(c.validate().with_context(from));
   STRATA_RETURN_IF_ERROR(src->check(c));
   switch (format) {
-    case WeightsFormat::kLlmc: return write_llmc(*src, out);
-    case WeightsFormat::kStrata: return write_safetensors_weights(*src, format, out);
+    case WeightsFormat::kLlmc: return write_llmc(*src, dtype, out);
+    case WeightsFormat::kStrata: return write_safetensors_weights(*src, format, dtype, out);
     case WeightsFormat::kHuggingFace: {
       std::error_code ec;
       fs::create_directories(out, ec);
       if (ec) return Status::io_error("{}: cannot create the folder: {}", out, ec.message());
-      STRATA_RETURN_IF_ERROR(write_safetensors_weights(*src, format, (fs::path(out) / "model.safetensors").string()));
-      const std::string text = hf_config(c).dump(2) + "\n";
+      STRATA_RETURN_IF_ERROR(
+          write_safetensors_weights(*src, format, dtype, (fs::path(out) / "model.safetensors").string()));
+      const std::string text = hf_config(c, dtype).dump(2) + "\n";
       const std::span<const std::byte> part = std::as_bytes(std::span<const char>(text));
       return write_file_atomic((fs::path(out) / "config.json").string(),
                                std::span<const std::span<const std::byte>>(&part, 1));

@@ -22,6 +22,7 @@
 #include <memory>
 #include <string>
 
+#include "common/dtype.h"
 #include "common/status.h"
 #include "common/tensor.h"
 #include "engine/gpt2.h"
@@ -38,7 +39,8 @@ class WeightsFile {
  public:
   // Opens `path` and tells its format from its content (llm.c's magic number, else safetensors with our
   // names or Hugging Face's). NotFound for a missing file; InvalidArgument naming the file and what it holds
-  // when it is none of the three; Corruption for a malformed one.
+  // for safetensors that are not a GPT-2's, or an llm.c version Strata does not read; Corruption for a
+  // malformed file, for one that is neither format (saying so), and for sizes past what Strata reads.
   static Result<std::unique_ptr<WeightsFile>> open(const std::string& path);
   virtual ~WeightsFile() = default;
 
@@ -68,9 +70,12 @@ class WeightsFile {
 Result<std::string> weights_path(const std::string& path);
 
 // Writes the model of `from` (a file WeightsFile opens, whose head count is known) in `format`: kHuggingFace,
-// a folder `out` holding model.safetensors (names as openai-community/gpt2 has them, F32, metadata format "pt")
-// and config.json (GPT2LMHeadModel); kLlmc, the file `out` (version 3, fp32, vocabulary padded to a multiple
-// of 128); kStrata, the file `out`. Each file is written atomically (storage/token_shard.h's write_file_atomic).
-Status export_weights(const std::string& from, WeightsFormat format, const std::string& out);
+// a folder `out` holding model.safetensors (names as openai-community/gpt2 has them, metadata format "pt") and
+// config.json (GPT2LMHeadModel); kLlmc, the file `out` (vocabulary padded to a multiple of 128: version 3 in
+// fp32, which llm.c's CPU trainer and fp32 builds read, or version 5 in bf16, its GPU trainer's default);
+// kStrata, the file `out` (fp32 only). `dtype` F32 or BF16 (rounded to nearest even). Each file is written
+// atomically (storage/token_shard.h's write_file_atomic).
+Status export_weights(const std::string& from, WeightsFormat format, const std::string& out,
+                      DType dtype = DType::kF32);
 
 }  // namespace strata::engine

@@ -54,7 +54,7 @@ void default_omp_wait_policy(int argc, char** argv) {
 }
 
 struct ExportArgs {
-  std::string from, format, out;
+  std::string from, format, out, dtype = "f32";
 };
 
 // `strata export`: a model.safetensors (or a checkpoint folder's), Hugging Face's GPT-2 or an llm.c file, written
@@ -68,7 +68,9 @@ int run_export(const ExportArgs& a) {
   if (!from.is_ok()) return fail(from.status());
   auto format = strata::engine::parse_weights_format(a.format);
   if (!format.is_ok()) return fail(format.status());
-  if (const strata::Status st = strata::engine::export_weights(*from, *format, a.out); !st.is_ok()) return fail(st);
+  const strata::DType dtype = a.dtype == "bf16" ? strata::DType::kBF16 : strata::DType::kF32;
+  if (const strata::Status st = strata::engine::export_weights(*from, *format, a.out, dtype); !st.is_ok())
+    return fail(st);
   fmt::print("wrote {} ({} layout) from {}\n", a.out, a.format, *from);
   return 0;
 }
@@ -252,6 +254,9 @@ int main(int argc, char** argv) {
                                          "strata: our model.safetensors")
       ->required();
   exp->add_option("--out", ea.out, "The folder (hf) or file (llmc, strata) to write")->required();
+  exp->add_option("--dtype", ea.dtype, "f32, or bf16 for hf and llmc (llm.c's version 5, its GPU trainer's default)")
+      ->check(CLI::IsMember({"f32", "bf16"}))
+      ->capture_default_str();
 
   strata::engine::SampleOptions so;
   CLI::App* sample = strata::engine::add_sample_command(app, so);

@@ -59,7 +59,10 @@ Status sample_tokens(GPT2& model, const SampleParams& p, std::vector<int32_t>* i
   for (int n = 0; n < p.tokens; ++n) {
     const int T = std::min(static_cast<int>(ids->size()), window);
     STRATA_RETURN_IF_ERROR(model.forward(ids->data() + ids->size() - T, nullptr, 1, T).status());
-    const int32_t next = draw(model.logits() + static_cast<size_t>(T - 1) * V, V, p, rng);
+    const float* row = model.logits() + static_cast<size_t>(T - 1) * V;
+    if (!std::all_of(row, row + V, [](float x) { return std::isfinite(x); }))
+      return Status::invalid_argument("sample: the model's logits are not finite (token {} of the sample)", n + 1);
+    const int32_t next = draw(row, V, p, rng);
     ids->push_back(next);
     if (on_token) on_token(next);
     if (next == p.stop_token) break;

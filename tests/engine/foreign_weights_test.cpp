@@ -259,6 +259,20 @@ TEST_F(ForeignWeightsTest, ExportWritesEachLayoutAndReadsBackBitwise) {
   EXPECT_EQ(fs::file_size(bin), sizeof header + params * 4);
   EXPECT_TRUE(load(bin) == weights_);
 
+  // bf16: llm.c's version 5 (its GPU trainer's default) and Hugging Face's BF16, the weights rounded.
+  const std::string bin16 = (dir_ / "model16.bin").string();
+  ASSERT_OK(export_weights(ours, WeightsFormat::kLlmc, bin16, DType::kBF16));
+  std::ifstream in16(bin16, std::ios::binary);
+  in16.read(reinterpret_cast<char*>(header), sizeof header);
+  EXPECT_EQ(header[1], 5);
+  EXPECT_EQ(fs::file_size(bin16), sizeof header + params * 2);
+  EXPECT_TRUE(load(bin16) == rounded_to_bf16());
+  ASSERT_OK(export_weights(ours, WeightsFormat::kHuggingFace, (dir_ / "hf16").string(), DType::kBF16));
+  EXPECT_TRUE(load((dir_ / "hf16" / "model.safetensors").string()) == rounded_to_bf16());
+  std::ifstream cin16((dir_ / "hf16" / "config.json").string());
+  EXPECT_EQ(nlohmann::json::parse(cin16).at("torch_dtype"), "bfloat16");
+  EXPECT_FALSE(export_weights(ours, WeightsFormat::kStrata, (dir_ / "x.safetensors").string(), DType::kBF16).is_ok());
+
   // From one foreign layout to the other, and back to ours.
   ASSERT_OK(export_weights(bin, WeightsFormat::kHuggingFace, (dir_ / "hf2").string()));
   EXPECT_TRUE(load((dir_ / "hf2" / "model.safetensors").string()) == weights_);
@@ -313,6 +327,15 @@ TEST_F(ForeignWeightsTest, OtherModelsAndBadFilesAreRefusedNamingWhatDiffers) {
   fs::resize_file(cut, fs::file_size(cut) - 4);
   EXPECT_NE(refused(cut, kConfig).find("bytes, but the model its header describes takes"), std::string::npos);
   EXPECT_NE(refused((dir_ / "missing.bin").string(), kConfig).find("no such file"), std::string::npos);
+  {  // a header whose sizes would overflow the tensor sizes: refused before anything is read
+    const std::string huge = write_llmc(3, 64, "huge.bin");
+    std::fstream f(huge, std::ios::in | std::ios::out | std::ios::binary);
+    const int32_t width = 1 << 30;
+    f.seekp(6 * sizeof(int32_t));
+    f.write(reinterpret_cast<const char*>(&width), sizeof width);
+    f.close();
+    EXPECT_NE(refused(huge, kConfig).find("past what Strata reads"), std::string::npos) << refused(huge, kConfig);
+  }
 
   // Hugging Face's weights alone do not give the head count that llm.c's header needs.
   const Status st = export_weights(hf, WeightsFormat::kLlmc, (dir_ / "x.bin").string());
