@@ -139,7 +139,8 @@ Status save_model(const GPT2& model, const std::string& path) {
   return write_safetensors(path, tensors, model_metadata(model.config()));
 }
 
-Status load_model(GPT2& model, const std::string& path) {
+Status load_model(GPT2& model, const std::string& path_or_folder) {
+  STRATA_ASSIGN_OR_RETURN(const std::string path, weights_path(path_or_folder));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> file, WeightsFile::open(path));
   STRATA_RETURN_IF_ERROR(file->check(model.config()));  // every tensor before anything is written
   std::vector<float> unit;

@@ -64,10 +64,10 @@ std::map<std::string, std::string> model_metadata(const GPT2Config& c);
 
 // Writes model weights alone (for fine-tuning or export) to a safetensors file, atomically.
 Status save_model(const GPT2& model, const std::string& path);
-// Loads weights into a model of the same config from our model.safetensors, Hugging Face's GPT-2 or an llm.c
-// model file (engine/foreign_weights.h); every tensor is checked before any is written, and errors name the
-// file, the tensor and the config key that disagrees.
-Status load_model(GPT2& model, const std::string& path);
+// Loads weights into a model of the same config from our model.safetensors (or a step folder's), Hugging Face's
+// GPT-2 or an llm.c model file (engine/foreign_weights.h); every tensor is checked before any is written, and
+// errors name the file, the tensor and the config key that disagrees.
+Status load_model(GPT2& model, const std::string& path_or_folder);
 
 // For a run that does not resume: `checkpoint_dir` must hold no checkpoint (an earlier run's, which this run's
 // saves would replace step by step and prune); the error says which it found and the ways on.

@@ -360,6 +360,25 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     return Status::ok();
   };
 
+  // A fine-tune (a new run from training.init_from) measures the weights it starts from first: the baseline its
+  // validation losses compare with. With max_steps 0 that is the whole run (and its checkpoint holds the
+  // weights in our format).
+  if (!tc.init_from.empty() && options.resume.empty() && tc.val_every > 0) {
+    STRATA_RETURN_IF_ERROR(validate());
+    if (val.has_value() && tc.val_batches > 0) {
+      if (options.progress && leader) {
+        std::puts(fmt::format("step {:>5}/{} | val {:.4f} (the weights of {})", 0, tc.max_steps, summary.val_loss,
+                              tc.init_from)
+                      .c_str());
+        std::fflush(stdout);
+      }
+      if (metrics) {
+        std::fprintf(metrics.get(), "%s\n", nlohmann::json{{"step", 0}, {"val_loss", summary.val_loss}}.dump().c_str());
+        std::fflush(metrics.get());
+      }
+    }
+  }
+
   Timer run_timer;
   const int first_step = state.step;
   int skipped_in_a_row = 0;

@@ -68,12 +68,13 @@ class TrainerTest : public ::testing::Test {
     o.device_plane = device_plane_;
     return run_training(c.value(), o);
   }
-  // Loss and grad_norm of every step, in order, from a metrics file.
+  // Loss and grad_norm of every training step, in order, from a metrics file.
   static std::vector<std::pair<double, double>> losses(const fs::path& metrics) {
     std::ifstream in(metrics);
     std::vector<std::pair<double, double>> out;
     for (std::string line; std::getline(in, line);) {
       const json m = json::parse(line);
+      if (!m.contains("loss")) continue;  // step 0 of a fine-tune: validation only
       out.emplace_back(m.at("loss").get<double>(), m.at("grad_norm").get<double>());
     }
     return out;

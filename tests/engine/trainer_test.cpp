@@ -76,16 +76,27 @@ TEST_F(TrainerTest, ResumeGivesTheSameWeightsAsAStraightRun) {
 }
 
 // Fine-tuning from another project's weights: a run started from a model exported to Hugging Face's layout or
-// to llm.c's trains bitwise as the run started from the model.safetensors they came from.
+// to llm.c's (or from the step folder) trains bitwise as the run started from the model.safetensors they came
+// from, and first measures the validation loss of the weights it starts from.
 TEST_F(TrainerTest, AModelExportedToHuggingFaceOrLlmcStartsTheSameRun) {
   json first = base_config("first");
   first["training"]["max_steps"] = 2;
-  ASSERT_TRUE(train(first).is_ok());
+  ASSERT_TRUE(train(first, "", (dir_ / "first.jsonl").string()).is_ok());
+  // The validation loss of the last step's weights, which each fine-tune below measures again at its step 0.
+  auto lines = [](const fs::path& p) {
+    std::vector<json> out;
+    std::ifstream in(p);
+    for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
+    if (out.empty()) out.push_back(json::object());  // a missing file fails the checks below, not the binary
+    return out;
+  };
+  const double first_val = lines(dir_ / "first.jsonl").back().value("val_loss", -1.0);
+  ASSERT_GT(first_val, 0);
   const fs::path ours = dir_ / "first" / "step_000002" / "model.safetensors";
   ASSERT_TRUE(export_weights(ours.string(), WeightsFormat::kHuggingFace, (dir_ / "hf").string()).is_ok());
   ASSERT_TRUE(export_weights(ours.string(), WeightsFormat::kLlmc, (dir_ / "model.bin").string()).is_ok());
   std::vector<std::vector<std::pair<double, double>>> runs;
-  for (const fs::path& from : {ours, dir_ / "hf" / "model.safetensors", dir_ / "model.bin"}) {
+  for (const fs::path& from : {ours, dir_ / "hf" / "model.safetensors", dir_ / "model.bin", ours.parent_path()}) {
     const std::string name = "tune" + std::to_string(runs.size());
     json tune = base_config(name);
     tune["training"]["max_steps"] = 3;
@@ -93,10 +104,21 @@ TEST_F(TrainerTest, AModelExportedToHuggingFaceOrLlmcStartsTheSameRun) {
     auto r = train(tune, "", (dir_ / (name + ".jsonl")).string());
     ASSERT_TRUE(r.is_ok()) << from << ": " << r.status().to_string();
     runs.push_back(losses(dir_ / (name + ".jsonl")));
+    const json step0 = lines(dir_ / (name + ".jsonl")).front();
+    EXPECT_EQ(step0.value("step", -1), 0) << from;
+    EXPECT_EQ(step0.value("val_loss", -1.0), first_val) << from;
   }
   ASSERT_EQ(runs[0].size(), 3u);
   EXPECT_EQ(runs[1], runs[0]);
   EXPECT_EQ(runs[2], runs[0]);
+  EXPECT_EQ(runs[3], runs[0]);  // the step folder names its model.safetensors
+  // No steps: the validation of the weights alone, and a checkpoint of them in our format.
+  json eval = base_config("eval");
+  eval["training"]["max_steps"] = 0;
+  eval["training"]["init_from"] = (dir_ / "model.bin").string();
+  ASSERT_TRUE(train(eval, "", (dir_ / "eval.jsonl").string()).is_ok());
+  EXPECT_EQ(lines(dir_ / "eval.jsonl").front().value("val_loss", -1.0), first_val);
+  EXPECT_EQ(file_bytes(dir_ / "eval" / "step_000000" / "model.safetensors"), file_bytes(ours));
 }
 
 // The checkpoint's data position is a shard index and a token offset: a resume whose data.train lists other
