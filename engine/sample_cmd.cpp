@@ -43,6 +43,15 @@ int32_t draw(const float* logits, int V, const SampleParams& p, Rng& rng) {
 
 }  // namespace
 
+size_t utf8_whole_prefix(std::string_view text, size_t from) {
+  size_t lead = text.size();
+  while (lead > from && (static_cast<unsigned char>(text[lead - 1]) & 0xC0) == 0x80) --lead;  // continuations
+  if (lead == from) return text.size();  // no character starts after `from`: nothing to wait for
+  const unsigned char c = static_cast<unsigned char>(text[lead - 1]);  // starts the last character
+  const size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+  return text.size() - (lead - 1) < need ? lead - 1 : text.size();
+}
+
 Status sample_tokens(GPT2& model, const SampleParams& p, std::vector<int32_t>* ids,
                      const std::function<void(int32_t)>& on_token) {
   if (ids->empty()) return Status::invalid_argument("sample: no context to continue (an empty prompt)");
@@ -132,13 +141,7 @@ int run_sample(const SampleOptions& o) {
   size_t shown = 0;
   auto on_token = [&](int32_t) {
     const std::string text = tokenizer->decode(std::span<const int32_t>(ids).subspan(start));
-    size_t end = text.size(), lead = end;
-    while (lead > shown && (static_cast<unsigned char>(text[lead - 1]) & 0xC0) == 0x80) --lead;  // continuations
-    if (lead > shown) {  // text[lead - 1] starts the last character: held back until it is whole
-      const unsigned char c = static_cast<unsigned char>(text[lead - 1]);
-      const size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
-      if (end - (lead - 1) < need) end = lead - 1;
-    }
+    const size_t end = utf8_whole_prefix(text, shown);
     fmt::print("{}", text.substr(shown, end - shown));
     std::fflush(stdout);
     shown = end;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -33,6 +34,11 @@ struct SampleParams {
 // must keep fp32 logits (the CPU backends). InvalidArgument for bad parameters.
 Status sample_tokens(GPT2& model, const SampleParams& p, std::vector<int32_t>* ids,
                      const std::function<void(int32_t)>& on_token = {});
+
+// How much of `text` can be printed when [0, from) already was: all of it, unless it ends inside a UTF-8
+// character (a token may end in the middle of one), which is then held back until the next token completes it.
+// Bytes that start no character (invalid UTF-8) are not held back.
+size_t utf8_whole_prefix(std::string_view text, size_t from);
 
 struct SampleOptions {
   std::string model;  // weights file or checkpoint step folder

@@ -160,6 +160,52 @@ TEST_F(DataParallelTest, OffloadedOptimizerOverTwoRanksIsBitwiseThePlainDataPara
 // host memory; on NVMe with sub-groups and a live-parameter cap that makes backward gather evicted units
 // again; accumulation over 2 micro-batches per rank; and a resume from a stage-3 checkpoint (shards gathered to
 // rank 0, written, read back and cut again), which is bitwise the straight stage-3 run.
+// A fine-tune over two ranks: every rank starts from the file's weights, and the validation of those weights
+// before the first step (a collective under ZeRO-3, whose parameters are gathered from shards) runs on every
+// rank and gives the single process's figure. Stage 3 with everything on NVMe matches stage 0.
+TEST_F(DataParallelTest, AFineTuneStartsEveryStageFromTheFilesWeights) {
+  auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
+  ASSERT_TRUE(w.is_ok());
+  comm::Communicator& world = *w.value();
+  // Each rank makes the same file alone (runs are deterministic) in its own folder.
+  json first = base_config("first");
+  first["training"]["max_steps"] = 2;
+  ASSERT_TRUE(train(first, "", (dir_ / "first.jsonl").string()).is_ok());
+  std::ifstream first_metrics(dir_ / "first.jsonl");
+  std::string line, last;
+  while (std::getline(first_metrics, line)) last = line;
+  const double first_val = json::parse(last).value("val_loss", -1.0);
+  ASSERT_GT(first_val, 0);
+  const json nvme = {{"stage", 3},
+                     {"offload_param", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
+                     {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
+                     {"sub_group_size", 3000},
+                     {"stage3_max_live_parameters", 20000},
+                     {"stage3_param_persistence_threshold", 0}};
+  for (const auto& [name, zero] : {std::pair<std::string, json>{"z0", {{"stage", 0}}}, {"z3", nvme}}) {
+    json tune = base_config(name);
+    tune["training"]["max_steps"] = 3;
+    tune["training"]["init_from"] = (dir_ / "first" / "step_000002").string();
+    tune["zero_optimization"] = zero;
+    auto r = train(tune, "", (dir_ / (name + ".jsonl")).string(), &world);
+    ASSERT_TRUE(r.is_ok()) << name << ": " << r.status().to_string();
+    if (world.rank() != 0) continue;
+    std::ifstream in(dir_ / (name + ".jsonl"));
+    ASSERT_TRUE(std::getline(in, line)) << name;
+    const json step0 = json::parse(line);
+    EXPECT_EQ(step0.value("step", -1), 0) << name;
+    EXPECT_NEAR(step0.value("val_loss", -1.0), first_val, 1e-6 * first_val) << name;
+  }
+  if (world.rank() == 0) {
+    const auto a = losses(dir_ / "z0.jsonl"), b = losses(dir_ / "z3.jsonl");
+    ASSERT_EQ(a.size(), 3u);
+    ASSERT_EQ(b.size(), 3u);
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_NEAR(b[i].first, a[i].first, 1e-5 * std::abs(a[i].first)) << "loss of step " << i + 1;
+  }
+  ASSERT_TRUE(world.barrier().is_ok());
+}
+
 TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatchesStageZero) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
   ASSERT_TRUE(w.is_ok());

@@ -87,7 +87,7 @@ class ForeignWeightsTest : public ::testing::Test {
     return read_weights(**m);
   }
 
-  // Hugging Face's layout, written here from its definition. `dtype` F32 or BF16.
+  // Hugging Face's layout, written here from its definition. `dtype` F32, BF16 or F16.
   std::string write_hf(const std::string& prefix, DType dtype, bool with_buffers_and_head,
                        const std::string& file = "model.safetensors") {
     std::vector<SafetensorsTensor> tensors;
@@ -96,9 +96,13 @@ class ForeignWeightsTest : public ::testing::Test {
     halves.reserve(64);
     floats.reserve(64);
     auto add = [&](const std::string& name, std::vector<int64_t> shape, std::vector<float> v) {
-      if (dtype == DType::kBF16) {
+      if (dtype != DType::kF32) {
         halves.emplace_back(v.size());
-        f32_to_bf16_n(v.data(), halves.back().data(), v.size());
+        if (dtype == DType::kBF16) {
+          f32_to_bf16_n(v.data(), halves.back().data(), v.size());
+        } else {
+          f32_to_f16_n(v.data(), halves.back().data(), v.size());
+        }
         tensors.push_back({name, dtype, std::move(shape), halves.back().data(), {}});
       } else {
         floats.push_back(std::move(v));
@@ -181,6 +185,12 @@ class ForeignWeightsTest : public ::testing::Test {
       for (float& x : v) x = bf16_to_f32(f32_to_bf16(x));
     return w;
   }
+  Weights rounded_to_f16() const {
+    Weights w = weights_;
+    for (auto& [name, v] : w)
+      for (float& x : v) x = f16_to_f32(f32_to_f16(x));
+    return w;
+  }
 
   fs::path dir_;
   std::unique_ptr<kernels::Device> device_;
@@ -199,10 +209,11 @@ TEST_F(ForeignWeightsTest, HuggingFaceWeightsLoadTransposedWithTheirBuffersAndTi
   }
 }
 
-TEST_F(ForeignWeightsTest, Bf16HuggingFaceAndLlmcWeightsAreWidenedExactly) {
+TEST_F(ForeignWeightsTest, HalfPrecisionHuggingFaceAndLlmcWeightsAreWidenedExactly) {
   const Weights want = rounded_to_bf16();
   EXPECT_TRUE(load(write_hf("", DType::kBF16, false)) == want);
   EXPECT_TRUE(load(write_llmc(5, 64)) == want);
+  EXPECT_TRUE(load(write_hf("", DType::kF16, false, "f16.safetensors")) == rounded_to_f16());
 }
 
 TEST_F(ForeignWeightsTest, LlmcFilesLoadFromTheirLayerStackedTensors) {

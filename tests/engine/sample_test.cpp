@@ -96,5 +96,17 @@ TEST_F(SampleTest, BadContextOrParametersAreRefused) {
   EXPECT_FALSE(sample_tokens(*model_, p, &ids).is_ok());
 }
 
+// A token may end inside a character: the printed text holds it back until it is whole.
+TEST(Utf8WholePrefixTest, HoldsBackOnlyACharacterThatIsNotWholeYet) {
+  EXPECT_EQ(utf8_whole_prefix("ab", 0), 2u);
+  EXPECT_EQ(utf8_whole_prefix("ab\xC3", 0), 2u);           // é's first byte
+  EXPECT_EQ(utf8_whole_prefix("ab\xC3\xA9", 0), 4u);       // é
+  EXPECT_EQ(utf8_whole_prefix("ab\xE2\x82", 1), 2u);       // € cut after two of its three bytes
+  EXPECT_EQ(utf8_whole_prefix("ab\xE2\x82\xAC", 2), 5u);   // €
+  EXPECT_EQ(utf8_whole_prefix("\xF0\x9F\x98", 0), 0u);     // an emoji's first three bytes
+  EXPECT_EQ(utf8_whole_prefix("\xF0\x9F\x98\x80", 0), 4u);
+  EXPECT_EQ(utf8_whole_prefix("a\x80\x80", 1), 3u);        // stray continuation bytes: printed as they are
+}
+
 }  // namespace
 }  // namespace strata::engine
