@@ -25,6 +25,7 @@
 #include "common/dtype.h"
 #include "common/log.h"
 #include "engine/checkpoint.h"
+#include "engine/tokenizer.h"
 #include "storage/safetensors.h"
 #include "storage/token_shard.h"
 
@@ -611,6 +612,38 @@ Status export_weights(const std::string& from, WeightsFormat format, const std::
     }
   }
   return Status::internal("weights format {}", static_cast<int>(format));
+}
+
+Status export_hf_tokenizer(const std::string& encoder_json, const std::string& vocab_bpe, const std::string& dir,
+                           const GPT2Config& c) {
+  STRATA_ASSIGN_OR_RETURN(Tokenizer tokenizer, Tokenizer::load(encoder_json, vocab_bpe));
+  if (tokenizer.vocab_size() != c.vocab_size) {
+    return Status::invalid_argument("the tokenizer ({}) has {} tokens, the model {}: not the model's tokenizer",
+                                    encoder_json, tokenizer.vocab_size(), c.vocab_size);
+  }
+  auto copy = [&](const std::string& from, const std::string& name) -> Status {
+    std::ifstream in(from, std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    if (!in) return Status::io_error("{}: cannot read", from);
+    const std::string bytes = text.str();
+    const std::span<const std::byte> part = std::as_bytes(std::span<const char>(bytes));
+    return write_file_atomic((fs::path(dir) / name).string(), std::span<const std::span<const std::byte>>(&part, 1));
+  };
+  STRATA_RETURN_IF_ERROR(copy(encoder_json, "vocab.json"));
+  STRATA_RETURN_IF_ERROR(copy(vocab_bpe, "merges.txt"));
+  const std::string eot(tokenizer.token_bytes(tokenizer.eot_token()));
+  const std::string config = nlohmann::json{{"tokenizer_class", "GPT2Tokenizer"},
+                                            {"model_max_length", c.block_size},
+                                            {"bos_token", eot},
+                                            {"eos_token", eot},
+                                            {"unk_token", eot},
+                                            {"add_prefix_space", false}}
+                                 .dump(2) +
+                             "\n";
+  const std::span<const std::byte> part = std::as_bytes(std::span<const char>(config));
+  return write_file_atomic((fs::path(dir) / "tokenizer_config.json").string(),
+                           std::span<const std::span<const std::byte>>(&part, 1));
 }
 
 }  // namespace strata::engine

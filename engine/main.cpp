@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -55,6 +56,7 @@ void default_omp_wait_policy(int argc, char** argv) {
 
 struct ExportArgs {
   std::string from, format, out, dtype = "f32";
+  std::string encoder, vocab;  // the tokenizer put beside an hf export
 };
 
 // `strata export`: a model.safetensors (or a checkpoint folder's), Hugging Face's GPT-2 or an llm.c file, written
@@ -72,6 +74,19 @@ int run_export(const ExportArgs& a) {
   if (const strata::Status st = strata::engine::export_weights(*from, *format, a.out, dtype); !st.is_ok())
     return fail(st);
   fmt::print("wrote {} ({} layout) from {}\n", a.out, a.format, *from);
+  if (*format != strata::engine::WeightsFormat::kHuggingFace) return 0;
+  std::error_code ec;
+  if (!std::filesystem::exists(a.encoder, ec) || !std::filesystem::exists(a.vocab, ec)) {
+    fmt::print("no tokenizer added: {} or {} is missing (scripts/fetch_data.sh fetches GPT-2's; --encoder and --vocab "
+               "name others)\n",
+               a.encoder, a.vocab);
+    return 0;
+  }
+  auto file = strata::engine::WeightsFile::open(*from);
+  const strata::Status st =
+      file.is_ok() ? strata::engine::export_hf_tokenizer(a.encoder, a.vocab, a.out, (*file)->config()) : file.status();
+  if (!st.is_ok()) return fail(st.with_context("the tokenizer beside the model"));
+  fmt::print("with the tokenizer of {} (vocab.json, merges.txt, tokenizer_config.json)\n", a.encoder);
   return 0;
 }
 
@@ -254,6 +269,12 @@ int main(int argc, char** argv) {
                                          "strata: our model.safetensors")
       ->required();
   exp->add_option("--out", ea.out, "The folder (hf) or file (llmc, strata) to write")->required();
+  ea.encoder = strata::engine::default_tokenizer_file("encoder.json");
+  ea.vocab = strata::engine::default_tokenizer_file("vocab.bpe");
+  exp->add_option("--encoder", ea.encoder, "hf: the GPT-2 encoder.json to put beside the model as vocab.json")
+      ->capture_default_str();
+  exp->add_option("--vocab", ea.vocab, "hf: the GPT-2 vocab.bpe to put beside the model as merges.txt")
+      ->capture_default_str();
   exp->add_option("--dtype", ea.dtype, "f32, or bf16 for hf and llmc (llm.c's version 5, its GPU trainer's default)")
       ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();

@@ -23,6 +23,7 @@
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/device.h"
 #include "storage/safetensors.h"
+#include "tests/engine/tiny_gpt2_files.h"
 #include "tests/test_util.h"
 
 namespace strata::engine {
@@ -352,6 +353,32 @@ TEST_F(ForeignWeightsTest, OtherModelsAndBadFilesAreRefusedNamingWhatDiffers) {
   const Status st = export_weights(hf, WeightsFormat::kLlmc, (dir_ / "x.bin").string());
   EXPECT_FALSE(st.is_ok());
   EXPECT_NE(st.to_string().find("config.json"), std::string::npos) << st.to_string();
+}
+
+// An exported Hugging Face folder carries the tokenizer as transformers names its files, once it is known to be
+// the model's (here the tests' miniature GPT-2 tokenizer: the 256 bytes and <|endoftext|>).
+TEST_F(ForeignWeightsTest, TheTokenizerGoesBesideAHuggingFaceExportUnderTransformersNames) {
+  const std::string encoder = strata::testing::write_tiny_encoder(dir_);
+  const std::string merges = strata::testing::write_text_file(dir_ / "vocab.bpe", "#version: 0.2\n");
+  GPT2Config c = kConfig;
+  c.vocab_size = 257;
+  ASSERT_OK_AND_ASSIGN(auto model, make_model(3, c));
+  ASSERT_OK(save_model(*model, (dir_ / "ours.safetensors").string()));
+  ASSERT_OK(export_weights((dir_ / "ours.safetensors").string(), WeightsFormat::kHuggingFace, (dir_ / "hf").string()));
+  ASSERT_OK(export_hf_tokenizer(encoder, merges, (dir_ / "hf").string(), c));
+  auto bytes = [](const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  EXPECT_EQ(bytes(dir_ / "hf" / "vocab.json"), bytes(encoder));
+  EXPECT_EQ(bytes(dir_ / "hf" / "merges.txt"), bytes(merges));
+  std::ifstream in(dir_ / "hf" / "tokenizer_config.json");
+  const nlohmann::json t = nlohmann::json::parse(in);
+  EXPECT_EQ(t.at("eos_token"), "<|endoftext|>");
+  EXPECT_EQ(t.at("model_max_length"), c.block_size);
+  // Not the model's tokenizer: refused, naming both sizes.
+  const Status st = export_hf_tokenizer(encoder, merges, (dir_ / "hf").string(), kConfig);
+  EXPECT_NE(st.to_string().find("has 257 tokens, the model 50"), std::string::npos) << st.to_string();
 }
 
 }  // namespace
