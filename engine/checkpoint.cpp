@@ -68,10 +68,10 @@ std::vector<SafetensorsTensor> tensors_of(const GPT2& model, const std::vector<s
     for (size_t k = 0; k < prefixes.size(); ++k) {
       for (const TensorSpec& s : model.whole_layout(i).specs()) {
         SafetensorsTensor t{prefixes[k] + s.name, DType::kF32, s.shape, nullptr, {}};
-        t.fill = [&cache, i, k, offset = s.offset, bytes = s.numel() * sizeof(float)](void* dst) -> Status {
+        // Straight from the cache (valid until it reads another unit, after this tensor is written).
+        t.view = [&cache, i, k, offset = s.offset, n = s.numel()]() -> Result<std::span<const std::byte>> {
           STRATA_ASSIGN_OR_RETURN(const float* base, cache.get(i, k == 1));
-          std::memcpy(dst, base + offset, bytes);
-          return Status::ok();
+          return std::as_bytes(std::span<const float>(base + offset, n));
         };
         out.push_back(std::move(t));
       }

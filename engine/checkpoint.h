@@ -6,7 +6,8 @@
 // <checkpoint_dir>/latest is replaced atomically with the new directory's name; a crash at any point leaves
 // the previous checkpoint intact and `latest` pointing at a complete one. Runs on the training thread. The
 // state is read and written through GPT2::read_params/write_params and the Optimizer interface, so offloaded
-// runs checkpoint the same files, staged through host memory one unit at a time.
+// runs checkpoint the same files, staged through host memory one unit at a time (a unit's m and v, written from
+// there without another copy).
 #pragma once
 
 #include <cstdint>

@@ -104,7 +104,7 @@ Status write_safetensors(const std::string& path, std::span<const SafetensorsTen
     size_t bytes = 0;
     if (!shape_bytes(t.shape, dtype_size(t.dtype), &bytes))
       return Status::invalid_argument("{}: tensor '{}' has a bad shape {}", path, t.name, shape_str(t.shape));
-    if (bytes > 0 && t.data == nullptr && !t.fill)
+    if (bytes > 0 && t.data == nullptr && !t.fill && !t.view)
       return Status::invalid_argument("{}: tensor '{}' has {} bytes but no data", path, t.name, bytes);
     header[t.name] = {{"dtype", safetensors_dtype_name(t.dtype)},
                       {"shape", t.shape},
@@ -123,6 +123,17 @@ Status write_safetensors(const std::string& path, std::span<const SafetensorsTen
   return write_file_atomic(path, [&](const AppendFn& append) -> Status {
     for (size_t i = 0; i < parts.size(); ++i) {
       const SafetensorsTensor* t = i >= 2 ? &tensors[i - 2] : nullptr;
+      if (t != nullptr && t->view) {
+        Result<std::span<const std::byte>> viewed = t->view();
+        if (!viewed.is_ok()) return viewed.status().with_context(fmt::format("{}: tensor '{}'", path, t->name));
+        const std::span<const std::byte> bytes = *viewed;
+        if (bytes.size() != parts[i].size()) {
+          return Status::internal("{}: tensor '{}' came as {} bytes, its shape needs {}", path, t->name, bytes.size(),
+                                  parts[i].size());
+        }
+        STRATA_RETURN_IF_ERROR(append(bytes));
+        continue;
+      }
       if (t == nullptr || !t->fill) {
         STRATA_RETURN_IF_ERROR(append(parts[i]));
         continue;

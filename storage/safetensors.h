@@ -27,13 +27,16 @@ namespace strata {
 // One tensor to write; `data` holds numel(shape) * dtype_size(dtype) bytes (may be null when that is zero).
 // Or, with `fill` set instead, the writer calls fill(dst) when it reaches the tensor to produce exactly those
 // bytes into its own buffer: a file larger than memory is written one tensor at a time (checkpoints of
-// offloaded state), and an error from fill stops the write.
+// offloaded state), and an error from fill stops the write. Or, with `view` set, the writer asks for the bytes
+// when it reaches the tensor and writes them from where they are (they must stay valid until it asks for the
+// next tensor's): produced tensors without a copy into the writer's buffer (a tensor's worth less memory).
 struct SafetensorsTensor {
   std::string name;
   DType dtype = DType::kF32;
   std::vector<int64_t> shape;
   const void* data = nullptr;
   std::function<Status(void* dst)> fill;
+  std::function<Result<std::span<const std::byte>>()> view;
 };
 
 // Writes `tensors` (data laid out in the order given) and `metadata` to `path` via "<path>.tmp", fsync and

@@ -1,5 +1,5 @@
-// safetensors: round trips of every dtype with metadata, and a Corruption naming file and tensor for every
-// malformed header or data layout.
+// safetensors: round trips of every dtype with metadata, tensors produced while writing (copied or in place),
+// and a Corruption naming file and tensor for every malformed header or data layout.
 #include "storage/safetensors.h"
 
 #include <unistd.h>
@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -113,6 +114,32 @@ TEST_F(SafetensorsTest, WriterRejectsBadInput) {
   const std::vector<SafetensorsTensor> neg = {{"n", DType::kF32, {-1, 2}, x, {}}};
   expect_error(write_safetensors(path("n.safetensors"), neg), StatusCode::kInvalidArgument, {"'n'", "[-1, 2]"});
   EXPECT_FALSE(fs::exists(path("d.safetensors")));
+}
+
+// Tensors produced while the file is written, copied into the writer's buffer (fill) or written from where they
+// are (view): the same file as from data pointers. A view of the wrong size fails the write, naming the tensor.
+TEST_F(SafetensorsTest, ProducedTensorsWriteTheSameFile) {
+  const float a[3] = {1, 2, 3}, b[2] = {-4, 5};
+  const std::vector<SafetensorsTensor> plain = {{"a", DType::kF32, {3}, a, {}}, {"b", DType::kF32, {2}, b, {}}};
+  std::vector<SafetensorsTensor> produced = {{"a", DType::kF32, {3}, nullptr, {}},
+                                             {"b", DType::kF32, {2}, nullptr, {}}};
+  produced[0].fill = [&](void* dst) {
+    std::memcpy(dst, a, sizeof a);
+    return Status::ok();
+  };
+  produced[1].view = [&]() -> Result<std::span<const std::byte>> { return std::as_bytes(std::span<const float>(b)); };
+  ASSERT_TRUE(write_safetensors(path("plain.safetensors"), plain).is_ok());
+  ASSERT_TRUE(write_safetensors(path("produced.safetensors"), produced).is_ok());
+  auto bytes = [](const std::string& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  EXPECT_EQ(bytes(path("produced.safetensors")), bytes(path("plain.safetensors")));
+  produced[1].view = [&]() -> Result<std::span<const std::byte>> {
+    return std::as_bytes(std::span<const float>(b, 1));
+  };
+  expect_error(write_safetensors(path("short.safetensors"), produced), StatusCode::kInternal, {"'b'", "4 bytes"});
+  EXPECT_FALSE(fs::exists(path("short.safetensors")));
 }
 
 TEST_F(SafetensorsTest, MissingFile) {
