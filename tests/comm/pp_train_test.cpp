@@ -12,6 +12,11 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <fstream>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -25,6 +30,70 @@ namespace strata::engine {
 namespace {
 
 using PipelineTest = TrainerTest;
+
+// A fine-tune over pipeline stages: the validation of the file's weights before the first step runs the
+// pipeline's forward-only schedule before any training schedule, on every stage (and, under ZeRO-3, gathers each
+// stage's shards), and gives the single process's figure; the runs then match one process's fine-tune.
+TEST_F(PipelineTest, AFineTuneOverStagesStartsFromTheFilesWeights) {
+  auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
+  ASSERT_TRUE(w.is_ok());
+  comm::Communicator& world = *w.value();
+  ASSERT_EQ(world.size(), 4) << "run under mpiexec -np 4 (CTest does)";
+  // Every rank makes the same file alone (runs are deterministic), in its own folder.
+  json first = base_config("first");
+  first["model"]["n_layer"] = 4;
+  first["training"]["max_steps"] = 2;
+  ASSERT_TRUE(train(first, "", (dir_ / "first.jsonl").string()).is_ok());
+  auto lines = [](const fs::path& p) {
+    std::vector<json> out;
+    std::ifstream in(p);
+    for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
+    if (out.empty()) out.push_back(json::object());
+    return out;
+  };
+  const double first_val = lines(dir_ / "first.jsonl").back().value("val_loss", -1.0);
+  ASSERT_GT(first_val, 0);
+  auto tune = [&](const std::string& name, int accum) {
+    json j = base_config(name);
+    j["model"]["n_layer"] = 4;
+    j["training"]["max_steps"] = 3;
+    j["training"]["grad_accum_steps"] = accum;
+    j["training"]["init_from"] = (dir_ / "first" / "step_000002").string();
+    return j;
+  };
+  const json nvme = {{"stage", 3},
+                     {"offload_param", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
+                     {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
+                     {"sub_group_size", 3000},
+                     {"stage3_max_live_parameters", 20000},
+                     {"stage3_param_persistence_threshold", 0}};
+  for (const auto& [name, pp, zero] : {std::tuple<std::string, int, json>{"pp4", 4, json::object()},
+                                       std::tuple<std::string, int, json>{"pp2z3", 2, nvme}}) {
+    SCOPED_TRACE(name);
+    auto grid = comm::RankGrid::create(world, 1, pp);
+    ASSERT_TRUE(grid.is_ok()) << grid.status().to_string();
+    json j = tune(name, 4);
+    j["parallel"] = {{"pipeline_parallel_size", pp}};
+    if (!zero.empty()) j["zero_optimization"] = zero;
+    const auto trained = train(j, "", (dir_ / (name + ".jsonl")).string(), &grid.value()->dp(), &grid.value()->pp());
+    ASSERT_TRUE(trained.is_ok()) << trained.status().to_string();
+    ASSERT_TRUE(world.barrier().is_ok());
+  }
+  if (world.rank() != 0) return;
+  for (const auto& [name, accum] : {std::pair{"one4", 4}, std::pair{"one8", 8}})
+    ASSERT_TRUE(train(tune(name, accum), "", (dir_ / (std::string(name) + ".jsonl")).string()).is_ok());
+  for (const auto& [plain, staged] : {std::pair{"one4", "pp4"}, std::pair{"one8", "pp2z3"}}) {
+    SCOPED_TRACE(std::string(staged) + " vs " + plain);
+    const std::vector<json> step0 = lines(dir_ / (std::string(staged) + ".jsonl"));
+    EXPECT_EQ(step0.front().value("step", -1), 0);
+    EXPECT_NEAR(step0.front().value("val_loss", -1.0), first_val, 1e-6 * first_val);
+    const auto a = losses(dir_ / (std::string(plain) + ".jsonl")), b = losses(dir_ / (std::string(staged) + ".jsonl"));
+    ASSERT_EQ(a.size(), 3u);
+    ASSERT_EQ(b.size(), 3u);
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_NEAR(b[i].first, a[i].first, 1e-5 * std::abs(a[i].first)) << "loss of step " << i + 1;
+  }
+}
 
 TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
