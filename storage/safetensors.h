@@ -36,7 +36,7 @@ struct SafetensorsTensor {
   std::vector<int64_t> shape;
   const void* data = nullptr;
   std::function<Status(void* dst)> fill;
-  std::function<Result<std::span<const std::byte>>()> view;
+  std::function<Result<std::span<const std::byte>>()> view = nullptr;
 };
 
 // Writes `tensors` (data laid out in the order given) and `metadata` to `path` via "<path>.tmp", fsync and
