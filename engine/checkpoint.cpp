@@ -29,11 +29,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-Status write_text_atomic(const std::string& path, const std::string& text) {
-  std::span<const std::byte> part(reinterpret_cast<const std::byte*>(text.data()), text.size());
-  return write_file_atomic(path, std::span<const std::span<const std::byte>>(&part, 1));
-}
-
 // One state class of one unit at a time in host memory, read on demand: checkpoints of offloaded state never
 // hold more than a unit's worth of it in RAM.
 class UnitCache {

@@ -15,7 +15,6 @@
 #include <fstream>
 #include <map>
 #include <set>
-#include <sstream>
 #include <string_view>
 #include <vector>
 
@@ -605,10 +604,7 @@ Status export_weights(const std::string& from, WeightsFormat format, const std::
       if (ec) return Status::io_error("{}: cannot create the folder: {}", out, ec.message());
       STRATA_RETURN_IF_ERROR(
           write_safetensors_weights(*src, format, dtype, (fs::path(out) / "model.safetensors").string()));
-      const std::string text = hf_config(c, dtype).dump(2) + "\n";
-      const std::span<const std::byte> part = std::as_bytes(std::span<const char>(text));
-      return write_file_atomic((fs::path(out) / "config.json").string(),
-                               std::span<const std::span<const std::byte>>(&part, 1));
+      return write_text_atomic((fs::path(out) / "config.json").string(), hf_config(c, dtype).dump(2) + "\n");
     }
   }
   return Status::internal("weights format {}", static_cast<int>(format));
@@ -622,28 +618,19 @@ Status export_hf_tokenizer(const std::string& encoder_json, const std::string& v
                                     encoder_json, tokenizer.vocab_size(), c.vocab_size);
   }
   auto copy = [&](const std::string& from, const std::string& name) -> Status {
-    std::ifstream in(from, std::ios::binary);
-    std::stringstream text;
-    text << in.rdbuf();
-    if (!in) return Status::io_error("{}: cannot read", from);
-    const std::string bytes = text.str();
-    const std::span<const std::byte> part = std::as_bytes(std::span<const char>(bytes));
-    return write_file_atomic((fs::path(dir) / name).string(), std::span<const std::span<const std::byte>>(&part, 1));
+    STRATA_ASSIGN_OR_RETURN(const std::string bytes, read_whole_file(from));
+    return write_text_atomic((fs::path(dir) / name).string(), bytes);
   };
   STRATA_RETURN_IF_ERROR(copy(encoder_json, "vocab.json"));
   STRATA_RETURN_IF_ERROR(copy(vocab_bpe, "merges.txt"));
   const std::string eot(tokenizer.token_bytes(tokenizer.eot_token()));
-  const std::string config = nlohmann::json{{"tokenizer_class", "GPT2Tokenizer"},
-                                            {"model_max_length", c.block_size},
-                                            {"bos_token", eot},
-                                            {"eos_token", eot},
-                                            {"unk_token", eot},
-                                            {"add_prefix_space", false}}
-                                 .dump(2) +
-                             "\n";
-  const std::span<const std::byte> part = std::as_bytes(std::span<const char>(config));
-  return write_file_atomic((fs::path(dir) / "tokenizer_config.json").string(),
-                           std::span<const std::span<const std::byte>>(&part, 1));
+  const nlohmann::json config = {{"tokenizer_class", "GPT2Tokenizer"},
+                                 {"model_max_length", c.block_size},
+                                 {"bos_token", eot},
+                                 {"eos_token", eot},
+                                 {"unk_token", eot},
+                                 {"add_prefix_space", false}};
+  return write_text_atomic((fs::path(dir) / "tokenizer_config.json").string(), config.dump(2) + "\n");
 }
 
 }  // namespace strata::engine

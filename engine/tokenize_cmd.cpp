@@ -32,15 +32,6 @@ constexpr const char* kSplitName[2] = {"train", "val"};
 // Text per parallel batch: big enough to keep every core busy, small enough to bound memory on big corpora.
 constexpr size_t kBatchBytes = size_t{32} << 20;
 
-Result<std::string> read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::not_found("{}: cannot open input: {}", path.string(), std::strerror(errno));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return Status::io_error("{}: read failed", path.string());
-  return ss.str();
-}
-
 // A directory becomes its *.txt files sorted by name; files stay as they are.
 Result<std::vector<fs::path>> expand_inputs(const std::vector<std::string>& inputs) {
   std::vector<fs::path> files;
@@ -85,7 +76,7 @@ Status json_document(const nlohmann::json& v, const std::string& field, const st
 
 // Reads one input file's documents (see tokenize_cmd.h for the forms).
 Status read_documents(const fs::path& path, const std::string& field, std::vector<std::string>* docs) {
-  STRATA_ASSIGN_OR_RETURN(std::string text, read_file(path));
+  STRATA_ASSIGN_OR_RETURN(std::string text, read_whole_file(path.string()));
   const std::string ext = path.extension().string();
   const std::string name = path.string();
   try {
@@ -300,9 +291,7 @@ Result<TokenizeSummary> tokenize_corpus(const TokenizeOptions& o) {
     for (const std::string& f : summary.files[s]) names.push_back(fs::path(f).filename().string());
     manifest[kSplitName[s]] = {{"documents", summary.documents[s]}, {"tokens", summary.tokens[s]}, {"files", names}};
   }
-  const std::string text = manifest.dump(2) + "\n";
-  const std::span<const std::byte> part = std::as_bytes(std::span<const char>(text));
-  STRATA_RETURN_IF_ERROR(write_file_atomic(summary.manifest, std::span<const std::span<const std::byte>>(&part, 1)));
+  STRATA_RETURN_IF_ERROR(write_text_atomic(summary.manifest, manifest.dump(2) + "\n"));
   summary.seconds = timer.seconds();
   if (!o.quiet) print_progress(doc_index, summary.tokens[0] + summary.tokens[1], summary.text_bytes, summary.seconds);
   return summary;

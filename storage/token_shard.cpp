@@ -8,6 +8,8 @@
 #include <climits>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 namespace strata {
 namespace {
@@ -93,6 +95,20 @@ Status write_file_atomic(const std::string& path, const std::function<Status(con
   if (::rename(tmp.c_str(), path.c_str()) != 0)
     return fail(Status::io_error("cannot rename {} to {}: {}", tmp, path, std::strerror(errno)));
   return fsync_parent_dir(path);
+}
+
+Status write_text_atomic(const std::string& path, std::string_view text) {
+  const std::span<const std::byte> part = std::as_bytes(std::span<const char>(text));
+  return write_file_atomic(path, std::span<const std::span<const std::byte>>(&part, 1));
+}
+
+Result<std::string> read_whole_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::not_found("{}: cannot open input: {}", path, std::strerror(errno));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) return Status::io_error("{}: read failed", path);
+  return ss.str();
 }
 
 Status write_token_shard(const std::string& path, const uint16_t* tokens, size_t n) {

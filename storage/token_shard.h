@@ -16,6 +16,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -65,5 +66,9 @@ Status write_file_atomic(const std::string& path, std::span<const std::span<cons
 // The same with the bytes produced as they are written: produce(append) calls append(piece) in order.
 using AppendFn = std::function<Status(std::span<const std::byte>)>;
 Status write_file_atomic(const std::string& path, const std::function<Status(const AppendFn&)>& produce);
+// write_file_atomic of one text (a JSON file, a name).
+Status write_text_atomic(const std::string& path, std::string_view text);
+// The whole file's bytes. NotFound naming it when it cannot be opened, IOError when reading fails.
+Result<std::string> read_whole_file(const std::string& path);
 
 }  // namespace strata

@@ -171,17 +171,9 @@ TEST_F(DataParallelTest, AFineTuneStartsEveryStageFromTheFilesWeights) {
   json first = base_config("first");
   first["training"]["max_steps"] = 2;
   ASSERT_TRUE(train(first, "", (dir_ / "first.jsonl").string()).is_ok());
-  std::ifstream first_metrics(dir_ / "first.jsonl");
-  std::string line, last;
-  while (std::getline(first_metrics, line)) last = line;
-  const double first_val = json::parse(last).value("val_loss", -1.0);
+  const double first_val = metrics_lines(dir_ / "first.jsonl").back().value("val_loss", -1.0);
   ASSERT_GT(first_val, 0);
-  const json nvme = {{"stage", 3},
-                     {"offload_param", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
-                     {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
-                     {"sub_group_size", 3000},
-                     {"stage3_max_live_parameters", 20000},
-                     {"stage3_param_persistence_threshold", 0}};
+  const json nvme = zero3_on_nvme(dir_ / "swap");
   for (const auto& [name, zero] : {std::pair<std::string, json>{"z0", {{"stage", 0}}}, {"z3", nvme}}) {
     json tune = base_config(name);
     tune["training"]["max_steps"] = 3;
@@ -190,9 +182,7 @@ TEST_F(DataParallelTest, AFineTuneStartsEveryStageFromTheFilesWeights) {
     auto r = train(tune, "", (dir_ / (name + ".jsonl")).string(), &world);
     ASSERT_TRUE(r.is_ok()) << name << ": " << r.status().to_string();
     if (world.rank() != 0) continue;
-    std::ifstream in(dir_ / (name + ".jsonl"));
-    ASSERT_TRUE(std::getline(in, line)) << name;
-    const json step0 = json::parse(line);
+    const json step0 = metrics_lines(dir_ / (name + ".jsonl")).front();
     EXPECT_EQ(step0.value("step", -1), 0) << name;
     EXPECT_NEAR(step0.value("val_loss", -1.0), first_val, 1e-6 * first_val) << name;
   }
@@ -213,13 +203,8 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
   const SharedDir shared_dir(world, "strata_zero3_test");
   ASSERT_FALSE(shared_dir.path.empty());
   const fs::path& shared = shared_dir.path;
-  const json nvme = {{"stage", 3},
-                     {"offload_param", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
-                     {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
-                     {"sub_group_size", 3000},
-                     {"stage3_max_live_parameters", 20000},
-                     {"stage3_param_persistence_threshold", 0},
-                     {"stage3_prefetch_bucket_size", 20000}};
+  json nvme = zero3_on_nvme(dir_ / "swap");
+  nvme["stage3_prefetch_bucket_size"] = 20000;
   struct Run {
     std::string name;
     json zero;

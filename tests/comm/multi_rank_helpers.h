@@ -12,11 +12,23 @@
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "comm/communicator.h"
 #include "storage/safetensors.h"
 
 namespace strata::engine {
+
+// ZeRO-3 with parameters and optimizer state on NVMe under `swap`, in sub-groups of 3000 elements and with a
+// live-parameter cap of 20000 that evicts within a step (the tiny test model's units are 3616-12704 elements).
+inline nlohmann::json zero3_on_nvme(const std::filesystem::path& swap) {
+  return {{"stage", 3},
+          {"offload_param", {{"device", "nvme"}, {"nvme_path", swap.string()}}},
+          {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", swap.string()}}},
+          {"sub_group_size", 3000},
+          {"stage3_max_live_parameters", 20000},
+          {"stage3_param_persistence_threshold", 0}};
+}
 
 // Largest absolute difference between the same tensors of two safetensors files (infinite, with a failure
 // recorded, when they do not have the same tensors).

@@ -44,14 +44,7 @@ TEST_F(PipelineTest, AFineTuneOverStagesStartsFromTheFilesWeights) {
   first["model"]["n_layer"] = 4;
   first["training"]["max_steps"] = 2;
   ASSERT_TRUE(train(first, "", (dir_ / "first.jsonl").string()).is_ok());
-  auto lines = [](const fs::path& p) {
-    std::vector<json> out;
-    std::ifstream in(p);
-    for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
-    if (out.empty()) out.push_back(json::object());
-    return out;
-  };
-  const double first_val = lines(dir_ / "first.jsonl").back().value("val_loss", -1.0);
+  const double first_val = metrics_lines(dir_ / "first.jsonl").back().value("val_loss", -1.0);
   ASSERT_GT(first_val, 0);
   auto tune = [&](const std::string& name, int accum) {
     json j = base_config(name);
@@ -61,12 +54,7 @@ TEST_F(PipelineTest, AFineTuneOverStagesStartsFromTheFilesWeights) {
     j["training"]["init_from"] = (dir_ / "first" / "step_000002").string();
     return j;
   };
-  const json nvme = {{"stage", 3},
-                     {"offload_param", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
-                     {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
-                     {"sub_group_size", 3000},
-                     {"stage3_max_live_parameters", 20000},
-                     {"stage3_param_persistence_threshold", 0}};
+  const json nvme = zero3_on_nvme(dir_ / "swap");
   for (const auto& [name, pp, zero] : {std::tuple<std::string, int, json>{"pp4", 4, json::object()},
                                        std::tuple<std::string, int, json>{"pp2z3", 2, nvme}}) {
     SCOPED_TRACE(name);
@@ -84,7 +72,7 @@ TEST_F(PipelineTest, AFineTuneOverStagesStartsFromTheFilesWeights) {
     ASSERT_TRUE(train(tune(name, accum), "", (dir_ / (std::string(name) + ".jsonl")).string()).is_ok());
   for (const auto& [plain, staged] : {std::pair{"one4", "pp4"}, std::pair{"one8", "pp2z3"}}) {
     SCOPED_TRACE(std::string(staged) + " vs " + plain);
-    const std::vector<json> step0 = lines(dir_ / (std::string(staged) + ".jsonl"));
+    const std::vector<json> step0 = metrics_lines(dir_ / (std::string(staged) + ".jsonl"));
     EXPECT_EQ(step0.front().value("step", -1), 0);
     EXPECT_NEAR(step0.front().value("val_loss", -1.0), first_val, 1e-6 * first_val);
     const auto a = losses(dir_ / (std::string(plain) + ".jsonl")), b = losses(dir_ / (std::string(staged) + ".jsonl"));
@@ -116,12 +104,7 @@ TEST_F(PipelineTest, StagesMatchOneProcessAndTheSchedulesEachOther) {
   };
   // Each stage's parameters and optimizer state on NVMe (ZeRO-3 over the 2 data-parallel ranks of a stage in
   // pp2z3), sub-groups, and a live-parameter cap that evicts within a step.
-  const json nvme = {{"stage", 3},
-                     {"offload_param", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
-                     {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
-                     {"sub_group_size", 3000},
-                     {"stage3_max_live_parameters", 20000},
-                     {"stage3_param_persistence_threshold", 0}};
+  const json nvme = zero3_on_nvme(dir_ / "swap");
   // 4 micro-batches per data-parallel rank per step: 1F1B's warmup, steady state and cooldown all happen.
   const Run runs[] = {
       {"pp4", 4, "1f1b", 6, false},

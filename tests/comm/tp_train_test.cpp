@@ -174,12 +174,7 @@ TEST_F(TensorParallelTest, ThreeDimensionsOnEightRanksMatchOneProcess) {
   const fs::path& shared = shared_dir.path;
   // ZeRO-3 over each (stage, tensor-parallel rank)'s 2 data-parallel ranks, shards and Adam on NVMe, with a
   // live-parameter cap that evicts within a step.
-  const json nvme = {{"stage", 3},
-                     {"offload_param", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
-                     {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
-                     {"sub_group_size", 3000},
-                     {"stage3_max_live_parameters", 20000},
-                     {"stage3_param_persistence_threshold", 0}};
+  const json nvme = zero3_on_nvme(dir_ / "swap");
   const std::vector<TpRun> runs = {
       {"3d", 2, 2, 6},
       {"3dz3nvme", 2, 2, 6, false, nvme},

@@ -79,6 +79,15 @@ class TrainerTest : public ::testing::Test {
     }
     return out;
   }
+  // Every line of a metrics file, parsed; one empty object for a missing or empty file, so that checks of its
+  // first or last line fail instead of the test binary.
+  static std::vector<json> metrics_lines(const fs::path& metrics) {
+    std::vector<json> out;
+    std::ifstream in(metrics);
+    for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
+    if (out.empty()) out.push_back(json::object());
+    return out;
+  }
   static std::vector<char> file_bytes(const fs::path& p) {
     std::ifstream in(p, std::ios::binary);
     if (!in) ADD_FAILURE() << "cannot open " << p;  // two missing files must not compare equal silently

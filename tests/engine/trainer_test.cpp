@@ -83,14 +83,7 @@ TEST_F(TrainerTest, AModelExportedToHuggingFaceOrLlmcStartsTheSameRun) {
   first["training"]["max_steps"] = 2;
   ASSERT_TRUE(train(first, "", (dir_ / "first.jsonl").string()).is_ok());
   // The validation loss of the last step's weights, which each fine-tune below measures again at its step 0.
-  auto lines = [](const fs::path& p) {
-    std::vector<json> out;
-    std::ifstream in(p);
-    for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
-    if (out.empty()) out.push_back(json::object());  // a missing file fails the checks below, not the binary
-    return out;
-  };
-  const double first_val = lines(dir_ / "first.jsonl").back().value("val_loss", -1.0);
+  const double first_val = metrics_lines(dir_ / "first.jsonl").back().value("val_loss", -1.0);
   ASSERT_GT(first_val, 0);
   const fs::path ours = dir_ / "first" / "step_000002" / "model.safetensors";
   ASSERT_TRUE(export_weights(ours.string(), WeightsFormat::kHuggingFace, (dir_ / "hf").string()).is_ok());
@@ -104,7 +97,7 @@ TEST_F(TrainerTest, AModelExportedToHuggingFaceOrLlmcStartsTheSameRun) {
     auto r = train(tune, "", (dir_ / (name + ".jsonl")).string());
     ASSERT_TRUE(r.is_ok()) << from << ": " << r.status().to_string();
     runs.push_back(losses(dir_ / (name + ".jsonl")));
-    const json step0 = lines(dir_ / (name + ".jsonl")).front();
+    const json step0 = metrics_lines(dir_ / (name + ".jsonl")).front();
     EXPECT_EQ(step0.value("step", -1), 0) << from;
     EXPECT_EQ(step0.value("val_loss", -1.0), first_val) << from;
   }
@@ -117,7 +110,7 @@ TEST_F(TrainerTest, AModelExportedToHuggingFaceOrLlmcStartsTheSameRun) {
   eval["training"]["max_steps"] = 0;
   eval["training"]["init_from"] = (dir_ / "model.bin").string();
   ASSERT_TRUE(train(eval, "", (dir_ / "eval.jsonl").string()).is_ok());
-  EXPECT_EQ(lines(dir_ / "eval.jsonl").front().value("val_loss", -1.0), first_val);
+  EXPECT_EQ(metrics_lines(dir_ / "eval.jsonl").front().value("val_loss", -1.0), first_val);
   EXPECT_EQ(file_bytes(dir_ / "eval" / "step_000000" / "model.safetensors"), file_bytes(ours));
 }
 
