@@ -141,6 +141,68 @@ TEST_F(TensorParallelTest, TwoRanksMatchOneProcess) {
   ASSERT_TRUE(world.barrier().is_ok());
 }
 
+// A fine-tune from a file of whole tensors: each rank takes its slices of them (its heads, its half of the MLP,
+// its rows of the vocabulary), validates before step 1 over the group, and trains as one process does from the
+// same file — also with parameters in host memory and Adam on NVMe, per rank.
+TEST_F(TensorParallelTest, AFineTuneSplitsTheFilesWeightsOverTheGroup) {
+  auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
+  ASSERT_TRUE(w.is_ok());
+  comm::Communicator& world = *w.value();
+  if (world.size() != 2) GTEST_SKIP() << "the 2-rank case (CTest runs it under mpiexec -np 2)";
+  // Every rank makes the same file alone (runs are deterministic), in its own folder.
+  json first = base_config("first");
+  first["model"]["n_layer"] = 3;
+  first["model"]["n_head"] = 4;
+  first["training"]["max_steps"] = 2;
+  ASSERT_TRUE(train(first, "", (dir_ / "first.jsonl").string()).is_ok());
+  const double first_val = metrics_lines(dir_ / "first.jsonl").back().value("val_loss", -1.0);
+  ASSERT_GT(first_val, 0);
+  auto tune = [&](const std::string& name) {
+    json j = base_config(name);
+    j["model"]["n_layer"] = 3;
+    j["model"]["n_head"] = 4;
+    j["training"]["max_steps"] = 3;
+    j["training"]["grad_accum_steps"] = 2;
+    j["training"]["init_from"] = (dir_ / "first" / "step_000002").string();
+    return j;
+  };
+  const json offload = {{"stage", 3},
+                        {"offload_param", {{"device", "cpu"}}},
+                        {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
+                        {"sub_group_size", 3000}};
+  for (const auto& [name, zero] : {std::pair<std::string, json>{"tp2", json::object()},
+                                   std::pair<std::string, json>{"tp2offload", offload}}) {
+    SCOPED_TRACE(name);
+    auto grid = comm::RankGrid::create(world, 2, 1);
+    ASSERT_TRUE(grid.is_ok()) << grid.status().to_string();
+    json j = tune(name);
+    j["parallel"] = {{"tensor_parallel_size", 2}};
+    if (!zero.empty()) j["zero_optimization"] = zero;
+    const auto trained = train(j, "", (dir_ / (name + ".jsonl")).string(), &grid.value()->dp(), &grid.value()->pp(),
+                               &grid.value()->tp());
+    ASSERT_TRUE(trained.is_ok()) << trained.status().to_string();
+    ASSERT_TRUE(world.barrier().is_ok());
+  }
+  if (world.rank() == 0) {
+    ASSERT_TRUE(train(tune("one"), "", (dir_ / "one.jsonl").string()).is_ok());
+    const auto one = losses(dir_ / "one.jsonl");
+    ASSERT_EQ(one.size(), 3u);
+    for (const char* name : {"tp2", "tp2offload"}) {
+      SCOPED_TRACE(std::string(name) + " vs one process");
+      const std::vector<json> lines = metrics_lines(dir_ / (std::string(name) + ".jsonl"));
+      ASSERT_FALSE(lines.empty());
+      EXPECT_EQ(lines.front().value("step", -1), 0);
+      EXPECT_NEAR(lines.front().value("val_loss", -1.0), first_val, 1e-6 * first_val);
+      const auto got = losses(dir_ / (std::string(name) + ".jsonl"));
+      ASSERT_EQ(got.size(), one.size());
+      for (size_t i = 0; i < one.size(); ++i)
+        EXPECT_NEAR(got[i].first, one[i].first, 1e-5 * std::abs(one[i].first)) << "loss of step " << i + 1;
+    }
+    EXPECT_EQ(losses(dir_ / "tp2.jsonl"), losses(dir_ / "tp2offload.jsonl"));  // the same arithmetic
+  }
+  ASSERT_TRUE(world.barrier().is_ok());
+}
+
 // Heads that do not divide over the group are refused by name, on every rank.
 TEST_F(TensorParallelTest, RefusesHeadsThatDoNotSplit) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
