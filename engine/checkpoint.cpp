@@ -35,15 +35,16 @@ class UnitCache {
  public:
   using ReadFn = std::function<Status(size_t unit, float* m, float* v)>;  // v may be unused (null for params)
   UnitCache(const GPT2& model, ReadFn read, bool pair) : model_(model), read_(std::move(read)), pair_(pair) {}
-  // The unit's first (or, with `second`, second) state, read if another unit is cached.
-  Result<const float*> get(size_t unit, bool second) {
+  // The unit's first (or, with `second`, second) state from element `offset` to the unit's end, read if another
+  // unit is cached.
+  Result<std::span<const float>> get(size_t unit, bool second, size_t offset) {
     if (unit != cached_) {
       a_.resize(model_.whole_layout(unit).numel());
       if (pair_) b_.resize(a_.size());
       STRATA_RETURN_IF_ERROR(read_(unit, a_.data(), pair_ ? b_.data() : nullptr));
       cached_ = unit;
     }
-    return second ? b_.data() : a_.data();
+    return std::span<const float>(second ? b_ : a_).subspan(offset);
   }
 
  private:
@@ -54,19 +55,65 @@ class UnitCache {
   std::vector<float> a_, b_;
 };
 
-// Every tensor of every unit named `prefix + spec.name`, produced from `cache` when written. With two prefixes
-// (Adam's m and v) a unit's m tensors are followed by its v tensors, so each unit is read once.
-std::vector<SafetensorsTensor> tensors_of(const GPT2& model, const std::vector<std::string>& prefixes,
-                                          UnitCache& cache) {
+// Adam's moments of unit u as whole tensors: under tensor parallelism this rank's slices, gathered over the
+// group (collective); `m`, `v` hold the whole unit.
+Status read_whole_moments(const GPT2& model, Optimizer& opt, size_t u, float* m, float* v) {
+  if (!model.tensor_parallel()) return opt.read_moments(u, m, v);
+  std::vector<float> lm(model.units()[u].numel()), lv(lm.size());
+  STRATA_RETURN_IF_ERROR(opt.read_moments(u, lm.data(), lv.data()));
+  STRATA_RETURN_IF_ERROR(model.gather_whole(u, lm.data(), m));
+  return model.gather_whole(u, lv.data(), v);
+}
+
+// Adam's moment `which` (0: m, 1: v) of a unit from element `offset` on, at least one element: from where the
+// optimizer keeps it (offloaded state, a sub-group at a time, in host memory or read into one staging slot,
+// within the host budget) or else from one unit's m and v read whole — always so under tensor parallelism,
+// whose reads gather the slices over the group.
+class MomentPieces {
+ public:
+  MomentPieces(const GPT2& model, Optimizer& opt)
+      : model_(model),
+        opt_(opt),
+        whole_(model, [&model, &opt](size_t u, float* m, float* v) { return read_whole_moments(model, opt, u, m, v); },
+               true) {}
+  Result<std::span<const float>> get(size_t unit, int which, size_t offset) {
+    if (unit == unit_ && which == which_ && offset >= lo_ && offset - lo_ < piece_.size())
+      return piece_.subspan(offset - lo_);
+    if (!model_.tensor_parallel()) {
+      STRATA_ASSIGN_OR_RETURN(std::span<const float> piece, opt_.moments_view(unit, which, offset));
+      if (!piece.empty()) {
+        unit_ = unit, which_ = which, lo_ = offset, piece_ = piece;
+        return piece;
+      }
+    }
+    unit_ = SIZE_MAX;  // the piece held was valid until this call on the optimizer
+    return whole_.get(unit, which == 1, offset);
+  }
+
+ private:
+  const GPT2& model_;
+  Optimizer& opt_;
+  UnitCache whole_;
+  size_t unit_ = SIZE_MAX, lo_ = 0;
+  int which_ = 0;
+  std::span<const float> piece_;  // [lo_, lo_ + size) of (unit_, which_)
+};
+
+// State `which` of unit i from element `offset` on: at least one element, valid until the next call.
+using PieceFn = std::function<Result<std::span<const float>>(size_t unit, int which, size_t offset)>;
+
+// Every tensor of every unit named `prefix + spec.name`, produced from `piece` as it is written, piece by
+// piece. With two prefixes (Adam's m and v) a unit's m tensors are followed by its v tensors (`which` 0, 1).
+std::vector<SafetensorsTensor> tensors_of(const GPT2& model, const std::vector<std::string>& prefixes, PieceFn piece) {
   std::vector<SafetensorsTensor> out;
   for (size_t i = 0; i < model.units().size(); ++i) {
     for (size_t k = 0; k < prefixes.size(); ++k) {
       for (const TensorSpec& s : model.whole_layout(i).specs()) {
         SafetensorsTensor t{prefixes[k] + s.name, DType::kF32, s.shape, nullptr, {}};
-        // Straight from the cache (valid until it reads another unit, after this tensor is written).
-        t.view = [&cache, i, k, offset = s.offset, n = s.numel()]() -> Result<std::span<const std::byte>> {
-          STRATA_ASSIGN_OR_RETURN(const float* base, cache.get(i, k == 1));
-          return std::as_bytes(std::span<const float>(base + offset, n));
+        t.view = [piece, i, k, offset = s.offset, n = s.numel()](size_t byte) -> Result<std::span<const std::byte>> {
+          const size_t at = byte / sizeof(float);
+          STRATA_ASSIGN_OR_RETURN(std::span<const float> got, piece(i, static_cast<int>(k), offset + at));
+          return std::as_bytes(got.first(std::min(got.size(), n - at)));
         };
         out.push_back(std::move(t));
       }
@@ -82,16 +129,6 @@ Status read_unit(const SafetensorsFile& f, const FlatLayout& layout, const std::
     std::memcpy(dst + s.offset, bytes.data(), bytes.size());
   }
   return Status::ok();
-}
-
-// Adam's moments of unit u as whole tensors: under tensor parallelism this rank's slices, gathered over the
-// group (collective); `m`, `v` hold the whole unit.
-Status read_whole_moments(const GPT2& model, Optimizer& opt, size_t u, float* m, float* v) {
-  if (!model.tensor_parallel()) return opt.read_moments(u, m, v);
-  std::vector<float> lm(model.units()[u].numel()), lv(lm.size());
-  STRATA_RETURN_IF_ERROR(opt.read_moments(u, lm.data(), lv.data()));
-  STRATA_RETURN_IF_ERROR(model.gather_whole(u, lm.data(), m));
-  return model.gather_whole(u, lv.data(), v);
 }
 
 Status write_whole_moments(const GPT2& model, Optimizer& opt, size_t u, const float* m, const float* v) {
@@ -130,7 +167,7 @@ Status check_writable_dir(const std::string& dir, const std::string& what) {
 
 Status save_model(const GPT2& model, const std::string& path) {
   UnitCache cache(model, [&](size_t u, float* p, float*) { return model.read_params(u, p); }, false);
-  auto tensors = tensors_of(model, {""}, cache);
+  auto tensors = tensors_of(model, {""}, [&](size_t u, int, size_t offset) { return cache.get(u, false, offset); });
   return write_safetensors(path, tensors, model_metadata(model.config()));
 }
 
@@ -372,8 +409,9 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
 
   STRATA_RETURN_IF_ERROR(opt.finish());  // the parameters and moments of the last step, complete
   STRATA_RETURN_IF_ERROR(save_model(model, (tmp_dir / "model.safetensors").string()));
-  UnitCache cache(model, [&](size_t u, float* m, float* v) { return read_whole_moments(model, opt, u, m, v); }, true);
-  std::vector<SafetensorsTensor> moments = tensors_of(model, {"m.", "v."}, cache);
+  MomentPieces pieces(model, opt);
+  std::vector<SafetensorsTensor> moments =
+      tensors_of(model, {"m.", "v."}, [&](size_t u, int which, size_t offset) { return pieces.get(u, which, offset); });
   STRATA_RETURN_IF_ERROR(write_safetensors((tmp_dir / "optimizer.safetensors").string(), moments,
                                            {{"adam_steps", std::to_string(opt.steps_taken())}}));
   nlohmann::json js = {

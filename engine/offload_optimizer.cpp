@@ -145,6 +145,25 @@ Status OffloadedAdamW::read_moments(size_t unit, float* m, float* v) {
   return Status::ok();
 }
 
+Result<std::span<const float>> OffloadedAdamW::moments_view(size_t unit, int which, size_t offset) {
+  STRATA_ASSERT(which == 0 || which == 1);
+  if (!model_->holds(unit) || coordinator_->sharded()) return std::span<const float>();
+  STRATA_RETURN_IF_ERROR(finish());
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    const Group& g = groups_[i];
+    if (g.unit != unit || offset < g.offset || offset >= g.offset + g.spec.numel) continue;
+    const float* state = nullptr;
+    if (swapper_) {
+      STRATA_ASSIGN_OR_RETURN(state, swapper_->view_state(i, 1 + which));
+    } else {
+      state = g.state.as<float>() + (1 + which) * g.spec.numel;
+    }
+    return std::span<const float>(state + (offset - g.offset), g.offset + g.spec.numel - offset);
+  }
+  return Status::invalid_argument("offload: element {} is outside unit '{}' ({} elements)", offset,
+                                  model_->units()[unit].name, model_->units()[unit].numel());
+}
+
 Status OffloadedAdamW::gather_moments(size_t unit, float* m, float* v) {
   if (reducer_ == nullptr) return Status::internal("ZeRO-3: the offloaded optimizer has no data-parallel group");
   const offload::ShardRange sh = coordinator_->shard(unit);

@@ -6,7 +6,7 @@
 #pragma once
 
 #include <optional>
-
+#include <span>
 #include <vector>
 
 #include "common/status.h"
@@ -61,6 +61,14 @@ class Optimizer {
   // master weights from the model's current parameters, so load those first.
   virtual Status read_moments(size_t unit, float* m, float* v) = 0;
   virtual Status write_moments(size_t unit, const float* m, const float* v) = 0;
+  // Adam's moment `which` (0: m, 1: v) of unit i from element `offset` on, where it lies: at least one element
+  // and at most the rest of the unit, valid until the next call on the optimizer; an empty span where this
+  // optimizer keeps no such copy of the unit (read_moments then). Checkpoints of offloaded state read it so, a
+  // sub-group at a time, instead of holding a unit's m and v outside the host budget.
+  virtual Result<std::span<const float>> moments_view(size_t unit, int which, size_t offset) {
+    (void)unit, (void)which, (void)offset;
+    return std::span<const float>();
+  }
   // Completes an update still running in the background (OffloadedAdamW overlaps it with the next forward);
   // call before reading the parameters other than through the model's own forward (checkpoints).
   virtual Status finish() { return Status::ok(); }

@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "common/check.h"
 #include "common/timer.h"
 #include "common/trace.h"
 #include "kernels/cpu/fast.h"
@@ -387,13 +388,20 @@ Status OptimizerSwapper::read_state(size_t g, float* master, float* m, float* v)
 }
 
 Status OptimizerSwapper::with_master(size_t g, const std::function<Status(const float* master)>& fn) {
+  STRATA_ASSIGN_OR_RETURN(const float* master, view_state(g, 0));
+  return fn(master);
+}
+
+Result<const float*> OptimizerSwapper::view_state(size_t g, int k) {
   if (g >= groups_.size() || !initialized_[g])
     return Status::invalid_argument("optimizer swap: no initialized sub-group {}", g);
+  STRATA_ASSERT(k >= 0 && k < 3);
+  static const char* kWhat[] = {"master", "m", "v"};
   Slot& slot = *slots_[0];
   STRATA_RETURN_IF_ERROR(finish_writes(slot));
-  float* master = slot.region(region_floats_, 0);
-  STRATA_RETURN_IF_ERROR(store_.read(key(g, "master"), master, groups_[g].numel * sizeof(float)));
-  return fn(master);
+  float* dst = slot.region(region_floats_, k);
+  STRATA_RETURN_IF_ERROR(store_.read(key(g, kWhat[k]), dst, groups_[g].numel * sizeof(float)));
+  return static_cast<const float*>(dst);
 }
 
 }  // namespace strata::offload

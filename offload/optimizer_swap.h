@@ -129,6 +129,10 @@ class OptimizerSwapper {
   // Reads sub-group g's master weights into a staging slot and calls fn with them (valid during the call):
   // for putting back parameters without a buffer of the caller's. Not while a step runs.
   Status with_master(size_t g, const std::function<Status(const float* master)>& fn);
+  // Reads sub-group g's state k (0: master, 1: m, 2: v) into a staging slot and returns it, valid until the
+  // next call on the swapper: checkpoints read the state a sub-group at a time within the pool's budget. Not
+  // while a step runs.
+  Result<const float*> view_state(size_t g, int k);
 
   const OptimizerStepStats& last_step_stats() const { return stats_; }
 

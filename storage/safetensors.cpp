@@ -124,14 +124,17 @@ Status write_safetensors(const std::string& path, std::span<const SafetensorsTen
     for (size_t i = 0; i < parts.size(); ++i) {
       const SafetensorsTensor* t = i >= 2 ? &tensors[i - 2] : nullptr;
       if (t != nullptr && t->view) {
-        Result<std::span<const std::byte>> viewed = t->view();
-        if (!viewed.is_ok()) return viewed.status().with_context(fmt::format("{}: tensor '{}'", path, t->name));
-        const std::span<const std::byte> bytes = *viewed;
-        if (bytes.size() != parts[i].size()) {
-          return Status::internal("{}: tensor '{}' came as {} bytes, its shape needs {}", path, t->name, bytes.size(),
-                                  parts[i].size());
+        for (size_t done = 0; done < parts[i].size();) {
+          Result<std::span<const std::byte>> viewed = t->view(done);
+          if (!viewed.is_ok()) return viewed.status().with_context(fmt::format("{}: tensor '{}'", path, t->name));
+          const std::span<const std::byte> bytes = *viewed;
+          if (bytes.empty() || bytes.size() > parts[i].size() - done) {
+            return Status::internal("{}: tensor '{}' came as {} bytes at byte {}, its shape needs {} in all", path,
+                                    t->name, bytes.size(), done, parts[i].size());
+          }
+          STRATA_RETURN_IF_ERROR(append(bytes));
+          done += bytes.size();
         }
-        STRATA_RETURN_IF_ERROR(append(bytes));
         continue;
       }
       if (t == nullptr || !t->fill) {

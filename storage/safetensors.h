@@ -28,15 +28,17 @@ namespace strata {
 // Or, with `fill` set instead, the writer calls fill(dst) when it reaches the tensor to produce exactly those
 // bytes into its own buffer: a file larger than memory is written one tensor at a time (checkpoints of
 // offloaded state), and an error from fill stops the write. Or, with `view` set, the writer asks for the bytes
-// when it reaches the tensor and writes them from where they are (they must stay valid until it asks for the
-// next tensor's): produced tensors without a copy into the writer's buffer (a tensor's worth less memory).
+// when it reaches the tensor and writes them from where they are: view(offset) gives the tensor's bytes from
+// byte `offset` on, at least one and at most the rest, valid until the next call, and the writer calls it until
+// it has them all. Produced tensors without a copy into the writer's buffer, in pieces as small as the producer
+// likes (offloaded optimizer state: a sub-group at a time, from where it lies).
 struct SafetensorsTensor {
   std::string name;
   DType dtype = DType::kF32;
   std::vector<int64_t> shape;
   const void* data = nullptr;
   std::function<Status(void* dst)> fill;
-  std::function<Result<std::span<const std::byte>>()> view = nullptr;
+  std::function<Result<std::span<const std::byte>>(size_t offset)> view = nullptr;
 };
 
 // Writes `tensors` (data laid out in the order given) and `metadata` to `path` via "<path>.tmp", fsync and

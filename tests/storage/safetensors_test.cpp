@@ -4,6 +4,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -117,7 +119,8 @@ TEST_F(SafetensorsTest, WriterRejectsBadInput) {
 }
 
 // Tensors produced while the file is written, copied into the writer's buffer (fill) or written from where they
-// are (view): the same file as from data pointers. A view of the wrong size fails the write, naming the tensor.
+// are (view, whole or piece by piece): the same file as from data pointers. A piece that is empty or runs past
+// the tensor fails the write, naming the tensor.
 TEST_F(SafetensorsTest, ProducedTensorsWriteTheSameFile) {
   const float a[3] = {1, 2, 3}, b[2] = {-4, 5};
   const std::vector<SafetensorsTensor> plain = {{"a", DType::kF32, {3}, a, {}}, {"b", DType::kF32, {2}, b, {}}};
@@ -127,7 +130,9 @@ TEST_F(SafetensorsTest, ProducedTensorsWriteTheSameFile) {
     std::memcpy(dst, a, sizeof a);
     return Status::ok();
   };
-  produced[1].view = [&]() -> Result<std::span<const std::byte>> { return std::as_bytes(std::span<const float>(b)); };
+  produced[1].view = [&](size_t offset) -> Result<std::span<const std::byte>> {
+    return std::as_bytes(std::span<const float>(b)).subspan(offset);
+  };
   ASSERT_TRUE(write_safetensors(path("plain.safetensors"), plain).is_ok());
   ASSERT_TRUE(write_safetensors(path("produced.safetensors"), produced).is_ok());
   auto bytes = [](const std::string& p) {
@@ -135,11 +140,31 @@ TEST_F(SafetensorsTest, ProducedTensorsWriteTheSameFile) {
     return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   };
   EXPECT_EQ(bytes(path("produced.safetensors")), bytes(path("plain.safetensors")));
-  produced[1].view = [&]() -> Result<std::span<const std::byte>> {
+  // Three bytes at a time, each piece from a buffer of its own that the next call overwrites.
+  std::vector<size_t> asked;
+  std::array<std::byte, 3> piece{};
+  produced[1].view = [&](size_t offset) -> Result<std::span<const std::byte>> {
+    asked.push_back(offset);
+    const auto all = std::as_bytes(std::span<const float>(b));
+    const size_t n = std::min<size_t>(3, all.size() - offset);
+    std::copy_n(all.begin() + static_cast<ptrdiff_t>(offset), n, piece.begin());
+    return std::span<const std::byte>(piece.data(), n);
+  };
+  ASSERT_TRUE(write_safetensors(path("pieces.safetensors"), produced).is_ok());
+  EXPECT_EQ(bytes(path("pieces.safetensors")), bytes(path("plain.safetensors")));
+  EXPECT_EQ(asked, (std::vector<size_t>{0, 3, 6}));
+  produced[1].view = [&](size_t offset) -> Result<std::span<const std::byte>> {
+    if (offset > 0) return std::span<const std::byte>();  // nothing after the first float
     return std::as_bytes(std::span<const float>(b, 1));
   };
-  expect_error(write_safetensors(path("short.safetensors"), produced), StatusCode::kInternal, {"'b'", "4 bytes"});
+  expect_error(write_safetensors(path("short.safetensors"), produced), StatusCode::kInternal,
+               {"'b'", "0 bytes at byte 4", "needs 8"});
   EXPECT_FALSE(fs::exists(path("short.safetensors")));
+  produced[1].view = [&](size_t) -> Result<std::span<const std::byte>> {
+    return std::as_bytes(std::span<const float>(a));  // 12 bytes for 8
+  };
+  expect_error(write_safetensors(path("long.safetensors"), produced), StatusCode::kInternal, {"'b'", "12 bytes"});
+  EXPECT_FALSE(fs::exists(path("long.safetensors")));
 }
 
 TEST_F(SafetensorsTest, MissingFile) {
