@@ -30,6 +30,8 @@ struct OptimizerSwapper::Slot {
 };
 
 namespace {
+// A slot's regions, and the state each sub-group keeps under a key of its own in the store.
+constexpr const char* kRegionName[] = {"master", "m", "v"};
 // Floats per region (master, m or v) of a slot for sub-groups of at most `largest` elements: padded to 4 KiB
 // so all three regions stay page-aligned for O_DIRECT.
 size_t region_floats(size_t largest) { return (largest * sizeof(float) + 4095) / 4096 * 4096 / sizeof(float); }
@@ -154,8 +156,7 @@ Status OptimizerSwapper::initialize(size_t g, const float* master, const float* 
     }
   }
   for (int k = 0; k < 3; ++k) {
-    static const char* kWhat[] = {"master", "m", "v"};
-    if (Status st = store_.write(key(g, kWhat[k], next), slot.region(region_floats_, k), bytes); !st.is_ok()) {
+    if (Status st = store_.write(key(g, kRegionName[k], next), slot.region(region_floats_, k), bytes); !st.is_ok()) {
       free_version(g, next);
       return st;
     }
@@ -215,12 +216,11 @@ Result<bool> OptimizerSwapper::issue_read(size_t g, size_t s, bool block) {
   }
   // The slot's previous sub-group must be on disk before its memory is reused, but only region by region: the
   // read of the master weights overlaps the writes of the moments.
-  static const char* kWhat[] = {"master", "m", "v"};
   for (int& k = slot.regions_read; k < 3; ++k) {
     if (!block && !slot.region_free(k)) return false;
     wait_write(slot, k);
     if (!slot.write_error.is_ok()) return finish_writes(slot);  // the error, naming the sub-group written
-    STRATA_RETURN_IF_ERROR(store_.read(key(g, kWhat[k]), slot.region(region_floats_, k), bytes, slot.reads.get()));
+    STRATA_RETURN_IF_ERROR(store_.read(key(g, kRegionName[k]), slot.region(region_floats_, k), bytes, slot.reads.get()));
     stats_.bytes_read += bytes;
   }
   STRATA_RETURN_IF_ERROR(finish_writes(slot));  // every region is written: the new version is current
@@ -302,7 +302,6 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
     return Status::ok();
   };
   if (Status st = learn_next(true); !st.is_ok()) return drain(st);
-  static const char* kWhat[] = {"master", "m", "v"};
   kernels::AdamWParams step_hp = hp;
   bool have_hp = !plan.params;
   for (size_t pos = 0; pos < order.size(); ++pos) {
@@ -354,7 +353,7 @@ Status OptimizerSwapper::step(const std::vector<const float*>& grads, const std:
     slot.written = g;
     for (int k = 0; k < 3; ++k) {
       slot.writes[k] = std::make_unique<IoBatch>();
-      if (Status st = store_.write(key(g, kWhat[k], version_[g] ^ 1), slot.region(region_floats_, k), bytes,
+      if (Status st = store_.write(key(g, kRegionName[k], version_[g] ^ 1), slot.region(region_floats_, k), bytes,
                                    slot.writes[k].get());
           !st.is_ok()) {
         slot.write_error = st;  // the new version is incomplete: the old one stays current
@@ -380,9 +379,8 @@ Status OptimizerSwapper::read_state(size_t g, float* master, float* m, float* v)
     return Status::invalid_argument("optimizer swap: no initialized sub-group {}", g);
   const size_t bytes = groups_[g].numel * sizeof(float);
   float* outs[] = {master, m, v};
-  static const char* kWhat[] = {"master", "m", "v"};
   for (int k = 0; k < 3; ++k) {
-    if (outs[k] != nullptr) STRATA_RETURN_IF_ERROR(store_.read(key(g, kWhat[k]), outs[k], bytes));
+    if (outs[k] != nullptr) STRATA_RETURN_IF_ERROR(store_.read(key(g, kRegionName[k]), outs[k], bytes));
   }
   return Status::ok();
 }
@@ -396,11 +394,10 @@ Result<const float*> OptimizerSwapper::view_state(size_t g, int k) {
   if (g >= groups_.size() || !initialized_[g])
     return Status::invalid_argument("optimizer swap: no initialized sub-group {}", g);
   STRATA_ASSERT(k >= 0 && k < 3);
-  static const char* kWhat[] = {"master", "m", "v"};
   Slot& slot = *slots_[0];
   STRATA_RETURN_IF_ERROR(finish_writes(slot));
   float* dst = slot.region(region_floats_, k);
-  STRATA_RETURN_IF_ERROR(store_.read(key(g, kWhat[k]), dst, groups_[g].numel * sizeof(float)));
+  STRATA_RETURN_IF_ERROR(store_.read(key(g, kRegionName[k]), dst, groups_[g].numel * sizeof(float)));
   return static_cast<const float*>(dst);
 }
 
