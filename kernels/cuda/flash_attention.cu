@@ -114,10 +114,11 @@ __device__ void start_kv_tile(bf16* Kt, bf16* Vt, const bf16* k, const bf16* v, 
 // Ks[2], Vs[2]: the caller has started tile 0 (start_kv_tile, ahead of its own loads); each next tile is copied
 // into the other buffer, which the last iteration finished reading, while `tile(masked, k0, Kt, Vt)` multiplies
 // the current one. Only the last tile, the diagonal, needs the causal mask, and only it can hold keys past T
-// (below it, k0 + 64 <= q0 < T), so only it gets the masked instantiation.
+// (below it, k0 + 64 <= q0 < T), so only it gets the masked instantiation. Forced inline: `tile` holds the
+// caller's accumulators by reference, which a real call would put in local memory.
 template <int HS, typename Fn>
-__device__ void walk_key_tiles(bf16 (*Ks)[kTile * (HS + kPad)], bf16 (*Vs)[kTile * (HS + kPad)], const bf16* k,
-                               const bf16* v, int last, int T, Fn& tile) {
+__device__ __forceinline__ void walk_key_tiles(bf16 (*Ks)[kTile * (HS + kPad)], bf16 (*Vs)[kTile * (HS + kPad)],
+                                               const bf16* k, const bf16* v, int last, int T, Fn& tile) {
   for (int kt = 0; kt <= last; ++kt) {
     const int cur = kt & 1;
     if (kt < last) {
