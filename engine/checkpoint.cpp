@@ -65,38 +65,38 @@ Status read_whole_moments(const GPT2& model, Optimizer& opt, size_t u, float* m,
   return model.gather_whole(u, lv.data(), v);
 }
 
-// Adam's moment `which` (0: m, 1: v) of a unit from element `offset` on, at least one element: from where the
-// optimizer keeps it (offloaded state, a sub-group at a time, in host memory or read into one staging slot,
-// within the host budget) or else from one unit's m and v read whole — always so under tensor parallelism,
-// whose reads gather the slices over the group.
-class MomentPieces {
+// The optimizer's state k of a unit (0: the weights, 1: Adam's m, 2: v) from element `offset` on, at least one
+// element: from where the optimizer keeps it (offloaded state, a sub-group at a time, in host memory or read
+// into one staging slot, within the host budget) or else from one unit read whole — the model's weights, or
+// its m and v — always so under tensor parallelism, whose reads gather the slices over the group.
+class StatePieces {
  public:
-  MomentPieces(const GPT2& model, Optimizer& opt)
+  StatePieces(const GPT2& model, Optimizer& opt)
       : model_(model),
         opt_(opt),
-        whole_(model, [&model, &opt](size_t u, float* m, float* v) { return read_whole_moments(model, opt, u, m, v); },
-               true) {}
-  Result<std::span<const float>> get(size_t unit, int which, size_t offset) {
-    if (unit == unit_ && which == which_ && offset >= lo_ && offset - lo_ < piece_.size())
-      return piece_.subspan(offset - lo_);
+        weights_(model, [&model](size_t u, float* p, float*) { return model.read_params(u, p); }, false),
+        moments_(model, [&model, &opt](size_t u, float* m, float* v) { return read_whole_moments(model, opt, u, m, v); },
+                 true) {}
+  Result<std::span<const float>> get(size_t unit, int k, size_t offset) {
+    if (unit == unit_ && k == k_ && offset >= lo_ && offset - lo_ < piece_.size()) return piece_.subspan(offset - lo_);
     if (!model_.tensor_parallel()) {
-      STRATA_ASSIGN_OR_RETURN(std::span<const float> piece, opt_.moments_view(unit, which, offset));
+      STRATA_ASSIGN_OR_RETURN(std::span<const float> piece, opt_.state_view(unit, k, offset));
       if (!piece.empty()) {
-        unit_ = unit, which_ = which, lo_ = offset, piece_ = piece;
+        unit_ = unit, k_ = k, lo_ = offset, piece_ = piece;
         return piece;
       }
     }
     unit_ = SIZE_MAX;  // the piece held was valid until this call on the optimizer
-    return whole_.get(unit, which == 1, offset);
+    return k == 0 ? weights_.get(unit, false, offset) : moments_.get(unit, k == 2, offset);
   }
 
  private:
   const GPT2& model_;
   Optimizer& opt_;
-  UnitCache whole_;
+  UnitCache weights_, moments_;
   size_t unit_ = SIZE_MAX, lo_ = 0;
-  int which_ = 0;
-  std::span<const float> piece_;  // [lo_, lo_ + size) of (unit_, which_)
+  int k_ = 0;
+  std::span<const float> piece_;  // [lo_, lo_ + size) of (unit_, k_)
 };
 
 // State `which` of unit i from element `offset` on: at least one element, valid until the next call.
@@ -408,10 +408,13 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
   if (ec) return Status::io_error("cannot create checkpoint folder {}: {}", tmp_dir.string(), ec.message());
 
   STRATA_RETURN_IF_ERROR(opt.finish());  // the parameters and moments of the last step, complete
-  STRATA_RETURN_IF_ERROR(save_model(model, (tmp_dir / "model.safetensors").string()));
-  MomentPieces pieces(model, opt);
-  std::vector<SafetensorsTensor> moments =
-      tensors_of(model, {"m.", "v."}, [&](size_t u, int which, size_t offset) { return pieces.get(u, which, offset); });
+  StatePieces pieces(model, opt);
+  STRATA_RETURN_IF_ERROR(write_safetensors(
+      (tmp_dir / "model.safetensors").string(),
+      tensors_of(model, {""}, [&](size_t u, int, size_t offset) { return pieces.get(u, 0, offset); }),
+      model_metadata(model.config())));
+  std::vector<SafetensorsTensor> moments = tensors_of(
+      model, {"m.", "v."}, [&](size_t u, int which, size_t offset) { return pieces.get(u, 1 + which, offset); });
   STRATA_RETURN_IF_ERROR(write_safetensors((tmp_dir / "optimizer.safetensors").string(), moments,
                                            {{"adam_steps", std::to_string(opt.steps_taken())}}));
   nlohmann::json js = {
@@ -443,7 +446,7 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
 Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt, const std::function<bool(size_t unit)>& include) {
   STRATA_RETURN_IF_ERROR(opt.finish());
   std::vector<float> a, b;
-  for (size_t u = 0; u < model.units().size(); ++u) {  // save_model's reads
+  for (size_t u = 0; u < model.units().size(); ++u) {  // the model file's reads
     if (!include(u)) continue;
     a.resize(model.whole_layout(u).numel());
     STRATA_RETURN_IF_ERROR(model.read_params(u, a.data()));

@@ -145,8 +145,8 @@ Status OffloadedAdamW::read_moments(size_t unit, float* m, float* v) {
   return Status::ok();
 }
 
-Result<std::span<const float>> OffloadedAdamW::moments_view(size_t unit, int which, size_t offset) {
-  STRATA_ASSERT(which == 0 || which == 1);
+Result<std::span<const float>> OffloadedAdamW::state_view(size_t unit, int k, size_t offset) {
+  STRATA_ASSERT(k >= 0 && k < 3);
   if (!model_->holds(unit) || coordinator_->sharded()) return std::span<const float>();
   STRATA_RETURN_IF_ERROR(finish());
   for (size_t i = 0; i < groups_.size(); ++i) {
@@ -154,9 +154,9 @@ Result<std::span<const float>> OffloadedAdamW::moments_view(size_t unit, int whi
     if (g.unit != unit || offset < g.offset || offset >= g.offset + g.spec.numel) continue;
     const float* state = nullptr;
     if (swapper_) {
-      STRATA_ASSIGN_OR_RETURN(state, swapper_->view_state(i, 1 + which));
+      STRATA_ASSIGN_OR_RETURN(state, swapper_->view_state(i, k));
     } else {
-      state = g.state.as<float>() + (1 + which) * g.spec.numel;
+      state = g.state.as<float>() + k * g.spec.numel;
     }
     return std::span<const float>(state + (offset - g.offset), g.offset + g.spec.numel - offset);
   }

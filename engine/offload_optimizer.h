@@ -118,9 +118,9 @@ class OffloadedAdamW final : public Optimizer {
   Status adopt_params() override;
   Status read_moments(size_t unit, float* m, float* v) override;
   Status write_moments(size_t unit, const float* m, const float* v) override;
-  // A sub-group's moment in its host buffer, or read from NVMe into the swapper's first staging slot; empty for
-  // a unit sharded over ranks or held by another pipeline stage (read_moments gathers those).
-  Result<std::span<const float>> moments_view(size_t unit, int which, size_t offset) override;
+  // A sub-group's state in its host buffer, or read from NVMe into the swapper's first staging slot; empty for
+  // a unit sharded over ranks or held by another pipeline stage (read_params and read_moments gather those).
+  Result<std::span<const float>> state_view(size_t unit, int k, size_t offset) override;
 
   // Of the last completed update (step() returns before its update completes).
   const OffloadedStepStats& last_step_stats() const { return stats_; }

@@ -61,12 +61,13 @@ class Optimizer {
   // master weights from the model's current parameters, so load those first.
   virtual Status read_moments(size_t unit, float* m, float* v) = 0;
   virtual Status write_moments(size_t unit, const float* m, const float* v) = 0;
-  // Adam's moment `which` (0: m, 1: v) of unit i from element `offset` on, where it lies: at least one element
-  // and at most the rest of the unit, valid until the next call on the optimizer; an empty span where this
-  // optimizer keeps no such copy of the unit (read_moments then). Checkpoints of offloaded state read it so, a
-  // sub-group at a time, instead of holding a unit's m and v outside the host budget.
-  virtual Result<std::span<const float>> moments_view(size_t unit, int which, size_t offset) {
-    (void)unit, (void)which, (void)offset;
+  // State k of unit i (0: the fp32 master weights, which are the model's weights once finish() returned; 1:
+  // Adam's m; 2: v) from element `offset` on, where it lies: at least one element and at most the rest of the
+  // unit, valid until the next call on the optimizer; an empty span where this optimizer keeps no such copy of
+  // the unit (the model's read_params and read_moments then). Checkpoints of offloaded state read it so, a
+  // sub-group at a time, instead of holding a unit's weights, m and v outside the host budget.
+  virtual Result<std::span<const float>> state_view(size_t unit, int k, size_t offset) {
+    (void)unit, (void)k, (void)offset;
     return std::span<const float>();
   }
   // Completes an update still running in the background (OffloadedAdamW overlaps it with the next forward);

@@ -327,7 +327,7 @@ Status take_part_in_pipeline_checkpoint(const GPT2& model, const PipelinePlan& p
   std::vector<float> a, b;
   // Parameters travel whole (read_params gathers a tensor-parallel stage's slices); moments as this rank's slices
   // (the first stage's rank of the same tensor-parallel rank gathers them).
-  for (size_t u = 0; u < model.units().size(); ++u) {  // the first stage's save_model reads
+  for (size_t u = 0; u < model.units().size(); ++u) {  // the first stage's model file reads
     if (s == 0 || plan.owner(u) != s) continue;
     a.resize(model.whole_layout(u).numel());
     STRATA_RETURN_IF_ERROR(model.read_params(u, a.data()));
