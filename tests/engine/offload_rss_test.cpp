@@ -23,8 +23,8 @@ namespace {
 
 // Beyond the budgets and the process's own footprint (code and libraries, measured in the same test by a
 // plain run of a tiny model: about 220 MiB with the CUDA libraries linked), what a run may hold outside the
-// tiers: the optimizer's and checkpoints' staging of one unit at a time (a checkpoint: its parameters, 28 MB
-// here; the moments come a sub-group at a time through the optimizer's staging slots), allocator slack.
+// tiers: the optimizer's staging of one unit's parameters when it starts (28 MB here; a checkpoint reads the
+// weights and moments a sub-group at a time through the optimizer's staging slots), allocator slack.
 constexpr uint64_t kTransientMargin = 128ull << 20;
 
 // Runs `strata train --config <config> --quiet`; returns the exit code and the child's peak RSS in bytes.
