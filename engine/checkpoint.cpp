@@ -124,10 +124,8 @@ std::vector<SafetensorsTensor> tensors_of(const GPT2& model, const std::vector<s
 
 // Reads the tensors of `layout` (a whole unit's) named `prefix + spec.name` into `dst`.
 Status read_unit(const SafetensorsFile& f, const FlatLayout& layout, const std::string& prefix, float* dst) {
-  for (const TensorSpec& s : layout.specs()) {
-    STRATA_ASSIGN_OR_RETURN(auto bytes, f.expect(prefix + s.name, DType::kF32, s.shape));
-    std::memcpy(dst + s.offset, bytes.data(), bytes.size());
-  }
+  for (const TensorSpec& s : layout.specs())
+    STRATA_RETURN_IF_ERROR(f.read_into(prefix + s.name, DType::kF32, s.shape, dst + s.offset));
   return Status::ok();
 }
 

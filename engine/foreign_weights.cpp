@@ -180,11 +180,12 @@ class SafetensorsWeights final : public WeightsFile {
     }
     if (format_ != WeightsFormat::kHuggingFace || !hf_transposed(spec.name)) {
       to_f32(e->dtype, e->data, dst, spec.numel());
-      return Status::ok();
+    } else {
+      std::vector<float> stored(spec.numel());
+      to_f32(e->dtype, e->data, stored.data(), stored.size());
+      transpose(stored.data(), dst, static_cast<size_t>(spec.shape[0]), static_cast<size_t>(spec.shape[1]));
     }
-    std::vector<float> stored(spec.numel());
-    to_f32(e->dtype, e->data, stored.data(), stored.size());
-    transpose(stored.data(), dst, static_cast<size_t>(spec.shape[0]), static_cast<size_t>(spec.shape[1]));
+    release_mapped_pages(e->data, e->nbytes());  // read once: the file need not stay in the resident set
     return Status::ok();
   }
 
@@ -256,10 +257,11 @@ class SafetensorsWeights final : public WeightsFile {
   // Hugging Face files from save_pretrained may keep the tied head; Strata's is wte itself.
   Status check_tied_head(const SafetensorsEntry& head) const {
     const SafetensorsEntry* wte = file_.find(file_name("wte"));
-    if (head.shape == wte->shape && head.dtype == wte->dtype && head.nbytes() == wte->nbytes() &&
-        std::memcmp(head.data, wte->data, head.nbytes()) == 0) {
-      return Status::ok();
-    }
+    const bool same = head.shape == wte->shape && head.dtype == wte->dtype && head.nbytes() == wte->nbytes() &&
+                      std::memcmp(head.data, wte->data, head.nbytes()) == 0;
+    release_mapped_pages(head.data, head.nbytes());
+    release_mapped_pages(wte->data, wte->nbytes());
+    if (same) return Status::ok();
     return Status::invalid_argument(
         "{}: 'lm_head.weight' differs from '{}': an untied LM head, which Strata's GPT-2 (its head is the token "
         "embedding) cannot hold",
@@ -365,6 +367,7 @@ class LlmcWeights final : public WeightsFile {
     const std::byte* src = static_cast<const std::byte*>(map_) + kLlmcHeaderInts * sizeof(int32_t) +
                            (offset_[i] + block * per) * element_bytes();
     to_f32(bf16_ ? DType::kBF16 : DType::kF32, src, dst, n);
+    release_mapped_pages(src, n * element_bytes());  // read once: the file need not stay in the resident set
     return Status::ok();
   }
 

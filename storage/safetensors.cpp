@@ -149,6 +149,15 @@ Status write_safetensors(const std::string& path, std::span<const SafetensorsTen
   });
 }
 
+void release_mapped_pages(const void* data, size_t bytes) {
+  if (bytes == 0) return;
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(data) / page * page;
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(data) + bytes + page - 1) / page * page;
+  // Advice only: a failure leaves the pages resident, which is what not calling it does.
+  (void)::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+}
+
 Result<SafetensorsFile> SafetensorsFile::open(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
@@ -272,6 +281,14 @@ Result<std::span<const std::byte>> SafetensorsFile::expect(std::string_view name
     return Status::invalid_argument("{}: tensor '{}' is {} {}, want {} {}", path_, name, safetensors_dtype_name(e->dtype),
                                     shape_str(e->shape), safetensors_dtype_name(dtype), shape_str(shape));
   return std::span<const std::byte>(e->data, e->nbytes());
+}
+
+Status SafetensorsFile::read_into(std::string_view name, DType dtype, std::span<const int64_t> shape,
+                                  void* dst) const {
+  STRATA_ASSIGN_OR_RETURN(std::span<const std::byte> bytes, expect(name, dtype, shape));
+  std::memcpy(dst, bytes.data(), bytes.size());
+  release_mapped_pages(bytes.data(), bytes.size());
+  return Status::ok();
 }
 
 std::vector<std::string> SafetensorsFile::names() const {

@@ -62,6 +62,13 @@ struct SafetensorsEntry {
 // "F32", "BF16", "F16": the names safetensors uses for Strata's dtypes.
 const char* safetensors_dtype_name(DType t);
 
+// Drops the pages of a read-only file mapping under [data, data + bytes), rounded out to whole pages, from the
+// process's resident set (madvise MADV_DONTNEED); reading them again faults them in from the file. Reading a
+// mapped file tensor by tensor and releasing each after its copy keeps a checkpoint many times the host budget
+// from piling up in the resident set (the page cache keeps what the kernel can spare). Only for file mappings
+// no one writes: on anonymous or written private memory it would discard the data.
+void release_mapped_pages(const void* data, size_t bytes);
+
 class SafetensorsFile {
  public:
   // Maps and validates `path`. NotFound if it is missing; Corruption naming the file (and the tensor) for a
@@ -81,6 +88,8 @@ class SafetensorsFile {
   // The tensor's bytes, after checking it exists with exactly this dtype and shape; NotFound or
   // InvalidArgument naming the file, the tensor, and what was wanted and found.
   Result<std::span<const std::byte>> expect(std::string_view name, DType dtype, std::span<const int64_t> shape) const;
+  // expect(), copied to dst (the tensor's size), and its pages released from the resident set.
+  Status read_into(std::string_view name, DType dtype, std::span<const int64_t> shape, void* dst) const;
 
   const std::vector<SafetensorsEntry>& tensors() const { return entries_; }  // in data-offset order
   std::vector<std::string> names() const;                                  // in data-offset order

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "common/rng.h"
@@ -165,6 +166,44 @@ TEST_F(SafetensorsTest, ProducedTensorsWriteTheSameFile) {
   };
   expect_error(write_safetensors(path("long.safetensors"), produced), StatusCode::kInternal, {"'b'", "12 bytes"});
   EXPECT_FALSE(fs::exists(path("long.safetensors")));
+}
+
+// The process's resident set in bytes (/proc/self/statm).
+size_t resident_bytes() {
+  std::ifstream in("/proc/self/statm");
+  size_t total = 0, resident = 0;
+  in >> total >> resident;
+  return resident * static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+}
+
+// read_into copies a tensor out and drops its pages from the resident set: reading a file of 8 tensors of 8 MiB
+// leaves the resident set where it was (the pages stay in the page cache, not in the process), and the copies
+// hold the file's values, also when read again.
+TEST_F(SafetensorsTest, ReadIntoLeavesTheFileOutOfTheResidentSet) {
+  constexpr size_t kTensors = 8, kFloats = size_t{2} << 20;
+  std::vector<std::vector<float>> data(kTensors, std::vector<float>(kFloats));
+  const auto name = [](size_t t) { return fmt::format("t{}", t); };
+  std::vector<SafetensorsTensor> tensors;
+  for (size_t t = 0; t < kTensors; ++t) {
+    for (size_t i = 0; i < kFloats; ++i) data[t][i] = static_cast<float>(t * kFloats + i);
+    tensors.push_back({name(t), DType::kF32, {static_cast<int64_t>(kFloats)}, data[t].data(), {}});
+  }
+  ASSERT_TRUE(write_safetensors(path("big.safetensors"), tensors).is_ok());
+  auto f = SafetensorsFile::open(path("big.safetensors"));
+  ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+  std::vector<float> dst(kFloats, -1.0f);  // touched before the measurement
+  const std::vector<int64_t> shape = {static_cast<int64_t>(kFloats)};
+  const size_t before = resident_bytes();
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t t = 0; t < kTensors; ++t) {
+      ASSERT_TRUE(f->read_into(name(t), DType::kF32, shape, dst.data()).is_ok());
+      ASSERT_EQ(dst, data[t]) << "tensor " << t << ", pass " << pass;
+    }
+  }
+  const size_t grown = resident_bytes() - std::min(before, resident_bytes());
+  EXPECT_LT(grown, size_t{8} << 20) << "of a 64 MiB file read twice";
+  expect_error(f->read_into("t0", DType::kF32, std::vector<int64_t>{1}, dst.data()), StatusCode::kInvalidArgument,
+               {"'t0'"});
 }
 
 TEST_F(SafetensorsTest, MissingFile) {
