@@ -1,7 +1,8 @@
 // The budgets hold for the whole process: `strata train` with parameters and optimizer state on NVMe, a
 // host budget and a device budget (the CPU backend's device tier is ordinary memory too) keeps its peak
 // resident set within host budget + device budget + a stated margin for the process itself, for a model whose
-// training state is several times that. Runs the real binary in a child process and reads its peak RSS.
+// training state is several times that, and so does a resume from its checkpoint. Runs the real binary in a
+// child process and reads its peak RSS.
 #include <spawn.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -27,10 +28,12 @@ namespace {
 // weights and moments a sub-group at a time through the optimizer's staging slots), allocator slack.
 constexpr uint64_t kTransientMargin = 128ull << 20;
 
-// Runs `strata train --config <config> --quiet`; returns the exit code and the child's peak RSS in bytes.
-std::pair<int, uint64_t> run_strata(const std::string& config) {
+// Runs `strata train --config <config> --quiet [more...]`; returns the exit code and the child's peak RSS in
+// bytes.
+std::pair<int, uint64_t> run_strata(const std::string& config, const std::vector<std::string>& more = {}) {
   const std::string binary = STRATA_BINARY;
   std::vector<std::string> args = {binary, "train", "--config", config, "--quiet"};
+  args.insert(args.end(), more.begin(), more.end());
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -78,6 +81,15 @@ TEST_F(TrainerTest, PeakRssStaysWithinTheHostAndDeviceBudgets) {
               kTransientMargin / 1048576.0, 57.0e6 * 20 / 1048576.0);
   EXPECT_LE(peak, bound);
   EXPECT_TRUE(fs::exists(dir_ / "rss" / "step_000002" / "model.safetensors"));
+
+  // Resuming reads the checkpoint (228 MB of weights and 456 MB of moments, more than the bound) a tensor at a
+  // time, without keeping the files' pages: one more step stays within the same bound.
+  const auto [resumed_code, resumed_peak] = run_strata(config, {"--resume", "--max-steps", "3"});
+  ASSERT_EQ(resumed_code, 0) << "strata train --resume failed; run it by hand: " << STRATA_BINARY
+                             << " train --config " << config << " --resume --max-steps 3";
+  std::printf("resumed: peak RSS %.1f MiB\n", resumed_peak / 1048576.0);
+  EXPECT_LE(resumed_peak, bound);
+  EXPECT_TRUE(fs::exists(dir_ / "rss" / "step_000003" / "model.safetensors"));
 }
 
 }  // namespace
