@@ -75,8 +75,9 @@ class StatePieces {
       : model_(model),
         opt_(opt),
         weights_(model, [&model](size_t u, float* p, float*) { return model.read_params(u, p); }, false),
-        moments_(model, [&model, &opt](size_t u, float* m, float* v) { return read_whole_moments(model, opt, u, m, v); },
-                 true) {}
+        moments_(
+            model, [&model, &opt](size_t u, float* m, float* v) { return read_whole_moments(model, opt, u, m, v); },
+            true) {}
   Result<std::span<const float>> get(size_t unit, int k, size_t offset) {
     if (unit == unit_ && k == k_ && offset >= lo_ && offset - lo_ < piece_.size()) return piece_.subspan(offset - lo_);
     if (!model_.tensor_parallel()) {
