@@ -13,11 +13,13 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <span>
 #include <sstream>
 #include <vector>
 
 #include <fmt/format.h>
 
+#include "common/check.h"
 #include "common/log.h"
 #include "engine/foreign_weights.h"
 #include "storage/safetensors.h"
@@ -112,6 +114,7 @@ std::vector<SafetensorsTensor> tensors_of(const GPT2& model, const std::vector<s
       for (const TensorSpec& s : model.whole_layout(i).specs()) {
         SafetensorsTensor t{prefixes[k] + s.name, DType::kF32, s.shape, nullptr, {}};
         t.view = [piece, i, k, offset = s.offset, n = s.numel()](size_t byte) -> Result<std::span<const std::byte>> {
+          STRATA_ASSERT(byte % sizeof(float) == 0);  // every piece handed over is whole floats
           const size_t at = byte / sizeof(float);
           STRATA_ASSIGN_OR_RETURN(std::span<const float> got, piece(i, static_cast<int>(k), offset + at));
           return std::as_bytes(got.first(std::min(got.size(), n - at)));
