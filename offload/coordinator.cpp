@@ -1,9 +1,11 @@
 #include "offload/coordinator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <memory>
 
 #include <fmt/format.h>
 #include <tbb/blocked_range.h>
@@ -224,14 +226,21 @@ Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float*
         ++s.stats.fetches;
       }
     }
+    // A failure is said when it happens (once for this write): a checkpoint takes the weights from the
+    // optimizer's copy and never reads this one, so after the run's last step nothing else would (the unit's
+    // next load fails on it otherwise).
+    auto said = std::make_shared<std::atomic<bool>>(false);
     for (size_t off = 0; off < n; off += chunk) {
       const size_t len = std::min(chunk, n - off);
       const size_t k = (offset + off) / chunk;
       if (reads != nullptr) {
         // In order behind the key's earlier writes on the same queue.
         r.chunk_writes[k] = s.copies.nvme.submit(
-            [st = s.store, key = r.nvme_keys[k], src = host + off, len] {
-              return st->write(key, src, len * sizeof(float));
+            [st = s.store, key = r.nvme_keys[k], src = host + off, len, name = r.info.name, said] {
+              Status written = st->write(key, src, len * sizeof(float));
+              if (!written.is_ok() && !said->exchange(true))
+                STRATA_LOG_WARN("offload: writing unit '{}' home failed: {}", name, written.to_string());
+              return written;
             },
             len * sizeof(float));
         reads->push_back(r.chunk_writes[k]);

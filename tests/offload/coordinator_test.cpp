@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "common/log.h"
 #include "common/rng.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/fast.h"
@@ -551,9 +552,14 @@ TEST(CoordinatorTest, AFailedHomeWriteIsReadFromTheDeviceCopyWhileThereIsOne) {
   rig.use_pending_hint();
   rig.record_step_and_update();
   rig.fault->set_enabled(true);
+  ::testing::internal::CaptureStderr();
   rig.forward();
   for (const CopyTicket& t : rig.copies) (void)t.wait();
+  logger().flush();
+  const std::string said = ::testing::internal::GetCapturedStderr();
   rig.fault->set_enabled(false);
+  // The failure is said when it happens, naming the unit: nothing may read that copy again.
+  EXPECT_NE(said.find("offload: writing unit '"), std::string::npos) << said;
   const int last = kUnits - 1;
   ASSERT_TRUE(rig.coord->residency(last, StateClass::kParams).on_device);
   ASSERT_FALSE(rig.coord->residency(0, StateClass::kParams).on_device);
