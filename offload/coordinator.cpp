@@ -229,7 +229,7 @@ Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float*
     // A failure is said when it happens (once for this write): a checkpoint takes the weights from the
     // optimizer's copy and never reads this one, so after the run's last step nothing else would (the unit's
     // next load fails on it otherwise).
-    auto said = std::make_shared<std::atomic<bool>>(false);
+    auto said = reads != nullptr ? std::make_shared<std::atomic<bool>>(false) : nullptr;
     for (size_t off = 0; off < n; off += chunk) {
       const size_t len = std::min(chunk, n - off);
       const size_t k = (offset + off) / chunk;

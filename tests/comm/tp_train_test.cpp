@@ -71,6 +71,14 @@ class TensorParallelTest : public TrainerTest {
     }
   }
 
+  // Parameters in host memory and Adam on NVMe, per rank (ZeRO-3 over a data-parallel group of one).
+  json host_params_adam_on_nvme() const {
+    return {{"stage", 3},
+            {"offload_param", {{"device", "cpu"}}},
+            {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
+            {"sub_group_size", 3000}};
+  }
+
   // Validation losses (steps 3 and 6), from a metrics file.
   static std::vector<double> val_losses(const fs::path& metrics) {
     std::ifstream in(metrics);
@@ -104,10 +112,7 @@ TEST_F(TensorParallelTest, TwoRanksMatchOneProcess) {
   const SharedDir shared_dir(world, "strata_tp_test");
   ASSERT_FALSE(shared_dir.path.empty());
   const fs::path& shared = shared_dir.path;
-  const json offload = {{"stage", 3},
-                        {"offload_param", {{"device", "cpu"}}},
-                        {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
-                        {"sub_group_size", 3000}};
+  const json offload = host_params_adam_on_nvme();
   const std::vector<TpRun> runs = {
       {"tp2", 2, 1, 6},
       {"tp2resumed", 2, 1, 3},
@@ -166,10 +171,7 @@ TEST_F(TensorParallelTest, AFineTuneSplitsTheFilesWeightsOverTheGroup) {
     j["training"]["init_from"] = (dir_ / "first" / "step_000002").string();
     return j;
   };
-  const json offload = {{"stage", 3},
-                        {"offload_param", {{"device", "cpu"}}},
-                        {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", (dir_ / "swap").string()}}},
-                        {"sub_group_size", 3000}};
+  const json offload = host_params_adam_on_nvme();
   for (const auto& [name, zero] : {std::pair<std::string, json>{"tp2", json::object()},
                                    std::pair<std::string, json>{"tp2offload", offload}}) {
     SCOPED_TRACE(name);
