@@ -171,13 +171,7 @@ class SafetensorsWeights final : public WeightsFile {
   }
 
   Status read(const TensorSpec& spec, float* dst) const override {
-    const std::string name = file_name(spec.name);
-    const SafetensorsEntry* e = file_.find(name);
-    if (e == nullptr) return Status::not_found("{}: no tensor '{}'", path_, name);
-    if (e->shape != file_shape(spec)) {
-      return Status::invalid_argument("{}: tensor '{}' is {}, wanted {}", path_, name, shape_text(e->shape),
-                                      shape_text(file_shape(spec)));
-    }
+    STRATA_ASSIGN_OR_RETURN(const SafetensorsEntry* e, entry(spec));
     if (format_ != WeightsFormat::kHuggingFace || !hf_transposed(spec.name)) {
       to_f32(e->dtype, e->data, dst, spec.numel());
     } else {
@@ -189,12 +183,48 @@ class SafetensorsWeights final : public WeightsFile {
     return Status::ok();
   }
 
+  Status read_range(const TensorSpec& spec, size_t offset, size_t n, float* dst) const override {
+    STRATA_ASSIGN_OR_RETURN(const SafetensorsEntry* e, entry(spec));
+    STRATA_RETURN_IF_ERROR(check_range(spec, offset, n));
+    const size_t esize = dtype_size(e->dtype);
+    if (format_ != WeightsFormat::kHuggingFace || !hf_transposed(spec.name)) {
+      to_f32(e->dtype, e->data + offset * esize, dst, n);
+      release_mapped_pages(e->data + offset * esize, n * esize);
+      return Status::ok();
+    }
+    // Rows [r0, r1) of ours are columns of the file's (cols, rows): read column by column of ours, each a
+    // contiguous run of the file's row c.
+    const size_t rows = static_cast<size_t>(spec.shape[0]), cols = static_cast<size_t>(spec.shape[1]);
+    const size_t r0 = offset / cols, r1 = (offset + n + cols - 1) / cols;
+    std::vector<float> run(r1 - r0);
+    for (size_t c = 0; c < cols; ++c) {
+      to_f32(e->dtype, e->data + (c * rows + r0) * esize, run.data(), run.size());
+      for (size_t r = r0; r < r1; ++r) {
+        const size_t at = r * cols + c;
+        if (at >= offset && at < offset + n) dst[at - offset] = run[r - r0];
+      }
+    }
+    if (offset + n == spec.numel()) release_mapped_pages(e->data, e->nbytes());  // its last piece
+    return Status::ok();
+  }
+
  private:
   SafetensorsWeights(WeightsFormat format, std::string path, SafetensorsFile file, std::string prefix)
       : WeightsFile(format, std::move(path)), file_(std::move(file)), prefix_(std::move(prefix)) {}
 
   std::string file_name(const std::string& ours) const {
     return format_ == WeightsFormat::kHuggingFace ? prefix_ + hf_name(ours) : ours;
+  }
+  // The file's tensor for ours, with the shape `spec` wants.
+  Result<const SafetensorsEntry*> entry(const TensorSpec& spec) const {
+    const std::string name = file_name(spec.name);
+    const SafetensorsEntry* e = file_.find(name);
+    if (e == nullptr) return Status::not_found("{}: no tensor '{}'", path_, name);
+    if (e->shape != file_shape(spec)) {
+      return Status::invalid_argument("{}: tensor '{}' is {}, wanted {}", path_, name, shape_text(e->shape),
+                                      shape_text(file_shape(spec)));
+    }
+    return e;
   }
   std::vector<int64_t> file_shape(const TensorSpec& s) const {
     return format_ == WeightsFormat::kHuggingFace ? hf_shape(s) : s.shape;
@@ -355,17 +385,20 @@ class LlmcWeights final : public WeightsFile {
 
   Status check(const GPT2Config& want) const override { return check_sizes(want); }
 
-  Status read(const TensorSpec& spec, float* dst) const override {
+  Status read(const TensorSpec& spec, float* dst) const override { return read_range(spec, 0, spec.numel(), dst); }
+
+  Status read_range(const TensorSpec& spec, size_t offset, size_t n, float* dst) const override {
     STRATA_ASSIGN_OR_RETURN(auto place, llmc_place(spec.name));
     const auto [i, block] = place;
     const std::array<size_t, 16> sizes = llmc_sizes(config_, padded_vocab_);
     const size_t per = llmc_per_block(i) ? sizes[i] / static_cast<size_t>(config_.n_layer) : sizes[i];
-    const size_t n = spec.numel();
-    if (block >= static_cast<size_t>(config_.n_layer) || n > per) {  // wte: the first V of Vp rows
-      return Status::invalid_argument("{}: tensor '{}' ({} values) is not in this llm.c model", path_, spec.name, n);
+    if (block >= static_cast<size_t>(config_.n_layer) || spec.numel() > per) {  // wte: the first V of Vp rows
+      return Status::invalid_argument("{}: tensor '{}' ({} values) is not in this llm.c model", path_, spec.name,
+                                      spec.numel());
     }
+    STRATA_RETURN_IF_ERROR(check_range(spec, offset, n));
     const std::byte* src = static_cast<const std::byte*>(map_) + kLlmcHeaderInts * sizeof(int32_t) +
-                           (offset_[i] + block * per) * element_bytes();
+                           (offset_[i] + block * per + offset) * element_bytes();
     to_f32(bf16_ ? DType::kBF16 : DType::kF32, src, dst, n);
     release_mapped_pages(src, n * element_bytes());  // read once: the file need not stay in the resident set
     return Status::ok();
@@ -541,6 +574,12 @@ Result<std::unique_ptr<WeightsFile>> WeightsFile::open(const std::string& path) 
         "not an llm.c model file (no magic number 20240326 at its start), nor a readable safetensors file");
   }
   return SafetensorsWeights::open(path, std::move(file).value());
+}
+
+Status WeightsFile::check_range(const TensorSpec& spec, size_t offset, size_t n) const {
+  if (offset <= spec.numel() && n <= spec.numel() - offset) return Status::ok();
+  return Status::invalid_argument("{}: elements [{}, {}) of tensor '{}', which has {}", path_, offset, offset + n,
+                                  spec.name, spec.numel());
 }
 
 Status WeightsFile::check_sizes(const GPT2Config& want) const {

@@ -56,10 +56,14 @@ class WeightsFile {
   virtual Status check(const GPT2Config& want) const = 0;
   // The tensor Strata names spec.name (a spec of gpt2_unit_layouts(config())), as fp32 in Strata's orientation.
   virtual Status read(const TensorSpec& spec, float* dst) const = 0;
+  // Elements [offset, offset + n) of that tensor (row-major, in Strata's orientation) into dst[0..n): a tensor
+  // read in pieces, each piece's pages released as it is read (InvalidArgument for a range past its end).
+  virtual Status read_range(const TensorSpec& spec, size_t offset, size_t n, float* dst) const = 0;
 
  protected:
   WeightsFile(WeightsFormat format, std::string path) : format_(format), path_(std::move(path)) {}
   Status check_sizes(const GPT2Config& want) const;  // the config fields the file knows against `want`
+  Status check_range(const TensorSpec& spec, size_t offset, size_t n) const;  // [offset, offset + n) inside it
 
   WeightsFormat format_;
   std::string path_;

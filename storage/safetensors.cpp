@@ -285,9 +285,21 @@ Result<std::span<const std::byte>> SafetensorsFile::expect(std::string_view name
 
 Status SafetensorsFile::read_into(std::string_view name, DType dtype, std::span<const int64_t> shape,
                                   void* dst) const {
+  size_t numel = 1;
+  for (const int64_t d : shape) numel *= static_cast<size_t>(d);
+  return read_range(name, dtype, shape, 0, numel, dst);
+}
+
+Status SafetensorsFile::read_range(std::string_view name, DType dtype, std::span<const int64_t> shape, size_t first,
+                                   size_t count, void* dst) const {
   STRATA_ASSIGN_OR_RETURN(std::span<const std::byte> bytes, expect(name, dtype, shape));
-  std::memcpy(dst, bytes.data(), bytes.size());
-  release_mapped_pages(bytes.data(), bytes.size());
+  const size_t esize = dtype_size(dtype), numel = bytes.size() / esize;
+  if (first > numel || count > numel - first)
+    return Status::invalid_argument("{}: elements [{}, {}) of tensor '{}', which has {}", path_, first, first + count,
+                                    name, numel);
+  const std::span<const std::byte> piece = bytes.subspan(first * esize, count * esize);
+  std::memcpy(dst, piece.data(), piece.size());
+  release_mapped_pages(piece.data(), piece.size());
   return Status::ok();
 }
 

@@ -90,6 +90,10 @@ class SafetensorsFile {
   Result<std::span<const std::byte>> expect(std::string_view name, DType dtype, std::span<const int64_t> shape) const;
   // expect(), copied to dst (the tensor's size), and its pages released from the resident set.
   Status read_into(std::string_view name, DType dtype, std::span<const int64_t> shape, void* dst) const;
+  // The same for elements [first, first + count) of the tensor only (InvalidArgument past its end): a tensor
+  // read in pieces, each piece's pages released as it is copied.
+  Status read_range(std::string_view name, DType dtype, std::span<const int64_t> shape, size_t first, size_t count,
+                    void* dst) const;
 
   const std::vector<SafetensorsEntry>& tensors() const { return entries_; }  // in data-offset order
   std::vector<std::string> names() const;                                  // in data-offset order

@@ -226,6 +226,36 @@ TEST_F(ForeignWeightsTest, LlmcFilesLoadFromTheirLayerStackedTensors) {
   EXPECT_TRUE(load(write_llmc(3, kConfig.vocab_size, "unpadded.bin")) == weights_);
 }
 
+// read_range gives every tensor of every layout piece by piece, the same bits as read() — also the Conv1D
+// weights Hugging Face stores transposed, whose pieces start and end inside rows — and refuses a range past a
+// tensor's end naming it.
+TEST_F(ForeignWeightsTest, EveryLayoutReadsATensorInPiecesAsWhole) {
+  ASSERT_OK_AND_ASSIGN(auto model, make_model(7));
+  const std::string ours = (dir_ / "ours.safetensors").string();
+  ASSERT_OK(save_model(*model, ours));
+  for (const std::string& path : {ours, write_hf("", DType::kF32, true), write_hf("", DType::kBF16, false, "b.st"),
+                                  write_llmc(3, 64), write_llmc(5, 64, "b.bin")}) {
+    ASSERT_OK_AND_ASSIGN(auto file, WeightsFile::open(path));
+    for (const auto& [unit, layout] : gpt2_unit_layouts(kConfig)) {
+      for (const TensorSpec& s : layout.specs()) {
+        std::vector<float> whole(s.numel());
+        ASSERT_OK(file->read(s, whole.data()));
+        for (const size_t piece : {size_t{1}, size_t{7}, size_t{33}}) {
+          std::vector<float> got(s.numel(), -1.0f);
+          for (size_t at = 0; at < s.numel(); at += piece)
+            ASSERT_OK(file->read_range(s, at, std::min(piece, s.numel() - at), got.data() + at));
+          ASSERT_EQ(got, whole) << path << ": " << s.name << " in pieces of " << piece;
+        }
+      }
+    }
+    float x = 0;
+    const TensorSpec& wpe = spec("wpe");
+    const Status past = file->read_range(wpe, wpe.numel(), 1, &x);
+    EXPECT_EQ(past.code(), StatusCode::kInvalidArgument) << past.to_string();
+    EXPECT_NE(past.to_string().find("'wpe'"), std::string::npos) << past.to_string();
+  }
+}
+
 TEST_F(ForeignWeightsTest, ExportWritesEachLayoutAndReadsBackBitwise) {
   ASSERT_OK_AND_ASSIGN(auto model, make_model(7));
   const std::string ours = (dir_ / "ours.safetensors").string();

@@ -206,6 +206,39 @@ TEST_F(SafetensorsTest, ReadIntoLeavesTheFileOutOfTheResidentSet) {
                {"'t0'"});
 }
 
+// read_range hands a tensor over in pieces (also of bf16 tensors, whose elements are 2 bytes): every piece holds
+// the file's elements, pieces that share a page read correctly after the one before dropped it, and a range past
+// the tensor's end is refused naming it.
+TEST_F(SafetensorsTest, ReadRangeReadsATensorPieceByPiece) {
+  constexpr size_t kFloats = 10'000, kHalves = 3'001;
+  std::vector<float> a(kFloats);
+  std::vector<uint16_t> b(kHalves);
+  for (size_t i = 0; i < kFloats; ++i) a[i] = static_cast<float>(i) * 0.5f;
+  for (size_t i = 0; i < kHalves; ++i) b[i] = static_cast<uint16_t>(i * 7);
+  const std::vector<int64_t> sa = {100, 100}, sb = {static_cast<int64_t>(kHalves)};
+  const std::vector<SafetensorsTensor> tensors = {{"a", DType::kF32, sa, a.data(), {}},
+                                                  {"b", DType::kBF16, sb, b.data(), {}}};
+  ASSERT_TRUE(write_safetensors(path("r.safetensors"), tensors).is_ok());
+  auto f = SafetensorsFile::open(path("r.safetensors"));
+  ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+  for (const size_t piece : {size_t{1}, size_t{999}, size_t{4096}, kFloats}) {
+    std::vector<float> got(kFloats, -1.0f);
+    for (size_t at = 0; at < kFloats; at += piece) {
+      const size_t n = std::min(piece, kFloats - at);
+      ASSERT_TRUE(f->read_range("a", DType::kF32, sa, at, n, got.data() + at).is_ok()) << at;
+    }
+    EXPECT_EQ(got, a) << "pieces of " << piece;
+  }
+  std::vector<uint16_t> halves(kHalves, 0xFFFF);
+  ASSERT_TRUE(f->read_range("b", DType::kBF16, sb, 0, 1000, halves.data()).is_ok());
+  ASSERT_TRUE(f->read_range("b", DType::kBF16, sb, 1000, kHalves - 1000, halves.data() + 1000).is_ok());
+  EXPECT_EQ(halves, b);
+  std::vector<float> dst(2);
+  expect_error(f->read_range("a", DType::kF32, sa, kFloats - 1, 2, dst.data()), StatusCode::kInvalidArgument,
+               {"'a'", "[9999, 10001)", "10000"});
+  expect_error(f->read_range("a", DType::kBF16, sa, 0, 1, dst.data()), StatusCode::kInvalidArgument, {"'a'"});
+}
+
 TEST_F(SafetensorsTest, MissingFile) {
   expect_error(SafetensorsFile::open(path("nope.safetensors")).status(), StatusCode::kNotFound, {"nope.safetensors"});
 }
