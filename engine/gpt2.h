@@ -49,9 +49,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "common/rng.h"
 #include "common/status.h"
 #include "common/tensor.h"
 #include "kernels/device.h"
@@ -102,6 +104,28 @@ struct PipelineStage {
 // (kDevice), with the inputs held in host memory between forward and backward (kHost). The recomputed
 // activations are bitwise the forward's, so training results do not change.
 enum class ActivationCheckpointing : uint8_t { kNone, kDevice, kHost };
+
+class GPT2;
+
+// GPT-2's initial weights (init_gpt2's), made in the order of the model's units and of their elements: init_gpt2
+// takes them a whole unit at a time, a load through the optimizer (engine/checkpoint.h init_model) a piece at a
+// time. Pieces come in order (a piece before the end of the last one given is an error); what lies between is
+// drawn and dropped, so every element has the value init_gpt2 gives it. Whole tensors, as whole_layout(u).
+class GPT2Init {
+ public:
+  GPT2Init(const GPT2& model, uint64_t seed);
+  // Elements [offset, offset + dst.size()) of unit `unit`.
+  Status fill(size_t unit, size_t offset, std::span<float> dst);
+
+ private:
+  // Draws and drops the random numbers of unit unit_'s elements [at_, end) (what fill skips).
+  void skip_to(size_t end);
+
+  const GPT2& model_;
+  Rng rng_;
+  double residual_std_;
+  size_t unit_ = 0, at_ = 0;  // the next element to make
+};
 
 class GPT2 {
  public:
