@@ -22,6 +22,7 @@
 #include "common/units.h"
 #include "engine/bench_kernels.h"
 #include "engine/bench_step.h"
+#include "engine/checkpoint.h"
 #include "engine/gpt2.h"
 #include "engine/offload_runtime.h"
 #include "engine/optimizer.h"
@@ -242,8 +243,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
       opt = &*plain_opt;
     }
     m.set_activation_checkpointing(ckpt, rt ? &rt->pool() : ckpt_pool.get());
-    if (Status st = m.init_gpt2(o.seed); !st.is_ok()) return fail(st);
-    if (Status st = opt->adopt_params(); !st.is_ok()) return fail(st);
+    if (Status st = init_model(m, *opt, o.seed); !st.is_ok()) return fail(st);
     // Written when this scope ends, after a failed step too (the timeline up to it explains it), and before
     // the runtime's threads go.
     struct TraceFile {

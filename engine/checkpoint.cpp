@@ -126,13 +126,6 @@ std::vector<SafetensorsTensor> tensors_of(const GPT2& model, const std::vector<s
   return out;
 }
 
-// Reads the tensors of `layout` (a whole unit's) named `prefix + spec.name` into `dst`.
-Status read_unit(const SafetensorsFile& f, const FlatLayout& layout, const std::string& prefix, float* dst) {
-  for (const TensorSpec& s : layout.specs())
-    STRATA_RETURN_IF_ERROR(f.read_into(prefix + s.name, DType::kF32, s.shape, dst + s.offset));
-  return Status::ok();
-}
-
 Status write_whole_moments(const GPT2& model, Optimizer& opt, size_t u, const float* m, const float* v) {
   if (!model.tensor_parallel()) return opt.write_moments(u, m, v);
   std::vector<float> lm(model.units()[u].numel()), lv(lm.size());
@@ -173,10 +166,74 @@ Status save_model(const GPT2& model, const std::string& path) {
   return write_safetensors(path, tensors, model_metadata(model.config()));
 }
 
-Status load_model(GPT2& model, const std::string& path_or_folder) {
+namespace {
+
+// A weights file that holds exactly `model`'s tensors (every one checked before anything is written).
+Result<std::unique_ptr<WeightsFile>> open_weights(const GPT2& model, const std::string& path_or_folder) {
   STRATA_ASSIGN_OR_RETURN(const std::string path, weights_path(path_or_folder));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> file, WeightsFile::open(path));
-  STRATA_RETURN_IF_ERROR(file->check(model.config()));  // every tensor before anything is written
+  STRATA_RETURN_IF_ERROR(file->check(model.config()));
+  if (file->format() != WeightsFormat::kStrata)
+    STRATA_LOG_INFO("reading {} ({} weights)", path, weights_format_name(file->format()));
+  return file;
+}
+
+// Elements [offset, offset + dst.size()) of a unit of `layout` from `read` (elements [from, from + n) of one of
+// its tensors into a pointer), tensor by tensor.
+using TensorRangeFn = std::function<Status(const TensorSpec& s, size_t from, size_t n, float* dst)>;
+Status read_unit_range(const FlatLayout& layout, size_t offset, std::span<float> dst, const TensorRangeFn& read) {
+  const size_t end = offset + dst.size();
+  for (const TensorSpec& s : layout.specs()) {
+    const size_t lo = std::max(offset, s.offset), hi = std::min(end, s.offset + s.numel());
+    if (lo < hi) STRATA_RETURN_IF_ERROR(read(s, lo - s.offset, hi - lo, dst.data() + (lo - offset)));
+  }
+  return Status::ok();
+}
+
+// State k (0: weights, 1: Adam's m, 2: v) of unit u, elements [offset, offset + dst.size()) of its whole layout.
+using UnitFill = std::function<Status(size_t u, int k, size_t offset, std::span<float> dst)>;
+
+// Every unit's weights and Adam moments from `fill`: through opt.load_state, a sub-group at a time, where the
+// optimizer takes them (not under tensor parallelism, whose units are slices of the whole tensors `fill`
+// gives); the other units whole, their weights through write_params and then, with `moments`, their m and v
+// through write_moments, else (moments zero) opt.adopt_params() once all are written — which takes the
+// streamed units again too, with the same result; optimizers take all units or none, so it does not come to
+// that but under tensor parallelism, where none is streamed. Units in order, each's weights before its moments.
+Status load_units(GPT2& model, Optimizer& opt, const UnitFill& fill, bool moments) {
+  bool adopt = false;
+  std::vector<float> w, m, v;
+  for (size_t u = 0; u < model.units().size(); ++u) {
+    if (!model.tensor_parallel()) {
+      STRATA_ASSIGN_OR_RETURN(
+          const bool taken,
+          opt.load_state(u, [&](int k, size_t offset, std::span<float> dst) { return fill(u, k, offset, dst); }));
+      if (taken) continue;
+    }
+    w.resize(model.whole_layout(u).numel());
+    STRATA_RETURN_IF_ERROR(fill(u, 0, 0, w));
+    STRATA_RETURN_IF_ERROR(model.write_params(u, w.data()));
+    if (!moments) {
+      adopt = true;
+      continue;
+    }
+    m.resize(w.size());
+    v.resize(w.size());
+    STRATA_RETURN_IF_ERROR(fill(u, 1, 0, m));
+    STRATA_RETURN_IF_ERROR(fill(u, 2, 0, v));
+    STRATA_RETURN_IF_ERROR(write_whole_moments(model, opt, u, m.data(), v.data()));
+  }
+  return adopt ? opt.adopt_params() : Status::ok();
+}
+
+Status zeros(std::span<float> dst) {
+  std::fill(dst.begin(), dst.end(), 0.0f);
+  return Status::ok();
+}
+
+}  // namespace
+
+Status load_model(GPT2& model, const std::string& path_or_folder) {
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> file, open_weights(model, path_or_folder));
   std::vector<float> unit;
   for (size_t i = 0; i < model.units().size(); ++i) {
     const FlatLayout& layout = model.whole_layout(i);
@@ -184,9 +241,27 @@ Status load_model(GPT2& model, const std::string& path_or_folder) {
     for (const TensorSpec& s : layout.specs()) STRATA_RETURN_IF_ERROR(file->read(s, unit.data() + s.offset));
     STRATA_RETURN_IF_ERROR(model.write_params(i, unit.data()));
   }
-  if (file->format() != WeightsFormat::kStrata)
-    STRATA_LOG_INFO("read {} ({} weights)", path, weights_format_name(file->format()));
   return Status::ok();
+}
+
+Status load_model(GPT2& model, Optimizer& opt, const std::string& path_or_folder) {
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> file, open_weights(model, path_or_folder));
+  auto fill = [&](size_t u, int k, size_t offset, std::span<float> dst) {
+    if (k != 0) return zeros(dst);
+    return read_unit_range(model.whole_layout(u), offset, dst,
+                           [&](const TensorSpec& s, size_t from, size_t n, float* p) {
+                             return file->read_range(s, from, n, p);
+                           });
+  };
+  return load_units(model, opt, fill, /*moments=*/false);
+}
+
+Status init_model(GPT2& model, Optimizer& opt, uint64_t seed) {
+  GPT2Init init(model, seed);
+  auto fill = [&](size_t u, int k, size_t offset, std::span<float> dst) {
+    return k == 0 ? init.fill(u, offset, dst) : zeros(dst);
+  };
+  return load_units(model, opt, fill, /*moments=*/false);
 }
 
 namespace {
@@ -522,17 +597,24 @@ Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimiz
     return Status::corruption("{}: missing or malformed field: {}", (dir / "state.json").string(), e.what());
   }
   if (check) STRATA_RETURN_IF_ERROR(check(st));
-  STRATA_RETURN_IF_ERROR(load_model(model, (dir / "model.safetensors").string()));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> weights,
+                          open_weights(model, (dir / "model.safetensors").string()));
   STRATA_ASSIGN_OR_RETURN(SafetensorsFile f, SafetensorsFile::open((dir / "optimizer.safetensors").string()));
-  // After the parameters: an offloaded optimizer takes its master weights from them.
-  std::vector<float> m, v;
-  for (size_t i = 0; i < model.units().size(); ++i) {
-    m.resize(model.whole_layout(i).numel());
-    v.resize(m.size());
-    STRATA_RETURN_IF_ERROR(read_unit(f, model.whole_layout(i), "m.", m.data()));
-    STRATA_RETURN_IF_ERROR(read_unit(f, model.whole_layout(i), "v.", v.data()));
-    STRATA_RETURN_IF_ERROR(write_whole_moments(model, opt, i, m.data(), v.data()));
+  static constexpr const char* kMoments[] = {"m.", "v."};
+  for (size_t i = 0; i < model.units().size(); ++i) {  // every tensor before anything is written
+    for (const TensorSpec& s : model.whole_layout(i).specs()) {
+      for (const char* prefix : kMoments)
+        STRATA_RETURN_IF_ERROR(f.expect(prefix + s.name, DType::kF32, s.shape).status());
+    }
   }
+  auto fill = [&](size_t u, int k, size_t offset, std::span<float> dst) {
+    return read_unit_range(model.whole_layout(u), offset, dst, [&](const TensorSpec& s, size_t from, size_t n,
+                                                                   float* p) {
+      if (k == 0) return weights->read_range(s, from, n, p);
+      return f.read_range(kMoments[k - 1] + s.name, DType::kF32, s.shape, from, n, p);
+    });
+  };
+  STRATA_RETURN_IF_ERROR(load_units(model, opt, fill, /*moments=*/true));
   return st;
 }
 

@@ -69,6 +69,13 @@ Status save_model(const GPT2& model, const std::string& path);
 // GPT-2 or an llm.c model file (engine/foreign_weights.h); every tensor is checked before any is written, and
 // errors name the file, the tensor and the config key that disagrees.
 Status load_model(GPT2& model, const std::string& path_or_folder);
+// The same into a model and its optimizer at the start of a run: the weights become the optimizer's master
+// weights too and its moments zero (what load_model then opt.adopt_params() gives), a sub-group at a time
+// straight from the file where the optimizer keeps its state offloaded (Optimizer::load_state), so that
+// a large model's units are never held whole outside the host budget.
+Status load_model(GPT2& model, Optimizer& opt, const std::string& path_or_folder);
+// GPT-2's initial weights (GPT2::init_gpt2's, the same bits) into a model and its optimizer likewise.
+Status init_model(GPT2& model, Optimizer& opt, uint64_t seed);
 
 // For a run that does not resume: `checkpoint_dir` must hold no checkpoint (an earlier run's, which this run's
 // saves would replace step by step and prune); the error says which it found and the ways on.
@@ -87,8 +94,9 @@ Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt, const std::fun
 
 // Resolves `path` (a step directory, or a checkpoint_dir containing `latest`; in a checkpoint_dir without one,
 // left by a run stopped between its first save and writing `latest`, the complete step folder with the
-// highest step) and restores model, optimizer and state. The model config in the checkpoint must equal the
-// model's; the error names the field.
+// highest step) and restores model, optimizer and state (every tensor of both files checked before any is
+// written; offloaded state a sub-group at a time, as load_model with an optimizer). The model config in the
+// checkpoint must equal the model's; the error names the field.
 // `check`, when given, sees the state before anything is loaded (minutes for a large model): an error from it
 // is returned as is.
 Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimizer& opt,

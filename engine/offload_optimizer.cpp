@@ -164,6 +164,30 @@ Result<std::span<const float>> OffloadedAdamW::state_view(size_t unit, int k, si
                                   model_->units()[unit].name, model_->units()[unit].numel());
 }
 
+Result<bool> OffloadedAdamW::load_state(size_t unit, const StateFill& fill) {
+  if (!model_->holds(unit)) return true;       // another pipeline stage's
+  if (coordinator_->sharded()) return false;  // ZeRO-3 over ranks: write_params keeps this rank's part
+  STRATA_RETURN_IF_ERROR(finish());
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    const Group& g = groups_[i];
+    if (g.unit != unit) continue;
+    const size_t n = g.spec.numel;
+    auto load = [&](float* master, float* m, float* v) -> Status {
+      STRATA_RETURN_IF_ERROR(fill(0, g.offset, {master, n}));
+      STRATA_RETURN_IF_ERROR(coordinator_->write_params(unit, g.offset, n, master));
+      STRATA_RETURN_IF_ERROR(fill(1, g.offset, {m, n}));
+      return fill(2, g.offset, {v, n});
+    };
+    if (swapper_) {
+      STRATA_RETURN_IF_ERROR(swapper_->initialize(i, load));
+    } else {
+      float* st = g.state.as<float>();
+      STRATA_RETURN_IF_ERROR(load(st, st + n, st + 2 * n));
+    }
+  }
+  return true;
+}
+
 Status OffloadedAdamW::gather_moments(size_t unit, float* m, float* v) {
   if (reducer_ == nullptr) return Status::internal("ZeRO-3: the offloaded optimizer has no data-parallel group");
   const offload::ShardRange sh = coordinator_->shard(unit);

@@ -121,6 +121,7 @@ class OffloadedAdamW final : public Optimizer {
   // A sub-group's state in its host buffer, or read from NVMe into the swapper's first staging slot; empty for
   // a unit sharded over ranks or held by another pipeline stage (read_params and read_moments gather those).
   Result<std::span<const float>> state_view(size_t unit, int k, size_t offset) override;
+  Result<bool> load_state(size_t unit, const StateFill& fill) override;
 
   // Of the last completed update (step() returns before its update completes).
   const OffloadedStepStats& last_step_stats() const { return stats_; }

@@ -5,6 +5,7 @@
 // kernels parallelise inside.
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <span>
 #include <vector>
@@ -69,6 +70,20 @@ class Optimizer {
   virtual Result<std::span<const float>> state_view(size_t unit, int k, size_t offset) {
     (void)unit, (void)k, (void)offset;
     return std::span<const float>();
+  }
+  // Fills dst with state k of a unit (0: the weights, 1: Adam's m, 2: v) from element `offset` on.
+  using StateFill = std::function<Status(int k, size_t offset, std::span<float> dst)>;
+  // Takes unit i's weights, m and v from `fill` a sub-group at a time, straight into where this optimizer keeps
+  // them (host memory, or a staging slot on its way to NVMe), and makes the weights the model's parameters as
+  // well: a checkpoint or initial weights loaded so stay within the host budget, instead of a whole unit's
+  // weights, m and v in vectors beside it. `fill` is asked for each piece's weights, then its m and v, pieces in
+  // increasing offset order; offsets are in the unit's layout on this rank (callers under tensor parallelism,
+  // whose units are slices, do not call it). Returns false, having called nothing, where this optimizer keeps no
+  // such copy of the unit (then write_params and write_moments or adopt_params); true for a unit this pipeline
+  // stage does not hold (nothing to load here).
+  virtual Result<bool> load_state(size_t unit, const StateFill& fill) {
+    (void)unit, (void)fill;
+    return false;
   }
   // Completes an update still running in the background (OffloadedAdamW overlaps it with the next forward);
   // call before reading the parameters other than through the model's own forward (checkpoints).

@@ -252,12 +252,10 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     if (!tc.init_from.empty())
       STRATA_LOG_WARN("training.init_from ({}) is not used: the run resumed with the checkpoint's weights", tc.init_from);
   } else if (!tc.init_from.empty()) {
-    STRATA_RETURN_IF_ERROR(load_model(*model, tc.init_from).with_context("training.init_from"));
-    STRATA_RETURN_IF_ERROR(opt->adopt_params());
+    STRATA_RETURN_IF_ERROR(load_model(*model, *opt, tc.init_from).with_context("training.init_from"));
     STRATA_LOG_INFO("initialised weights from {}", tc.init_from);
   } else {
-    STRATA_RETURN_IF_ERROR(model->init_gpt2(static_cast<uint64_t>(tc.seed)));
-    STRATA_RETURN_IF_ERROR(opt->adopt_params());
+    STRATA_RETURN_IF_ERROR(init_model(*model, *opt, static_cast<uint64_t>(tc.seed)));
   }
 
   for (const std::string& key : config.offload.not_acted_on) {

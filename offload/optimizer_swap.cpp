@@ -136,25 +136,35 @@ void OptimizerSwapper::rollback() {
 }
 
 Status OptimizerSwapper::initialize(size_t g, const float* master, const float* m, const float* v) {
+  const size_t bytes = g < groups_.size() ? groups_[g].numel * sizeof(float) : 0;
+  return initialize(g, [&](float* master_dst, float* m_dst, float* v_dst) {
+    std::memcpy(master_dst, master, bytes);
+    const float* from[] = {m, v};
+    float* to[] = {m_dst, v_dst};
+    for (int k = 0; k < 2; ++k) {
+      if (from[k] != nullptr) {
+        std::memcpy(to[k], from[k], bytes);
+      } else {
+        std::memset(to[k], 0, bytes);
+      }
+    }
+    return Status::ok();
+  });
+}
+
+Status OptimizerSwapper::initialize(size_t g, const FillFn& fill) {
   if (g >= groups_.size()) return Status::invalid_argument("optimizer swap: no sub-group {}", g);
   // New contents replace whatever a step left undecided; they are written as the other version, which becomes
   // current once all three keys are written (a refused write leaves the state as it was). The staging slot's
   // writes finish first: were they g's, they would otherwise land in the version freed here.
   Slot& slot = *slots_[0];
   STRATA_RETURN_IF_ERROR(finish_writes(slot));
+  STRATA_RETURN_IF_ERROR(fill(slot.region(region_floats_, 0), slot.region(region_floats_, 1),
+                              slot.region(region_floats_, 2)));
   const int next = version_[g] ^ 1;
   free_version(g, next);
   pending_[g] = false;
   const size_t bytes = groups_[g].numel * sizeof(float);
-  std::memcpy(slot.region(region_floats_, 0), master, bytes);
-  const float* moments[] = {m, v};
-  for (int k = 1; k < 3; ++k) {
-    if (moments[k - 1] != nullptr) {
-      std::memcpy(slot.region(region_floats_, k), moments[k - 1], bytes);
-    } else {
-      std::memset(slot.region(region_floats_, k), 0, bytes);
-    }
-  }
   for (int k = 0; k < 3; ++k) {
     if (Status st = store_.write(key(g, kRegionName[k], next), slot.region(region_floats_, k), bytes); !st.is_ok()) {
       free_version(g, next);

@@ -100,6 +100,11 @@ class OptimizerSwapper {
   // Stores sub-group g's fp32 master weights (`master`, group layout) and moments (zeros where null), as a new
   // version that replaces the old once all three keys are written: on failure the old state stays.
   Status initialize(size_t g, const float* master, const float* m = nullptr, const float* v = nullptr);
+  // The same from `fill`, which writes the group's master weights, m and v (each numel floats) straight into a
+  // staging slot: state loaded from files a sub-group at a time, within the pool's budget. An error from it
+  // leaves the state as it was.
+  using FillFn = std::function<Status(float* master, float* m, float* v)>;
+  Status initialize(size_t g, const FillFn& fill);
 
   // One AdamW step over every sub-group (in index order, or the order plan.next gives; a plan that ends early
   // leaves the rest as they were): grads[g] (host fp32, group layout, already reduced; null for a group with a
