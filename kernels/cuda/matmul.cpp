@@ -13,8 +13,10 @@
 // copy of the widest activations. The classifier's GEMMs write and read bf16 logits (classifier.cu).
 //
 // Each distinct problem (shapes, operations, types, pointer alignments) is planned once: descriptors and the
-// heuristic's best algorithm are cached, so a training step does no planning after its first.
+// heuristic's best algorithms (up to 4, the next taken where cublasLtMatmul refuses one) are cached, so a
+// training step does no planning after its first.
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <map>
 #include <tuple>
@@ -67,7 +69,11 @@ struct Plan {
   bool supported = true;
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cublasLtMatmulAlgo_t algo{};
+  // The heuristic's candidates, best first, and the one in use: one that cublasLtMatmul refuses at its first
+  // run gives way to the next (a GELU epilogue falls back only when every candidate refused).
+  static constexpr int kMaxAlgos = 4;
+  std::array<cublasLtMatmulAlgo_t, kMaxAlgos> algos{};
+  int algo_count = 0, algo_index = 0;
 };
 
 using PlanKey =
@@ -143,10 +149,10 @@ Plan make_plan(const CudaContext& ctx, const Gemm& g, int align_a, int align_b, 
                                                     sizeof(uint32_t)));
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &aligns[3],
                                                     sizeof(uint32_t)));
-  cublasLtMatmulHeuristicResult_t result{};
+  std::array<cublasLtMatmulHeuristicResult_t, Plan::kMaxAlgos> results{};
   int found = 0;
-  const cublasStatus_t heuristic =
-      cublasLtMatmulAlgoGetHeuristic(ctx.lt, p.desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
+  const cublasStatus_t heuristic = cublasLtMatmulAlgoGetHeuristic(ctx.lt, p.desc, p.a, p.b, p.d, p.d, pref,
+                                                                  Plan::kMaxAlgos, results.data(), &found);
   CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
   if (g.epilogue != Epilogue::kPlain) {
     // A GELU epilogue cuBLASLt does not take for these types, shapes or alignments: the caller falls back.
@@ -172,7 +178,8 @@ Plan make_plan(const CudaContext& ctx, const Gemm& g, int align_a, int align_b, 
         g.bias != nullptr);
     STRATA_ASSERT_MSG(found > 0, msg.c_str());
   }
-  p.algo = result.algo;
+  p.algo_count = std::min(found, Plan::kMaxAlgos);
+  for (int i = 0; i < p.algo_count; ++i) p.algos[static_cast<size_t>(i)] = results[static_cast<size_t>(i)].algo;
   return p;
 }
 
@@ -206,11 +213,22 @@ bool run_gemm(const Gemm& g) {
   if (!p.supported) return false;
   set_epilogue_pointers(p.desc, g);
   const float alpha = 1.0f;
-  const cublasStatus_t ran = cublasLtMatmul(ctx.lt, p.desc, &alpha, g.a, p.a, g.b, p.b, &g.beta, g.d, p.d, g.d, p.d,
-                                            &p.algo, ctx.lt_workspace, CudaContext::kLtWorkspaceBytes, ctx.compute);
-  if (g.epilogue != Epilogue::kPlain && (ran == CUBLAS_STATUS_NOT_SUPPORTED || ran == CUBLAS_STATUS_INVALID_VALUE)) {
-    // Refused before anything was launched, after the heuristic had offered an algorithm: this problem runs as
-    // the GEMM and the GELU kernel from now on.
+  auto refused = [](cublasStatus_t st) {
+    return st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE;
+  };
+  cublasStatus_t ran = CUBLAS_STATUS_SUCCESS;
+  for (;;) {
+    ran = cublasLtMatmul(ctx.lt, p.desc, &alpha, g.a, p.a, g.b, p.b, &g.beta, g.d, p.d, g.d, p.d,
+                         &p.algos[static_cast<size_t>(p.algo_index)], ctx.lt_workspace,
+                         CudaContext::kLtWorkspaceBytes, ctx.compute);
+    // Refused before anything was launched, after the heuristic had offered the algorithm: its next candidate.
+    if (!refused(ran) || p.algo_index + 1 >= p.algo_count) break;
+    STRATA_LOG_INFO("cuBLASLt refused its algorithm {} of {} for m={} n={} k={} ({}); trying the next",
+                    p.algo_index + 1, p.algo_count, g.m, g.n, g.k, cublasGetStatusString(ran));
+    ++p.algo_index;
+  }
+  if (g.epilogue != Epilogue::kPlain && refused(ran)) {
+    // Every candidate refused: this problem runs as the GEMM and the GELU kernel from now on.
     STRATA_LOG_WARN("cuBLASLt refused its GELU epilogue for m={} n={} k={} ({}); the GEMM and the GELU kernel run "
                     "instead",
                     g.m, g.n, g.k, cublasGetStatusString(ran));
