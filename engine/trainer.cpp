@@ -337,7 +337,10 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   // Every rank ends a checkpoint together, knowing whether every rank's part succeeded, however long the
   // leader's writing takes: a rank that went on as soon as its own part was done could end the job (a signal,
   // an error: MPI_Abort) while the leader was still writing, or fail in the next step's first collective after
-  // the groups' timeout under a long save. Meanwhile the groups wait up to kCheckpointWaitS.
+  // the groups' timeout under a long save. Meanwhile the groups wait up to kCheckpointWaitS. A rank whose own
+  // part failed returns at once (the job then ends, MPI_Abort): the checkpoint cannot be whole without it,
+  // and ranks still sending it their units (the pipeline's later stages to the first) or waiting for its
+  // would otherwise wait out that hour.
   auto checkpoint_together = [&]() -> Status {
     std::vector<std::pair<comm::Communicator*, double>> groups;  // and their own timeouts
     for (comm::Communicator* g : {tp, pp, dp}) {
@@ -345,17 +348,12 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
       groups.emplace_back(g, g->timeout());
       g->set_timeout(std::max(g->timeout(), kCheckpointWaitS));
     }
-    const Status mine = checkpoint();
-    float failed = mine.is_ok() ? 0.0f : 1.0f;
-    Status agreed = Status::ok();
-    for (auto& [g, timeout] : groups) {  // over each axis of the grid: every rank's maximum
-      if (agreed.is_ok()) agreed = g->all_reduce(&failed, &failed, 1, DType::kF32, comm::ReduceOp::kMax);
+    Status ended = checkpoint();
+    for (auto& [g, timeout] : groups) {  // over each axis of the grid
+      if (ended.is_ok()) ended = g->barrier().with_context("ranks ending a checkpoint together");
     }
     for (auto& [g, timeout] : groups) g->set_timeout(timeout);
-    if (!mine.is_ok()) return mine;
-    STRATA_RETURN_IF_ERROR(agreed.with_context("ranks ending a checkpoint together"));
-    if (failed != 0.0f) return Status::internal("checkpoint: another rank's part of it failed (its message says why)");
-    return Status::ok();
+    return ended;
   };
 
   // A fine-tune (a new run from training.init_from) measures the weights it starts from first: the baseline its
