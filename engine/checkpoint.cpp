@@ -194,8 +194,8 @@ Status read_unit_range(const FlatLayout& layout, size_t offset, std::span<float>
 using UnitFill = std::function<Status(size_t u, int k, size_t offset, std::span<float> dst)>;
 
 // Every unit's weights and Adam moments from `fill`: through opt.load_state, a sub-group at a time, where the
-// optimizer takes them (not under tensor parallelism, whose units are slices of the whole tensors `fill`
-// gives); the other units whole, their weights through write_params and then, with `moments`, their m and v
+// optimizer takes them (the offloaded one, ZeRO-3 shards included; not under tensor parallelism, whose units are
+// slices of the whole tensors `fill` gives); the other units whole, their weights through write_params and then, with `moments`, their m and v
 // through write_moments, else (moments zero) opt.adopt_params() once all are written — which takes the
 // streamed units again too, with the same result; optimizers take all units or none, so it does not come to
 // that but under tensor parallelism, where none is streamed. Units in order, each's weights before its moments.
@@ -583,9 +583,10 @@ Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimiz
     return Status::corruption("{}: not valid JSON: {}", (dir / "state.json").string(), e.what());
   }
   TrainState st;
+  int adam_steps = 0;
   try {
     st.step = js.at("step").get<int>();
-    opt.set_steps_taken(js.at("adam_steps").get<int>());
+    adam_steps = js.at("adam_steps").get<int>();
     const auto& p = js.at("train_position");
     st.train_pos.shard = p.at("shard").get<size_t>();
     st.train_pos.offset = p.at("offset").get<size_t>();
@@ -615,6 +616,7 @@ Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimiz
     });
   };
   STRATA_RETURN_IF_ERROR(load_units(model, opt, fill, /*moments=*/true));
+  opt.set_steps_taken(adam_steps);
   return st;
 }
 

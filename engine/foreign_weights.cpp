@@ -198,13 +198,14 @@ class SafetensorsWeights final : public WeightsFile {
     const size_t r0 = offset / cols, r1 = (offset + n + cols - 1) / cols;
     std::vector<float> run(r1 - r0);
     for (size_t c = 0; c < cols; ++c) {
-      to_f32(e->dtype, e->data + (c * rows + r0) * esize, run.data(), run.size());
+      const std::byte* src = e->data + (c * rows + r0) * esize;
+      to_f32(e->dtype, src, run.data(), run.size());
+      release_mapped_pages(src, run.size() * esize);  // a neighbour's page comes back from the page cache
       for (size_t r = r0; r < r1; ++r) {
         const size_t at = r * cols + c;
         if (at >= offset && at < offset + n) dst[at - offset] = run[r - r0];
       }
     }
-    if (offset + n == spec.numel()) release_mapped_pages(e->data, e->nbytes());  // its last piece
     return Status::ok();
   }
 

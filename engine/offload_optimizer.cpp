@@ -165,18 +165,19 @@ Result<std::span<const float>> OffloadedAdamW::state_view(size_t unit, int k, si
 }
 
 Result<bool> OffloadedAdamW::load_state(size_t unit, const StateFill& fill) {
-  if (!model_->holds(unit)) return true;       // another pipeline stage's
-  if (coordinator_->sharded()) return false;  // ZeRO-3 over ranks: write_params keeps this rank's part
+  if (!model_->holds(unit)) return true;  // another pipeline stage's
   STRATA_RETURN_IF_ERROR(finish());
+  // ZeRO-3 over ranks: the groups cover this rank's shard, so only its part of the unit is asked for (and kept
+  // by write_params); nothing here is collective.
   for (size_t i = 0; i < groups_.size(); ++i) {
     const Group& g = groups_[i];
     if (g.unit != unit) continue;
     const size_t n = g.spec.numel;
     auto load = [&](float* master, float* m, float* v) -> Status {
       STRATA_RETURN_IF_ERROR(fill(0, g.offset, {master, n}));
-      STRATA_RETURN_IF_ERROR(coordinator_->write_params(unit, g.offset, n, master));
       STRATA_RETURN_IF_ERROR(fill(1, g.offset, {m, n}));
-      return fill(2, g.offset, {v, n});
+      STRATA_RETURN_IF_ERROR(fill(2, g.offset, {v, n}));
+      return coordinator_->write_params(unit, g.offset, n, master);
     };
     if (swapper_) {
       STRATA_RETURN_IF_ERROR(swapper_->initialize(i, load));

@@ -78,9 +78,10 @@ class Optimizer {
   // well: a checkpoint or initial weights loaded so stay within the host budget, instead of a whole unit's
   // weights, m and v in vectors beside it. `fill` is asked for each piece's weights, then its m and v, pieces in
   // increasing offset order; offsets are in the unit's layout on this rank (callers under tensor parallelism,
-  // whose units are slices, do not call it). Returns false, having called nothing, where this optimizer keeps no
-  // such copy of the unit (then write_params and write_moments or adopt_params); true for a unit this pipeline
-  // stage does not hold (nothing to load here).
+  // whose units are slices, do not call it); under ZeRO-3 only this rank's shard is asked for. Never collective.
+  // Returns false, having called nothing, where this optimizer keeps no such copy of the unit (then write_params
+  // and write_moments or adopt_params); true for a unit this pipeline stage does not hold (nothing to load). An
+  // error (from `fill`, or writing) can leave the unit partly loaded: the caller fails the whole load.
   virtual Result<bool> load_state(size_t unit, const StateFill& fill) {
     (void)unit, (void)fill;
     return false;
