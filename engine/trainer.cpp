@@ -338,9 +338,9 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   // leader's writing takes: a rank that went on as soon as its own part was done could end the job (a signal,
   // an error: MPI_Abort) while the leader was still writing, or fail in the next step's first collective after
   // the groups' timeout under a long save. Meanwhile the groups wait up to kCheckpointWaitS. A rank whose own
-  // part failed returns at once (the job then ends, MPI_Abort): the checkpoint cannot be whole without it,
-  // and ranks still sending it their units (the pipeline's later stages to the first) or waiting for its
-  // would otherwise wait out that hour.
+  // part failed returns at once (the job then ends, MPI_Abort): the checkpoint cannot be whole without that
+  // part, and the other ranks — a pipeline's later stages still sending the first stage units it no longer
+  // reads, or ranks waiting for reads it no longer makes — would otherwise wait out that hour.
   auto checkpoint_together = [&]() -> Status {
     std::vector<std::pair<comm::Communicator*, double>> groups;  // and their own timeouts
     for (comm::Communicator* g : {tp, pp, dp}) {
