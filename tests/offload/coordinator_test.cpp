@@ -490,6 +490,9 @@ TEST(CoordinatorTest, APublishedUnitIsUsableBeforeItsHomeWriteAndTheHomeReadWait
   rig.record_step_and_update();
   rig.fault->hold_writes(true);
   rig.forward();
+  // The home writes are issued from the copy queue's thread, which a loaded machine may not have run yet.
+  for (int i = 0; i < 10000 && rig.fault->held_writes() == 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   EXPECT_GT(rig.fault->held_writes(), 0u);
   std::thread release([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
