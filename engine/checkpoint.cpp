@@ -190,15 +190,22 @@ Status read_unit_range(const FlatLayout& layout, size_t offset, std::span<float>
   return Status::ok();
 }
 
+// Elements [offset, offset + dst.size()) of unit u's weights (its whole layout) from `file`.
+Status read_weights(const GPT2& model, const WeightsFile& file, size_t u, size_t offset, std::span<float> dst) {
+  return read_unit_range(model.whole_layout(u), offset, dst, [&](const TensorSpec& s, size_t from, size_t n,
+                                                                 float* p) { return file.read_range(s, from, n, p); });
+}
+
 // State k (0: weights, 1: Adam's m, 2: v) of unit u, elements [offset, offset + dst.size()) of its whole layout.
 using UnitFill = std::function<Status(size_t u, int k, size_t offset, std::span<float> dst)>;
 
 // Every unit's weights and Adam moments from `fill`: through opt.load_state, a sub-group at a time, where the
-// optimizer takes them (the offloaded one, ZeRO-3 shards included; not under tensor parallelism, whose units are
-// slices of the whole tensors `fill` gives); the other units whole, their weights through write_params and then, with `moments`, their m and v
-// through write_moments, else (moments zero) opt.adopt_params() once all are written — which takes the
-// streamed units again too, with the same result; optimizers take all units or none, so it does not come to
-// that but under tensor parallelism, where none is streamed. Units in order, each's weights before its moments.
+// optimizer takes them (the offloaded one, ZeRO-3 shards included; not under tensor parallelism, whose units
+// are slices of the whole tensors `fill` gives); the other units whole, their weights through write_params
+// and then, with `moments`, their m and v through write_moments, else (moments zero) opt.adopt_params() once
+// all are written — which takes the streamed units again too, with the same result; optimizers take all units
+// or none, so it does not come to that but under tensor parallelism, where none is streamed. Units in order,
+// each's weights before its moments.
 Status load_units(GPT2& model, Optimizer& opt, const UnitFill& fill, bool moments) {
   bool adopt = false;
   std::vector<float> w, m, v;
@@ -236,9 +243,8 @@ Status load_model(GPT2& model, const std::string& path_or_folder) {
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> file, open_weights(model, path_or_folder));
   std::vector<float> unit;
   for (size_t i = 0; i < model.units().size(); ++i) {
-    const FlatLayout& layout = model.whole_layout(i);
-    unit.resize(layout.numel());
-    for (const TensorSpec& s : layout.specs()) STRATA_RETURN_IF_ERROR(file->read(s, unit.data() + s.offset));
+    unit.resize(model.whole_layout(i).numel());
+    STRATA_RETURN_IF_ERROR(read_weights(model, *file, i, 0, unit));
     STRATA_RETURN_IF_ERROR(model.write_params(i, unit.data()));
   }
   return Status::ok();
@@ -247,11 +253,7 @@ Status load_model(GPT2& model, const std::string& path_or_folder) {
 Status load_model(GPT2& model, Optimizer& opt, const std::string& path_or_folder) {
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> file, open_weights(model, path_or_folder));
   auto fill = [&](size_t u, int k, size_t offset, std::span<float> dst) {
-    if (k != 0) return zeros(dst);
-    return read_unit_range(model.whole_layout(u), offset, dst,
-                           [&](const TensorSpec& s, size_t from, size_t n, float* p) {
-                             return file->read_range(s, from, n, p);
-                           });
+    return k == 0 ? read_weights(model, *file, u, offset, dst) : zeros(dst);
   };
   return load_units(model, opt, fill, /*moments=*/false);
 }
@@ -609,9 +611,9 @@ Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimiz
     }
   }
   auto fill = [&](size_t u, int k, size_t offset, std::span<float> dst) {
+    if (k == 0) return read_weights(model, *weights, u, offset, dst);
     return read_unit_range(model.whole_layout(u), offset, dst, [&](const TensorSpec& s, size_t from, size_t n,
                                                                    float* p) {
-      if (k == 0) return weights->read_range(s, from, n, p);
       return f.read_range(kMoments[k - 1] + s.name, DType::kF32, s.shape, from, n, p);
     });
   };

@@ -170,18 +170,7 @@ class SafetensorsWeights final : public WeightsFile {
     return Status::ok();
   }
 
-  Status read(const TensorSpec& spec, float* dst) const override {
-    STRATA_ASSIGN_OR_RETURN(const SafetensorsEntry* e, entry(spec));
-    if (format_ != WeightsFormat::kHuggingFace || !hf_transposed(spec.name)) {
-      to_f32(e->dtype, e->data, dst, spec.numel());
-    } else {
-      std::vector<float> stored(spec.numel());
-      to_f32(e->dtype, e->data, stored.data(), stored.size());
-      transpose(stored.data(), dst, static_cast<size_t>(spec.shape[0]), static_cast<size_t>(spec.shape[1]));
-    }
-    release_mapped_pages(e->data, e->nbytes());  // read once: the file need not stay in the resident set
-    return Status::ok();
-  }
+  Status read(const TensorSpec& spec, float* dst) const override { return read_range(spec, 0, spec.numel(), dst); }
 
   Status read_range(const TensorSpec& spec, size_t offset, size_t n, float* dst) const override {
     STRATA_ASSIGN_OR_RETURN(const SafetensorsEntry* e, entry(spec));
@@ -189,7 +178,14 @@ class SafetensorsWeights final : public WeightsFile {
     const size_t esize = dtype_size(e->dtype);
     if (format_ != WeightsFormat::kHuggingFace || !hf_transposed(spec.name)) {
       to_f32(e->dtype, e->data + offset * esize, dst, n);
-      release_mapped_pages(e->data + offset * esize, n * esize);
+      release_mapped_pages(e->data + offset * esize, n * esize);  // read once: need not stay resident
+      return Status::ok();
+    }
+    if (offset == 0 && n == spec.numel()) {  // the whole tensor: transposed in cache-sized tiles
+      std::vector<float> stored(n);
+      to_f32(e->dtype, e->data, stored.data(), n);
+      transpose(stored.data(), dst, static_cast<size_t>(spec.shape[0]), static_cast<size_t>(spec.shape[1]));
+      release_mapped_pages(e->data, e->nbytes());
       return Status::ok();
     }
     // Rows [r0, r1) of ours are columns of the file's (cols, rows): read column by column of ours, each a

@@ -88,27 +88,45 @@ Result<std::unique_ptr<OffloadedAdamW>> OffloadedAdamW::create(const GPT2& model
   return opt;
 }
 
-Status OffloadedAdamW::load_unit(size_t unit, const float* m, const float* v) {
-  if (!model_->holds(unit)) return Status::ok();  // another pipeline stage's
-  std::vector<float> params(coordinator_->shard(unit).len);
-  STRATA_RETURN_IF_ERROR(coordinator_->read_shard(unit, params.data()));
+Status OffloadedAdamW::fill_groups(size_t unit, const StateFill& fill, bool publish) {
   for (size_t i = 0; i < groups_.size(); ++i) {
-    Group& g = groups_[i];
+    const Group& g = groups_[i];
     if (g.unit != unit) continue;
     const size_t n = g.spec.numel;
-    const float* master = params.data() + g.shard_offset;
-    const float* gm = m ? m + g.offset : nullptr;
-    const float* gv = v ? v + g.offset : nullptr;
+    auto load = [&](float* master, float* m, float* v) -> Status {
+      STRATA_RETURN_IF_ERROR(fill(0, g.offset, {master, n}));
+      STRATA_RETURN_IF_ERROR(fill(1, g.offset, {m, n}));
+      STRATA_RETURN_IF_ERROR(fill(2, g.offset, {v, n}));
+      return publish ? coordinator_->write_params(unit, g.offset, n, master) : Status::ok();
+    };
     if (swapper_) {
-      STRATA_RETURN_IF_ERROR(swapper_->initialize(i, master, gm, gv));
-      continue;
+      STRATA_RETURN_IF_ERROR(swapper_->initialize(i, load));
+    } else {
+      float* st = g.state.as<float>();
+      STRATA_RETURN_IF_ERROR(load(st, st + n, st + 2 * n));
     }
-    float* st = g.state.as<float>();
-    std::memcpy(st, master, n * sizeof(float));
-    if (gm) std::memcpy(st + n, gm, n * sizeof(float)); else std::memset(st + n, 0, n * sizeof(float));
-    if (gv) std::memcpy(st + 2 * n, gv, n * sizeof(float)); else std::memset(st + 2 * n, 0, n * sizeof(float));
   }
   return Status::ok();
+}
+
+Status OffloadedAdamW::load_unit(size_t unit, const float* m, const float* v) {
+  if (!model_->holds(unit)) return Status::ok();  // another pipeline stage's
+  const offload::ShardRange sh = coordinator_->shard(unit);
+  std::vector<float> params(sh.len);
+  STRATA_RETURN_IF_ERROR(coordinator_->read_shard(unit, params.data()));
+  return fill_groups(
+      unit,
+      [&](int k, size_t offset, std::span<float> dst) {  // offset: the element's place in the unit
+        const float* src = k == 0 ? params.data() + (offset - sh.lo) : k == 1 ? (m ? m + offset : nullptr)
+                                                                              : (v ? v + offset : nullptr);
+        if (src == nullptr) {
+          std::fill(dst.begin(), dst.end(), 0.0f);
+        } else {
+          std::memcpy(dst.data(), src, dst.size_bytes());
+        }
+        return Status::ok();
+      },
+      /*publish=*/false);
 }
 
 OffloadedAdamW::~OffloadedAdamW() { (void)finish(); }
@@ -169,23 +187,7 @@ Result<bool> OffloadedAdamW::load_state(size_t unit, const StateFill& fill) {
   STRATA_RETURN_IF_ERROR(finish());
   // ZeRO-3 over ranks: the groups cover this rank's shard, so only its part of the unit is asked for (and kept
   // by write_params); nothing here is collective.
-  for (size_t i = 0; i < groups_.size(); ++i) {
-    const Group& g = groups_[i];
-    if (g.unit != unit) continue;
-    const size_t n = g.spec.numel;
-    auto load = [&](float* master, float* m, float* v) -> Status {
-      STRATA_RETURN_IF_ERROR(fill(0, g.offset, {master, n}));
-      STRATA_RETURN_IF_ERROR(fill(1, g.offset, {m, n}));
-      STRATA_RETURN_IF_ERROR(fill(2, g.offset, {v, n}));
-      return coordinator_->write_params(unit, g.offset, n, master);
-    };
-    if (swapper_) {
-      STRATA_RETURN_IF_ERROR(swapper_->initialize(i, load));
-    } else {
-      float* st = g.state.as<float>();
-      STRATA_RETURN_IF_ERROR(load(st, st + n, st + 2 * n));
-    }
-  }
+  STRATA_RETURN_IF_ERROR(fill_groups(unit, fill, /*publish=*/true));
   return true;
 }
 

@@ -195,6 +195,9 @@ class OffloadedAdamW final : public Optimizer {
   Status gather_moments(size_t unit, float* m, float* v);      // ZeRO-3, collective over reducer_
   // Sets master from the unit's current parameters and the moments from m, v (zeros where null).
   Status load_unit(size_t unit, const float* m, const float* v);
+  // Each of unit's sub-groups from `fill` (load_state's), straight into where its state lives; with `publish`,
+  // its weights become the model's parameters too.
+  Status fill_groups(size_t unit, const StateFill& fill, bool publish);
 
   AdamWConfig config_;
   OffloadedAdamWOptions options_;
