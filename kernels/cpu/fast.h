@@ -47,5 +47,11 @@ double add_sum_squares(double acc, const float* x, size_t n);
 // of them (NaN stays a quiet NaN, payload aside).
 void adamw_update_mixed(float* params, float* m, float* v, const float* grads, uint16_t* working,
                         DType working_dtype, size_t n, const AdamWParams& hp);
+// The same pass reading the old state from params, m, v and writing the new to params_out, m_out, v_out
+// (bitwise adamw_update_mixed's; either the same arrays or ones that do not overlap them): the offloaded
+// optimizer's update before the step's norm is known, which must leave the old state to return to.
+void adamw_update_into(const float* params, const float* m, const float* v, const float* grads, float* params_out,
+                       float* m_out, float* v_out, uint16_t* working, DType working_dtype, size_t n,
+                       const AdamWParams& hp);
 
 }  // namespace strata::kernels::cpu::fast

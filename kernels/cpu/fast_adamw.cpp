@@ -60,21 +60,27 @@ AdamWScalars make_scalars(const AdamWParams& hp) {
 // What the pass writes besides fp32 params, m, v: nothing, or a bf16 / f16 rounding of each new parameter.
 enum class Working { kNone, kBF16, kF16 };
 
+// Where the pass reads the old state and writes the new: the same arrays (in place), or others.
+struct Arrays {
+  const float *p_in, *m_in, *v_in, *g;
+  float *p, *m, *v;
+  uint16_t* w;
+};
+
 // Elements [i0, i1), one at a time: the tails of the SIMD versions, and the whole baseline version.
 template <Working W>
-[[STRATA_NO_FP_CONTRACT]] void adamw_scalar(float* p, float* m, float* v, const float* g, uint16_t* w, size_t i0,
-                                            size_t i1, const AdamWScalars& s) {
+[[STRATA_NO_FP_CONTRACT]] void adamw_scalar(const Arrays& a, size_t i0, size_t i1, const AdamWScalars& s) {
   for (size_t i = i0; i < i1; ++i) {
-    const float gi = g[i] * s.grad_scale;
-    const float mi = s.b1 * m[i] + s.one_minus_b1 * gi;
-    const float vi = s.b2 * v[i] + s.one_minus_b2 * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    const float pi = p[i] * s.decay;
+    const float gi = a.g[i] * s.grad_scale;
+    const float mi = s.b1 * a.m_in[i] + s.one_minus_b1 * gi;
+    const float vi = s.b2 * a.v_in[i] + s.one_minus_b2 * gi * gi;
+    a.m[i] = mi;
+    a.v[i] = vi;
+    const float pi = a.p_in[i] * s.decay;
     const float pn = pi - s.step_size * (mi / (std::sqrt(vi) / s.bc2_sqrt + s.eps));
-    p[i] = pn;
-    if constexpr (W == Working::kBF16) w[i] = f32_to_bf16(pn);
-    if constexpr (W == Working::kF16) w[i] = f32_to_f16(pn);
+    a.p[i] = pn;
+    if constexpr (W == Working::kBF16) a.w[i] = f32_to_bf16(pn);
+    if constexpr (W == Working::kF16) a.w[i] = f32_to_f16(pn);
   }
 }
 
@@ -94,32 +100,35 @@ constexpr __mmask16 kAll16 = 0xFFFF;
 }
 
 template <Working W>
-[[STRATA_TARGET_AVX512, STRATA_NO_FP_CONTRACT]] void adamw_avx512(float* p, float* m, float* v, const float* g,
-                                                                  uint16_t* w, size_t i0, size_t i1,
+[[STRATA_TARGET_AVX512, STRATA_NO_FP_CONTRACT]] void adamw_avx512(const Arrays& a, size_t i0, size_t i1,
                                                                   const AdamWScalars& s) {
   const __m512 grad_scale = _mm512_set1_ps(s.grad_scale), b1 = _mm512_set1_ps(s.b1),
                omb1 = _mm512_set1_ps(s.one_minus_b1), b2 = _mm512_set1_ps(s.b2), omb2 = _mm512_set1_ps(s.one_minus_b2),
                decay = _mm512_set1_ps(s.decay), step_size = _mm512_set1_ps(s.step_size),
                bc2_sqrt = _mm512_set1_ps(s.bc2_sqrt), eps = _mm512_set1_ps(s.eps);
+  // Locals, not a's fields: a vector store may alias anything, the struct too, which would reload each pointer.
+  const float *p = a.p_in, *m = a.m_in, *v = a.v_in, *g = a.g;
+  float *p_out = a.p, *m_out = a.m, *v_out = a.v;
+  uint16_t* w = a.w;
   size_t i = i0;
   for (; i + 16 <= i1; i += 16) {
     const __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), grad_scale);
     const __m512 mi = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_loadu_ps(m + i)), _mm512_mul_ps(omb1, gi));
     const __m512 vi =
         _mm512_add_ps(_mm512_mul_ps(b2, _mm512_loadu_ps(v + i)), _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi));
-    _mm512_storeu_ps(m + i, mi);
-    _mm512_storeu_ps(v + i, vi);
+    _mm512_storeu_ps(m_out + i, mi);
+    _mm512_storeu_ps(v_out + i, vi);
     // maskz with a full mask is plain vsqrtps; _mm512_sqrt_ps trips GCC 12's -Wmaybe-uninitialized.
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_maskz_sqrt_ps(0xFFFF, vi), bc2_sqrt), eps);
     const __m512 pi = _mm512_mul_ps(_mm512_loadu_ps(p + i), decay);
     const __m512 pn = _mm512_sub_ps(pi, _mm512_mul_ps(step_size, _mm512_div_ps(mi, denom)));
-    _mm512_storeu_ps(p + i, pn);
+    _mm512_storeu_ps(p_out + i, pn);
     if constexpr (W == Working::kBF16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + i), bf16_avx512(pn));
     if constexpr (W == Working::kF16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + i),
                           _mm512_maskz_cvtps_ph(kAll16, pn, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
-  adamw_scalar<W>(p, m, v, g, w, i, i1, s);
+  adamw_scalar<W>(a, i, i1, s);
 }
 
 #define STRATA_TARGET_AVX2_F16C gnu::target("avx2,fma,f16c")
@@ -137,36 +146,38 @@ template <Working W>
 }
 
 template <Working W>
-[[STRATA_TARGET_AVX2_F16C, STRATA_NO_FP_CONTRACT]] void adamw_avx2(float* p, float* m, float* v, const float* g,
-                                                                   uint16_t* w, size_t i0, size_t i1,
+[[STRATA_TARGET_AVX2_F16C, STRATA_NO_FP_CONTRACT]] void adamw_avx2(const Arrays& a, size_t i0, size_t i1,
                                                                    const AdamWScalars& s) {
   const __m256 grad_scale = _mm256_set1_ps(s.grad_scale), b1 = _mm256_set1_ps(s.b1),
                omb1 = _mm256_set1_ps(s.one_minus_b1), b2 = _mm256_set1_ps(s.b2), omb2 = _mm256_set1_ps(s.one_minus_b2),
                decay = _mm256_set1_ps(s.decay), step_size = _mm256_set1_ps(s.step_size),
                bc2_sqrt = _mm256_set1_ps(s.bc2_sqrt), eps = _mm256_set1_ps(s.eps);
+  // Locals, not a's fields: a vector store may alias anything, the struct too, which would reload each pointer.
+  const float *p = a.p_in, *m = a.m_in, *v = a.v_in, *g = a.g;
+  float *p_out = a.p, *m_out = a.m, *v_out = a.v;
+  uint16_t* w = a.w;
   size_t i = i0;
   for (; i + 8 <= i1; i += 8) {
     const __m256 gi = _mm256_mul_ps(_mm256_loadu_ps(g + i), grad_scale);
     const __m256 mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_loadu_ps(m + i)), _mm256_mul_ps(omb1, gi));
     const __m256 vi =
         _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(v + i)), _mm256_mul_ps(_mm256_mul_ps(omb2, gi), gi));
-    _mm256_storeu_ps(m + i, mi);
-    _mm256_storeu_ps(v + i, vi);
+    _mm256_storeu_ps(m_out + i, mi);
+    _mm256_storeu_ps(v_out + i, vi);
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2_sqrt), eps);
     const __m256 pi = _mm256_mul_ps(_mm256_loadu_ps(p + i), decay);
     const __m256 pn = _mm256_sub_ps(pi, _mm256_mul_ps(step_size, _mm256_div_ps(mi, denom)));
-    _mm256_storeu_ps(p + i, pn);
+    _mm256_storeu_ps(p_out + i, pn);
     if constexpr (W == Working::kBF16) _mm_storeu_si128(reinterpret_cast<__m128i*>(w + i), bf16_avx2(pn));
     if constexpr (W == Working::kF16)
       _mm_storeu_si128(reinterpret_cast<__m128i*>(w + i),
                        _mm256_cvtps_ph(pn, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
-  adamw_scalar<W>(p, m, v, g, w, i, i1, s);
+  adamw_scalar<W>(a, i, i1, s);
 }
 
 template <Working W>
-void adamw_blocks(float* params, float* m, float* v, const float* grads, uint16_t* w, size_t n,
-                  const AdamWScalars& s) {
+void adamw_blocks(const Arrays& a, size_t n, const AdamWScalars& s) {
   const simd::Isa isa = simd::active_isa();
   // Fixed blocks rather than TBB's adaptive split: the same elements take the SIMD loop or the scalar tail in
   // every run (identical arithmetic today, but determinism should not rest on that).
@@ -177,13 +188,13 @@ void adamw_blocks(float* params, float* m, float* v, const float* grads, uint16_
       const size_t i1 = std::min(n, i0 + kElementsPerTask);
       switch (isa) {
         case simd::Isa::kAvx512:
-          adamw_avx512<W>(params, m, v, grads, w, i0, i1, s);
+          adamw_avx512<W>(a, i0, i1, s);
           break;
         case simd::Isa::kAvx2:
-          adamw_avx2<W>(params, m, v, grads, w, i0, i1, s);
+          adamw_avx2<W>(a, i0, i1, s);
           break;
         default:
-          adamw_scalar<W>(params, m, v, grads, w, i0, i1, s);
+          adamw_scalar<W>(a, i0, i1, s);
           break;
       }
     }
@@ -198,17 +209,24 @@ void adamw_update(float* params, float* m, float* v, const float* grads, size_t 
 
 void adamw_update_mixed(float* params, float* m, float* v, const float* grads, uint16_t* working,
                         DType working_dtype, size_t n, const AdamWParams& hp) {
+  adamw_update_into(params, m, v, grads, params, m, v, working, working_dtype, n, hp);
+}
+
+void adamw_update_into(const float* params, const float* m, const float* v, const float* grads, float* params_out,
+                       float* m_out, float* v_out, uint16_t* working, DType working_dtype, size_t n,
+                       const AdamWParams& hp) {
   STRATA_ASSERT_MSG(hp.step >= 1, "AdamW step is 1-based");
   STRATA_ASSERT_MSG(working_dtype == DType::kF32 || working != nullptr || n == 0,
                     "a 16-bit working copy needs its buffer");
   const AdamWScalars s = make_scalars(hp);
+  const Arrays a{params, m, v, grads, params_out, m_out, v_out, working};
   switch (working_dtype) {
     case DType::kBF16:
-      return adamw_blocks<Working::kBF16>(params, m, v, grads, working, n, s);
+      return adamw_blocks<Working::kBF16>(a, n, s);
     case DType::kF16:
-      return adamw_blocks<Working::kF16>(params, m, v, grads, working, n, s);
+      return adamw_blocks<Working::kF16>(a, n, s);
     case DType::kF32:
-      return adamw_blocks<Working::kNone>(params, m, v, grads, nullptr, n, s);
+      return adamw_blocks<Working::kNone>(a, n, s);
   }
 }
 

@@ -780,5 +780,41 @@ TEST(AdamW, MixedWritesTheWorkingCopyInTheSamePass) {
   }
 }
 
+// The pass the offloaded optimizer runs before a step's norm is known: reading the old state and writing the new
+// elsewhere gives bitwise the in-place pass on every clone and working dtype (SIMD bodies and tails), and leaves
+// the old state as it was.
+TEST(AdamW, IntoOtherArraysIsBitwiseInPlace) {
+  for (size_t n : {size_t{1}, size_t{15}, size_t{17}, size_t{100003}}) {
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+      for_each_isa([&] {
+        SCOPED_TRACE(fmt::format("n={} working={}", n, dtype_name(dt)));
+        AdamWState<float> in_place = make_adamw_state<float>(n, kAdamWSteps);
+        AdamWState<float> old = make_adamw_state<float>(n, kAdamWSteps);
+        std::vector<uint16_t> w_in_place(n), w_into(n);
+        std::vector<float> p(n), m(n), v(n);
+        for (int i = 0; i < kAdamWSteps; ++i) {
+          const AdamWState<float> before = old;
+          cpu::fast::adamw_update_mixed(in_place.params.data(), in_place.m.data(), in_place.v.data(),
+                                        in_place.grads[i].data(), w_in_place.data(), dt, n, adamw_hp(i + 1));
+          cpu::fast::adamw_update_into(old.params.data(), old.m.data(), old.v.data(), old.grads[i].data(), p.data(),
+                                       m.data(), v.data(), w_into.data(), dt, n, adamw_hp(i + 1));
+          ASSERT_TRUE(bitwise_equal(old.params, before.params, "old params")) << "the old state was written";
+          ASSERT_TRUE(bitwise_equal(old.m, before.m, "old m"));
+          ASSERT_TRUE(bitwise_equal(old.v, before.v, "old v"));
+          ASSERT_TRUE(bitwise_equal(p, in_place.params, "params")) << "step " << i + 1;
+          ASSERT_TRUE(bitwise_equal(m, in_place.m, "m")) << "step " << i + 1;
+          ASSERT_TRUE(bitwise_equal(v, in_place.v, "v")) << "step " << i + 1;
+          if (dt != DType::kF32) {
+            ASSERT_TRUE(w_into == w_in_place) << "working copy, step " << i + 1;
+          }
+          old.params = p;
+          old.m = m;
+          old.v = v;
+        }
+      });
+    }
+  }
+}
+
 }  // namespace
 }  // namespace strata::kernels
