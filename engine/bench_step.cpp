@@ -66,7 +66,12 @@ void add_bench_step_command(CLI::App& bench, BenchStepOptions& o) {
       ->capture_default_str();
   cmd->add_option("--grad-clip", o.grad_clip, "Global-norm gradient clip (0: none)")->capture_default_str();
   cmd->add_flag("--no-overlap-backward", o.no_overlap_backward,
-                "Optimizer on nvme: do not start updates during backward (offload_optimizer.overlap_backward)");
+                "Do not start updates during backward (offload_optimizer.overlap_backward)");
+  cmd->add_option("--speculative-sub-groups", o.speculative_sub_groups,
+                  "Optimizer on cpu: sub-groups that may be updated during backward into spare buffers "
+                  "(offload_optimizer.speculative_sub_groups; 12 bytes per element each)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
+      ->capture_default_str();
   cmd->add_option("--rounds", o.rounds,
                   "Offloaded step: alternate plain and offloaded steps in this many blocks, so that the machine's "
                   "drift reaches both terms (keeps both models in memory; 1: all plain steps first)")

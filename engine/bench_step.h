@@ -36,6 +36,7 @@ struct BenchStepOptions {
   std::string checkpointing = "none";      // none | device | host
   float grad_clip = 1.0f;                  // global-norm clip (0: none); clipping steps redo early updates
   bool no_overlap_backward = false;        // offload_optimizer.overlap_backward = false
+  int64_t speculative_sub_groups = 0;      // offload_optimizer.speculative_sub_groups (optimizer on cpu)
   int rounds = 1;  // >1: plain and offloaded steps alternate in this many blocks (both models kept)
   std::string trace_path;                  // the offloaded steps' timeline, Chrome trace JSON (common/trace.h)
   // Pipeline (engine/bench_pipeline.cpp, under mpirun -np P): each rank one stage; the bubble of both

@@ -207,6 +207,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
   oc.offload_optimizer.device = o.offload_optimizer;
   oc.offload_optimizer.nvme_path = nvme_path + "/optimizer";
   oc.offload_optimizer.overlap_backward = !o.no_overlap_backward;
+  oc.offload_optimizer.speculative_sub_groups = o.speculative_sub_groups;
   AdamWConfig adam;
   adam.grad_clip = o.grad_clip;
   oc.sub_group_size = o.sub_group_size;
@@ -372,6 +373,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
                         {"checkpointing", o.checkpointing},
                         {"grad_clip", o.grad_clip},
                         {"overlap_backward", !o.no_overlap_backward},
+                        {"speculative_sub_groups", o.speculative_sub_groups},
                         {"batch", B},
                         {"context", T},
                         {"step_ms", step_s * 1e3},
@@ -419,7 +421,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
               r.h2d_busy_s * 1e3,
               r.d2h_bytes / 1e6, r.d2h_busy_s * 1e3, r.nvme_read_bytes / 1e6, r.nvme_write_bytes / 1e6,
               r.nvme_busy_s * 1e3);
-  if (o.offload_optimizer == "nvme") {
+  if (o.offload_optimizer == "nvme" || o.speculative_sub_groups > 0) {
     int early = 0, redone = 0;
     for (const OffloadStepReport& s : reports) {
       early += s.early_start > 0;

@@ -19,6 +19,10 @@ Status read_target(JsonSection s, bool is_param, OffloadTargetConfig* t) {
     STRATA_RETURN_IF_ERROR(s.get_bool("pipeline_read", &t->pipeline_read));
     STRATA_RETURN_IF_ERROR(s.get_bool("pipeline_write", &t->pipeline_write));
     STRATA_RETURN_IF_ERROR(s.get_bool("overlap_backward", &t->overlap_backward));
+    STRATA_RETURN_IF_ERROR(s.get_int("speculative_sub_groups", &t->speculative_sub_groups));
+    if (t->speculative_sub_groups < 0)
+      return Status::invalid_argument("{} must be >= 0, got {}", s.qualified("speculative_sub_groups"),
+                                      t->speculative_sub_groups);
   }
   STRATA_RETURN_IF_ERROR(s.finish());
   const std::string where = s.qualified("device");
@@ -161,6 +165,12 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
   };
   target("offload_param", c->offload_param, d.offload_param);
   target("offload_optimizer", c->offload_optimizer, d.offload_optimizer);
+  // Speculative sub-groups are for the optimizer in host memory: on nvme the old state stays in the swap files
+  // (no second buffer needed); with overlap_backward off nothing starts during backward.
+  if (c->offload_optimizer.device != "cpu" || !c->offload_optimizer.overlap_backward) {
+    note("zero_optimization.offload_optimizer.speculative_sub_groups", c->offload_optimizer.speculative_sub_groups,
+         d.offload_optimizer.speculative_sub_groups);
+  }
   note("zero_optimization.stage3_max_reuse_distance", c->stage3_max_reuse_distance, d.stage3_max_reuse_distance);
   const bool offloading = c->offload_optimizer.device != "none" || c->offload_param.device != "none";
   // Stages 1 and 2 (engine/sharded_optimizer.h) cut their collectives by the buckets; stage 0 all-reduces whole

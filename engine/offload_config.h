@@ -32,6 +32,10 @@ struct OffloadTargetConfig {
   // offload_optimizer only, ours (not DeepSpeed's): with device nvme, start each unit's update during the last
   // backward, as soon as its gradient is final, and redo it exactly if the step clips (OffloadedAdamW).
   bool overlap_backward = true;
+  // offload_optimizer only, ours: with device cpu, how many sub-groups may be updated during that backward
+  // (overlap_backward) into buffers of their own, which replace the old state once the step is known not to clip
+  // (12 bytes per element of the largest sub-group each, from the host budget). 0: updates start after backward.
+  int64_t speculative_sub_groups = 0;
 };
 
 // offload_optimizer's defaults: DeepSpeed's, which differ from offload_param's in buffer_count.

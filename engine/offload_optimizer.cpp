@@ -59,10 +59,34 @@ Result<std::unique_ptr<OffloadedAdamW>> OffloadedAdamW::create(const GPT2& model
         g.spec.grad_key = keys[k];
       }
       if (options.placement == offload::Tier::kHost) {
-        STRATA_ASSIGN_OR_RETURN(g.state, pool.try_acquire(3 * g.spec.numel * sizeof(float),
-                                                      "offload.optimizer " + g.spec.name));
+        StateBuffer b;
+        b.floats = 3 * g.spec.numel;
+        STRATA_ASSIGN_OR_RETURN(b.memory,
+                                pool.try_acquire(b.floats * sizeof(float), "offload.optimizer " + g.spec.name));
+        g.state = b.memory.as<float>();
+        g.buffer = opt->buffers_.size();
+        opt->buffers_.push_back(std::move(b));
       }
       opt->groups_.push_back(std::move(g));
+    }
+  }
+  if (options.placement == offload::Tier::kHost && options.overlap_backward) {
+    size_t largest = 0;
+    for (const Group& g : opt->groups_) largest = std::max(largest, g.spec.numel);
+    const size_t spares = std::min(options.speculative_sub_groups, opt->groups_.size());
+    for (size_t k = 0; k < spares; ++k) {
+      StateBuffer b;
+      b.floats = 3 * largest;
+      auto memory = pool.try_acquire(b.floats * sizeof(float), "offload.optimizer speculation");
+      if (!memory.is_ok()) {
+        return memory.status().with_context(fmt::format(
+            "offload_optimizer.speculative_sub_groups = {}: {} spare buffers of {} MiB each (sub-groups of {} "
+            "elements)",
+            options.speculative_sub_groups, spares, b.floats * sizeof(float) >> 20, largest));
+      }
+      b.memory = std::move(memory).value();
+      opt->spares_.push_back(opt->buffers_.size());
+      opt->buffers_.push_back(std::move(b));
     }
   }
   opt->grad_store_ = grad_store;
@@ -102,8 +126,7 @@ Status OffloadedAdamW::fill_groups(size_t unit, const StateFill& fill, bool publ
     if (swapper_) {
       STRATA_RETURN_IF_ERROR(swapper_->initialize(i, load));
     } else {
-      float* st = g.state.as<float>();
-      STRATA_RETURN_IF_ERROR(load(st, st + n, st + 2 * n));
+      STRATA_RETURN_IF_ERROR(load(g.state, g.state + n, g.state + 2 * n));
     }
   }
   return Status::ok();
@@ -156,9 +179,8 @@ Status OffloadedAdamW::read_moments(size_t unit, float* m, float* v) {
       STRATA_RETURN_IF_ERROR(swapper_->read_state(i, nullptr, m + g.offset, v + g.offset));
       continue;
     }
-    const float* st = g.state.as<float>();
-    std::memcpy(m + g.offset, st + g.spec.numel, g.spec.numel * sizeof(float));
-    std::memcpy(v + g.offset, st + 2 * g.spec.numel, g.spec.numel * sizeof(float));
+    std::memcpy(m + g.offset, g.state + g.spec.numel, g.spec.numel * sizeof(float));
+    std::memcpy(v + g.offset, g.state + 2 * g.spec.numel, g.spec.numel * sizeof(float));
   }
   return Status::ok();
 }
@@ -174,7 +196,7 @@ Result<std::span<const float>> OffloadedAdamW::state_view(size_t unit, int k, si
     if (swapper_) {
       STRATA_ASSIGN_OR_RETURN(state, swapper_->view_state(i, k));
     } else {
-      state = g.state.as<float>() + k * g.spec.numel;
+      state = g.state + k * g.spec.numel;
     }
     return std::span<const float>(state + (offset - g.offset), g.offset + g.spec.numel - offset);
   }
@@ -208,9 +230,8 @@ Status OffloadedAdamW::gather_moments(size_t unit, float* m, float* v) {
       if (Status st = swapper_->read_state(i, nullptr, gm, gv); !st.is_ok() && read.is_ok()) read = st;
       continue;
     }
-    const float* st = g.state.as<float>();
-    std::memcpy(gm, st + g.spec.numel, g.spec.numel * sizeof(float));
-    std::memcpy(gv, st + 2 * g.spec.numel, g.spec.numel * sizeof(float));
+    std::memcpy(gm, g.state + g.spec.numel, g.spec.numel * sizeof(float));
+    std::memcpy(gv, g.state + 2 * g.spec.numel, g.spec.numel * sizeof(float));
   }
   STRATA_RETURN_IF_ERROR(reducer_->all_gather(mine.data(), all.data(), mine.size(), DType::kF32)
                              .with_context("moments of " + model_->units()[unit].name));
@@ -359,11 +380,12 @@ Status OffloadedAdamW::begin_last_backward(float lr) {
   coordinator_->set_accumulating(false);
   STRATA_RETURN_IF_ERROR(finish());  // the last update: published by the forward, its writes done
   update_expected_ = true;
-  if (!swapper_ || !options_.overlap_backward || reducer_ != nullptr || pp_ != nullptr) return Status::ok();
+  const bool can_speculate = swapper_ != nullptr || !spares_.empty();  // cpu: given somewhere to put the new state
+  if (!can_speculate || !options_.overlap_backward || reducer_ != nullptr || pp_ != nullptr) return Status::ok();
   if (!speculate_next_) {
-    // The last step clipped, so this one probably will: no update before the norm, but its first sub-groups'
-    // state read now (the gradients must be in host memory by then, as step() ensures, not read here).
-    if (coordinator_->options().grad_home == offload::Tier::kHost)
+    // The last step clipped, so this one probably will: no update before the norm, but (nvme) its first
+    // sub-groups' state read now (the gradients must be in host memory by then, as step() ensures, not read here).
+    if (swapper_ && coordinator_->options().grad_home == offload::Tier::kHost)
       start_update(adamw_params(config_, lr, t_ + 1, 1.0f), /*speculative=*/false, /*gated=*/true);
     return Status::ok();
   }
@@ -611,28 +633,85 @@ Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp, const std::vec
     if (!st.is_ok()) return st.with_context("optimizer step " + std::to_string(hp.step) + " (resume from a checkpoint)");
     return Status::ok();
   }
-  for (;;) {
-    STRATA_ASSIGN_OR_RETURN(const size_t i, take_next(true));
-    if (i == offload::OptimizerSwapper::kEnd) break;
-    const Group& g = groups_[i];
-    float* master = g.state.as<float>();
-    float* m = master + g.spec.numel;
-    float* v = m + g.spec.numel;
-    const float* grad = grads[i];
-    if (grad == nullptr) {
-      STRATA_RETURN_IF_ERROR(grad_store_->read(g.spec.grad_key, grad_scratch_.data(), g.spec.numel * sizeof(float)));
-      stats.nvme_read_bytes += g.spec.numel * sizeof(float);
-      grad = grad_scratch_.as<float>();
-    }
-    for (const offload::OptimizerSegment& s : g.spec.segments) {
-      kernels::AdamWParams p = hp;
-      p.weight_decay = s.weight_decay;
-      kernels::cpu::fast::adamw_update_mixed(master + s.offset, m + s.offset, v + s.offset, grad + s.offset,
-                                             nullptr, DType::kF32, s.numel, p);
-    }
-    STRATA_RETURN_IF_ERROR(deliver(i, master));
+  return run_host_update(hp, grads, keep_old);
+}
+
+size_t OffloadedAdamW::take_spare(size_t floats) {
+  size_t best = SIZE_MAX;
+  for (size_t k = 0; k < spares_.size(); ++k) {
+    const size_t have = buffers_[spares_[k]].floats;
+    if (have >= floats && (best == SIZE_MAX || have < buffers_[spares_[best]].floats)) best = k;
   }
-  return Status::ok();
+  if (best == SIZE_MAX) return SIZE_MAX;
+  const size_t b = spares_[best];
+  spares_.erase(spares_.begin() + static_cast<std::ptrdiff_t>(best));
+  return b;
+}
+
+Status OffloadedAdamW::run_host_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads,
+                                       bool keep_old) {
+  Handoff& h = *handoff_;
+  OffloadedStepStats& stats = h.stats;
+  std::vector<std::pair<size_t, size_t>> into_spare;  // (sub-group, buffer) updated while speculative
+  auto speculative = [&] {
+    std::lock_guard lock(h.mu);
+    return h.speculative;
+  };
+  auto update = [&]() -> Status {
+    for (;;) {
+      STRATA_ASSIGN_OR_RETURN(const size_t i, take_next(true));
+      if (i == offload::OptimizerSwapper::kEnd) return Status::ok();
+      const Group& g = groups_[i];
+      const size_t n = g.spec.numel;
+      float* out = g.state;  // in place, unless the update may yet be undone
+      if (keep_old && speculative()) {
+        if (const size_t b = take_spare(3 * n); b != SIZE_MAX) {
+          out = buffers_[b].memory.as<float>();
+          into_spare.push_back({i, b});
+        } else {
+          // No spare left: the rest waits for step() to confirm the guess (or to abandon it).
+          trace::Span span("waiting for the norm");
+          std::unique_lock lock(h.mu);
+          h.cv.wait(lock, [&] { return !h.speculative || h.abandoned; });
+          if (h.abandoned) {
+            h.cancelled = true;
+            return Status::internal("optimizer step {}: abandoned by the training thread", h.step);
+          }
+        }
+      }
+      const float* grad = grads[i];
+      if (grad == nullptr) {
+        STRATA_RETURN_IF_ERROR(grad_store_->read(g.spec.grad_key, grad_scratch_.data(), n * sizeof(float)));
+        stats.nvme_read_bytes += n * sizeof(float);
+        grad = grad_scratch_.as<float>();
+      }
+      const float *master = g.state, *m = master + n, *v = m + n;
+      for (const offload::OptimizerSegment& s : g.spec.segments) {
+        kernels::AdamWParams p = hp;
+        p.weight_decay = s.weight_decay;
+        kernels::cpu::fast::adamw_update_into(master + s.offset, m + s.offset, v + s.offset, grad + s.offset,
+                                              out + s.offset, out + n + s.offset, out + 2 * n + s.offset, nullptr,
+                                              DType::kF32, s.numel, p);
+      }
+      STRATA_RETURN_IF_ERROR(deliver(i, out));
+    }
+  };
+  const Status status = update();
+  // Confirmed (step() cleared `speculative`), the spares hold their sub-groups' new state and the old buffers
+  // become spares; otherwise the spares are dropped and the old state stands. Nothing else reads a sub-group's
+  // state while an update runs.
+  const bool confirmed = !speculative();
+  for (const auto& [i, b] : into_spare) {
+    Group& g = groups_[i];
+    if (confirmed) {
+      spares_.push_back(g.buffer);
+      g.buffer = b;
+      g.state = buffers_[b].memory.as<float>();
+    } else {
+      spares_.push_back(b);
+    }
+  }
+  return status;
 }
 
 Status OffloadedAdamW::publish_next() {
@@ -689,8 +768,10 @@ Status OffloadedAdamW::abandon_speculation(bool restore) {
   if (!restore) return Status::ok();  // the redo publishes every sub-group again
   for (const size_t i : published) {
     const Group& g = groups_[i];
-    STRATA_RETURN_IF_ERROR(swapper_->with_master(
-        i, [&](const float* master) { return coordinator_->write_params(g.unit, g.offset, g.spec.numel, master); }));
+    auto put_back = [&](const float* master) {
+      return coordinator_->write_params(g.unit, g.offset, g.spec.numel, master);
+    };
+    STRATA_RETURN_IF_ERROR(swapper_ ? swapper_->with_master(i, put_back) : put_back(g.state));  // cpu: the old state
   }
   return Status::ok();
 }

@@ -19,8 +19,11 @@
 // that clipped it still starts the update during the last backward, gated: the first sub-groups' state is read
 // from NVMe while backward runs (the disk is idle then), and the update itself waits for step() to give it the
 // scale. With
-// "cpu" it does not speculate: undoing an update in memory would need a second copy of the state (12 bytes
-// per parameter, what the placement exists to save), and its update runs at memory speed anyway.
+// "cpu", undoing an update in memory needs the old state kept beside the new: it speculates only given spare
+// buffers (speculative_sub_groups; 12 bytes per element each, from the host budget), updating a sub-group during
+// backward from its state into a spare (the same arithmetic, kernels/cpu/fast.h adamw_update_into), which becomes
+// the sub-group's state once step() confirms the guess and is dropped otherwise. Once the spares are in use the
+// update waits for step(), and the sub-groups after them are updated in place.
 //
 // Threading: the training thread drives it; the update runs on a worker thread (its arithmetic on TBB, NVMe
 // I/O on the swap store's engine); every call into the Coordinator stays on the training thread, and new
@@ -51,7 +54,11 @@ struct OffloadedAdamWOptions {
   offload::Tier placement = offload::Tier::kHost;  // kHost ("cpu") or kNvme
   size_t sub_group_size = 1'000'000'000;           // elements; rounded up to a multiple of 1024
   int swap_slots = 3;                              // nvme: staging slots (offload_optimizer.buffer_count)
-  bool overlap_backward = true;                    // nvme: start updates during the last backward
+  bool overlap_backward = true;                    // start updates during the last backward (cpu: see below)
+  // cpu: spare state buffers, each for one sub-group's new master, m and v (12 bytes per element of the largest
+  // sub-group), so that as many sub-groups can be updated during the last backward while their old state stays
+  // to return to (offload_optimizer.speculative_sub_groups). 0: updates start after backward.
+  size_t speculative_sub_groups = 0;
 };
 
 // Where the last step's time went (seconds) and what it moved.
@@ -136,7 +143,13 @@ class OffloadedAdamW final : public Optimizer {
     size_t unit = 0, offset = 0;  // the range [offset, offset + numel) of the unit
     size_t shard_offset = 0;      // where it starts in this rank's shard of the unit (ZeRO-3; else = offset)
     offload::OptimizerGroup spec;
-    offload::PinnedBuffer state;  // kHost: master, m, v (3 x numel floats)
+    float* state = nullptr;  // kHost: master, m, v (3 x numel floats) in buffers_[buffer]
+    size_t buffer = 0;
+  };
+  // kHost: a buffer of host memory for state, of `floats` floats (a sub-group's, or a spare).
+  struct StateBuffer {
+    offload::PinnedBuffer memory;
+    size_t floats = 0;
   };
   OffloadedAdamW() = default;
   // An update in flight, between the training thread and the worker: the sub-groups fed to it in the order it
@@ -180,6 +193,11 @@ class OffloadedAdamW final : public Optimizer {
   Status cancel_gated();
   // On the worker: grads[g] is sub-group g's gradient in host memory, or null to read its swap key.
   Status run_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads, bool keep_old);
+  // kHost's update on the worker: with keep_old, sub-groups go into spare buffers while the update is speculative
+  // (then it waits for step()); the spares become their state if step() confirmed it, and are dropped otherwise.
+  Status run_host_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads, bool keep_old);
+  // On the worker, speculative: the smallest spare buffer that holds `floats` (SIZE_MAX: none), taken.
+  size_t take_spare(size_t floats);
   Result<size_t> take_next(bool wait);                // on the worker: the next fed sub-group
   Status deliver(size_t group, const float* master);  // on the worker: wait until published
   // Waits for the copies out of the published master weights of every position before `end` (ordering only).
@@ -204,6 +222,8 @@ class OffloadedAdamW final : public Optimizer {
   const GPT2* model_ = nullptr;
   offload::Coordinator* coordinator_ = nullptr;
   std::vector<Group> groups_;
+  std::vector<StateBuffer> buffers_;  // kHost: every sub-group's state and the spares
+  std::vector<size_t> spares_;        // kHost: buffers no sub-group uses (the worker's while an update runs)
   std::unique_ptr<offload::OptimizerSwapper> swapper_;  // kNvme
   SwapStore* grad_store_ = nullptr;                      // gradients on nvme
   offload::PinnedBuffer grad_scratch_;                   // kHost with gradients on nvme: one sub-group's

@@ -289,6 +289,7 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   oo.sub_group_size = group;
   oo.swap_slots = static_cast<int>(config.offload_optimizer.buffer_count);
   oo.overlap_backward = config.offload_optimizer.overlap_backward;
+  oo.speculative_sub_groups = static_cast<size_t>(config.offload_optimizer.speculative_sub_groups);
   STRATA_ASSIGN_OR_RETURN(rt->optimizer_, OffloadedAdamW::create(model, *rt->coordinator_, *rt->pool_, opt_store,
                                                                  adam, oo, grad_store));
   // Each step's update overlaps the next forward: a unit's new parameters are published before its first use.

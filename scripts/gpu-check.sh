@@ -143,15 +143,30 @@ if [[ $bench == 1 ]] && in_budget "bench step"; then
       --rounds 2 --json 2>"$out/bench_offload_$1_$2.log" | tee "$out/bench_offload_$1_$2.jsonl" ||
       { status=1; tail -20 "$out/bench_offload_$1_$2.log"; }
   done
+  # ZeRO-Offload (optimizer in host memory) with and without updates started during backward into spare
+  # buffers (offload_optimizer.speculative_sub_groups): --grad-clip 0, since the bench's random batches would
+  # clip every step, and a step after one that clipped does not speculate.
+  for spares in 0 1000; do
+    in_budget "bench offload none cpu, $spares spares" || continue
+    echo; echo "== strata bench step, GPT-2 124M, optimizer on cpu, no clipping, --speculative-sub-groups $spares"
+    run_limited 240 "bench offload" "$strata" bench step "${gpt2_124m[@]}" --offload-optimizer cpu --grad-clip 0 \
+      --speculative-sub-groups $spares --steps 6 --warmup 2 --rounds 2 --json \
+      2>"$out/bench_offload_spec_$spares.log" | tee "$out/bench_offload_spec_$spares.jsonl" ||
+      { status=1; tail -20 "$out/bench_offload_spec_$spares.log"; }
+  done
   # A unit's CPU Adam can only overlap the compute between its last micro-batch's backward and the next step's
   # forward of it (about one micro-batch), so the step is about compute + (Adam - one micro-batch): 8 and 32
   # micro-batches a step show how far more of them per step take the utilisation.
-  for accum in 8 32; do
+  # "8s": 8 again, unclipped, with every sub-group's update started during the last backward (spare buffers:
+  # 30 GB more host memory), which overlaps the Adam of all but the first units with that backward.
+  for accum in 8 32 8s; do
     in_budget "bench 2.5B MFU, $accum micro-batches" || continue
-    echo; echo "== strata bench step, GPT-2 2.5B (48 layers, width 2048), optimizer on the CPU, $accum micro-batches" \
-      "of B=2 a step: model FLOPs utilisation"
+    spec=()
+    [[ $accum == 8s ]] && spec=(--grad-clip 0 --speculative-sub-groups 1000)
+    echo; echo "== strata bench step, GPT-2 2.5B (48 layers, width 2048), optimizer on the CPU, ${accum%s} micro-batches" \
+      "of B=2 a step ${spec[*]}: model FLOPs utilisation"
     run_limited 240 "bench 2.5B" "$strata" bench step --device cuda --precision bf16 --layers 48 --heads 32 --width 2048 --context 1024 --batch 2 \
-      --grad-accum $accum --steps 2 --warmup 1 --offload-optimizer cpu --json 2>"$out/bench_mfu_$accum.log" |
+      --grad-accum ${accum%s} --steps 2 --warmup 1 --offload-optimizer cpu "${spec[@]}" --json 2>"$out/bench_mfu_$accum.log" |
       tee "$out/bench_mfu_$accum.jsonl" || { status=1; tail -20 "$out/bench_mfu_$accum.log"; }
   done
   if in_budget "bench kernels"; then

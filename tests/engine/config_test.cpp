@@ -190,6 +190,37 @@ TEST(ConfigTest, DeepSpeedOffloadSectionsCarryOver) {
   EXPECT_TRUE(plain->offload.not_acted_on.empty());
 }
 
+// offload_optimizer.speculative_sub_groups (ours) is acted on with the optimizer in host memory and
+// overlap_backward on; elsewhere it is listed as not acted on, and a negative count is refused by name.
+TEST(ConfigTest, SpeculativeSubGroupsAreForTheOptimizerInHostMemory) {
+  auto parse = [](const std::string& device, bool overlap, int64_t n) {
+    json j = {{"zero_optimization",
+               {{"stage", 3},
+                {"offload_optimizer", {{"device", device}, {"overlap_backward", overlap},
+                                       {"speculative_sub_groups", n}}}}}};
+    if (device == "nvme") j["zero_optimization"]["offload_optimizer"]["nvme_path"] = "/tmp/x";
+    return parse_run_config(j, "spec.json");
+  };
+  auto listed = [](const RunConfig& c) {
+    std::string all;
+    for (const std::string& k : c.offload.not_acted_on) all += k + "\n";
+    return all.find("speculative_sub_groups = 8") != std::string::npos;
+  };
+  auto cpu = parse("cpu", true, 8);
+  ASSERT_TRUE(cpu.is_ok()) << cpu.status().to_string();
+  EXPECT_EQ(cpu->offload.offload_optimizer.speculative_sub_groups, 8);
+  EXPECT_FALSE(listed(*cpu));
+  for (auto [device, overlap] : {std::pair{"nvme", true}, std::pair{"cpu", false}}) {
+    auto c = parse(device, overlap, 8);
+    ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+    EXPECT_TRUE(listed(*c)) << device << " overlap_backward " << overlap;
+  }
+  auto negative = parse("cpu", true, -1);
+  ASSERT_FALSE(negative.is_ok());
+  EXPECT_NE(negative.status().message().find("speculative_sub_groups must be >= 0"), std::string::npos)
+      << negative.status().message();
+}
+
 // DeepSpeed's top-level training keys land where they mean the same here; what has no counterpart, and a
 // setting that contradicts ours, is refused by name; an override of the key they map to wins.
 TEST(ConfigTest, DeepSpeedTrainingKeysCarryOver) {
