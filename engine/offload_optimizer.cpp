@@ -424,6 +424,7 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   if (handoff_) {
     std::lock_guard lock(handoff_->mu);
     speculating = handoff_->speculative;
+    handoff_->deciding = speculating;
   }
   const bool gated_update = gated();
   if (!speculating && !gated_update) STRATA_RETURN_IF_ERROR(finish());  // normally done: the forward published it
@@ -528,8 +529,10 @@ Result<size_t> OffloadedAdamW::take_next(bool wait) {
       if (!item.grads.done()) {
         if (!wait) return kNotYet;
         lock.unlock();
+        Timer waited;
         (void)item.grads.wait();
         lock.lock();
+        h.gate_wait_s += waited.seconds();
         continue;
       }
       if (Status st = item.grads.wait(); !st.is_ok())
@@ -539,7 +542,9 @@ Result<size_t> OffloadedAdamW::take_next(bool wait) {
     }
     if (h.closed) return kEnd;
     if (!wait) return kNotYet;
+    Timer waited;
     h.cv.wait(lock);
+    h.gate_wait_s += waited.seconds();
   }
 }
 
@@ -601,7 +606,7 @@ Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp, const std::vec
         Timer gate;
         std::unique_lock lock(h.mu);
         h.cv.wait(lock, [&] { return h.opened || h.abandoned; });
-        h.gate_wait_s = gate.seconds();
+        h.gate_wait_s += gate.seconds();
         if (h.abandoned) {
           h.cancelled = true;
           return Status::internal("optimizer step {}: cancelled before its update", h.step);
@@ -664,15 +669,27 @@ Status OffloadedAdamW::run_host_update(const kernels::AdamWParams& hp, const std
       const Group& g = groups_[i];
       const size_t n = g.spec.numel;
       float* out = g.state;  // in place, unless the update may yet be undone
-      if (keep_old && speculative()) {
-        if (const size_t b = take_spare(3 * n); b != SIZE_MAX) {
+      bool unconfirmed = false, deciding = false;
+      if (keep_old) {
+        std::lock_guard lock(h.mu);
+        unconfirmed = h.speculative;
+        deciding = h.deciding;
+      }
+      if (unconfirmed) {
+        // Into a spare while the norm is not being taken yet; once step() takes it (the backward has ended: the
+        // last units, the embedding), the guess is settled within the gradients' last arrivals, and the update in
+        // place, which reads and writes the same lines, is the faster one to wait for.
+        const size_t b = deciding ? SIZE_MAX : take_spare(3 * n);
+        if (b != SIZE_MAX) {
           out = buffers_[b].memory.as<float>();
           into_spare.push_back({i, b});
         } else {
-          // No spare left: the rest waits for step() to confirm the guess (or to abandon it).
+          // No spare left (or step() is deciding): the rest waits for step() to confirm the guess (or abandon it).
           trace::Span span("waiting for the norm");
+          Timer waited;
           std::unique_lock lock(h.mu);
           h.cv.wait(lock, [&] { return !h.speculative || h.abandoned; });
+          h.gate_wait_s += waited.seconds();
           if (h.abandoned) {
             h.cancelled = true;
             return Status::internal("optimizer step {}: abandoned by the training thread", h.step);

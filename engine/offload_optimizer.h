@@ -165,10 +165,12 @@ class OffloadedAdamW final : public Optimizer {
     std::vector<Item> feed;
     bool closed = false;       // nothing more will be fed
     bool speculative = false;  // started before the norm was known (scale 1 assumed); cleared when confirmed
+    bool deciding = false;     // speculative, and step() is taking the norm: the guess is settled soon
     bool gated = false;        // started before the norm was known, reading only: waits for `hp` from step()
     bool opened = false;       // gated: step() gave it `hp`
     kernels::AdamWParams hp;
-    double gate_wait_s = 0;    // the worker waiting for it (not part of the update's time)
+    // The worker waiting for `hp`, for sub-groups to be fed, or (speculative) for step(): not the update's time.
+    double gate_wait_s = 0;
     size_t taken = 0, ready = 0, published = 0;
     std::vector<const float*> master;  // by position
     // By position: the copies of its published master weights still reading them (to the device and home),
