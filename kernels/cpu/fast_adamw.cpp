@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include <tbb/blocked_range.h>
@@ -99,7 +100,10 @@ constexpr __mmask16 kAll16 = 0xFFFF;
   return _mm512_maskz_cvtepi32_epi16(kAll16, h);
 }
 
-template <Working W>
+// Stream: the new state goes elsewhere (adamw_update_into), so its stores bypass the cache (no read for
+// ownership of lines the pass will not read) from the first element whose p_out is 64-byte aligned (the caller
+// checks that m_out and v_out are aligned alike).
+template <Working W, bool Stream>
 [[STRATA_TARGET_AVX512, STRATA_NO_FP_CONTRACT]] void adamw_avx512(const Arrays& a, size_t i0, size_t i1,
                                                                   const AdamWScalars& s) {
   const __m512 grad_scale = _mm512_set1_ps(s.grad_scale), b1 = _mm512_set1_ps(s.b1),
@@ -111,23 +115,35 @@ template <Working W>
   float *p_out = a.p, *m_out = a.m, *v_out = a.v;
   uint16_t* w = a.w;
   size_t i = i0;
+  if constexpr (Stream) {
+    while (i < i1 && (reinterpret_cast<uintptr_t>(p_out + i) & 63) != 0) ++i;
+    adamw_scalar<W>(a, i0, i, s);
+  }
+  auto store = [](float* dst, __m512 x) {
+    if constexpr (Stream) {
+      _mm512_stream_ps(dst, x);
+    } else {
+      _mm512_storeu_ps(dst, x);
+    }
+  };
   for (; i + 16 <= i1; i += 16) {
     const __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g + i), grad_scale);
     const __m512 mi = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_loadu_ps(m + i)), _mm512_mul_ps(omb1, gi));
     const __m512 vi =
         _mm512_add_ps(_mm512_mul_ps(b2, _mm512_loadu_ps(v + i)), _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi));
-    _mm512_storeu_ps(m_out + i, mi);
-    _mm512_storeu_ps(v_out + i, vi);
+    store(m_out + i, mi);
+    store(v_out + i, vi);
     // maskz with a full mask is plain vsqrtps; _mm512_sqrt_ps trips GCC 12's -Wmaybe-uninitialized.
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_maskz_sqrt_ps(0xFFFF, vi), bc2_sqrt), eps);
     const __m512 pi = _mm512_mul_ps(_mm512_loadu_ps(p + i), decay);
     const __m512 pn = _mm512_sub_ps(pi, _mm512_mul_ps(step_size, _mm512_div_ps(mi, denom)));
-    _mm512_storeu_ps(p_out + i, pn);
+    store(p_out + i, pn);
     if constexpr (W == Working::kBF16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + i), bf16_avx512(pn));
     if constexpr (W == Working::kF16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + i),
                           _mm512_maskz_cvtps_ph(kAll16, pn, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  if constexpr (Stream) _mm_sfence();  // the streamed stores before any later one (the task's end, a publication)
   adamw_scalar<W>(a, i, i1, s);
 }
 
@@ -179,6 +195,8 @@ template <Working W>
 template <Working W>
 void adamw_blocks(const Arrays& a, size_t n, const AdamWScalars& s) {
   const simd::Isa isa = simd::active_isa();
+  auto misalignment = [](const float* x) { return reinterpret_cast<uintptr_t>(x) & 63; };
+  const bool stream = a.p != a.p_in && misalignment(a.p) == misalignment(a.m) && misalignment(a.p) == misalignment(a.v);
   // Fixed blocks rather than TBB's adaptive split: the same elements take the SIMD loop or the scalar tail in
   // every run (identical arithmetic today, but determinism should not rest on that).
   const size_t blocks = (n + kElementsPerTask - 1) / kElementsPerTask;
@@ -188,7 +206,11 @@ void adamw_blocks(const Arrays& a, size_t n, const AdamWScalars& s) {
       const size_t i1 = std::min(n, i0 + kElementsPerTask);
       switch (isa) {
         case simd::Isa::kAvx512:
-          adamw_avx512<W>(a, i0, i1, s);
+          if (stream) {
+            adamw_avx512<W, true>(a, i0, i1, s);
+          } else {
+            adamw_avx512<W, false>(a, i0, i1, s);
+          }
           break;
         case simd::Isa::kAvx2:
           adamw_avx2<W>(a, i0, i1, s);
