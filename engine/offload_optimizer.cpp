@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "common/log.h"
 #include "common/thread_name.h"
 #include "common/timer.h"
 #include "common/trace.h"
@@ -247,6 +248,7 @@ Status OffloadedAdamW::gather_moments(size_t unit, float* m, float* v) {
 Status OffloadedAdamW::set_pipeline(const PipelinePlan& plan, comm::Communicator& pp) {
   plan_ = plan;
   pp_ = &pp;
+  release_spares("pipeline parallelism");
   STRATA_ASSIGN_OR_RETURN(tied_, split_tied_group(pp));
   return Status::ok();
 }
@@ -335,7 +337,17 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
 
 Status OffloadedAdamW::set_gradient_reducer(comm::Communicator* group) {
   reducer_ = group;
+  if (group != nullptr) release_spares("data parallelism");
   return Status::ok();
+}
+
+void OffloadedAdamW::release_spares(const char* why) {
+  if (spares_.empty()) return;
+  STRATA_LOG_WARN("offload_optimizer.speculative_sub_groups is not acted on under {} (no update starts during "
+                  "backward there): its {} spare buffers are given back",
+                  why, spares_.size());
+  for (const size_t b : spares_) buffers_[b].memory.reset();
+  spares_.clear();
 }
 
 bool OffloadedAdamW::update_ended() const {

@@ -200,6 +200,8 @@ class OffloadedAdamW final : public Optimizer {
   Status run_host_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads, bool keep_old);
   // On the worker, speculative: the smallest spare buffer that holds `floats` (SIZE_MAX: none), taken.
   size_t take_spare(size_t floats);
+  // Gives the spares back to the pool, with a warning naming `why` they are of no use (no update in flight).
+  void release_spares(const char* why);
   Result<size_t> take_next(bool wait);                // on the worker: the next fed sub-group
   Status deliver(size_t group, const float* master);  // on the worker: wait until published
   // Waits for the copies out of the published master weights of every position before `end` (ordering only).
