@@ -473,7 +473,8 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
     // being confirmed with the state of before it.
     Status worker;
     {
-      std::lock_guard lock(h.mu);
+      std::unique_lock lock(h.mu);
+      if (h.failed_unconfirmed) h.cv.wait(lock, [&] { return h.done; });  // its status is set when it ends
       if (h.done) worker = h.status;
     }
     if (!worker.is_ok()) {
@@ -638,6 +639,7 @@ Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp, const std::vec
       {
         std::lock_guard lock(handoff_->mu);
         confirmed = !handoff_->speculative;
+        handoff_->failed_unconfirmed = !confirmed;
       }
       // Confirmed, some sub-groups' new parameters are published already: like any failed step, the run must
       // restart from a checkpoint. Unconfirmed, step() restores them (abandon_speculation).
@@ -670,10 +672,6 @@ Status OffloadedAdamW::run_host_update(const kernels::AdamWParams& hp, const std
   Handoff& h = *handoff_;
   OffloadedStepStats& stats = h.stats;
   std::vector<std::pair<size_t, size_t>> into_spare;  // (sub-group, buffer) updated while speculative
-  auto speculative = [&] {
-    std::lock_guard lock(h.mu);
-    return h.speculative;
-  };
   auto update = [&]() -> Status {
     for (;;) {
       STRATA_ASSIGN_OR_RETURN(const size_t i, take_next(true));
@@ -681,6 +679,7 @@ Status OffloadedAdamW::run_host_update(const kernels::AdamWParams& hp, const std
       const Group& g = groups_[i];
       const size_t n = g.spec.numel;
       float* out = g.state;  // in place, unless the update may yet be undone
+      size_t spare = SIZE_MAX;  // the buffer `out` is in, when not in place
       bool unconfirmed = false, deciding = false;
       if (keep_old) {
         std::lock_guard lock(h.mu);
@@ -691,10 +690,9 @@ Status OffloadedAdamW::run_host_update(const kernels::AdamWParams& hp, const std
         // Into a spare while the norm is not being taken yet; once step() takes it (the backward has ended: the
         // last units, the embedding), the guess is settled within the gradients' last arrivals, and the update in
         // place, which reads and writes the same lines, is the faster one to wait for.
-        const size_t b = deciding ? SIZE_MAX : take_spare(3 * n);
-        if (b != SIZE_MAX) {
-          out = buffers_[b].memory.as<float>();
-          into_spare.push_back({i, b});
+        spare = deciding ? SIZE_MAX : take_spare(3 * n);
+        if (spare != SIZE_MAX) {
+          out = buffers_[spare].memory.as<float>();
         } else {
           // No spare left (or step() is deciding): the rest waits for step() to confirm the guess (or abandon it).
           trace::Span span("waiting for the norm");
@@ -710,7 +708,10 @@ Status OffloadedAdamW::run_host_update(const kernels::AdamWParams& hp, const std
       }
       const float* grad = grads[i];
       if (grad == nullptr) {
-        STRATA_RETURN_IF_ERROR(grad_store_->read(g.spec.grad_key, grad_scratch_.data(), n * sizeof(float)));
+        if (Status st = grad_store_->read(g.spec.grad_key, grad_scratch_.data(), n * sizeof(float)); !st.is_ok()) {
+          if (spare != SIZE_MAX) spares_.push_back(spare);  // nothing was written to it
+          return st;
+        }
         stats.nvme_read_bytes += n * sizeof(float);
         grad = grad_scratch_.as<float>();
       }
@@ -722,14 +723,21 @@ Status OffloadedAdamW::run_host_update(const kernels::AdamWParams& hp, const std
                                               out + s.offset, out + n + s.offset, out + 2 * n + s.offset, nullptr,
                                               DType::kF32, s.numel, p);
       }
+      if (spare != SIZE_MAX) into_spare.push_back({i, spare});  // holds the sub-group's new state now
       STRATA_RETURN_IF_ERROR(deliver(i, out));
     }
   };
   const Status status = update();
   // Confirmed (step() cleared `speculative`), the spares hold their sub-groups' new state and the old buffers
-  // become spares; otherwise the spares are dropped and the old state stands. Nothing else reads a sub-group's
-  // state while an update runs.
-  const bool confirmed = !speculative();
+  // become spares; otherwise the spares are dropped and the old state stands, and a failed worker says so in the
+  // same breath, so that step() does not confirm it after all. Nothing else reads a sub-group's state while an
+  // update runs.
+  bool confirmed = false;
+  {
+    std::lock_guard lock(h.mu);
+    confirmed = !h.speculative;
+    h.failed_unconfirmed = !confirmed && !status.is_ok();
+  }
   for (const auto& [i, b] : into_spare) {
     Group& g = groups_[i];
     if (confirmed) {
@@ -740,6 +748,10 @@ Status OffloadedAdamW::run_host_update(const kernels::AdamWParams& hp, const std
       spares_.push_back(b);
     }
   }
+  // Confirmed (or never speculative), some sub-groups are updated and published already: like any failed step,
+  // the run must restart from a checkpoint.
+  if (!status.is_ok() && confirmed)
+    return status.with_context("optimizer step " + std::to_string(hp.step) + " (resume from a checkpoint)");
   return status;
 }
 

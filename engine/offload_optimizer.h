@@ -18,12 +18,12 @@
 // speculates only after a step that did not clip (a run that clips every step would redo every step); after one
 // that clipped it still starts the update during the last backward, gated: the first sub-groups' state is read
 // from NVMe while backward runs (the disk is idle then), and the update itself waits for step() to give it the
-// scale. With
-// "cpu", undoing an update in memory needs the old state kept beside the new: it speculates only given spare
-// buffers (speculative_sub_groups; 12 bytes per element each, from the host budget), updating a sub-group during
-// backward from its state into a spare (the same arithmetic, kernels/cpu/fast.h adamw_update_into), which becomes
-// the sub-group's state once step() confirms the guess and is dropped otherwise. Once the spares are in use the
-// update waits for step(), and the sub-groups after them are updated in place.
+// scale. With "cpu", undoing an update in memory needs the old state kept beside the new: it speculates only
+// given spare buffers (speculative_sub_groups; 12 bytes per element each, from the host budget), updating a
+// sub-group during backward from its state into a spare (the same arithmetic, kernels/cpu/fast.h
+// adamw_update_into), which becomes the sub-group's state once step() confirms the guess and is dropped
+// otherwise. Once the spares are in use, or step() is taking the norm, the update waits for step() and the
+// sub-groups after that are updated in place.
 //
 // Threading: the training thread drives it; the update runs on a worker thread (its arithmetic on TBB, NVMe
 // I/O on the swap store's engine); every call into the Coordinator stays on the training thread, and new
@@ -166,6 +166,8 @@ class OffloadedAdamW final : public Optimizer {
     bool closed = false;       // nothing more will be fed
     bool speculative = false;  // started before the norm was known (scale 1 assumed); cleared when confirmed
     bool deciding = false;     // speculative, and step() is taking the norm: the guess is settled soon
+    // The worker failed while speculative and kept (or went back to) the old state: step() must not confirm it.
+    bool failed_unconfirmed = false;
     bool gated = false;        // started before the norm was known, reading only: waits for `hp` from step()
     bool opened = false;       // gated: step() gave it `hp`
     kernels::AdamWParams hp;
