@@ -5,8 +5,6 @@
 // embedding unit's weights — reading a unit whole, as these loads did before, takes one to three times them.
 // The streamed loads must also give bitwise the state of the whole-unit paths (init_gpt2 or load_model, then
 // adopt_params or a checkpoint's write_moments), which the model without offload still takes.
-#include <malloc.h>
-
 #include <atomic>
 #include <cstdlib>
 #include <memory>
@@ -22,69 +20,13 @@
 #include "engine/offload_runtime.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "tests/engine/trainer_fixture.h"
+#include "tests/heap_counter.h"
 #include "tests/test_util.h"
-
-namespace {
-
-// The bytes operator new has handed out and not taken back, and their peak since reset_heap_peak().
-std::atomic<int64_t> g_live{0}, g_peak{0};
-
-void count(void* p, int64_t sign) {
-  if (p == nullptr) return;
-  const int64_t now = g_live.fetch_add(sign * static_cast<int64_t>(malloc_usable_size(p))) +
-                      sign * static_cast<int64_t>(malloc_usable_size(p));
-  int64_t peak = g_peak.load(std::memory_order_relaxed);
-  while (now > peak && !g_peak.compare_exchange_weak(peak, now)) {
-  }
-}
-
-void* allocate(size_t n, size_t align = 0) {
-  void* p = align > alignof(std::max_align_t) ? std::aligned_alloc(align, (n + align - 1) / align * align)
-                                              : std::malloc(n == 0 ? 1 : n);
-  if (p == nullptr) throw std::bad_alloc();
-  count(p, 1);
-  return p;
-}
-
-void release(void* p) {
-  count(p, -1);
-  std::free(p);
-}
-
-}  // namespace
-
-void* operator new(size_t n) { return allocate(n); }
-void* operator new[](size_t n) { return allocate(n); }
-void* operator new(size_t n, std::align_val_t a) { return allocate(n, static_cast<size_t>(a)); }
-void* operator new[](size_t n, std::align_val_t a) { return allocate(n, static_cast<size_t>(a)); }
-void* operator new(size_t n, const std::nothrow_t&) noexcept {
-  try {
-    return allocate(n);
-  } catch (...) {
-    return nullptr;
-  }
-}
-void operator delete(void* p) noexcept { release(p); }
-void operator delete[](void* p) noexcept { release(p); }
-void operator delete(void* p, size_t) noexcept { release(p); }
-void operator delete[](void* p, size_t) noexcept { release(p); }
-void operator delete(void* p, std::align_val_t) noexcept { release(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { release(p); }
-void operator delete(void* p, size_t, std::align_val_t) noexcept { release(p); }
-void operator delete[](void* p, size_t, std::align_val_t) noexcept { release(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { release(p); }
 
 namespace strata::engine {
 namespace {
 
-// The heap growth (peak over the live bytes at the start) while `fn` runs.
-template <typename Fn>
-int64_t heap_growth(Fn&& fn) {
-  const int64_t start = g_live.load();
-  g_peak.store(start);
-  fn();
-  return g_peak.load() - start;
-}
+using test::heap_growth;
 
 // A model with a large embedding unit (vocabulary 16384 x width 64: 4 MiB of weights) and small sub-groups.
 constexpr size_t kSubGroup = 16384;
