@@ -67,10 +67,34 @@ Status read_whole_moments(const GPT2& model, Optimizer& opt, size_t u, float* m,
   return model.gather_whole(u, lv.data(), v);
 }
 
+// The most elements of a piece gathered from another rank (ZeRO-3): what the writing rank holds of it at once.
+constexpr size_t kGatheredPiece = size_t{4} << 20;  // 16 MiB
+
+// A buffer for the pieces other ranks send, grown to the largest.
+Optimizer::PieceBuffer piece_buffer(std::vector<float>& buffer) {
+  return [&buffer](size_t length) {
+    buffer.resize(length);
+    return buffer.data();
+  };
+}
+
+// ZeRO-3 over ranks: state k of a unit from element `from` to its end, a piece after another, gathered to the
+// data-parallel group's rank 0 (Optimizer::gather_piece) and dropped. Every rank of the group walks the same
+// pieces in the same order: here the ranks that do not write, and the writer past the last piece it read.
+Status walk_pieces(const GPT2& model, Optimizer& opt, size_t unit, int k, size_t from, std::vector<float>& buffer) {
+  for (size_t at = from, numel = model.whole_layout(unit).numel(); at < numel;) {
+    STRATA_ASSIGN_OR_RETURN(const Optimizer::StatePiece piece,
+                            opt.gather_piece(unit, k, at, kGatheredPiece, piece_buffer(buffer)));
+    at += piece.length;
+  }
+  return Status::ok();
+}
+
 // The optimizer's state k of a unit (0: the weights, 1: Adam's m, 2: v) from element `offset` on, at least one
 // element: from where the optimizer keeps it (offloaded state, a sub-group at a time, in host memory or read
-// into one staging slot, within the host budget) or else from one unit read whole — the model's weights, or
-// its m and v — always so under tensor parallelism, whose reads gather the slices over the group.
+// into one staging slot, within the host budget; under ZeRO-3, a piece at a time from the rank that holds it)
+// or else from one unit read whole — the model's weights, or its m and v — always so under tensor parallelism,
+// whose reads gather the slices over the group.
 class StatePieces {
  public:
   StatePieces(const GPT2& model, Optimizer& opt)
@@ -82,6 +106,7 @@ class StatePieces {
             true) {}
   Result<std::span<const float>> get(size_t unit, int k, size_t offset) {
     if (unit == unit_ && k == k_ && offset >= lo_ && offset - lo_ < piece_.size()) return piece_.subspan(offset - lo_);
+    if (opt_.gathers_pieces(unit)) return gathered(unit, k, offset);
     if (!model_.tensor_parallel()) {
       STRATA_ASSIGN_OR_RETURN(std::span<const float> piece, opt_.state_view(unit, k, offset));
       if (!piece.empty()) {
@@ -92,14 +117,45 @@ class StatePieces {
     unit_ = SIZE_MAX;  // the piece held was valid until this call on the optimizer
     return k == 0 ? weights_.get(unit, false, offset) : moments_.get(unit, k == 2, offset);
   }
+  // Walks the rest of the gathered state being read, if any, as the other ranks do: call after a file's last
+  // get().
+  Status end() {
+    if (walk_unit_ == SIZE_MAX) return Status::ok();
+    const size_t unit = walk_unit_;
+    unit_ = walk_unit_ = SIZE_MAX;
+    return walk_pieces(model_, opt_, unit, walk_k_, walk_next_, buffer_);
+  }
 
  private:
+  // Gathered pieces come in order, each unit's state from its first element to its last (the other ranks walk
+  // them so); a file's tensors tile a unit, so each is asked for where the last ended or within it.
+  Result<std::span<const float>> gathered(size_t unit, int k, size_t offset) {
+    if (unit != walk_unit_ || k != walk_k_) {
+      STRATA_RETURN_IF_ERROR(end());
+      walk_unit_ = unit, walk_k_ = k, walk_next_ = 0;
+    }
+    STRATA_ASSERT(offset >= walk_next_);  // pieces are never asked for twice
+    for (;;) {
+      STRATA_ASSIGN_OR_RETURN(const Optimizer::StatePiece piece,
+                              opt_.gather_piece(unit, k, walk_next_, kGatheredPiece, piece_buffer(buffer_)));
+      const size_t lo = walk_next_;
+      walk_next_ += piece.length;
+      if (offset < walk_next_) {
+        unit_ = unit, k_ = k, lo_ = lo, piece_ = piece.data;
+        return piece_.subspan(offset - lo);
+      }
+    }
+  }
+
   const GPT2& model_;
   Optimizer& opt_;
   UnitCache weights_, moments_;
   size_t unit_ = SIZE_MAX, lo_ = 0;
   int k_ = 0;
   std::span<const float> piece_;  // [lo_, lo_ + size) of (unit_, k_)
+  size_t walk_unit_ = SIZE_MAX, walk_next_ = 0;  // the gathered state being walked, and where its next piece starts
+  int walk_k_ = 0;
+  std::vector<float> buffer_;  // what other ranks send
 };
 
 // State `which` of unit i from element `offset` on: at least one element, valid until the next call.
@@ -492,10 +548,12 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
       (tmp_dir / "model.safetensors").string(),
       tensors_of(model, {""}, [&](size_t u, int, size_t offset) { return pieces.get(u, 0, offset); }),
       model_metadata(model.config())));
+  STRATA_RETURN_IF_ERROR(pieces.end());
   std::vector<SafetensorsTensor> moments = tensors_of(
       model, {"m.", "v."}, [&](size_t u, int which, size_t offset) { return pieces.get(u, 1 + which, offset); });
   STRATA_RETURN_IF_ERROR(write_safetensors((tmp_dir / "optimizer.safetensors").string(), moments,
                                            {{"adam_steps", std::to_string(opt.steps_taken())}}));
+  STRATA_RETURN_IF_ERROR(pieces.end());
   nlohmann::json js = {
       {"format", "strata-checkpoint"},
       {"version", 1},
@@ -527,11 +585,20 @@ Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt, const std::fun
   std::vector<float> a, b;
   for (size_t u = 0; u < model.units().size(); ++u) {  // the model file's reads
     if (!include(u)) continue;
+    if (opt.gathers_pieces(u)) {
+      STRATA_RETURN_IF_ERROR(walk_pieces(model, opt, u, 0, 0, a));
+      continue;
+    }
     a.resize(model.whole_layout(u).numel());
     STRATA_RETURN_IF_ERROR(model.read_params(u, a.data()));
   }
   for (size_t u = 0; u < model.units().size(); ++u) {  // then the moments'
     if (!include(u)) continue;
+    if (opt.gathers_pieces(u)) {
+      STRATA_RETURN_IF_ERROR(walk_pieces(model, opt, u, 1, 0, a));
+      STRATA_RETURN_IF_ERROR(walk_pieces(model, opt, u, 2, 0, a));
+      continue;
+    }
     a.resize(model.whole_layout(u).numel());
     b.resize(a.size());
     STRATA_RETURN_IF_ERROR(read_whole_moments(model, opt, u, a.data(), b.data()));

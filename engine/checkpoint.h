@@ -89,7 +89,9 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
 
 // Under ZeRO-3, what the other ranks of a data-parallel group do while its rank 0 reads the units for a
 // checkpoint: the same collective reads of each unit's parameters and moments (the units `include` accepts:
-// with pipeline stages, the stage's own), in the same order, with nothing written.
+// with pipeline stages, the stage's own), in the same order, with nothing written. Where the optimizer gathers
+// pieces (Optimizer::gather_piece), each rank sends rank 0 its shard's a piece at a time, and no rank holds a
+// unit whole.
 Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt, const std::function<bool(size_t unit)>& include);
 
 // Resolves `path` (a step directory, or a checkpoint_dir containing `latest`; in a checkpoint_dir without one,

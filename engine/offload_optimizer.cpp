@@ -214,6 +214,63 @@ Result<bool> OffloadedAdamW::load_state(size_t unit, const StateFill& fill) {
   return true;
 }
 
+bool OffloadedAdamW::gathers_pieces(size_t unit) const {
+  return coordinator_->sharded() && reducer_ != nullptr && pp_ == nullptr && !model_->tensor_parallel() &&
+         model_->holds(unit);
+}
+
+Result<Optimizer::StatePiece> OffloadedAdamW::gather_piece(size_t unit, int k, size_t offset, size_t max_len,
+                                                           const PieceBuffer& buffer) {
+  STRATA_ASSERT(k >= 0 && k < 3 && max_len > 0 && gathers_pieces(unit));
+  if (handoff_) STRATA_RETURN_IF_ERROR(finish());  // an update in flight ends first (and the view with it)
+  const std::string& name = model_->units()[unit].name;
+  const size_t numel = model_->units()[unit].numel(), stride = coordinator_->shard(unit).stride;
+  if (offset >= numel)
+    return Status::invalid_argument("offload: element {} is outside unit '{}' ({} elements)", offset, name, numel);
+  const int owner = static_cast<int>(offset / stride), me = reducer_->rank();
+  const size_t local = offset - static_cast<size_t>(owner) * stride;  // in the owner's shard
+  const float* data = nullptr;
+  uint64_t length = 0;  // 0 from the owner: it could not read the piece
+  Status read;
+  if (me == owner) {
+    read = Status::internal("offload: element {} of unit '{}' is in no sub-group of rank {}", offset, name, me);
+    for (size_t i = 0; i < groups_.size(); ++i) {
+      const Group& g = groups_[i];
+      if (g.unit != unit || local < g.shard_offset || local >= g.shard_offset + g.spec.numel) continue;
+      const float* state = g.state + static_cast<size_t>(k) * g.spec.numel;
+      if (swapper_ && (viewed_.group != i || viewed_.k != k)) {
+        viewed_ = Viewed{};
+        Result<const float*> got = swapper_->view_state(i, k);
+        if (got.is_ok()) viewed_ = Viewed{i, k, *got};
+        read = got.status();
+      } else {
+        read = Status::ok();
+      }
+      if (!read.is_ok()) break;
+      if (swapper_) state = viewed_.data;
+      data = state + (local - g.shard_offset);
+      length = std::min({g.shard_offset + g.spec.numel - local, numel - offset, max_len});
+      break;
+    }
+  }
+  // Every rank learns the length (the bits of a uint64 as two floats); 0 says the owner failed.
+  const std::string what = fmt::format("a piece of '{}' (state {}, element {}) from rank {}", name, k, offset, owner);
+  STRATA_RETURN_IF_ERROR(reducer_->broadcast(&length, 2, DType::kF32, owner).with_context(what));
+  if (length == 0) {
+    if (!read.is_ok()) return read.with_context(what);
+    return Status::io_error("{}: that rank could not read it (its error is in its log)", what);
+  }
+  constexpr int kTagPiece = 17;
+  if (me == 0 && owner != 0) {
+    float* into = buffer(length);
+    STRATA_RETURN_IF_ERROR(reducer_->recv(into, length, DType::kF32, owner, kTagPiece).with_context(what));
+    data = into;
+  } else if (me == owner && owner != 0) {
+    STRATA_RETURN_IF_ERROR(reducer_->send(data, length, DType::kF32, 0, kTagPiece).with_context(what));
+  }
+  return StatePiece{length, me == 0 ? std::span<const float>(data, length) : std::span<const float>()};
+}
+
 Status OffloadedAdamW::gather_moments(size_t unit, float* m, float* v) {
   if (reducer_ == nullptr) return Status::internal("ZeRO-3: the offloaded optimizer has no data-parallel group");
   const offload::ShardRange sh = coordinator_->shard(unit);
@@ -301,6 +358,7 @@ Result<double> OffloadedAdamW::step_sharded(float lr, bool* skipped) {
 }
 
 void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculative, bool gated) {
+  viewed_ = Viewed{};  // the update uses the slots
   handoff_ = std::make_unique<Handoff>();
   Handoff& h = *handoff_;
   h.speculative = speculative;
@@ -818,6 +876,7 @@ Status OffloadedAdamW::abandon_speculation(bool restore) {
 }
 
 Status OffloadedAdamW::finish() {
+  viewed_ = Viewed{};  // the slot it names may be reused from here
   if (!handoff_) return Status::ok();
   bool speculative = false;
   {

@@ -129,6 +129,11 @@ class OffloadedAdamW final : public Optimizer {
   // a unit sharded over ranks or held by another pipeline stage (read_params and read_moments gather those).
   Result<std::span<const float>> state_view(size_t unit, int k, size_t offset) override;
   Result<bool> load_state(size_t unit, const StateFill& fill) override;
+  // ZeRO-3 over ranks without tensor or pipeline parallelism: every unit, a piece of the owner's sub-group at a
+  // time (an NVMe sub-group read once into its first staging slot for all its pieces).
+  bool gathers_pieces(size_t unit) const override;
+  Result<StatePiece> gather_piece(size_t unit, int k, size_t offset, size_t max_len,
+                                  const PieceBuffer& buffer) override;
 
   // Of the last completed update (step() returns before its update completes).
   const OffloadedStepStats& last_step_stats() const { return stats_; }
@@ -248,6 +253,13 @@ class OffloadedAdamW final : public Optimizer {
   comm::Communicator* pp_ = nullptr;
   std::unique_ptr<comm::Communicator> tied_;  // the first and last stage
   std::vector<bool> fed_;               // units fed to the speculative update
+  // gather_piece on nvme: the sub-group and state whose region the swapper's first slot holds (SIZE_MAX: none),
+  // until anything else may use that slot (finish(), an update).
+  struct Viewed {
+    size_t group = SIZE_MAX;
+    int k = 0;
+    const float* data = nullptr;
+  } viewed_;
 };
 
 }  // namespace strata::engine

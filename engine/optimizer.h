@@ -71,6 +71,29 @@ class Optimizer {
     (void)unit, (void)k, (void)offset;
     return std::span<const float>();
   }
+  // A piece of state gathered over ranks (gather_piece): its length on every rank, its elements on the root.
+  struct StatePiece {
+    size_t length = 0;
+    std::span<const float> data;  // the data-parallel group's rank 0 only
+  };
+  // Whether unit i's state is gathered with gather_piece (ZeRO-3 over data-parallel ranks, each holding a shard
+  // of it): the same answer on every rank of the group.
+  virtual bool gathers_pieces(size_t unit) const {
+    (void)unit;
+    return false;
+  }
+  // State k of unit i (as state_view) from element `offset` on, one piece of at least one and at most `max_len`
+  // elements, from the rank whose shard holds it to the data-parallel group's rank 0. Collective over that
+  // group: every rank calls it with the same arguments in the same order. Rank 0 gets the elements, in this
+  // optimizer's memory or received into `buffer(length)`, valid until the next call on the optimizer; every rank
+  // gets the length, so that all can walk a unit's pieces in step. A checkpoint so holds no unit whole on any
+  // rank. Only where gathers_pieces(unit).
+  using PieceBuffer = std::function<float*(size_t length)>;
+  virtual Result<StatePiece> gather_piece(size_t unit, int k, size_t offset, size_t max_len,
+                                          const PieceBuffer& buffer) {
+    (void)k, (void)offset, (void)max_len, (void)buffer;
+    return Status::internal("unit {}: this optimizer gathers no pieces", unit);
+  }
   // Fills dst with state k of a unit (0: the weights, 1: Adam's m, 2: v) from element `offset` on.
   using StateFill = std::function<Status(int k, size_t offset, std::span<float> dst)>;
   // Takes unit i's weights, m and v from `fill` a sub-group at a time, straight into where this optimizer keeps

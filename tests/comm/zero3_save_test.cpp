@@ -1,0 +1,124 @@
+// zero3_save_test.cpp — run by CTest under `mpiexec -np 2`: a ZeRO-3 checkpoint, each rank holding a shard of
+// every unit's weights, m and v (in host memory or on NVMe), is written by rank 0 from pieces the ranks send it
+// one after another. This binary counts every operator new of each process (tests/heap_counter.cpp): no rank's
+// heap may grow by more than a quarter of the embedding unit during the save — gathering units whole, as saves
+// did before, held three to four times it on every rank — and the files must hold exactly the state the
+// whole-unit gathers (read_params, read_moments) give.
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "comm/mpi_communicator.h"
+#include "engine/checkpoint.h"
+#include "engine/offload_runtime.h"
+#include "kernels/cpu/cpu_kernels.h"
+#include "storage/safetensors.h"
+#include "tests/engine/trainer_fixture.h"
+#include "tests/heap_counter.h"
+
+namespace strata::engine {
+namespace {
+
+using Zero3SaveTest = TrainerTest;
+
+// The tensors of unit u's state (a whole unit's floats, in its layout) named `prefix + name` in `file`: the
+// first difference, or "" when every element is bitwise equal.
+std::string compare(const SafetensorsFile& file, const GPT2& model, size_t u, const std::string& prefix,
+                    const std::vector<float>& want) {
+  for (const TensorSpec& s : model.whole_layout(u).specs()) {
+    const SafetensorsEntry* t = file.find(prefix + s.name);
+    if (t == nullptr || t->numel() != s.numel()) return fmt::format("{}{}: missing, or not {} elements", prefix, s.name, s.numel());
+    const float* got = reinterpret_cast<const float*>(t->data);
+    for (size_t i = 0; i < s.numel(); ++i) {
+      if (std::memcmp(&got[i], &want[s.offset + i], sizeof(float)) != 0)
+        return fmt::format("{}{}[{}]: {} in the file, {} gathered", prefix, s.name, i, got[i], want[s.offset + i]);
+    }
+  }
+  return "";
+}
+
+TEST_F(Zero3SaveTest, RanksSendTheirShardsAPieceAtATimeAndTheFilesHoldTheGatheredState) {
+  auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
+  ASSERT_TRUE(w.is_ok()) << w.status().to_string();
+  comm::Communicator& world = *w.value();
+  ASSERT_EQ(world.size(), 2) << "run under mpiexec -np 2 (CTest does)";
+  // A large embedding unit (vocabulary 16384 x width 64: 4 MiB of weights) in sub-groups of 16384 elements.
+  const int64_t unit_bytes = int64_t{16384 + 16} * 64 * sizeof(float);
+  const int64_t bound = unit_bytes / 4;
+  for (const std::string optimizer : {"cpu", "nvme"}) {
+    SCOPED_TRACE("optimizer " + optimizer);
+    json j = base_config("ckpt_" + optimizer);
+    j["model"] = {{"n_layer", 2}, {"n_head", 2}, {"n_embd", 64}, {"vocab_size", 16384}, {"block_size", 16}};
+    j["zero_optimization"] = {{"stage", 3},
+                              {"sub_group_size", 16384},
+                              {"offload_optimizer", {{"device", optimizer}, {"nvme_path", (dir_ / "swap").string()}}}};
+    auto c = parse_run_config(j, "test");
+    ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+    std::unique_ptr<kernels::Device> device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
+    auto model = GPT2::create(c->model, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true);
+    ASSERT_TRUE(model.is_ok()) << model.status().to_string();
+    auto rt = OffloadRuntime::create(c->offload, AdamWConfig{}, *device, **model, &world);
+    ASSERT_TRUE(rt.is_ok()) << rt.status().to_string();
+    Optimizer& opt = (*rt)->optimizer();
+    ASSERT_TRUE(init_model(**model, opt, 5).is_ok());
+    // Two steps, so that the moments are not zero; each rank its own tokens.
+    const int B = 2, T = 16;
+    std::vector<int32_t> x(B * T), y(B * T);
+    for (int i = 0; i < B * T; ++i)
+      x[i] = (i * 7 + 3 * world.rank()) % kVocab, y[i] = (i * 7 + 7 + world.rank()) % kVocab;
+    for (int step = 0; step < 2; ++step) {
+      ASSERT_TRUE((*model)->zero_grads().is_ok());
+      ASSERT_TRUE((*model)->forward(x.data(), y.data(), B, T).is_ok());
+      ASSERT_TRUE((*model)->backward(1.0f).is_ok());
+      bool skipped = false;
+      ASSERT_TRUE(opt.step(1e-3f, &skipped).is_ok());
+      ASSERT_TRUE(opt.finish().is_ok());
+    }
+
+    TrainState state;
+    state.step = 2;
+    Status saved;
+    const int64_t growth = test::heap_growth([&] {
+      if (world.rank() == 0) {
+        saved = save_checkpoint(j["training"]["checkpoint_dir"], **model, opt, state, 0).status();
+      } else {
+        saved = take_part_in_checkpoint(**model, opt, [](size_t) { return true; });
+      }
+    });
+    ASSERT_TRUE(saved.is_ok()) << saved.to_string();
+    std::printf("rank %d, optimizer %s: heap growth of the save %.0f KiB (bound %.0f; the embedding unit %.0f)\n",
+                world.rank(), optimizer.c_str(), growth / 1024.0, bound / 1024.0, unit_bytes / 1024.0);
+    EXPECT_LT(growth, bound) << "rank " << world.rank();
+    ASSERT_TRUE(world.barrier().is_ok());
+
+    // The state gathered whole, unit by unit (collective), against the files rank 0 wrote.
+    const fs::path folder = fs::path(j["training"]["checkpoint_dir"].get<std::string>()) / "step_000002";
+    std::unique_ptr<SafetensorsFile> weights, moments;
+    if (world.rank() == 0) {
+      auto a = SafetensorsFile::open((folder / "model.safetensors").string());
+      auto b = SafetensorsFile::open((folder / "optimizer.safetensors").string());
+      ASSERT_TRUE(a.is_ok() && b.is_ok()) << folder;
+      weights = std::make_unique<SafetensorsFile>(std::move(a).value());
+      moments = std::make_unique<SafetensorsFile>(std::move(b).value());
+    }
+    for (size_t u = 0; u < (*model)->units().size(); ++u) {
+      const size_t n = (*model)->whole_layout(u).numel();
+      std::vector<float> p(n), m(n), v(n);
+      ASSERT_TRUE((*model)->read_params(u, p.data()).is_ok());
+      ASSERT_TRUE(opt.read_moments(u, m.data(), v.data()).is_ok());
+      if (world.rank() != 0) continue;
+      EXPECT_EQ(compare(*weights, **model, u, "", p), "");
+      EXPECT_EQ(compare(*moments, **model, u, "m.", m), "");
+      EXPECT_EQ(compare(*moments, **model, u, "v.", v), "");
+    }
+    ASSERT_TRUE(world.barrier().is_ok());
+  }
+}
+
+}  // namespace
+}  // namespace strata::engine
