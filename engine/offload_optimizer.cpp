@@ -237,7 +237,6 @@ Result<Optimizer::StatePiece> OffloadedAdamW::gather_piece(size_t unit, int k, s
     for (size_t i = 0; i < groups_.size(); ++i) {
       const Group& g = groups_[i];
       if (g.unit != unit || local < g.shard_offset || local >= g.shard_offset + g.spec.numel) continue;
-      const float* state = g.state + static_cast<size_t>(k) * g.spec.numel;
       if (swapper_ && (viewed_.group != i || viewed_.k != k)) {
         viewed_ = Viewed{};
         Result<const float*> got = swapper_->view_state(i, k);
@@ -247,7 +246,7 @@ Result<Optimizer::StatePiece> OffloadedAdamW::gather_piece(size_t unit, int k, s
         read = Status::ok();
       }
       if (!read.is_ok()) break;
-      if (swapper_) state = viewed_.data;
+      const float* state = swapper_ ? viewed_.data : g.state + static_cast<size_t>(k) * g.spec.numel;
       data = state + (local - g.shard_offset);
       length = std::min({g.shard_offset + g.spec.numel - local, numel - offset, max_len});
       break;
@@ -528,36 +527,38 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
     Handoff& h = *handoff_;
     // A worker that already failed (a read, a checksum, a write) has rolled every sub-group back, though some
     // were published during backward: the step fails with its error, the published ones restored, instead of
-    // being confirmed with the state of before it.
+    // being confirmed with the state of before it. The worker says so under the lock in the same breath as it
+    // reads `speculative`, so the check and the confirmation are one critical section: a worker failing after
+    // it finds the step confirmed, and the run then restarts from a checkpoint (its error says so).
+    const bool guessed = finite && hp.lr == speculated_hp_.lr && hp.grad_scale == speculated_hp_.grad_scale;
     Status worker;
+    bool confirmed = false;
     {
       std::unique_lock lock(h.mu);
       if (h.failed_unconfirmed) h.cv.wait(lock, [&] { return h.done; });  // its status is set when it ends
       if (h.done) worker = h.status;
+      speculation_.early_groups = h.taken;
+      if (worker.is_ok() && guessed) {
+        // The guess was right: the updates done during backward stand, and the rest follows with the same
+        // parameters, overlapping the next forward.
+        h.grads_wait_s = grads_wait_s;
+        for (size_t g = 0; g < groups_.size(); ++g) {
+          if (!fed_[groups_[g].unit]) h.feed.push_back({g, coordinator_->grads_home_ticket(groups_[g].unit)});
+        }
+        h.speculative = false;
+        h.closed = true;
+        h.cv.notify_all();
+        confirmed = true;
+      }
     }
     if (!worker.is_ok()) {
       STRATA_RETURN_IF_ERROR(abandon_speculation(/*restore=*/true));
       return worker.with_context("the optimizer's updates during backward (resume from a checkpoint)");
     }
-    if (finite && hp.lr == speculated_hp_.lr && hp.grad_scale == speculated_hp_.grad_scale) {
-      // The guess was right: the updates done during backward stand, and the rest follows with the same
-      // parameters, overlapping the next forward.
+    if (confirmed) {
       ++t_;
       speculate_next_ = true;
-      std::lock_guard lock(h.mu);
-      speculation_.early_groups = h.taken;
-      h.grads_wait_s = grads_wait_s;
-      for (size_t g = 0; g < groups_.size(); ++g) {
-        if (!fed_[groups_[g].unit]) h.feed.push_back({g, coordinator_->grads_home_ticket(groups_[g].unit)});
-      }
-      h.speculative = false;
-      h.closed = true;
-      h.cv.notify_all();
       return norm;  // what the worker delivers is published from the next forward's hook on
-    }
-    {
-      std::lock_guard lock(h.mu);
-      speculation_.early_groups = h.taken;
     }
     STRATA_RETURN_IF_ERROR(abandon_speculation(/*restore=*/!finite));
     speculation_.redone = true;
