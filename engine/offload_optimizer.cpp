@@ -215,8 +215,10 @@ Result<bool> OffloadedAdamW::load_state(size_t unit, const StateFill& fill) {
 }
 
 bool OffloadedAdamW::gathers_pieces(size_t unit) const {
-  return coordinator_->sharded() && reducer_ != nullptr && pp_ == nullptr && !model_->tensor_parallel() &&
-         model_->holds(unit);
+  // Under pipeline parallelism only the first stage's own units: the other stages' go to it whole
+  // (take_part_in_pipeline_checkpoint), gathered so over their own groups.
+  return coordinator_->sharded() && reducer_ != nullptr && (pp_ == nullptr || pp_->rank() == 0) &&
+         !model_->tensor_parallel() && model_->holds(unit);
 }
 
 Result<Optimizer::StatePiece> OffloadedAdamW::gather_piece(size_t unit, int k, size_t offset, size_t max_len,
