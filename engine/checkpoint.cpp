@@ -67,9 +67,6 @@ Status read_whole_moments(const GPT2& model, Optimizer& opt, size_t u, float* m,
   return model.gather_whole(u, lv.data(), v);
 }
 
-// The most elements of a piece gathered from another rank (ZeRO-3): what the writing rank holds of it at once.
-constexpr size_t kGatheredPiece = size_t{4} << 20;  // 16 MiB
-
 // A buffer for the pieces other ranks send, grown to the largest.
 Optimizer::PieceBuffer piece_buffer(std::vector<float>& buffer) {
   return [&buffer](size_t length) {
@@ -78,13 +75,14 @@ Optimizer::PieceBuffer piece_buffer(std::vector<float>& buffer) {
   };
 }
 
-// ZeRO-3 over ranks: state k of a unit from element `from` to its end, a piece after another, gathered to the
-// data-parallel group's rank 0 (Optimizer::gather_piece) and dropped. Every rank of the group walks the same
-// pieces in the same order: here the ranks that do not write, and the writer past the last piece it read.
+// State k of a unit from element `from` to its end, a piece after another, gathered to the data-parallel
+// group's rank 0 (Optimizer::gather_piece: ZeRO-3 shards, or another pipeline stage's unit) and dropped. Every
+// rank of the group walks the same pieces in the same order: here the ranks that do not write, and the writer
+// past the last piece it read.
 Status walk_pieces(const GPT2& model, Optimizer& opt, size_t unit, int k, size_t from, std::vector<float>& buffer) {
   for (size_t at = from, numel = model.whole_layout(unit).numel(); at < numel;) {
     STRATA_ASSIGN_OR_RETURN(const Optimizer::StatePiece piece,
-                            opt.gather_piece(unit, k, at, kGatheredPiece, piece_buffer(buffer)));
+                            opt.gather_piece(unit, k, at, Optimizer::kMaxStatePiece, piece_buffer(buffer)));
     at += piece.length;
   }
   return Status::ok();
@@ -92,8 +90,8 @@ Status walk_pieces(const GPT2& model, Optimizer& opt, size_t unit, int k, size_t
 
 // The optimizer's state k of a unit (0: the weights, 1: Adam's m, 2: v) from element `offset` on, at least one
 // element: from where the optimizer keeps it (offloaded state, a sub-group at a time, in host memory or read
-// into one staging slot, within the host budget; under ZeRO-3, a piece at a time from the rank that holds it)
-// or else from one unit read whole — the model's weights, or its m and v — always so under tensor parallelism,
+// into one staging slot, within the host budget; under ZeRO-3, a piece at a time from the rank that holds it;
+// another pipeline stage's, a piece at a time as that stage sends it) or else from one unit read whole — the model's weights, or its m and v — always so under tensor parallelism,
 // whose reads gather the slices over the group.
 class StatePieces {
  public:
@@ -136,8 +134,9 @@ class StatePieces {
     }
     STRATA_ASSERT(offset >= walk_next_);  // pieces are never asked for twice
     for (;;) {
-      STRATA_ASSIGN_OR_RETURN(const Optimizer::StatePiece piece,
-                              opt_.gather_piece(unit, k, walk_next_, kGatheredPiece, piece_buffer(buffer_)));
+      STRATA_ASSIGN_OR_RETURN(
+          const Optimizer::StatePiece piece,
+          opt_.gather_piece(unit, k, walk_next_, Optimizer::kMaxStatePiece, piece_buffer(buffer_)));
       const size_t lo = walk_next_;
       walk_next_ += piece.length;
       if (offset < walk_next_) {

@@ -215,16 +215,18 @@ Result<bool> OffloadedAdamW::load_state(size_t unit, const StateFill& fill) {
 }
 
 bool OffloadedAdamW::gathers_pieces(size_t unit) const {
-  // Under pipeline parallelism only the first stage's own units: the other stages' go to it whole
-  // (take_part_in_pipeline_checkpoint), gathered so over their own groups.
-  return coordinator_->sharded() && reducer_ != nullptr && (pp_ == nullptr || pp_->rank() == 0) &&
-         !model_->tensor_parallel() && model_->holds(unit);
+  if (model_->tensor_parallel()) return false;
+  if (!model_->holds(unit)) return stages_send_pieces() && pp_->rank() == 0;
+  return coordinator_->sharded() && reducer_ != nullptr;
 }
+
+bool OffloadedAdamW::stages_send_pieces() const { return pp_ != nullptr && !model_->tensor_parallel(); }
 
 Result<Optimizer::StatePiece> OffloadedAdamW::gather_piece(size_t unit, int k, size_t offset, size_t max_len,
                                                            const PieceBuffer& buffer) {
   STRATA_ASSERT(k >= 0 && k < 3 && max_len > 0 && gathers_pieces(unit));
   if (handoff_) STRATA_RETURN_IF_ERROR(finish());  // an update in flight ends first (and the view with it)
+  if (!model_->holds(unit)) return pipeline_recv_piece(plan_, *pp_, unit, k, offset, max_len, buffer);
   const std::string& name = model_->units()[unit].name;
   const size_t numel = model_->units()[unit].numel(), stride = coordinator_->shard(unit).stride;
   if (offset >= numel)

@@ -129,10 +129,11 @@ class OffloadedAdamW final : public Optimizer {
   // a unit sharded over ranks or held by another pipeline stage (read_params and read_moments gather those).
   Result<std::span<const float>> state_view(size_t unit, int k, size_t offset) override;
   Result<bool> load_state(size_t unit, const StateFill& fill) override;
-  // ZeRO-3 over ranks without tensor parallelism: every unit (with pipeline stages, the first stage's), a piece
-  // of the owner's sub-group at a time (an NVMe sub-group read once into its first staging slot for all its
-  // pieces).
+  // Without tensor parallelism: under ZeRO-3 over ranks, every unit the stage holds, a piece of the owner's
+  // sub-group at a time (an NVMe sub-group read once into its first staging slot for all its pieces); and on
+  // the first pipeline stage, the other stages' units, as they send them.
   bool gathers_pieces(size_t unit) const override;
+  bool stages_send_pieces() const override;
   Result<StatePiece> gather_piece(size_t unit, int k, size_t offset, size_t max_len,
                                   const PieceBuffer& buffer) override;
 

@@ -76,18 +76,26 @@ class Optimizer {
     size_t length = 0;
     std::span<const float> data;  // the data-parallel group's rank 0 only
   };
+  // The most elements of a piece of state sent from one rank to another for a checkpoint: what the receiver
+  // holds of it at once.
+  static constexpr size_t kMaxStatePiece = size_t{4} << 20;  // 16 MiB
   // Whether unit i's state is gathered with gather_piece (ZeRO-3 over data-parallel ranks, each holding a shard
-  // of it): the same answer on every rank of the group.
+  // of it; or, on the first pipeline stage, another stage's unit it sends a piece at a time): the same answer on
+  // every rank of the group.
   virtual bool gathers_pieces(size_t unit) const {
     (void)unit;
     return false;
   }
+  // Whether the stages of a pipeline send the first their units' state a piece at a time for a checkpoint (the
+  // same answer on every stage): take_part_in_pipeline_checkpoint sends them so, and gather_piece receives them.
+  virtual bool stages_send_pieces() const { return false; }
   // State k of unit i (as state_view) from element `offset` on, one piece of at least one and at most `max_len`
   // elements, from the rank whose shard holds it to the data-parallel group's rank 0. Collective over that
   // group: every rank calls it with the same arguments in the same order. Rank 0 gets the elements, in this
   // optimizer's memory or received into `buffer(length)`, valid until the next call on the optimizer; every rank
-  // gets the length, so that all can walk a unit's pieces in step. A checkpoint so holds no unit whole on any
-  // rank. Only where gathers_pieces(unit).
+  // gets the length, so that all can walk a unit's pieces in step. On the first pipeline stage, for another
+  // stage's unit: the next piece that stage sends (`offset` is where it must start). A checkpoint so holds no
+  // unit whole on any rank. Only where gathers_pieces(unit).
   using PieceBuffer = std::function<float*(size_t length)>;
   virtual Result<StatePiece> gather_piece(size_t unit, int k, size_t offset, size_t max_len,
                                           const PieceBuffer& buffer) {

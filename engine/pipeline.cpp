@@ -320,11 +320,78 @@ std::function<Status(size_t, float*)> pipeline_params_source(const GPT2& model, 
   };
 }
 
+namespace {
+
+int piece_tag(int k) { return k == 0 ? kTagParams : kTagMoments; }
+
+// State k of unit u, a piece after another, to the first stage: each its length (the bits of a uint64 as two
+// fp32 words) then its elements, at most Optimizer::kMaxStatePiece. From the stage's ZeRO-3 shards (this rank
+// is its data-parallel group's rank 0; the others walk the same pieces, take_part_in_checkpoint), or from where
+// the optimizer keeps the state (a sub-group's view, read once and sent in parts).
+Status send_pieces(const GPT2& model, Optimizer& opt, comm::Communicator& pp, size_t u, int k,
+                   std::vector<float>& buffer) {
+  const std::string what = fmt::format("{} of '{}' to the first stage", k == 0 ? "weights" : k == 1 ? "m" : "v",
+                                       model.units()[u].name);
+  const size_t numel = model.whole_layout(u).numel();
+  for (size_t at = 0; at < numel;) {
+    std::span<const float> view;
+    if (opt.gathers_pieces(u)) {
+      auto into = [&buffer](size_t length) {
+        buffer.resize(length);
+        return buffer.data();
+      };
+      STRATA_ASSIGN_OR_RETURN(const Optimizer::StatePiece piece,
+                              opt.gather_piece(u, k, at, Optimizer::kMaxStatePiece, into));
+      view = piece.data;
+    } else {
+      STRATA_ASSIGN_OR_RETURN(view, opt.state_view(u, k, at));
+      if (view.empty()) return Status::internal("{}: the optimizer has no view of it", what);
+    }
+    for (size_t done = 0; done < view.size();) {
+      const std::span<const float> part = view.subspan(done, std::min(view.size() - done, Optimizer::kMaxStatePiece));
+      uint64_t length = part.size();
+      STRATA_RETURN_IF_ERROR(pp.send(&length, 2, DType::kF32, 0, piece_tag(k)).with_context(what));
+      STRATA_RETURN_IF_ERROR(pp.send(part.data(), part.size(), DType::kF32, 0, piece_tag(k)).with_context(what));
+      done += part.size();
+    }
+    at += view.size();
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<Optimizer::StatePiece> pipeline_recv_piece(const PipelinePlan& plan, comm::Communicator& pp, size_t unit,
+                                                  int k, size_t offset, size_t max_len,
+                                                  const Optimizer::PieceBuffer& buffer) {
+  const int owner = plan.owner(unit);
+  const std::string what = fmt::format("a piece of unit {} (state {}, element {}) from stage {}", unit, k, offset,
+                                       owner);
+  uint64_t length = 0;
+  STRATA_RETURN_IF_ERROR(pp.recv(&length, 2, DType::kF32, owner, piece_tag(k)).with_context(what));
+  if (length == 0 || length > max_len)
+    return Status::internal("{}: {} elements, where 1 to {} were expected", what, length, max_len);
+  float* into = buffer(length);
+  STRATA_RETURN_IF_ERROR(pp.recv(into, length, DType::kF32, owner, piece_tag(k)).with_context(what));
+  return Optimizer::StatePiece{length, std::span<const float>(into, length)};
+}
+
 Status take_part_in_pipeline_checkpoint(const GPT2& model, const PipelinePlan& plan, Optimizer& opt,
                                         comm::Communicator& pp) {
   STRATA_RETURN_IF_ERROR(opt.finish());
   const int s = pp.rank();
   std::vector<float> a, b;
+  if (opt.stages_send_pieces()) {
+    for (size_t u = 0; u < model.units().size(); ++u) {  // the first stage's model file reads
+      if (s != 0 && plan.owner(u) == s) STRATA_RETURN_IF_ERROR(send_pieces(model, opt, pp, u, 0, a));
+    }
+    for (size_t u = 0; u < model.units().size(); ++u) {  // then its moments reads
+      if (s == 0 || plan.owner(u) != s) continue;
+      STRATA_RETURN_IF_ERROR(send_pieces(model, opt, pp, u, 1, a));
+      STRATA_RETURN_IF_ERROR(send_pieces(model, opt, pp, u, 2, a));
+    }
+    return Status::ok();
+  }
   // Parameters travel whole (read_params gathers a tensor-parallel stage's slices); moments as this rank's slices
   // (the first stage's rank of the same tensor-parallel rank gathers them).
   for (size_t u = 0; u < model.units().size(); ++u) {  // the first stage's model file reads

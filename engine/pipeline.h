@@ -140,9 +140,17 @@ Status pipeline_recv_moments(const PipelinePlan& plan, comm::Communicator& pp, s
 // The first stage's reads of other stages' units, for checkpoints: GPT2::set_params_source of the first stage.
 std::function<Status(size_t unit, float* host)> pipeline_params_source(const GPT2& model, const PipelinePlan& plan,
                                                                        comm::Communicator& pp);
+// The first stage's read of the next piece another stage sends of state k of `unit` (where
+// Optimizer::stages_send_pieces), which must start at element `offset` and hold at most `max_len`.
+Result<Optimizer::StatePiece> pipeline_recv_piece(const PipelinePlan& plan, comm::Communicator& pp, size_t unit,
+                                                  int k, size_t offset, size_t max_len,
+                                                  const Optimizer::PieceBuffer& buffer);
 // What the other stages (of data-parallel rank 0) do while the first writes a checkpoint: send it their units'
-// parameters, then their moments, in the order it reads them. With a ShardedAdamW (moments sharded over the
-// stage's data-parallel group, which serves the gathers), the caller then ends the gathers (end_checkpoint).
+// parameters, then their moments, in the order it reads them: a piece at a time where the optimizer says
+// (Optimizer::stages_send_pieces: the fp32 master weights, m and v, each piece taken from the state where it
+// lies, or gathered from the stage's ZeRO-3 shards), whole units otherwise. With a ShardedAdamW (moments
+// sharded over the stage's data-parallel group, which serves the gathers), the caller then ends the gathers
+// (end_checkpoint).
 Status take_part_in_pipeline_checkpoint(const GPT2& model, const PipelinePlan& plan, Optimizer& opt,
                                         comm::Communicator& pp);
 

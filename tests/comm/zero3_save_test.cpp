@@ -1,9 +1,9 @@
-// zero3_save_test.cpp — run by CTest under `mpiexec -np 2`: a ZeRO-3 checkpoint, each rank holding a shard of
-// every unit's weights, m and v (in host memory or on NVMe), is written by rank 0 from pieces the ranks send it
-// one after another. This binary counts every operator new of each process (tests/heap_counter.cpp): no rank's
-// heap may grow by more than a quarter of the embedding unit during the save — gathering units whole, as saves
-// did before, held three to four times it on every rank — and the files must hold exactly the state the
-// whole-unit gathers (read_params, read_moments) give.
+// zero3_save_test.cpp — run by CTest under `mpiexec -np 2`: checkpoints of state spread over ranks are written
+// by rank 0 from pieces the others send it one after another — ZeRO-3 shards (each rank holding a shard of every
+// unit's weights, m and v, in host memory or on NVMe), and a pipeline's second stage's units. This binary counts
+// every operator new of each process (tests/heap_counter.cpp): no rank's heap may grow by more than a quarter of
+// the largest unit sent during the save — reading units whole, as saves did before, held one to six times it —
+// and the files must hold exactly the state the ranks keep.
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -16,6 +16,7 @@
 #include "comm/mpi_communicator.h"
 #include "engine/checkpoint.h"
 #include "engine/offload_runtime.h"
+#include "engine/pipeline.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "storage/safetensors.h"
 #include "tests/engine/trainer_fixture.h"
@@ -32,7 +33,8 @@ std::string compare(const SafetensorsFile& file, const GPT2& model, size_t u, co
                     const std::vector<float>& want) {
   for (const TensorSpec& s : model.whole_layout(u).specs()) {
     const SafetensorsEntry* t = file.find(prefix + s.name);
-    if (t == nullptr || t->numel() != s.numel()) return fmt::format("{}{}: missing, or not {} elements", prefix, s.name, s.numel());
+    if (t == nullptr || t->numel() != s.numel())
+      return fmt::format("{}{}: missing, or not {} elements", prefix, s.name, s.numel());
     const float* got = reinterpret_cast<const float*>(t->data);
     for (size_t i = 0; i < s.numel(); ++i) {
       if (std::memcmp(&got[i], &want[s.offset + i], sizeof(float)) != 0)
@@ -117,6 +119,88 @@ TEST_F(Zero3SaveTest, RanksSendTheirShardsAPieceAtATimeAndTheFilesHoldTheGathere
       EXPECT_EQ(compare(*moments, **model, u, "v.", v), "");
     }
     ASSERT_TRUE(world.barrier().is_ok());
+  }
+}
+
+// Two pipeline stages with their optimizer offloaded (host memory, NVMe): the second sends the first its units'
+// weights (the fp32 master), m and v a piece at a time (take_part_in_pipeline_checkpoint), which the first writes
+// as they come. The file's tensors of the second stage's units must be that stage's state, bitwise.
+TEST_F(Zero3SaveTest, ASecondPipelineStageSendsItsUnitsAPieceAtATime) {
+  auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
+  ASSERT_TRUE(w.is_ok()) << w.status().to_string();
+  comm::Communicator& pp = *w.value();
+  ASSERT_EQ(pp.size(), 2) << "run under mpiexec -np 2 (CTest does)";
+  // Width 256: the second stage's block is 0.79M elements (3 MiB), in sub-groups of 16384.
+  const int64_t block_bytes = int64_t{12} * 256 * 256 * sizeof(float);
+  const int64_t bound = block_bytes / 4;
+  for (const std::string optimizer : {"cpu", "nvme"}) {
+    SCOPED_TRACE("optimizer " + optimizer);
+    json j = base_config("pp_" + optimizer);
+    j["model"] = {{"n_layer", 2}, {"n_head", 2}, {"n_embd", 256}, {"vocab_size", 4096}, {"block_size", 16}};
+    j["zero_optimization"] = {{"stage", 3},
+                              {"sub_group_size", 16384},
+                              {"offload_param", {{"device", "cpu"}}},
+                              {"offload_optimizer", {{"device", optimizer}, {"nvme_path", (dir_ / "swap").string()}}}};
+    auto c = parse_run_config(j, "test");
+    ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+    const PipelinePlan plan = plan_pipeline(c->model, 16, 2);
+    std::unique_ptr<kernels::Device> device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
+    auto model = GPT2::create(c->model, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true,
+                              plan.stages[static_cast<size_t>(pp.rank())]);
+    ASSERT_TRUE(model.is_ok()) << model.status().to_string();
+    if (pp.rank() == 0) (*model)->set_params_source(pipeline_params_source(**model, plan, pp));
+    auto rt = OffloadRuntime::create(c->offload, AdamWConfig{}, *device, **model, nullptr, &pp, &plan);
+    ASSERT_TRUE(rt.is_ok()) << rt.status().to_string();
+    Optimizer& opt = (*rt)->optimizer();
+    ASSERT_TRUE(init_model(**model, opt, 5).is_ok());
+    // Moments that are not zero, and not the weights: written into the stage's own units.
+    for (size_t u = 0; u < (*model)->units().size(); ++u) {
+      if (!(*model)->holds(u)) continue;
+      std::vector<float> m((*model)->units()[u].numel()), v(m.size());
+      for (size_t i = 0; i < m.size(); ++i)
+        m[i] = 1e-3f * static_cast<float>(i % 977), v[i] = 1e-6f * static_cast<float>(i % 499 + 1);
+      ASSERT_TRUE(opt.write_moments(u, m.data(), v.data()).is_ok());
+    }
+
+    TrainState state;
+    state.step = 1;
+    Status saved;
+    const int64_t growth = test::heap_growth([&] {
+      if (pp.rank() == 0) {
+        saved = save_checkpoint(j["training"]["checkpoint_dir"], **model, opt, state, 0).status();
+      } else {
+        saved = take_part_in_pipeline_checkpoint(**model, plan, opt, pp);
+      }
+    });
+    ASSERT_TRUE(saved.is_ok()) << saved.to_string();
+    std::printf("stage %d, optimizer %s: heap growth of the save %.0f KiB (bound %.0f; a block %.0f)\n", pp.rank(),
+                optimizer.c_str(), growth / 1024.0, bound / 1024.0, block_bytes / 1024.0);
+    EXPECT_LT(growth, bound) << "stage " << pp.rank();
+    ASSERT_TRUE(pp.barrier().is_ok());
+
+    // The second stage's own state, sent whole on the side, against the file.
+    const fs::path folder = fs::path(j["training"]["checkpoint_dir"].get<std::string>()) / "step_000001";
+    for (size_t u = 0; u < (*model)->units().size(); ++u) {
+      if (plan.owner(u) != 1) continue;
+      const size_t n = (*model)->whole_layout(u).numel();
+      std::vector<float> p(n), m(n), v(n);
+      constexpr int kTag = 99;
+      if (pp.rank() == 1) {
+        ASSERT_TRUE((*model)->read_params(u, p.data()).is_ok());
+        ASSERT_TRUE(opt.read_moments(u, m.data(), v.data()).is_ok());
+        for (const std::vector<float>* x : {&p, &m, &v})
+          ASSERT_TRUE(pp.send(x->data(), n, DType::kF32, 0, kTag).is_ok());
+        continue;
+      }
+      for (std::vector<float>* x : {&p, &m, &v}) ASSERT_TRUE(pp.recv(x->data(), n, DType::kF32, 1, kTag).is_ok());
+      auto weights = SafetensorsFile::open((folder / "model.safetensors").string());
+      auto moments = SafetensorsFile::open((folder / "optimizer.safetensors").string());
+      ASSERT_TRUE(weights.is_ok() && moments.is_ok()) << folder;
+      EXPECT_EQ(compare(*weights, **model, u, "", p), "");
+      EXPECT_EQ(compare(*moments, **model, u, "m.", m), "");
+      EXPECT_EQ(compare(*moments, **model, u, "v.", v), "");
+    }
+    ASSERT_TRUE(pp.barrier().is_ok());
   }
 }
 
