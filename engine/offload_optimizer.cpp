@@ -72,18 +72,29 @@ Result<std::unique_ptr<OffloadedAdamW>> OffloadedAdamW::create(const GPT2& model
     }
   }
   if (options.placement == offload::Tier::kHost && options.overlap_backward) {
-    size_t largest = 0;
-    for (const Group& g : opt->groups_) largest = std::max(largest, g.spec.numel);
-    const size_t spares = std::min(options.speculative_sub_groups, opt->groups_.size());
+    // A spare for each of the first sub-groups a backward feeds the update (the units' in reverse order, each
+    // unit's in order), of that sub-group's size: the worker takes the smallest spare that fits (take_spare), so
+    // a sub-group and its spare trade places on confirmation without the spares drifting to other sizes, and the
+    // last ones (the embedding, the largest, whose update waits for the norm anyway) cost nothing.
+    std::vector<size_t> first_fed;
+    for (size_t u = model.units().size(); u-- > 0;) {
+      for (size_t i = 0; i < opt->groups_.size(); ++i)
+        if (opt->groups_[i].unit == u) first_fed.push_back(i);
+    }
+    const size_t spares = std::min(options.speculative_sub_groups, first_fed.size());
+    size_t total = 0;
+    for (size_t k = 0; k < spares; ++k) total += 3 * opt->groups_[first_fed[k]].spec.numel;
     for (size_t k = 0; k < spares; ++k) {
+      const Group& g = opt->groups_[first_fed[k]];
       StateBuffer b;
-      b.floats = 3 * largest;
-      auto memory = pool.try_acquire(b.floats * sizeof(float), "offload.optimizer speculation");
+      b.floats = 3 * g.spec.numel;
+      auto memory = pool.try_acquire(b.floats * sizeof(float), "offload.optimizer speculation " + g.spec.name);
       if (!memory.is_ok()) {
         return memory.status().with_context(fmt::format(
-            "offload_optimizer.speculative_sub_groups = {}: {} spare buffers of {} MiB each (sub-groups of {} "
-            "elements)",
-            options.speculative_sub_groups, spares, b.floats * sizeof(float) >> 20, largest));
+            "offload_optimizer.speculative_sub_groups = {}: {} spare buffers, {:.1f} MiB in all (12 bytes per "
+            "element of the first {} sub-groups a backward updates)",
+            options.speculative_sub_groups, spares, static_cast<double>(total * sizeof(float)) / (1 << 20),
+            spares));
       }
       b.memory = std::move(memory).value();
       opt->spares_.push_back(opt->buffers_.size());

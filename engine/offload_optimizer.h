@@ -55,9 +55,10 @@ struct OffloadedAdamWOptions {
   size_t sub_group_size = 1'000'000'000;           // elements; rounded up to a multiple of 1024
   int swap_slots = 3;                              // nvme: staging slots (offload_optimizer.buffer_count)
   bool overlap_backward = true;                    // start updates during the last backward (cpu: see below)
-  // cpu: spare state buffers, each for one sub-group's new master, m and v (12 bytes per element of the largest
-  // sub-group), so that as many sub-groups can be updated during the last backward while their old state stays
-  // to return to (offload_optimizer.speculative_sub_groups). 0: updates start after backward.
+  // cpu: spare state buffers for the first sub-groups a backward updates (the model's last units), each for
+  // one sub-group's new master, m and v (12 bytes per element of that sub-group), so that as many sub-groups can
+  // be updated during the last backward while their old state stays to return to
+  // (offload_optimizer.speculative_sub_groups). 0: updates start after backward.
   size_t speculative_sub_groups = 0;
 };
 

@@ -548,6 +548,32 @@ TEST_F(OffloadTrainTest, SpareBuffersBeyondTheHostBudgetFailAtStartNamingTheKey)
       << r.status().to_string();
 }
 
+// The spares are the sizes of the sub-groups a backward updates first (the model's last units: ln_f, then the
+// last block), not N copies of the largest: with one sub-group per unit, 2 spares hold ln_f's and a block's
+// state, and spares for every sub-group as much as the state itself. (As N buffers of the largest sub-group,
+// they took 2 and 6 blocks' worth.)
+TEST_F(OffloadTrainTest, SpareBuffersAreTheSizesOfTheFirstSubGroupsABackwardUpdates) {
+  auto spare_bytes = [&](size_t spares) -> int64_t {
+    json z = placements()[2].zero;  // the optimizer in host memory, one sub-group per unit
+    z["offload_optimizer"]["speculative_sub_groups"] = spares;
+    auto c = parse_run_config(config("sizes", z), "test");
+    EXPECT_TRUE(c.is_ok()) << c.status().to_string();
+    std::unique_ptr<kernels::Device> device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
+    auto model = GPT2::create(c->model, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true);
+    EXPECT_TRUE(model.is_ok()) << model.status().to_string();
+    auto rt = OffloadRuntime::create(c->offload, AdamWConfig{}, *device, **model);
+    EXPECT_TRUE(rt.is_ok()) << rt.status().to_string();
+    return rt.is_ok() ? static_cast<int64_t>((*rt)->pool().used_bytes()) : -1;
+  };
+  const int64_t none = spare_bytes(0), two = spare_bytes(2), all = spare_bytes(1000);
+  constexpr int64_t kPage = 4096, kLnF = 2 * 32, kBlock = 12 * 32 * 32 + 13 * 32, kParams = 3616 + 4 * kBlock + kLnF;
+  const int64_t first_two = 12 * (kLnF + kBlock);
+  EXPECT_GE(two - none, first_two);
+  EXPECT_LE(two - none, first_two + 2 * kPage) << "2 spares: ln_f's and the last block's state";
+  EXPECT_GE(all - none, 12 * kParams);
+  EXPECT_LE(all - none, 12 * kParams + 6 * kPage) << "a spare for every sub-group: as much as the state";
+}
+
 TEST_F(OffloadTrainTest, ADeviceBudgetTooSmallForTheActivationsFailsBeforeAnyWeightIsWritten) {
   json j = config("tight", placements()[5]);  // parameters and optimizer on nvme: writing them is the slow part
   j["memory"] = {{"device_memory_limit", "40K"}};
