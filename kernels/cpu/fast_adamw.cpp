@@ -196,7 +196,9 @@ template <Working W>
 void adamw_blocks(const Arrays& a, size_t n, const AdamWScalars& s) {
   const simd::Isa isa = simd::active_isa();
   auto misalignment = [](const float* x) { return reinterpret_cast<uintptr_t>(x) & 63; };
-  const bool stream = a.p != a.p_in && misalignment(a.p) == misalignment(a.m) && misalignment(a.p) == misalignment(a.v);
+  // Streaming stores only where all three go elsewhere: into lines just read they would evict what is reused.
+  const bool stream = a.p != a.p_in && a.m != a.m_in && a.v != a.v_in && misalignment(a.p) == misalignment(a.m) &&
+                      misalignment(a.p) == misalignment(a.v);
   // Fixed blocks rather than TBB's adaptive split: the same elements take the SIMD loop or the scalar tail in
   // every run (identical arithmetic today, but determinism should not rest on that).
   const size_t blocks = (n + kElementsPerTask - 1) / kElementsPerTask;
