@@ -91,8 +91,9 @@ Status walk_pieces(const GPT2& model, Optimizer& opt, size_t unit, int k, size_t
 // The optimizer's state k of a unit (0: the weights, 1: Adam's m, 2: v) from element `offset` on, at least one
 // element: from where the optimizer keeps it (offloaded state, a sub-group at a time, in host memory or read
 // into one staging slot, within the host budget; under ZeRO-3, a piece at a time from the rank that holds it;
-// another pipeline stage's, a piece at a time as that stage sends it) or else from one unit read whole — the model's weights, or its m and v — always so under tensor parallelism,
-// whose reads gather the slices over the group.
+// another pipeline stage's, a piece at a time as that stage sends it) or else from one unit read whole — the
+// model's weights, or its m and v — always so under tensor parallelism, whose reads gather the slices over the
+// group.
 class StatePieces {
  public:
   StatePieces(const GPT2& model, Optimizer& opt)
