@@ -244,6 +244,8 @@ Result<Optimizer::StatePiece> OffloadedAdamW::gather_piece(size_t unit, int k, s
     return Status::invalid_argument("offload: element {} is outside unit '{}' ({} elements)", offset, name, numel);
   const int owner = static_cast<int>(offset / stride), me = reducer_->rank();
   const size_t local = offset - static_cast<size_t>(owner) * stride;  // in the owner's shard
+  // The group's rank q holds shard q (the coordinator's shards are cut over a copy of the same group).
+  STRATA_ASSERT(coordinator_->shard(unit).len == 0 || coordinator_->shard(unit).lo == static_cast<size_t>(me) * stride);
   const float* data = nullptr;
   uint64_t length = 0;  // 0 from the owner: it could not read the piece
   Status read;
