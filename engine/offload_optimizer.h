@@ -118,8 +118,10 @@ class OffloadedAdamW final : public Optimizer {
   Status set_gradient_reducer(comm::Communicator* group);
   // Pipeline parallelism: this optimizer updates the stage's units (model.holds); step() adds the tied
   // embedding's gradient halves between the first and last stage and takes the whole model's norm (every
-  // unit's sum of squares from its owner, in unit order); read_moments of another stage's unit receives it
-  // from that stage (engine/pipeline.h). Collective over `pp` (which must outlive the optimizer).
+  // unit's sum of squares from its owner, in unit order); for a checkpoint, the first stage receives the other
+  // stages' units a piece at a time through gather_piece (without tensor parallelism; with it, read_moments of
+  // another stage's unit receives it whole; engine/pipeline.h). Collective over `pp` (which must outlive the
+  // optimizer).
   Status set_pipeline(const PipelinePlan& plan, comm::Communicator& pp);
   int steps_taken() const override { return t_; }
   void set_steps_taken(int t) override { t_ = t; }
@@ -127,7 +129,8 @@ class OffloadedAdamW final : public Optimizer {
   Status read_moments(size_t unit, float* m, float* v) override;
   Status write_moments(size_t unit, const float* m, const float* v) override;
   // A sub-group's state in its host buffer, or read from NVMe into the swapper's first staging slot; empty for
-  // a unit sharded over ranks or held by another pipeline stage (read_params and read_moments gather those).
+  // a unit sharded over ranks or held by another pipeline stage (gather_piece, or under tensor parallelism
+  // read_params and read_moments, bring those).
   Result<std::span<const float>> state_view(size_t unit, int k, size_t offset) override;
   Result<bool> load_state(size_t unit, const StateFill& fill) override;
   // Without tensor parallelism: under ZeRO-3 over ranks, every unit the stage holds, a piece of the owner's

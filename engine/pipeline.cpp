@@ -324,37 +324,48 @@ namespace {
 
 int piece_tag(int k) { return k == 0 ? kTagParams : kTagMoments; }
 
-// State k of unit u, a piece after another, to the first stage: each its length (the bits of a uint64 as two
-// fp32 words) then its elements, at most Optimizer::kMaxStatePiece. From the stage's ZeRO-3 shards (this rank
-// is its data-parallel group's rank 0; the others walk the same pieces, take_part_in_checkpoint), or from where
-// the optimizer keeps the state (a sub-group's view, read once and sent in parts).
+// Each piece between stages comes after a header of its offset in the unit and its length (two uint64s, their
+// bits as four fp32 words); a length of 0 says the sending stage failed to read it.
+struct PieceHeader {
+  uint64_t offset = 0, length = 0;
+};
+
+// State k of unit u, a piece after another, to the first stage: each its header, then its elements, at most
+// Optimizer::kMaxStatePiece. From the stage's ZeRO-3 shards (this rank is its data-parallel group's rank 0; the
+// others walk the same pieces, take_part_in_checkpoint), or from where the optimizer keeps the state (a
+// sub-group's view, read once and sent in parts). A failed read is said to the first stage before it returns.
 Status send_pieces(const GPT2& model, Optimizer& opt, comm::Communicator& pp, size_t u, int k,
                    std::vector<float>& buffer) {
   const std::string what = fmt::format("{} of '{}' to the first stage", k == 0 ? "weights" : k == 1 ? "m" : "v",
                                        model.units()[u].name);
+  auto send_header = [&](PieceHeader h) {
+    return pp.send(&h, sizeof(h) / sizeof(float), DType::kF32, 0, piece_tag(k)).with_context(what);
+  };
   const size_t numel = model.whole_layout(u).numel();
   for (size_t at = 0; at < numel;) {
-    std::span<const float> view;
+    Result<std::span<const float>> view = std::span<const float>();
     if (opt.gathers_pieces(u)) {
       auto into = [&buffer](size_t length) {
         buffer.resize(length);
         return buffer.data();
       };
-      STRATA_ASSIGN_OR_RETURN(const Optimizer::StatePiece piece,
-                              opt.gather_piece(u, k, at, Optimizer::kMaxStatePiece, into));
-      view = piece.data;
+      Result<Optimizer::StatePiece> piece = opt.gather_piece(u, k, at, Optimizer::kMaxStatePiece, into);
+      view = piece.is_ok() ? Result<std::span<const float>>(piece->data) : piece.status();
     } else {
-      STRATA_ASSIGN_OR_RETURN(view, opt.state_view(u, k, at));
-      if (view.empty()) return Status::internal("{}: the optimizer has no view of it", what);
+      view = opt.state_view(u, k, at);
+      if (view.is_ok() && view->empty()) view = Status::internal("{}: the optimizer has no view of it", what);
     }
-    for (size_t done = 0; done < view.size();) {
-      const std::span<const float> part = view.subspan(done, std::min(view.size() - done, Optimizer::kMaxStatePiece));
-      uint64_t length = part.size();
-      STRATA_RETURN_IF_ERROR(pp.send(&length, 2, DType::kF32, 0, piece_tag(k)).with_context(what));
+    if (!view.is_ok()) {
+      (void)send_header({at, 0});  // the first stage fails at once, naming this stage
+      return view.status().with_context(what);
+    }
+    for (size_t done = 0; done < view->size();) {
+      const std::span<const float> part = view->subspan(done, std::min(view->size() - done, Optimizer::kMaxStatePiece));
+      STRATA_RETURN_IF_ERROR(send_header({at + done, part.size()}));
       STRATA_RETURN_IF_ERROR(pp.send(part.data(), part.size(), DType::kF32, 0, piece_tag(k)).with_context(what));
       done += part.size();
     }
-    at += view.size();
+    at += view->size();
   }
   return Status::ok();
 }
@@ -367,13 +378,16 @@ Result<Optimizer::StatePiece> pipeline_recv_piece(const PipelinePlan& plan, comm
   const int owner = plan.owner(unit);
   const std::string what = fmt::format("a piece of unit {} (state {}, element {}) from stage {}", unit, k, offset,
                                        owner);
-  uint64_t length = 0;
-  STRATA_RETURN_IF_ERROR(pp.recv(&length, 2, DType::kF32, owner, piece_tag(k)).with_context(what));
-  if (length == 0 || length > max_len)
-    return Status::internal("{}: {} elements, where 1 to {} were expected", what, length, max_len);
-  float* into = buffer(length);
-  STRATA_RETURN_IF_ERROR(pp.recv(into, length, DType::kF32, owner, piece_tag(k)).with_context(what));
-  return Optimizer::StatePiece{length, std::span<const float>(into, length)};
+  PieceHeader h;
+  STRATA_RETURN_IF_ERROR(pp.recv(&h, sizeof(h) / sizeof(float), DType::kF32, owner, piece_tag(k)).with_context(what));
+  if (h.length == 0) return Status::io_error("{}: that stage could not read it (its error is in its log)", what);
+  if (h.offset != offset || h.length > max_len) {
+    return Status::internal("{}: it sent {} elements from element {}, where 1 to {} from element {} were expected",
+                            what, h.length, h.offset, max_len, offset);
+  }
+  float* into = buffer(h.length);
+  STRATA_RETURN_IF_ERROR(pp.recv(into, h.length, DType::kF32, owner, piece_tag(k)).with_context(what));
+  return Optimizer::StatePiece{h.length, std::span<const float>(into, h.length)};
 }
 
 Status take_part_in_pipeline_checkpoint(const GPT2& model, const PipelinePlan& plan, Optimizer& opt,

@@ -6,6 +6,7 @@
 // and the files must hold exactly the state the ranks keep.
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -124,7 +125,8 @@ TEST_F(Zero3SaveTest, RanksSendTheirShardsAPieceAtATimeAndTheFilesHoldTheGathere
 
 // Two pipeline stages with their optimizer offloaded (host memory, NVMe): the second sends the first its units'
 // weights (the fp32 master), m and v a piece at a time (take_part_in_pipeline_checkpoint), which the first writes
-// as they come. The file's tensors of the second stage's units must be that stage's state, bitwise.
+// as they come. The file's tensors of the second stage's units must be that stage's state, bitwise; and a second
+// stage that cannot read its state says so, so that the first fails at once instead of waiting.
 TEST_F(Zero3SaveTest, ASecondPipelineStageSendsItsUnitsAPieceAtATime) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
   ASSERT_TRUE(w.is_ok()) << w.status().to_string();
@@ -200,6 +202,26 @@ TEST_F(Zero3SaveTest, ASecondPipelineStageSendsItsUnitsAPieceAtATime) {
       EXPECT_EQ(compare(*moments, **model, u, "m.", m), "");
       EXPECT_EQ(compare(*moments, **model, u, "v.", v), "");
     }
+    ASSERT_TRUE(pp.barrier().is_ok());
+    if (optimizer != "nvme") continue;
+
+    // The second stage's swap files damaged: it cannot read its state, says so to the first, and both fail at
+    // once (the first naming the stage), instead of the first waiting in its receive.
+    if (pp.rank() == 1) {
+      for (const auto& e : fs::recursive_directory_iterator(dir_ / "swap")) {
+        if (!e.is_regular_file()) continue;
+        std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
+        const std::vector<char> junk(static_cast<size_t>(fs::file_size(e.path())), '\x5a');
+        f.write(junk.data(), static_cast<std::streamsize>(junk.size()));
+      }
+    }
+    state.step = 2;
+    const Status failed = pp.rank() == 0
+                              ? save_checkpoint(j["training"]["checkpoint_dir"], **model, opt, state, 0).status()
+                              : take_part_in_pipeline_checkpoint(**model, plan, opt, pp);
+    ASSERT_FALSE(failed.is_ok()) << "stage " << pp.rank();
+    const char* says = pp.rank() == 0 ? "from stage 1: that stage could not read it" : "checksum mismatch";
+    EXPECT_NE(failed.to_string().find(says), std::string::npos) << failed.to_string();
     ASSERT_TRUE(pp.barrier().is_ok());
   }
 }
