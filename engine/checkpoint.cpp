@@ -67,14 +67,6 @@ Status read_whole_moments(const GPT2& model, Optimizer& opt, size_t u, float* m,
   return model.gather_whole(u, lv.data(), v);
 }
 
-// A buffer for the pieces other ranks send, grown to the largest.
-Optimizer::PieceBuffer piece_buffer(std::vector<float>& buffer) {
-  return [&buffer](size_t length) {
-    buffer.resize(length);
-    return buffer.data();
-  };
-}
-
 // State k of a unit from element `from` to its end, a piece after another, gathered to the data-parallel
 // group's rank 0 (Optimizer::gather_piece: ZeRO-3 shards, or another pipeline stage's unit) and dropped. Every
 // rank of the group walks the same pieces in the same order: here the ranks that do not write, and the writer
@@ -82,7 +74,7 @@ Optimizer::PieceBuffer piece_buffer(std::vector<float>& buffer) {
 Status walk_pieces(const GPT2& model, Optimizer& opt, size_t unit, int k, size_t from, std::vector<float>& buffer) {
   for (size_t at = from, numel = model.whole_layout(unit).numel(); at < numel;) {
     STRATA_ASSIGN_OR_RETURN(const Optimizer::StatePiece piece,
-                            opt.gather_piece(unit, k, at, Optimizer::kMaxStatePiece, piece_buffer(buffer)));
+                            opt.gather_piece(unit, k, at, Optimizer::kMaxStatePiece, Optimizer::buffer_in(buffer)));
     at += piece.length;
   }
   return Status::ok();
@@ -137,7 +129,7 @@ class StatePieces {
     for (;;) {
       STRATA_ASSIGN_OR_RETURN(
           const Optimizer::StatePiece piece,
-          opt_.gather_piece(unit, k, walk_next_, Optimizer::kMaxStatePiece, piece_buffer(buffer_)));
+          opt_.gather_piece(unit, k, walk_next_, Optimizer::kMaxStatePiece, Optimizer::buffer_in(buffer_)));
       const size_t lo = walk_next_;
       walk_next_ += piece.length;
       if (offset < walk_next_) {

@@ -97,6 +97,13 @@ class Optimizer {
   // stage's unit: the next piece that stage sends (`offset` is where it must start). A checkpoint so holds no
   // unit whole on any rank. Only where gathers_pieces(unit).
   using PieceBuffer = std::function<float*(size_t length)>;
+  // A PieceBuffer that grows `buffer` to each piece's length (the largest so far stays allocated).
+  static PieceBuffer buffer_in(std::vector<float>& buffer) {
+    return [&buffer](size_t length) {
+      buffer.resize(length);
+      return buffer.data();
+    };
+  }
   virtual Result<StatePiece> gather_piece(size_t unit, int k, size_t offset, size_t max_len,
                                           const PieceBuffer& buffer) {
     (void)k, (void)offset, (void)max_len, (void)buffer;

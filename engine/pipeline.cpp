@@ -345,11 +345,8 @@ Status send_pieces(const GPT2& model, Optimizer& opt, comm::Communicator& pp, si
   for (size_t at = 0; at < numel;) {
     Result<std::span<const float>> view = std::span<const float>();
     if (opt.gathers_pieces(u)) {
-      auto into = [&buffer](size_t length) {
-        buffer.resize(length);
-        return buffer.data();
-      };
-      Result<Optimizer::StatePiece> piece = opt.gather_piece(u, k, at, Optimizer::kMaxStatePiece, into);
+      Result<Optimizer::StatePiece> piece =
+          opt.gather_piece(u, k, at, Optimizer::kMaxStatePiece, Optimizer::buffer_in(buffer));
       view = piece.is_ok() ? Result<std::span<const float>>(piece->data) : piece.status();
     } else {
       view = opt.state_view(u, k, at);

@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <cstddef>
+#include <filesystem>
+#include <fstream>
 #include <initializer_list>
 #include <string>
 #include <vector>
@@ -86,6 +88,16 @@ template <typename A, typename B>
   if (got.size() != want.size())
     return ::testing::AssertionFailure() << what << ": size " << got.size() << " != " << want.size();
   return all_close(got.data(), want.data(), got.size(), atol, rtol, what);
+}
+
+// Overwrites every byte of every file under `dir` (swap files whose reads must then fail their checksums).
+inline void damage_files_under(const std::filesystem::path& dir) {
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
+    if (!e.is_regular_file()) continue;
+    std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
+    const std::vector<char> junk(static_cast<size_t>(std::filesystem::file_size(e.path())), '\x5a');
+    f.write(junk.data(), static_cast<std::streamsize>(junk.size()));
+  }
 }
 
 }  // namespace strata::testing

@@ -6,7 +6,6 @@
 // and the files must hold exactly the state the ranks keep.
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,6 +21,7 @@
 #include "storage/safetensors.h"
 #include "tests/engine/trainer_fixture.h"
 #include "tests/heap_counter.h"
+#include "tests/test_util.h"
 
 namespace strata::engine {
 namespace {
@@ -207,14 +207,7 @@ TEST_F(Zero3SaveTest, ASecondPipelineStageSendsItsUnitsAPieceAtATime) {
 
     // The second stage's swap files damaged: it cannot read its state, says so to the first, and both fail at
     // once (the first naming the stage), instead of the first waiting in its receive.
-    if (pp.rank() == 1) {
-      for (const auto& e : fs::recursive_directory_iterator(dir_ / "swap")) {
-        if (!e.is_regular_file()) continue;
-        std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
-        const std::vector<char> junk(static_cast<size_t>(fs::file_size(e.path())), '\x5a');
-        f.write(junk.data(), static_cast<std::streamsize>(junk.size()));
-      }
-    }
+    if (pp.rank() == 1) testing::damage_files_under(dir_ / "swap");
     state.step = 2;
     const Status failed = pp.rank() == 0
                               ? save_checkpoint(j["training"]["checkpoint_dir"], **model, opt, state, 0).status()

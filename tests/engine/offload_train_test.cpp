@@ -23,6 +23,7 @@
 #include "storage/uring_engine.h"
 #include "tests/engine/trainer_fixture.h"
 #include "tests/forwarding_device.h"
+#include "tests/test_util.h"
 
 namespace strata::engine {
 namespace {
@@ -364,14 +365,7 @@ struct SteppedRun {
   }
   Optimizer& optimizer() { return runtime->optimizer(); }
   OffloadedAdamW& offloaded() { return runtime->offloaded_optimizer(); }
-  void damage_swap_files() const {  // every byte of every one
-    for (const auto& e : fs::recursive_directory_iterator(swap)) {
-      if (!e.is_regular_file()) continue;
-      std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
-      const std::vector<char> junk(static_cast<size_t>(fs::file_size(e.path())), '\x5a');
-      f.write(junk.data(), static_cast<std::streamsize>(junk.size()));
-    }
-  }
+  void damage_swap_files() const { testing::damage_files_under(swap); }
   // Forward, then the last update's completion, `between` (if any), then the step's backward (no step()).
   Status forward_and_backward(const std::function<void()>& between) {
     STRATA_RETURN_IF_ERROR(model->zero_grads());
