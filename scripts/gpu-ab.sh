@@ -6,18 +6,20 @@
 #                                                 change not yet committed is measured against its parent
 #                                                 state) and put both binaries, the kernel tests and the
 #                                                 shared libraries they need into DIR (keep it under 64 MiB)
-#   scripts/gpu-ab.sh --from-bundle DIR [--rounds N] [--out DIR] [--pack]   (GPU machine) measure; N rounds
-#                                                 (default 2); --pack: the logs as one DIR.tgz (the device tool
-#                                                 brings back at most 8 files)
+#   scripts/gpu-ab.sh --from-bundle DIR [--rounds N] [--out DIR] [--pack] [--no-tests]   (GPU machine) measure;
+#                                                 N rounds (default 2); --pack: the logs as one DIR.tgz (the device
+#                                                 tool brings back at most 8 files); --no-tests: leave out the
+#                                                 kernel tests (when gpu-check.sh runs them in the same call)
 # The baseline is built in a git worktree under build-ab/ (the first time: a full build). Each run on the GPU
 # machine has a time limit (a hang in a new kernel fails that run, not the whole call).
 set -euo pipefail
 
 die() { echo "gpu-ab.sh: $*" >&2; exit 2; }
-mode="" bundle="" base=HEAD rounds=2 out=gpu-ab-out pack=0
+mode="" bundle="" base=HEAD rounds=2 out=gpu-ab-out pack=0 run_tests=1
 while [[ $# -gt 0 ]]; do
-  valid="valid: --bundle DIR, --from-bundle DIR, --base REV, --rounds N, --out DIR, --pack"
+  valid="valid: --bundle DIR, --from-bundle DIR, --base REV, --rounds N, --out DIR, --pack, --no-tests"
   if [[ $1 == --pack ]]; then pack=1; shift; continue; fi
+  if [[ $1 == --no-tests ]]; then run_tests=0; shift; continue; fi
   [[ $1 == -* && $# -ge 2 ]] || die "'$1' needs a value ($valid)"
   case "$1" in
     --bundle) mode=bundle bundle="$2"; shift 2 ;;
@@ -73,7 +75,9 @@ mkdir -p "$out"
 [[ $pack == 1 ]] && trap 'bundle_pack_out "$out"' EXIT
 echo "base: $(cat "$bundle/base.txt" 2>/dev/null)"; echo "new:  $(cat "$bundle/new.txt" 2>/dev/null)"
 status=0
-if timeout -k 10 300 "$bundle/kernels_cuda_test" >"$out/kernels_cuda_test.log" 2>&1; then
+if ((run_tests == 0)); then
+  echo "kernels_cuda_test: not run (--no-tests)"
+elif timeout -k 10 300 "$bundle/kernels_cuda_test" >"$out/kernels_cuda_test.log" 2>&1; then
   skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\{0,1\}, listed below.*/\1/p' "$out/kernels_cuda_test.log")
   echo "kernels_cuda_test (new): ok${skipped:+, but $skipped skipped: no GPU?}"
 else
