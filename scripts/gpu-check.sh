@@ -57,9 +57,11 @@ if [[ $mode == bundle ]]; then
   rm -rf "$bundle" && mkdir -p "$bundle/lib"
   for bin in "${tests[@]/#/build/tests/}" build/strata; do cp "$bin" "$bundle/"; done
   bundle_libs "$bundle" "${tests[@]/#/build/tests/}" build/strata
-  # The demo's validation shard (400 KB; the bundle must stay under 64 MiB), which the runs of several ranks
-  # on the GPU train on (data/ is not part of the tree).
-  if [[ -f data/sotu/sotu_val_000000.bin ]]; then mkdir -p "$bundle/data" && cp data/sotu/sotu_val_000000.bin "$bundle/data/"; fi
+  # The demo's token shards (3.7 MB train, 0.4 MB validation; the bundle must stay under 64 MiB), which the
+  # runs of several ranks on the GPU train on (data/ is not part of the tree).
+  if [[ -f data/sotu/sotu_train_000000.bin && -f data/sotu/sotu_val_000000.bin ]]; then
+    mkdir -p "$bundle/data" && cp data/sotu/sotu_{train,val}_000000.bin "$bundle/data/"
+  fi
   bundle_fits "$bundle" || exit 1
   echo "gpu-check.sh: bundle in $bundle ($(du -sh "$bundle" | cut -f1)): ${tests[*]}"
   exit 0
@@ -199,14 +201,14 @@ elif ! in_budget "train on 2 ranks, one GPU"; then
   :
 elif ! command -v mpiexec >/dev/null; then
   rows+=("$(printf '%-28s %-7s %s' "train on 2 ranks, one GPU" "not run" "no mpiexec here")")
-elif [[ ! -f $data_dir/sotu_val_000000.bin ]]; then
+elif [[ ! -f $data_dir/sotu_train_000000.bin || ! -f $data_dir/sotu_val_000000.bin ]]; then
   rows+=("$(printf '%-28s %-7s %s' "train on 2 ranks, one GPU" "not run" "no token shards in $data_dir (make data)")")
 else
   mpi=(mpiexec -np 2)
   mpiexec --version 2>&1 | grep -q -E "Open ?MPI|OpenRTE|open-mpi" && mpi+=(--oversubscribe --allow-run-as-root)
   cat >"$out/multi.json" <<JSON
 {"model": {"n_layer": 4, "n_head": 4, "n_embd": 256, "vocab_size": 50257, "block_size": 128},
- "data": {"train": "$data_dir/sotu_val_000000.bin", "val": "$data_dir/sotu_val_000000.bin"},
+ "data": {"train": "$data_dir/sotu_train_000000.bin", "val": "$data_dir/sotu_val_000000.bin"},
  "training": {"batch_size": 4, "seq_len": 128, "grad_accum_steps": 2, "max_steps": 8, "lr": 0.001, "warmup_steps": 2,
               "val_every": 8, "val_batches": 2, "checkpoint_every": 0, "keep_checkpoints": 1, "seed": 1337},
  "compute": {"device": "cuda", "matmul_precision": "fp32"}}
