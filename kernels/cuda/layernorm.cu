@@ -1,6 +1,11 @@
 // layernorm.cu — layernorm forward (also fused with the residual add before it) and backward, one warp per row
 // (torch.nn.LayerNorm: biased variance, eps 1e-5 inside the square root). The weight and bias gradients are
-// column sums over rows, done by the deterministic two-pass reduction of reduce.cuh.
+// column sums over rows, in an order fixed by the shapes: at widths that are a multiple of 4 up to 1024 the
+// backward is one pass that sums them as it goes (layernorm_backward_fused_kernel), else the dinp kernel and
+// the two-pass reduction of reduce.cuh.
+#include <cstdint>
+#include <initializer_list>
+
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_context.h"
 #include "kernels/cuda/ops.h"
@@ -70,6 +75,116 @@ __global__ void layernorm_dinp_kernel(float* dinp, const float* dout, const floa
   }
 }
 
+// The backward in one pass over dout and inp for rows of C <= 128 * kVecs floats, C a multiple of 4 (GPT-2's
+// widths): a warp per row, each lane holding 4 * kVecs columns (c = 4 * (lane + 32 j)) in registers — the
+// row's dout and inp, read once with 16-byte loads for both of dinp's sums and its write, and the lane's own
+// sums of dweight's and dbias's terms over the block's rows, which the block then adds warp by warp into
+// partials[blockIdx.x] (column_finish_kernel adds the blocks). Every order is fixed by the shapes, so runs are
+// bitwise alike. (The general kernel above reads dout and inp twice, and the column sums read them a third time.)
+constexpr int kFusedWarps = 4;
+constexpr int kFusedRowsPerWarp = 4;
+constexpr int kFusedRows = kFusedWarps * kFusedRowsPerWarp;  // rows per block
+
+template <int kVecs>
+__global__ void __launch_bounds__(32 * kFusedWarps) layernorm_backward_fused_kernel(
+    float* dinp, float* partials, const float* dout, const float* inp, const float* weight, const float* mean,
+    const float* rstd, int N, int C) {
+  __shared__ float block_sums[2][128 * kVecs];  // dweight's, then dbias's, terms of this block's rows
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float4 w[kVecs], dw[kVecs], db[kVecs];
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int c = 4 * (lane + 32 * j);
+    w[j] = c < C ? *reinterpret_cast<const float4*>(weight + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+    dw[j] = db[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  for (int i = 0; i < kFusedRowsPerWarp; ++i) {
+    const int n = blockIdx.x * kFusedRows + i * kFusedWarps + warp;
+    if (n >= N) break;
+    const size_t row = static_cast<size_t>(n) * C;
+    const float m = mean[n], r = rstd[n];
+    float4 g[kVecs], x[kVecs];  // dout, then the normalized input
+    float dnorm_sum = 0.0f, dnorm_norm_sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int c = 4 * (lane + 32 * j);
+      if (c < C) {
+        g[j] = *reinterpret_cast<const float4*>(dout + row + c);
+        x[j] = *reinterpret_cast<const float4*>(inp + row + c);
+      } else {
+        g[j] = x[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      x[j] = make_float4((x[j].x - m) * r, (x[j].y - m) * r, (x[j].z - m) * r, (x[j].w - m) * r);
+      const float4 d = make_float4(w[j].x * g[j].x, w[j].y * g[j].y, w[j].z * g[j].z, w[j].w * g[j].w);
+      dnorm_sum += d.x + d.y + d.z + d.w;
+      dnorm_norm_sum += d.x * x[j].x + d.y * x[j].y + d.z * x[j].z + d.w * x[j].w;
+      dw[j] = make_float4(dw[j].x + g[j].x * x[j].x, dw[j].y + g[j].y * x[j].y, dw[j].z + g[j].z * x[j].z,
+                          dw[j].w + g[j].w * x[j].w);
+      db[j] = make_float4(db[j].x + g[j].x, db[j].y + g[j].y, db[j].z + g[j].z, db[j].w + g[j].w);
+    }
+    const float dnorm_mean = warp_sum(dnorm_sum) / C, dnorm_norm_mean = warp_sum(dnorm_norm_sum) / C;
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int c = 4 * (lane + 32 * j);
+      if (c >= C) continue;
+      float4* out = reinterpret_cast<float4*>(dinp + row + c);
+      float4 o = *out;
+      o.x += (w[j].x * g[j].x - dnorm_mean - x[j].x * dnorm_norm_mean) * r;
+      o.y += (w[j].y * g[j].y - dnorm_mean - x[j].y * dnorm_norm_mean) * r;
+      o.z += (w[j].z * g[j].z - dnorm_mean - x[j].z * dnorm_norm_mean) * r;
+      o.w += (w[j].w * g[j].w - dnorm_mean - x[j].w * dnorm_norm_mean) * r;
+      *out = o;
+    }
+  }
+  // The block's sums, warp 0's first and then each next warp's added in turn.
+  for (int turn = 0; turn < kFusedWarps; ++turn) {
+    if (warp == turn) {
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) {
+        const int c = 4 * (lane + 32 * j);
+        float4* sw = reinterpret_cast<float4*>(&block_sums[0][c]);
+        float4* sb = reinterpret_cast<float4*>(&block_sums[1][c]);
+        if (turn == 0) {
+          *sw = dw[j];
+          *sb = db[j];
+        } else {
+          float4 a = *sw, b = *sb;
+          *sw = make_float4(a.x + dw[j].x, a.y + dw[j].y, a.z + dw[j].z, a.w + dw[j].w);
+          *sb = make_float4(b.x + db[j].x, b.y + db[j].y, b.z + db[j].z, b.w + db[j].w);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  float* dst = partials + static_cast<size_t>(blockIdx.x) * 2 * C;
+  for (int c = threadIdx.x; c < C; c += 32 * kFusedWarps) {
+    dst[c] = block_sums[0][c];
+    dst[C + c] = block_sums[1][c];
+  }
+}
+
+template <int kVecs>
+void launch_layernorm_backward_fused(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                                     const float* weight, const float* mean, const float* rstd, int N, int C) {
+  const CudaContext& ctx = cuda_context();
+  const int blocks = (N + kFusedRows - 1) / kFusedRows;
+  DeviceScratch partials(sizeof(float) * static_cast<size_t>(blocks) * 2 * C);
+  layernorm_backward_fused_kernel<kVecs><<<blocks, 32 * kFusedWarps, 0, ctx.compute>>>(
+      dinp, partials.as<float>(), dout, inp, weight, mean, rstd, N, C);
+  CUDA_CHECK_LAUNCH();
+  column_finish_kernel<2><<<(C + 255) / 256, 256, 0, ctx.compute>>>(ColumnDsts<2>{{dweight, dbias}},
+                                                                     partials.as<float>(), blocks, C);
+  CUDA_CHECK_LAUNCH();
+}
+
+// Whether the fused backward takes these buffers: C a multiple of 4 up to 1024, every row 16-byte aligned.
+bool fused_backward_fits(int C, std::initializer_list<const float*> rows_of_c) {
+  if (C % 4 != 0 || C > 1024) return false;
+  for (const float* p : rows_of_c)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
 // (n, c) -> {dout * norm, dout}: the terms of dweight[c] and dbias[c].
 struct LayernormParamGrads {
   const float* dout;
@@ -108,6 +223,18 @@ void residual_layernorm_forward(float* res, float* out, float* mean, float* rstd
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                         const float* weight, const float* mean, const float* rstd, int N, int C) {
   if (N <= 0) return;
+  if (fused_backward_fits(C, {dinp, dout, inp, weight})) {
+    switch ((C + 127) / 128) {
+      case 1: return launch_layernorm_backward_fused<1>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+      case 2: return launch_layernorm_backward_fused<2>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+      case 3: return launch_layernorm_backward_fused<3>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+      case 4: return launch_layernorm_backward_fused<4>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+      case 5: return launch_layernorm_backward_fused<5>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+      case 6: return launch_layernorm_backward_fused<6>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+      case 7: return launch_layernorm_backward_fused<7>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+      case 8: return launch_layernorm_backward_fused<8>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
+    }
+  }
   const unsigned blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
   layernorm_dinp_kernel<<<blocks, 32 * kRowsPerBlock, 0, cuda_context().compute>>>(dinp, dout, inp, weight, mean,
                                                                                     rstd, N, C);
