@@ -301,8 +301,12 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   };
   // Bytes per element of the MLP's hidden activations in the backend's form (4, or 2 in bf16).
   const double hf = static_cast<double>(k.mlp_hidden_bytes(N, 4 * C, prec)) / (4 * NC);
-  // What attention saves for its backward: the probabilities, or flash attention's statistics and output.
+  // What attention saves for its backward: the probabilities, or flash attention's statistics, output and bf16
+  // q, k, v. The backward reads dout and what was saved, and overwrites dqkv; it reads qkv too, unless the saved
+  // part holds them (flash: it saves less than the probabilities).
   const double saved_att = static_cast<double>(k.attention_saved_floats(B, T, C, NH, prec));
+  const bool att_saves_qkv = saved_att < static_cast<double>(B) * NH * T * T;
+  const double att_bwd_bytes = f * ((att_saves_qkv ? 4 : 7) * NC + saved_att);
   kernels::AdamWParams hp;
   std::vector<OpRow> ops = {
       {"encoder fwd", 1, f * 3 * NC, 0,
@@ -344,7 +348,7 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
        [&] { k.matmul_backward_set_hidden(dx.f(), dw4.f(), db4.f(), h4.f(), y.f(), w4.f(), N, C, 4 * C, prec); }},
       {"matmul bwd attproj", L, mm_bwd(C, C), 4 * NC * C,
        [&] { k.matmul_backward_set(dx.f(), dw4.f(), db4.f(), y.f(), x.f(), w4.f(), N, C, C, prec); }},
-      {"attention bwd", L, f * (10 * NC + saved_att), 4 * att * (C / NH),
+      {"attention bwd", L, att_bwd_bytes, 4 * att * (C / NH),
        [&] { k.attention_backward(dqkv.f(), y.f(), qkv.f(), attn.f(), B, T, C, NH, prec); }},
       {"matmul bwd qkv", L, mm_bwd(3 * C, C), 4 * NC * 3 * C,
        [&] { k.matmul_backward_set(dx.f(), dw4.f(), db4.f(), qkv.f(), x.f(), w4.f(), N, C, 3 * C, prec); }},

@@ -624,8 +624,7 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
 
   // The residual adds pass dres through unchanged, so dres is used directly as the gradient of fcproj and of
   // attproj, and the layernorm backwards accumulate into it: no residual_backward copies are needed. dfch,
-  // dln and datty are each written by one linear's backward, which overwrites them: nothing is zeroed first
-  // but dqkv, which the attention's backward adds into.
+  // dln, datty and dqkv are each written by one op's backward, which overwrites them: nothing is zeroed.
   {
     // dfch is overwritten (dfch_gelu: the kernels' scratch).
     STRATA_ASSIGN_OR_RETURN(const float* dout, gather_rows(dres, RC));
@@ -640,7 +639,6 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
   STRATA_RETURN_IF_ERROR(
       layernorm_backward_rows(dres, dw.ln2w, dw.ln2b, dln_rows, residual2, w.ln2w, ln2_mean, ln2_rstd, Nr));
 
-  device_->zero(grads_.dqkv, sizeof(float) * BTA * 3);
   {
     STRATA_ASSIGN_OR_RETURN(const float* dout, gather_rows(dres, RC));
     k_->matmul_backward_set(grads_.datty, dw.attprojw, dw.attprojb, dout, atty, w.attprojw, N, A, C, precision_);

@@ -77,12 +77,13 @@ struct KernelSet {
   // backends compute in fp32 either way). The softmax and att are fp32 always.
   void (*attention_forward)(float* out, float* att, const float* qkv, int B, int T, int C, int NH,
                             MatmulPrecision precision);
-  // dqkv (B,T,3C) +=.
+  // dqkv (B,T,3C) overwritten, every element (so the caller zeroes nothing; on CUDA the kernels store their
+  // gradient instead of reading, adding and writing it back).
   void (*attention_backward)(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T,
                              int C, int NH, MatmulPrecision precision);
   // Floats of `att`: what attention_forward saves for attention_backward at these shapes. The CPU backends save
-  // the probabilities (B*NH*T*T); CUDA's flash attention (bf16) saves far less (the row log-sum-exps and the
-  // output), and then `att` holds those instead of probabilities.
+  // the probabilities (B*NH*T*T); CUDA's flash attention (bf16) saves far less (the row log-sum-exps, the
+  // output and the bf16 q, k, v its backward takes again), and then `att` holds those instead of probabilities.
   size_t (*attention_saved_floats)(int B, int T, int C, int NH, MatmulPrecision precision);
 
   // The MLP's hidden activations — pre (N,F), gelu(pre) and their gradients — in a form only the slots below

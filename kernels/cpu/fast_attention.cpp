@@ -183,7 +183,8 @@ struct ForwardHead {
   }
 };
 
-// dqkv (T, 3C) += for head h of one batch row; att (T, T) of (b, h); dout (T, C).
+// dqkv (T, 3C) = for head h of one batch row (its columns of q, k and v; each element written once); att (T, T) of
+// (b, h); dout (T, C).
 template <int N>
 struct BackwardHead {
   using V = simd::Vec<N>;
@@ -238,15 +239,13 @@ struct BackwardHead {
       add_outer_block<V>(dk, ds, qb, hd, n_max);
       for (int r = 0; r < rows; ++r) {
         float* dq_out = dqkv + static_cast<size_t>(t0 + r) * hd.C3;
-        for (int i = 0; i < hd.hs; ++i) dq_out[i] += dq[r * hs_pad + i];
+        std::copy_n(dq + r * hs_pad, hd.hs, dq_out);
       }
     }
     for (int t = 0; t < T; ++t) {
       float* row = dqkv + static_cast<size_t>(t) * hd.C3;
-      for (int i = 0; i < hd.hs; ++i) {
-        row[hd.C + i] += dk[t * hs_pad + i];
-        row[2 * hd.C + i] += dv[t * hs_pad + i];
-      }
+      std::copy_n(dk + t * hs_pad, hd.hs, row + hd.C);
+      std::copy_n(dv + t * hs_pad, hd.hs, row + 2 * hd.C);
     }
   }
 };

@@ -157,6 +157,7 @@ void attention_backward(F* dqkv, const F* dout, const F* qkv, const F* att, int 
   const size_t C3 = 3 * static_cast<size_t>(C);
   const int hs = C / NH;
   const F scale = F(1) / std::sqrt(F(hs));
+  std::fill(dqkv, dqkv + static_cast<size_t>(B) * T * C3, F(0));  // overwritten: the sums below start at zero
   std::vector<F> datt(T);     // d loss / d att[t2] for the current row
   std::vector<F> dpreatt(T);  // d loss / d score[t2]
   for (int b = 0; b < B; ++b) {

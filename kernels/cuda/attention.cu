@@ -80,16 +80,16 @@ __global__ void permute_qkv_bf16x8_kernel(uint4* q, uint4* k, uint4* v, const fl
   }
 }
 
-// Backward of the permute: dqkv (B,T,3C) += dq, dk, dv (each (B,NH,T,hs)).
+// Backward of the permute: dqkv (B,T,3C) = dq, dk, dv (each (B,NH,T,hs)).
 __global__ void unpermute_dqkv_kernel(float* dqkv, const float* dq, const float* dk, const float* dv, int B, int T,
                                       int NH, int hs) {
   const size_t total = static_cast<size_t>(B) * NH * T * hs;
   const int C = NH * hs;
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
     const size_t dst = row_offset(i, T, NH, hs, 3 * C);
-    dqkv[dst] += dq[i];
-    dqkv[dst + C] += dk[i];
-    dqkv[dst + 2 * C] += dv[i];
+    dqkv[dst] = dq[i];
+    dqkv[dst + C] = dk[i];
+    dqkv[dst + 2 * C] = dv[i];
   }
 }
 
@@ -171,24 +171,31 @@ void batched_gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, 
 
 constexpr int kThreads = 256;
 
-// The operands of the products: fp32, or bf16 copies, sized for one (B,NH,T,hs) tensor each.
+// qkv (B,T,3C) -> q, k, v (B,NH,T,hs each, n elements), rounded to bf16 or copied as fp32. q, k and v are
+// 16-byte aligned (scratch and flash attention's saved parts are).
+void permute_qkv(void* q, void* k, void* v, bool bf16, const float* qkv, int B, int T, int NH, int hs, size_t n) {
+  const cudaStream_t s = cuda_context().compute;
+  if (bf16 && hs % 8 == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0)
+    permute_qkv_bf16x8_kernel<<<grid_for(n / 8, kThreads), kThreads, 0, s>>>(
+        static_cast<uint4*>(q), static_cast<uint4*>(k), static_cast<uint4*>(v), qkv, B, T, NH, hs);
+  else if (bf16)
+    permute_qkv_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(static_cast<__nv_bfloat16*>(q),
+                                                                  static_cast<__nv_bfloat16*>(k),
+                                                                  static_cast<__nv_bfloat16*>(v), qkv, B, T, NH, hs);
+  else
+    permute_qkv_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(static_cast<float*>(q), static_cast<float*>(k),
+                                                                  static_cast<float*>(v), qkv, B, T, NH, hs);
+  CUDA_CHECK_LAUNCH();
+}
+
+// The operands of the batched-GEMM path's products: fp32, or bf16 copies, sized for one (B,NH,T,hs) tensor each.
 struct HeadTensors {
   bool bf16;
   size_t elem;
   DeviceScratch q, k, v;
   HeadTensors(bool bf16_, size_t n) : bf16(bf16_), elem(bf16_ ? 2 : 4), q(n * elem), k(n * elem), v(n * elem) {}
   void permute(const float* qkv, int B, int T, int NH, int hs, size_t n) {
-    const cudaStream_t s = cuda_context().compute;
-    if (bf16 && hs % 8 == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0)
-      permute_qkv_bf16x8_kernel<<<grid_for(n / 8, kThreads), kThreads, 0, s>>>(q.as<uint4>(), k.as<uint4>(),
-                                                                              v.as<uint4>(), qkv, B, T, NH, hs);
-    else if (bf16)
-      permute_qkv_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(
-          q.as<__nv_bfloat16>(), k.as<__nv_bfloat16>(), v.as<__nv_bfloat16>(), qkv, B, T, NH, hs);
-    else
-      permute_qkv_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(q.as<float>(), k.as<float>(), v.as<float>(),
-                                                                    qkv, B, T, NH, hs);
-    CUDA_CHECK_LAUNCH();
+    permute_qkv(q.as<void>(), k.as<void>(), v.as<void>(), bf16, qkv, B, T, NH, hs, n);
   }
   cudaDataType_t type() const { return bf16 ? CUDA_R_16BF : CUDA_R_32F; }
 };
@@ -225,12 +232,14 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
   const CudaContext& ctx = cuda_context();
   const bool bf16 = precision == MatmulPrecision::kBF16;
   const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
-  HeadTensors h(bf16, n);
-  h.permute(qkv, B, T, NH, hs, n);
-  if (use_flash(B, T, C, NH, precision)) {
-    flash_attention_forward(out, att, h.q.as<uint16_t>(), h.k.as<uint16_t>(), h.v.as<uint16_t>(), B, T, NH, hs);
+  if (use_flash(B, T, C, NH, precision)) {  // q, k, v go into `att`, where the backward finds them again
+    const FlashQkv s = flash_attention_saved_qkv(att, B, T, NH, hs);
+    permute_qkv(s.q, s.k, s.v, /*bf16=*/true, qkv, B, T, NH, hs, n);
+    flash_attention_forward(out, att, B, T, NH, hs);
     return;
   }
+  HeadTensors h(bf16, n);
+  h.permute(qkv, B, T, NH, hs, n);
   DeviceScratch y(n * sizeof(float)), att_bf16(bf16 ? batch * square * 2 : 0);
   // scores Sᵀ (T,T) = K (hs,T)ᵀ · Q (hs,T), scaled by 1/sqrt(hs)
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
@@ -254,13 +263,12 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
   const CudaContext& ctx = cuda_context();
   const bool bf16 = precision == MatmulPrecision::kBF16;
   const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
-  HeadTensors h(bf16, n);
-  h.permute(qkv, B, T, NH, hs, n);
-  if (use_flash(B, T, C, NH, precision)) {  // adds into dqkv itself; rounds dout to bf16 on the way
-    flash_attention_backward(dqkv, dout, att, h.q.as<uint16_t>(), h.k.as<uint16_t>(), h.v.as<uint16_t>(), B, T, NH,
-                             hs);
+  if (use_flash(B, T, C, NH, precision)) {  // q, k, v from `att`; writes dqkv itself, rounding dout to bf16
+    flash_attention_backward(dqkv, dout, att, B, T, NH, hs);
     return;
   }
+  HeadTensors h(bf16, n);
+  h.permute(qkv, B, T, NH, hs, n);
   DeviceScratch dy(n * h.elem), dq(n * sizeof(float)), dk(n * sizeof(float)), dv(n * sizeof(float));
   DeviceScratch datt(static_cast<size_t>(batch) * square * sizeof(float));
   const size_t probs_bf16_bytes = bf16 ? static_cast<size_t>(batch) * square * 2 : 0;

@@ -18,8 +18,8 @@
 // layout; kernel 1 takes 64 keys per block and walks the query tiles from the diagonal down, accumulating its
 // rows of dV = Pᵀ dO and dK = dSᵀ Q (it computes Sᵀ = K Qᵀ directly, so Pᵀ is in registers as an A operand);
 // kernel 2 takes 64 queries per block and accumulates dQ = dS K over the key tiles. P is recomputed from the
-// saved log-sum-exp; dS = P ∘ (dP − D) with dP = dO Vᵀ. Kernels 1 and 2 add their rows straight into the
-// (B,T,3C) gradient of qkv, each element by one thread.
+// saved log-sum-exp; dS = P ∘ (dP − D) with dP = dO Vᵀ. Kernels 1 and 2 store their rows straight into the
+// (B,T,3C) gradient of qkv, each element by one thread (it is overwritten: no read, no zeroing pass before).
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 with bf16): g = lane / 4, t = lane % 4.
 //   A (16×16, row): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
@@ -311,11 +311,11 @@ __global__ void flash_bwd_dot_kernel(float* D, bf16* dy, const float* dout, cons
   if (lane == 0) D[row] = s;
 }
 
-// Adds a thread's accumulator rows (row0 + g, row0 + g + 8; HS/8 n-tiles, times `scale`) into their (B,T,3C)
+// Stores a thread's accumulator rows (row0 + g, row0 + g + 8; HS/8 n-tiles, times `scale`) as their (B,T,3C)
 // gradient at column `col0` (q: h*HS, k: C + h*HS, v: 2C + h*HS). Each element has one owner: no atomics.
 template <int HS>
-__device__ void add_rows(float* dqkv, const float (&acc)[HS / 8][4], int row0, int b, int col0, int T, int C,
-                         float scale) {
+__device__ void store_rows(float* dqkv, const float (&acc)[HS / 8][4], int row0, int b, int col0, int T, int C,
+                           float scale) {
   const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -324,11 +324,7 @@ __device__ void add_rows(float* dqkv, const float (&acc)[HS / 8][4], int row0, i
     float* dst = dqkv + (static_cast<size_t>(b) * T + row) * 3 * C + col0 + 2 * t;
 #pragma unroll
     for (int n = 0; n < HS / 8; ++n) {
-      float2* p = reinterpret_cast<float2*>(dst + 8 * n);
-      float2 x = *p;
-      x.x += acc[n][2 * h] * scale;
-      x.y += acc[n][2 * h + 1] * scale;
-      *p = x;
+      *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(acc[n][2 * h] * scale, acc[n][2 * h + 1] * scale);
     }
   }
 }
@@ -405,8 +401,8 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(float* dqkv, con
     __syncthreads();
   }
   const int b = bh / NH, C = NH * HS, col = bh % NH * HS;
-  add_rows<HS>(dqkv, dK, row0, b, C + col, T, C, scale);
-  add_rows<HS>(dqkv, dV, row0, b, 2 * C + col, T, C, 1.0f);
+  store_rows<HS>(dqkv, dK, row0, b, C + col, T, C, scale);
+  store_rows<HS>(dqkv, dV, row0, b, 2 * C + col, T, C, 1.0f);
 }
 
 // grid (B*NH, ceil(T/64)): dQ (scaled) of the block's 64 queries, added into dqkv (B,T,3C).
@@ -456,7 +452,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dqkv, cons
   };
 
   walk_key_tiles<HS>(Ks, Vs, k + head, v + head, qt, T, tile);
-  add_rows<HS>(dqkv, dQ, row0, bh / NH, bh % NH * HS, T, NH * HS, scale);
+  store_rows<HS>(dqkv, dQ, row0, bh / NH, bh % NH * HS, T, NH * HS, scale);
 }
 
 // Heads on x, tiles on y: blocks start x-fastest, so every head's heaviest tile (the causal mask's last query
@@ -471,40 +467,49 @@ dim3 tile_grid(int B, int T, int NH) {
 // The saved log-sum-exps, padded so that the saved output after them stays 16-byte aligned for vector stores.
 size_t lse_floats(int B, int T, int NH) { return (static_cast<size_t>(B) * NH * T + 3) / 4 * 4; }
 
+// saved: lse (lse_floats), O (B*NH*T*HS fp32), then q, k, v (B*NH*T*HS bf16 each); every part 16-byte aligned
+// (lse_floats is a multiple of 4, and B*NH*T*HS of 32 for the head sizes supported).
+// F: float (the forward writes them) or const float (the backward reads them).
+template <typename F>
+struct SavedParts {
+  using B16 = std::conditional_t<std::is_const_v<F>, const bf16, bf16>;
+  F* lse;
+  F* o;
+  B16 *q, *k, *v;
+};
+template <typename F>
+SavedParts<F> saved_parts(F* saved, int B, int T, int NH, int hs) {
+  const size_t n = static_cast<size_t>(B) * NH * T * hs;
+  F* o = saved + lse_floats(B, T, NH);
+  auto* q = reinterpret_cast<typename SavedParts<F>::B16*>(o + n);
+  return {saved, o, q, q + n, q + 2 * n};
+}
+
 template <int HS>
-void forward(float* out, float* saved, const uint16_t* q, const uint16_t* k, const uint16_t* v, int B, int T,
-             int NH) {
+void forward(float* out, float* saved, int B, int T, int NH) {
   const dim3 grid = tile_grid(B, T, NH);
   const float scale = 1.0f / sqrtf(static_cast<float>(HS));
-  float* lse = saved;
-  float* o = saved + lse_floats(B, T, NH);
-  flash_fwd_kernel<HS><<<grid, kThreads, 0, cuda_context().compute>>>(
-      out, lse, o, reinterpret_cast<const bf16*>(q), reinterpret_cast<const bf16*>(k),
-      reinterpret_cast<const bf16*>(v), T, NH, scale);
+  const auto s = saved_parts(saved, B, T, NH, HS);
+  flash_fwd_kernel<HS><<<grid, kThreads, 0, cuda_context().compute>>>(out, s.lse, s.o, s.q, s.k, s.v, T, NH, scale);
   CUDA_CHECK_LAUNCH();
 }
 
 template <int HS>
-void backward(float* dqkv, const float* dout, const float* saved, const uint16_t* q, const uint16_t* k,
-              const uint16_t* v, int B, int T, int NH) {
+void backward(float* dqkv, const float* dout, const float* saved, int B, int T, int NH) {
   const CudaContext& ctx = cuda_context();
   const size_t rows = static_cast<size_t>(B) * NH * T;
-  const float* lse = saved;
-  const float* o = saved + lse_floats(B, T, NH);
+  const auto s = saved_parts(saved, B, T, NH, HS);
   DeviceScratch D(rows * sizeof(float)), dy(rows * HS * sizeof(bf16));
   flash_bwd_dot_kernel<HS><<<(rows + kWarps - 1) / kWarps, kThreads, 0, ctx.compute>>>(D.as<float>(), dy.as<bf16>(),
-                                                                                       dout, o, B, T, NH);
+                                                                                       dout, s.o, B, T, NH);
   CUDA_CHECK_LAUNCH();
   const dim3 grid = tile_grid(B, T, NH);
   const float scale = 1.0f / sqrtf(static_cast<float>(HS));
-  const auto* qb = reinterpret_cast<const bf16*>(q);
-  const auto* kb = reinterpret_cast<const bf16*>(k);
-  const auto* vb = reinterpret_cast<const bf16*>(v);
-  flash_bwd_kv_kernel<HS><<<grid, kThreads, 0, ctx.compute>>>(dqkv, qb, kb, vb, dy.as<bf16>(), lse, D.as<float>(), T,
-                                                              NH, scale);
+  flash_bwd_kv_kernel<HS><<<grid, kThreads, 0, ctx.compute>>>(dqkv, s.q, s.k, s.v, dy.as<bf16>(), s.lse,
+                                                              D.as<float>(), T, NH, scale);
   CUDA_CHECK_LAUNCH();
-  flash_bwd_q_kernel<HS><<<grid, kThreads, 0, ctx.compute>>>(dqkv, qb, kb, vb, dy.as<bf16>(), lse, D.as<float>(), T,
-                                                             NH, scale);
+  flash_bwd_q_kernel<HS><<<grid, kThreads, 0, ctx.compute>>>(dqkv, s.q, s.k, s.v, dy.as<bf16>(), s.lse,
+                                                             D.as<float>(), T, NH, scale);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -514,23 +519,27 @@ void backward(float* dqkv, const float* dout, const float* saved, const uint16_t
 bool flash_attention_supported(int hs) { return hs == 32 || hs == 64; }
 
 size_t flash_attention_saved_floats(int B, int T, int NH, int hs) {
-  return lse_floats(B, T, NH) + static_cast<size_t>(B) * NH * T * hs;
+  const size_t n = static_cast<size_t>(B) * NH * T * hs;
+  return lse_floats(B, T, NH) + n + 3 * n / 2;  // lse, O, then q, k, v in bf16 (two to a float)
 }
 
-void flash_attention_forward(float* out, float* saved, const uint16_t* q, const uint16_t* k, const uint16_t* v, int B,
-                             int T, int NH, int hs) {
+FlashQkv flash_attention_saved_qkv(float* saved, int B, int T, int NH, int hs) {
+  const auto s = saved_parts(saved, B, T, NH, hs);
+  return {reinterpret_cast<uint16_t*>(s.q), reinterpret_cast<uint16_t*>(s.k), reinterpret_cast<uint16_t*>(s.v)};
+}
+
+void flash_attention_forward(float* out, float* saved, int B, int T, int NH, int hs) {
   switch (hs) {
-    case 32: return forward<32>(out, saved, q, k, v, B, T, NH);
-    case 64: return forward<64>(out, saved, q, k, v, B, T, NH);
+    case 32: return forward<32>(out, saved, B, T, NH);
+    case 64: return forward<64>(out, saved, B, T, NH);
   }
   STRATA_ASSERT_MSG(false, "flash attention: unsupported head size (ask flash_attention_supported first)");
 }
 
-void flash_attention_backward(float* dqkv, const float* dout, const float* saved, const uint16_t* q,
-                              const uint16_t* k, const uint16_t* v, int B, int T, int NH, int hs) {
+void flash_attention_backward(float* dqkv, const float* dout, const float* saved, int B, int T, int NH, int hs) {
   switch (hs) {
-    case 32: return backward<32>(dqkv, dout, saved, q, k, v, B, T, NH);
-    case 64: return backward<64>(dqkv, dout, saved, q, k, v, B, T, NH);
+    case 32: return backward<32>(dqkv, dout, saved, B, T, NH);
+    case 64: return backward<64>(dqkv, dout, saved, B, T, NH);
   }
   STRATA_ASSERT_MSG(false, "flash attention: unsupported head size (ask flash_attention_supported first)");
 }

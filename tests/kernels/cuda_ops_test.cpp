@@ -251,12 +251,11 @@ AttentionRun run_attention(const KernelSet& k, int B, int T, int C, int NH, uint
                            double range) {
   Rng rng(seed);
   auto qkv = rand_vec(size_t(B) * T * 3 * C, rng, -range, range), dout = rand_vec(size_t(B) * T * C, rng);
-  auto dqkv0 = rand_vec(qkv.size(), rng);
   const auto qkv_d = to_double(qkv), dout_d = to_double(dout);
   AttentionRun r;
   r.want_out.resize(dout.size());
   r.want_att.resize(size_t(B) * NH * T * T);
-  r.want_dqkv = to_double(dqkv0);
+  r.want_dqkv.resize(qkv.size());
   ref::attention_forward(r.want_out.data(), r.want_att.data(), qkv_d.data(), B, T, C, NH);
   ref::attention_backward(r.want_dqkv.data(), dout_d.data(), qkv_d.data(), r.want_att.data(), B, T, C, NH);
   const int hs = C / NH;
@@ -277,8 +276,10 @@ AttentionRun run_attention(const KernelSet& k, int B, int T, int C, int NH, uint
         r.want_lse.push_back(mx + std::log(sum));
       }
   const size_t saved = k.attention_saved_floats(B, T, C, NH, precision);
-  Dev<float> g_qkv(qkv), g_dout(dout), g_dqkv(dqkv0);
+  Dev<float> g_qkv(qkv), g_dout(dout);
+  // dqkv starts as NaN: the backward overwrites it, every element.
   auto g_out = Dev<float>::poisoned(dout.size()), g_att = Dev<float>::poisoned(saved);
+  auto g_dqkv = Dev<float>::poisoned(qkv.size());
   k.attention_forward(g_out.get(), g_att.get(), g_qkv.get(), B, T, C, NH, precision);
   k.attention_backward(g_dqkv.get(), g_dout.get(), g_qkv.get(), g_att.get(), B, T, C, NH, precision);
   r.got_out = g_out.download();
@@ -504,11 +505,25 @@ TEST_F(CudaOpsTest, AttentionBF16) {
     SCOPED_TRACE(fmt::format("attention bf16 B={} T={} C={} NH={} seed={} ({})", B, T, C, NH, seed,
                              flash ? "flash" : "batched GEMMs"));
     const size_t saved = k.attention_saved_floats(B, T, C, NH, MatmulPrecision::kBF16);
-    ASSERT_EQ(saved, flash ? (size_t(B) * NH * T + 3) / 4 * 4 + size_t(B) * NH * T * hs : size_t(B) * NH * T * T);
+    // flash: the log-sum-exps (padded to 4 floats), O in fp32, then q, k, v in bf16 (two to a float)
+    const size_t lse_floats = (size_t(B) * NH * T + 3) / 4 * 4, n = size_t(B) * NH * T * hs;
+    ASSERT_EQ(saved, flash ? lse_floats + n + 3 * n / 2 : size_t(B) * NH * T * T);
     const AttentionRun r = run_attention(k, B, T, C, NH, seed, MatmulPrecision::kBF16, 1.0);
     if (flash) {
       const std::vector<float> lse(r.got_att.begin(), r.got_att.begin() + size_t(B) * NH * T);
       EXPECT_TRUE(all_close(lse, r.want_lse, 1e-2, 1e-2, "lse"));
+      // The saved q, k, v are qkv's values rounded to bf16, in head layout (B,NH,T,hs): what the backward reads.
+      Rng rng(seed);
+      const auto qkv = rand_vec(size_t(B) * T * 3 * C, rng, -1.0, 1.0);  // run_attention's first draw
+      const auto* saved_bf16 = reinterpret_cast<const uint16_t*>(r.got_att.data() + lse_floats + n);
+      size_t bad = 0;
+      for (int part = 0; part < 3; ++part)
+        for (size_t i = 0; i < n; ++i) {
+          const size_t bh = i / (size_t(T) * hs), t = i / hs % T, d = i % hs, b = bh / NH, h = bh % NH;
+          const float x = qkv[(b * T + t) * 3 * C + part * C + h * hs + d];
+          bad += saved_bf16[part * n + i] != f32_to_bf16(x);
+        }
+      EXPECT_EQ(bad, 0u) << "saved q, k, v elements that are not qkv's rounded to bf16";
     } else {
       EXPECT_TRUE(all_close(r.got_att, r.want_att, 1e-2, 2e-2, "att"));
     }

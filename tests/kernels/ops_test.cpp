@@ -166,7 +166,7 @@ struct AttentionCase {
   double loss() const { return weighted_sum(out, dout); }
   std::vector<Array<F>> arrays() { return {{"out", &out, false}, {"att", &att, false}, {"dqkv", &dqkv, true}}; }
   std::vector<FdInput<F>> fd_inputs() { return {{"dqkv", &qkv, &dqkv}}; }
-  static constexpr bool kOverwrites = false;
+  static constexpr bool kOverwrites = true;
 };
 
 template <typename F>
