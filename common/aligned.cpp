@@ -1,11 +1,14 @@
 #include "common/aligned.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 
 #include <fmt/format.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
 
 namespace strata {
 namespace {
@@ -18,6 +21,20 @@ struct Ledger {
 Ledger& ledger() {
   static Ledger* l = new Ledger();  // never destroyed: buffers may be freed during static destruction
   return *l;
+}
+
+// Zeroes n bytes; past 64 MiB in 16 MiB pieces over the cores, since zeroing is also the pages' first touch
+// (a bench's 40 GB of Adam inputs took many seconds on one core).
+void zero_bytes(void* p, size_t n) {
+  constexpr size_t kPiece = size_t{16} << 20;
+  if (n <= 4 * kPiece) {
+    std::memset(p, 0, n);
+    return;
+  }
+  auto* b = static_cast<unsigned char*>(p);
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, (n + kPiece - 1) / kPiece), [&](const tbb::blocked_range<size_t>& r) {
+    for (size_t i = r.begin(); i < r.end(); ++i) std::memset(b + i * kPiece, 0, std::min(kPiece, n - i * kPiece));
+  });
 }
 
 }  // namespace
@@ -34,7 +51,7 @@ Result<AlignedBuffer> AlignedBuffer::allocate(size_t bytes, std::string purpose,
     return Status::out_of_memory("cannot allocate {} bytes ({:.1f} MiB) for {}", rounded,
                                  static_cast<double>(rounded) / (1 << 20), purpose);
   }
-  std::memset(p, 0, rounded);
+  zero_bytes(p, rounded);
   b.data_ = p;
   b.bytes_ = rounded;
   b.purpose_ = std::move(purpose);
