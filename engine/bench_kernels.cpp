@@ -303,9 +303,10 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   const double hf = static_cast<double>(k.mlp_hidden_bytes(N, 4 * C, prec)) / (4 * NC);
   // What attention saves for its backward: the probabilities, or flash attention's statistics, output and bf16
   // q, k, v. The backward reads dout and what was saved, and overwrites dqkv; it reads qkv too, unless the saved
-  // part holds them (flash: it saves less than the probabilities).
-  const double saved_att = static_cast<double>(k.attention_saved_floats(B, T, C, NH, prec));
-  const bool att_saves_qkv = saved_att < static_cast<double>(B) * NH * T * T;
+  // part holds them (flash: what it saves is not the B*NH*T*T probabilities every other form saves).
+  const size_t saved_floats = k.attention_saved_floats(B, T, C, NH, prec);
+  const double saved_att = static_cast<double>(saved_floats);
+  const bool att_saves_qkv = saved_floats != static_cast<size_t>(B) * NH * T * T;
   const double att_bwd_bytes = f * ((att_saves_qkv ? 4 : 7) * NC + saved_att);
   kernels::AdamWParams hp;
   std::vector<OpRow> ops = {

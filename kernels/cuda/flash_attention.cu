@@ -329,7 +329,7 @@ __device__ void store_rows(float* dqkv, const float (&acc)[HS / 8][4], int row0,
   }
 }
 
-// grid (B*NH, ceil(T/64)): dK (scaled) and dV of the block's 64 keys, added into dqkv (B,T,3C).
+// grid (B*NH, ceil(T/64)): dK (scaled) and dV of the block's 64 keys, stored into dqkv (B,T,3C).
 template <int HS>
 __global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(float* dqkv, const bf16* q, const bf16* k,
                                                                 const bf16* v, const bf16* dy, const float* lse,
@@ -405,7 +405,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(float* dqkv, con
   store_rows<HS>(dqkv, dV, row0, b, 2 * C + col, T, C, 1.0f);
 }
 
-// grid (B*NH, ceil(T/64)): dQ (scaled) of the block's 64 queries, added into dqkv (B,T,3C).
+// grid (B*NH, ceil(T/64)): dQ (scaled) of the block's 64 queries, stored into dqkv (B,T,3C).
 template <int HS>
 __global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dqkv, const bf16* q, const bf16* k,
                                                                const bf16* v, const bf16* dy, const float* lse,

@@ -79,8 +79,8 @@ __global__ void layernorm_dinp_kernel(float* dinp, const float* dout, const floa
 // widths): a warp per row, each lane holding 4 * kVecs columns (c = 4 * (lane + 32 j)) in registers — the
 // row's dout and inp, read once with 16-byte loads for both of dinp's sums and its write, and the lane's own
 // sums of dweight's and dbias's terms over the block's rows, which the block then adds warp by warp into
-// partials[blockIdx.x] (column_finish_kernel adds the blocks). Every order is fixed by the shapes, so runs are
-// bitwise alike. (The general kernel above reads dout and inp twice, and the column sums read them a third time.)
+// partials[blockIdx.x]; launch_column_sums then adds the blocks' rows (hundreds of them: over many blocks,
+// not one thread per column). Every order is fixed by the shapes, so runs are bitwise alike. (The general kernel above reads dout and inp twice, and the column sums read them a third time.)
 constexpr int kFusedWarps = 4;
 constexpr int kFusedRowsPerWarp = 4;
 constexpr int kFusedRows = kFusedWarps * kFusedRowsPerWarp;  // rows per block
@@ -89,7 +89,7 @@ template <int kVecs>
 __global__ void __launch_bounds__(32 * kFusedWarps) layernorm_backward_fused_kernel(
     float* dinp, float* partials, const float* dout, const float* inp, const float* weight, const float* mean,
     const float* rstd, int N, int C) {
-  __shared__ float block_sums[2][128 * kVecs];  // dweight's, then dbias's, terms of this block's rows
+  __shared__ __align__(16) float block_sums[2][128 * kVecs];  // dweight's, then dbias's, terms of its rows
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float4 w[kVecs], dw[kVecs], db[kVecs];
 #pragma unroll
@@ -163,6 +163,16 @@ __global__ void __launch_bounds__(32 * kFusedWarps) layernorm_backward_fused_ker
   }
 }
 
+// (chunk, c) -> the fused kernel's partial sums of block `chunk`: {dweight's, dbias's}.
+struct FusedPartials {
+  const float* p;
+  int C;
+  __device__ void operator()(int chunk, int c, float (&v)[2]) const {
+    v[0] = p[(2 * static_cast<size_t>(chunk)) * C + c];
+    v[1] = p[(2 * static_cast<size_t>(chunk) + 1) * C + c];
+  }
+};
+
 template <int kVecs>
 void launch_layernorm_backward_fused(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                                      const float* weight, const float* mean, const float* rstd, int N, int C) {
@@ -172,9 +182,7 @@ void launch_layernorm_backward_fused(float* dinp, float* dweight, float* dbias, 
   layernorm_backward_fused_kernel<kVecs><<<blocks, 32 * kFusedWarps, 0, ctx.compute>>>(
       dinp, partials.as<float>(), dout, inp, weight, mean, rstd, N, C);
   CUDA_CHECK_LAUNCH();
-  column_finish_kernel<2><<<(C + 255) / 256, 256, 0, ctx.compute>>>(ColumnDsts<2>{{dweight, dbias}},
-                                                                     partials.as<float>(), blocks, C);
-  CUDA_CHECK_LAUNCH();
+  launch_column_sums<2>(ColumnDsts<2>{{dweight, dbias}}, blocks, C, FusedPartials{partials.as<float>(), C});
 }
 
 // Whether the fused backward takes these buffers: C a multiple of 4 up to 1024, every row 16-byte aligned.
