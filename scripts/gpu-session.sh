@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One device call that spends a short GPU lease in priority order (sessions get 15 minutes of device time, one
+# command at most 10): the CUDA tests, the before/after step (gpu-ab), the kernel profile (gpu-profile), the
+# 2.5B model's FLOPs utilisation, GPT-2 124M's offload rows, the PyTorch step, and training on 2 ranks — each
+# under its own limit and all under one deadline, so the parts that do not fit are named as not run instead of
+# cutting the call off. Every part's output goes to a file under OUT (the device tool returns only the last
+# 12 000 characters printed), packed at the end into at most 8 files. On the build machine first:
+#   scripts/gpu-check.sh --bundle .gpu [&& scripts/gpu-ab.sh --bundle .gpu-ab --base REV]
+# then on the GPU machine (carry .gpu and, if made, .gpu-ab):
+#   scripts/gpu-session.sh --out $OUT [--deadline SECONDS]   (default 540)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+out="" deadline=540
+valid="valid: --out DIR, --deadline SECONDS"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --out|--deadline) [[ $# -ge 2 ]] || { echo "gpu-session.sh: '$1' needs a value ($valid)" >&2; exit 2; } ;;&
+    --out) out="$2"; shift 2 ;;
+    --deadline) deadline="$2"; shift 2 ;;
+    *) echo "gpu-session.sh: unknown option '$1' ($valid)" >&2; exit 2 ;;
+  esac
+done
+[[ -n $out ]] || { echo "gpu-session.sh: say --out DIR ($valid)" >&2; exit 2; }
+[[ $deadline =~ ^[0-9]+$ ]] || { echo "gpu-session.sh: --deadline $deadline: not a whole number of seconds" >&2; exit 2; }
+[[ -x .gpu/strata ]] || { echo "gpu-session.sh: no .gpu bundle here (scripts/gpu-check.sh --bundle .gpu)" >&2; exit 2; }
+mkdir -p "$out/runs"
+source scripts/gpu_bundle.sh
+bundle_library_path .gpu
+end=$((SECONDS + deadline))
+declare -a rows
+finish() {
+  echo; printf '%-44s %s\n' part result
+  printf '%s\n' "${rows[@]}"
+  printf '%s\n' "${rows[@]}" >"$out/runs/summary.txt"
+  bundle_pack_out "$out/runs"
+}
+trap finish EXIT
+
+# part LIMIT NAME CMD...: CMD under min(LIMIT, what is left) seconds, its output in runs/NAME.log.
+part() {
+  local limit=$1 name=$2 left rc=0; shift 2
+  left=$((end - SECONDS))
+  if ((left < 20)); then rows+=("$(printf '%-44s %s' "$name" "not run: deadline")"); return; fi
+  ((limit < left)) || limit=$left
+  echo "== $name (limit ${limit} s, at ${SECONDS} s)"
+  timeout -k 5 "$limit" "$@" >"$out/runs/$name.log" 2>&1 || rc=$?
+  local what=ok
+  ((rc == 0)) || what="FAILED (rc $rc$( ((rc == 124 || rc == 137)) && echo ", past ${limit} s"))"
+  rows+=("$(printf '%-44s %s' "$name" "$what, ${SECONDS} s")")
+  tail -3 "$out/runs/$name.log"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/runs/gpu.txt"
+part 90 cuda-tests scripts/gpu-check.sh --from-bundle .gpu --out "$out/gc" --no-bench --no-ranks --pack
+if [[ -x .gpu-ab/strata_base ]]; then
+  part 90 ab scripts/gpu-ab.sh --from-bundle .gpu-ab --no-tests --out "$out/ab" --pack
+fi
+part 90 profile scripts/gpu-profile.sh --strata .gpu/strata --out "$out/runs/profile"
+S=.gpu/strata
+g124=(--device cuda --precision bf16 --layers 12 --heads 12 --width 768 --vocab 50257 --context 1024 --batch 8)
+g25=(--device cuda --precision bf16 --layers 48 --heads 32 --width 2048 --context 1024 --batch 2 --steps 2
+     --warmup 1 --offload-optimizer cpu --json)
+part 240 mfu-2.5b-32 "$S" bench step "${g25[@]}" --grad-accum 32
+part 240 mfu-2.5b-8-spares "$S" bench step "${g25[@]}" --grad-accum 8 --grad-clip 0 --speculative-sub-groups 1000
+part 60 offload-nvme "$S" bench step "${g124[@]}" --offload-param nvme --offload-optimizer nvme --steps 6 --warmup 2 --json
+part 45 offload-cpu "$S" bench step "${g124[@]}" --offload-param cpu --offload-optimizer cpu --steps 6 --warmup 2 --rounds 2 --json
+for s in 0 1000; do
+  part 45 "optimizer-cpu-spares-$s" "$S" bench step "${g124[@]}" --offload-optimizer cpu --grad-clip 0 \
+    --speculative-sub-groups $s --steps 6 --warmup 2 --rounds 2 --json
+done
+part 120 pytorch env PYTHONUNBUFFERED=1 python3 scripts/bench_step_torch.py --device cuda --compile --sdpa \
+  --precision bf16 --layers 12 --heads 12 --width 768 --context 1024 --batch 8 --steps 10 --warmup 3
+part 150 ranks scripts/gpu-check.sh --from-bundle .gpu --out "$out/gr" --no-tests --no-bench --pack
