@@ -6,7 +6,8 @@
 # cutting the call off. Every part's output goes to a file under OUT (the device tool returns only the last
 # 12 000 characters printed), packed at the end into at most 8 files. On the build machine first:
 #   scripts/gpu-check.sh --bundle .gpu [&& scripts/gpu-ab.sh --bundle .gpu-ab --base REV]
-# then on the GPU machine (carry .gpu and, if made, .gpu-ab):
+# then on the GPU machine, carrying .gpu and, if made, .gpu-ab's own files (.gpu-ab/strata_base, base.txt,
+# new.txt: both bundles whole are over the 64 MiB a call carries; the rest of .gpu-ab is .gpu's, linked here):
 #   scripts/gpu-session.sh --out $OUT [--deadline SECONDS]   (default 540)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +55,9 @@ part() {
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/runs/gpu.txt"
 part 90 cuda-tests scripts/gpu-check.sh --from-bundle .gpu --out "$out/gc" --no-bench --no-ranks --pack
 if [[ -x .gpu-ab/strata_base ]]; then
+  [[ -e .gpu-ab/strata_new ]] || ln -s ../.gpu/strata .gpu-ab/strata_new
+  [[ -e .gpu-ab/kernels_cuda_test ]] || ln -s ../.gpu/kernels_cuda_test .gpu-ab/kernels_cuda_test
+  [[ -e .gpu-ab/lib ]] || ln -s ../.gpu/lib .gpu-ab/lib
   part 90 ab scripts/gpu-ab.sh --from-bundle .gpu-ab --no-tests --out "$out/ab" --pack
 fi
 part 90 profile scripts/gpu-profile.sh --strata .gpu/strata --out "$out/runs/profile"
