@@ -10,16 +10,19 @@
 
 namespace strata {
 
+// SplitMix64 of the k-th value after `seed` (k >= 1): a well-mixed 64-bit hash of seed + k * golden ratio, with
+// no state, so any element of a sequence can be made on any thread.
+inline uint64_t splitmix64(uint64_t seed, uint64_t k) {
+  uint64_t z = seed + k * 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 class Rng {
  public:
   explicit Rng(uint64_t seed) {
-    for (auto& s : s_) {
-      seed += 0x9e3779b97f4a7c15ull;
-      uint64_t z = seed;
-      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-      s = z ^ (z >> 31);
-    }
+    for (uint64_t k = 0; k < 4; ++k) s_[k] = splitmix64(seed, k + 1);
   }
   uint64_t next_u64() {
     const uint64_t result = rotl(s_[1] * 5, 7) * 9;

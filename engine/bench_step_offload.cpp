@@ -102,10 +102,7 @@ Result<double> adam_seconds(size_t n) {
   // and held a 2.5B-parameter GPU bench past its time limit.
   tbb::parallel_for(tbb::blocked_range<size_t>(0, 4 * n, size_t{1} << 16), [&](const tbb::blocked_range<size_t>& r) {
     for (size_t i = r.begin(); i < r.end(); ++i) {
-      uint64_t z = (i + 1) * 0x9e3779b97f4a7c15ull;
-      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-      const float u = static_cast<float>((z ^ (z >> 31)) >> 40) * 0x1.0p-24f;  // [0, 1)
+      const float u = static_cast<float>(splitmix64(0, i + 1) >> 40) * 0x1.0p-24f;  // [0, 1)
       p[i] = (i >= 2 * n && i < 3 * n) ? 1e-4f * (u + 0.01f) : 0.02f * (u - 0.5f);  // v > 0
     }
   });
