@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -26,7 +27,27 @@
 namespace strata::engine {
 namespace {
 
-using Zero3SaveTest = TrainerTest;
+// The world of the two ranks (CTest runs this binary under mpiexec -np 2), and the configs of both tests: a
+// model with ZeRO-3 and its optimizer offloaded to `optimizer` (cpu or nvme) in sub-groups of 16384 elements.
+class Zero3SaveTest : public TrainerTest {
+ protected:
+  void SetUp() override {
+    TrainerTest::SetUp();
+    auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
+    ASSERT_TRUE(w.is_ok()) << w.status().to_string();
+    world_ = std::move(w).value();
+    ASSERT_EQ(world_->size(), 2) << "run under mpiexec -np 2 (CTest does)";
+  }
+  json offloaded_config(const std::string& ckpt, json model, const std::string& optimizer) const {
+    json j = base_config(ckpt);
+    j["model"] = std::move(model);
+    j["zero_optimization"] = {{"stage", 3},
+                              {"sub_group_size", 16384},
+                              {"offload_optimizer", {{"device", optimizer}, {"nvme_path", (dir_ / "swap").string()}}}};
+    return j;
+  }
+  std::unique_ptr<comm::MpiCommunicator> world_;
+};
 
 // The tensors of unit u's state (a whole unit's floats, in its layout) named `prefix + name` in `file`: the
 // first difference, or "" when every element is bitwise equal.
@@ -46,20 +67,15 @@ std::string compare(const SafetensorsFile& file, const GPT2& model, size_t u, co
 }
 
 TEST_F(Zero3SaveTest, RanksSendTheirShardsAPieceAtATimeAndTheFilesHoldTheGatheredState) {
-  auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
-  ASSERT_TRUE(w.is_ok()) << w.status().to_string();
-  comm::Communicator& world = *w.value();
-  ASSERT_EQ(world.size(), 2) << "run under mpiexec -np 2 (CTest does)";
+  comm::Communicator& world = *world_;
   // A large embedding unit (vocabulary 16384 x width 64: 4 MiB of weights) in sub-groups of 16384 elements.
   const int64_t unit_bytes = int64_t{16384 + 16} * 64 * sizeof(float);
   const int64_t bound = unit_bytes / 4;
   for (const std::string optimizer : {"cpu", "nvme"}) {
     SCOPED_TRACE("optimizer " + optimizer);
-    json j = base_config("ckpt_" + optimizer);
-    j["model"] = {{"n_layer", 2}, {"n_head", 2}, {"n_embd", 64}, {"vocab_size", 16384}, {"block_size", 16}};
-    j["zero_optimization"] = {{"stage", 3},
-                              {"sub_group_size", 16384},
-                              {"offload_optimizer", {{"device", optimizer}, {"nvme_path", (dir_ / "swap").string()}}}};
+    const json j = offloaded_config(
+        "ckpt_" + optimizer,
+        {{"n_layer", 2}, {"n_head", 2}, {"n_embd", 64}, {"vocab_size", 16384}, {"block_size", 16}}, optimizer);
     auto c = parse_run_config(j, "test");
     ASSERT_TRUE(c.is_ok()) << c.status().to_string();
     std::unique_ptr<kernels::Device> device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
@@ -128,21 +144,16 @@ TEST_F(Zero3SaveTest, RanksSendTheirShardsAPieceAtATimeAndTheFilesHoldTheGathere
 // as they come. The file's tensors of the second stage's units must be that stage's state, bitwise; and a second
 // stage that cannot read its state says so, so that the first fails at once instead of waiting.
 TEST_F(Zero3SaveTest, ASecondPipelineStageSendsItsUnitsAPieceAtATime) {
-  auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
-  ASSERT_TRUE(w.is_ok()) << w.status().to_string();
-  comm::Communicator& pp = *w.value();
-  ASSERT_EQ(pp.size(), 2) << "run under mpiexec -np 2 (CTest does)";
+  comm::Communicator& pp = *world_;
   // Width 256: the second stage's block is 0.79M elements (3 MiB), in sub-groups of 16384.
   const int64_t block_bytes = int64_t{12} * 256 * 256 * sizeof(float);
   const int64_t bound = block_bytes / 4;
   for (const std::string optimizer : {"cpu", "nvme"}) {
     SCOPED_TRACE("optimizer " + optimizer);
-    json j = base_config("pp_" + optimizer);
-    j["model"] = {{"n_layer", 2}, {"n_head", 2}, {"n_embd", 256}, {"vocab_size", 4096}, {"block_size", 16}};
-    j["zero_optimization"] = {{"stage", 3},
-                              {"sub_group_size", 16384},
-                              {"offload_param", {{"device", "cpu"}}},
-                              {"offload_optimizer", {{"device", optimizer}, {"nvme_path", (dir_ / "swap").string()}}}};
+    json j = offloaded_config(
+        "pp_" + optimizer,
+        {{"n_layer", 2}, {"n_head", 2}, {"n_embd", 256}, {"vocab_size", 4096}, {"block_size", 16}}, optimizer);
+    j["zero_optimization"]["offload_param"] = {{"device", "cpu"}};
     auto c = parse_run_config(j, "test");
     ASSERT_TRUE(c.is_ok()) << c.status().to_string();
     const PipelinePlan plan = plan_pipeline(c->model, 16, 2);
