@@ -1,8 +1,8 @@
 // ops_test.cpp — every CPU op but matmul, forward and backward (kernels/cpu/reference.h, kernels/cpu/fast_*.cpp):
 // ref<float> against ref<double> on seeded random odd shapes; ref<double> gradients against central finite
 // differences; fast against ref<double> on every SIMD clone this machine runs, small and large shapes; fast
-// bitwise reproducible across thread counts; AdamW fast against the reference in ulps; "+=" semantics of every
-// backward (and overwrite for cross-entropy) through both KernelSet tables.
+// bitwise reproducible across thread counts; "+=" semantics of every backward (overwrite for attention and
+// cross-entropy) through both KernelSet tables. AdamW: adamw_test.cpp.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -23,18 +23,15 @@
 #include "kernels/cpu/fast.h"
 #include "kernels/cpu/fast_simd.h"
 #include "kernels/cpu/reference.h"
+#include "tests/kernels/cpu_ops_test_util.h"
 #include "tests/test_util.h"
 
 namespace strata::kernels {
 namespace {
 
 using ::strata::testing::all_close;
+using namespace cpu_ops_test;
 namespace ref = cpu::ref;
-namespace simd = cpu::simd;
-
-enum class Backend { kRef, kFast };  // at float: cpu_reference_kernels() / cpu_fast_kernels(); at double: ref
-const char* backend_name(Backend b) { return b == Backend::kRef ? "reference" : "fast"; }
-const KernelSet& kernels(Backend b) { return b == Backend::kRef ? cpu_reference_kernels() : cpu_fast_kernels(); }
 
 // Runs `op` at float through backend k's KernelSet, at double through the reference template.
 #define STRATA_RUN_OP(k, op, ...)           \
@@ -44,14 +41,6 @@ const KernelSet& kernels(Backend b) { return b == Backend::kRef ? cpu_reference_
     else                                    \
       ref::op(__VA_ARGS__);                 \
   } while (0)
-
-// Uniform values rounded to float first, so that the float and double instances of a case hold the same inputs.
-template <typename F>
-std::vector<F> rand_vec(size_t n, Rng& rng, double lo = -1.0, double hi = 1.0) {
-  std::vector<F> v(n);
-  for (auto& x : v) x = static_cast<F>(static_cast<float>(rng.uniform(lo, hi)));
-  return v;
-}
 
 template <typename F>
 struct Array {
@@ -272,20 +261,6 @@ void expect_close_to_double(Backend backend, const Tols& tols, Shape... shape) {
   }
 }
 
-// Every SIMD clone the machine can run, in turn; the best one again afterwards.
-template <typename Fn>
-void for_each_isa(Fn&& fn) {
-  for (simd::Isa isa : {simd::Isa::kAvx512, simd::Isa::kAvx2, simd::Isa::kBaseline}) {
-    if (simd::set_isa(isa) != isa) {
-      std::printf("  [ skipped ] the %s clone: this CPU lacks it\n", simd::isa_name(isa));
-      continue;
-    }
-    SCOPED_TRACE(fmt::format("SIMD clone {}", simd::isa_name(isa)));
-    fn();
-  }
-  simd::set_isa(simd::detect_isa());
-}
-
 // Central differences in float64 of the case's loss against its float64 reference gradients. The step is
 // relative, h = 1e-5 max(1, |x|): truncation error ~h² |f'''| ~ 1e-10 and rounding ~1e-16 |loss| / h ~ 1e-10 for
 // these O(1)-O(10) losses; the largest difference seen is 1.0e-9. We allow 1e-8 + 1e-7 |g|, while a wrong
@@ -315,14 +290,6 @@ void expect_gradients_match_finite_differences(Shape... shape) {
     EXPECT_TRUE(all_close(*in.grad, fd, kFdTol.atol, kFdTol.rtol, in.grad_name))
         << c.params() << ", float64 reference vs central differences, h = " << kFdStep << " max(1,|x|)";
   }
-}
-
-template <typename F>
-::testing::AssertionResult bitwise_equal(const std::vector<F>& a, const std::vector<F>& b, const std::string& what) {
-  for (size_t i = 0; i < a.size(); ++i)
-    if (std::memcmp(&a[i], &b[i], sizeof(F)) != 0)
-      return ::testing::AssertionFailure() << what << " differs first at [" << i << "]: " << a[i] << " vs " << b[i];
-  return ::testing::AssertionSuccess();
 }
 
 // Fast forward + backward on one thread, then on every core, then on every core again: bitwise equal.
@@ -386,7 +353,6 @@ void expect_backward_accumulates(Backend backend, Shape... shape) {
 // Tolerances: float32 has eps = 1.2e-7. Each is set against what the op's float arithmetic allows and checked to
 // be 2-10x above the largest error seen on these inputs, over ref<float> and all three SIMD clones (quoted as
 // "seen"; all_close prints it when a check fails). A wrong index, term or sign is off by 1e-3 or more.
-constexpr uint64_t kSeed = 20240601;
 constexpr int kLargeT = 67;
 
 // Encoder: out is one rounded addition (at most half an ulp: rtol eps). dwte/dwpe sum ~7 (large) rows of
@@ -472,7 +438,7 @@ TEST(Attention, FastMatchesDouble) {
   });
 }
 TEST(Attention, FastIsDeterministic) { expect_fast_deterministic<AttentionCase>(2, kLargeT, 96, 4, kSeed); }
-TEST(Attention, BackwardAccumulates) {
+TEST(Attention, BackwardOverwrites) {
   for (Backend b : {Backend::kRef, Backend::kFast}) expect_backward_accumulates<AttentionCase>(b, 3, 7, 20, 4, kSeed);
 }
 // Entries above the diagonal are written 0 whatever att held; each row is a distribution.
@@ -644,174 +610,6 @@ TEST(CrossEntropy, VocabSlicesCombineToTheWholeRow) {
         for (int v = 0; v < w; ++v)
           ASSERT_NEAR(cols[r][size_t(n) * w + v], whole.dlogits[size_t(n) * V + v0 + v], 1e-6)
               << "row " << n << " column " << v0 + v << " " << backend_name(b);
-    }
-  }
-}
-
-// ---- AdamW -------------------------------------------------------------------------------------------------------
-
-template <typename F>
-struct AdamWState {
-  std::vector<F> params, m, v;
-  std::vector<std::vector<F>> grads;  // one per step
-};
-// n parameters in [-1, 1], zero moments, and `steps` gradient vectors in [-1, 1].
-template <typename F>
-AdamWState<F> make_adamw_state(size_t n, int steps) {
-  Rng rng(kSeed);
-  AdamWState<F> s{rand_vec<F>(n, rng), std::vector<F>(n, 0), std::vector<F>(n, 0), {}};
-  for (int i = 0; i < steps; ++i) s.grads.push_back(rand_vec<F>(n, rng));
-  return s;
-}
-AdamWParams adamw_hp(int step) {
-  AdamWParams hp;
-  hp.lr = 1e-2f;
-  hp.weight_decay = 0.1f;
-  hp.grad_scale = 0.37f;
-  hp.step = step;
-  return hp;
-}
-constexpr int kAdamWSteps = 5;
-std::string adamw_params(size_t n) {
-  const AdamWParams hp = adamw_hp(1);
-  return fmt::format("adamw n={} steps={} lr={} b1={} b2={} eps={} wd={} grad_scale={} seed={}", n, kAdamWSteps, hp.lr,
-                     hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.grad_scale, kSeed);
-}
-template <typename F, typename Step>
-void run_adamw(AdamWState<F>& s, Step step) {
-  for (int i = 0; i < kAdamWSteps; ++i)
-    step(s.params.data(), s.m.data(), s.v.data(), s.grads[i].data(), s.params.size(), adamw_hp(i + 1));
-}
-
-// Distance in representable floats (ulps) between a and b.
-int64_t ulp_distance(float a, float b) {
-  auto ordered = [](float x) {
-    int32_t i;
-    std::memcpy(&i, &x, sizeof i);
-    return i < 0 ? int64_t{INT32_MIN} - i : int64_t{i};
-  };
-  return std::llabs(ordered(a) - ordered(b));
-}
-::testing::AssertionResult within_ulps(const std::vector<float>& got, const std::vector<float>& want, int64_t max_ulps,
-                                       const std::string& what) {
-  int64_t worst = 0;
-  size_t at = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const int64_t d = ulp_distance(got[i], want[i]);
-    if (d > worst) worst = d, at = i;
-  }
-  if (worst <= max_ulps) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": " << worst << " ulps apart at [" << at << "]: got " << got[at]
-                                       << " want " << want[at] << " (allowed " << max_ulps << ")";
-}
-
-// Five steps in float32 against float64 on the same inputs: each step rounds a handful of times, and the
-// moments' errors stay relative; params move by ~lr per step around O(1) values.
-TEST(AdamW, RefFloatMatchesDouble) {
-  const size_t n = 1001;
-  AdamWState<float> f = make_adamw_state<float>(n, kAdamWSteps);
-  AdamWState<double> d = make_adamw_state<double>(n, kAdamWSteps);
-  run_adamw(f, kernels(Backend::kRef).adamw_update);
-  run_adamw(d, ref::adamw_update<double>);
-  EXPECT_TRUE(all_close(f.params, d.params, 1e-6, 1e-6, "params")) << adamw_params(n);
-  EXPECT_TRUE(all_close(f.m, d.m, 1e-8, 1e-6, "m")) << adamw_params(n);
-  EXPECT_TRUE(all_close(f.v, d.v, 1e-9, 1e-6, "v")) << adamw_params(n);
-}
-
-// Fast performs the reference's correctly rounded operations in its order, without FMA, so today it matches bit
-// for bit. The allowance of 2 ulps is for a compiler that contracts the reference's multiply-adds; it still
-// catches a reordered formula, which near the cancellation of b1*m and (1-b1)*g moves m by 1e4 ulps or more.
-constexpr int64_t kAdamWMaxUlps = 2;
-TEST(AdamW, FastWithinFewUlpsOfReference) {
-  const size_t n = 100003;  // several TBB blocks and a SIMD tail
-  AdamWState<float> want = make_adamw_state<float>(n, kAdamWSteps);
-  run_adamw(want, kernels(Backend::kRef).adamw_update);
-  for_each_isa([&] {
-    AdamWState<float> got = make_adamw_state<float>(n, kAdamWSteps);
-    run_adamw(got, kernels(Backend::kFast).adamw_update);
-    EXPECT_TRUE(within_ulps(got.params, want.params, kAdamWMaxUlps, "params")) << adamw_params(n);
-    EXPECT_TRUE(within_ulps(got.m, want.m, kAdamWMaxUlps, "m")) << adamw_params(n);
-    EXPECT_TRUE(within_ulps(got.v, want.v, kAdamWMaxUlps, "v")) << adamw_params(n);
-  });
-}
-
-TEST(AdamW, FastIsDeterministic) {
-  const size_t n = 100003;
-  AdamWState<float> one = make_adamw_state<float>(n, kAdamWSteps), all = make_adamw_state<float>(n, kAdamWSteps);
-  tbb::task_arena single(1);
-  single.execute([&] { run_adamw(one, kernels(Backend::kFast).adamw_update); });
-  run_adamw(all, kernels(Backend::kFast).adamw_update);
-  EXPECT_TRUE(bitwise_equal(one.params, all.params, "params")) << adamw_params(n) << ", 1 thread vs all threads";
-  EXPECT_TRUE(bitwise_equal(one.m, all.m, "m")) << adamw_params(n);
-  EXPECT_TRUE(bitwise_equal(one.v, all.v, "v")) << adamw_params(n);
-}
-
-// The offload optimizer's fused pass: params, m, v as adamw_update's (within the same ulps), and the 16-bit
-// working copy bitwise common/dtype.h's rounding of the new params, on every clone, with the SIMD tails and a
-// value past f16's range (which must become infinity, as the scalar conversion says).
-TEST(AdamW, MixedWritesTheWorkingCopyInTheSamePass) {
-  for (size_t n : {size_t{0}, size_t{1}, size_t{15}, size_t{17}, size_t{100003}}) {
-    AdamWState<float> want = make_adamw_state<float>(n, kAdamWSteps);
-    run_adamw(want, kernels(Backend::kRef).adamw_update);
-    for (DType dt : {DType::kBF16, DType::kF16}) {
-      for_each_isa([&] {
-        SCOPED_TRACE(fmt::format("n={} working={}", n, dtype_name(dt)));
-        AdamWState<float> got = make_adamw_state<float>(n, kAdamWSteps);
-        if (n > 3) got.params[3] = 7e4f;  // the first step's update is lr-sized: still far past f16's 65504
-        std::vector<uint16_t> working(n, 0xABCD);
-        for (int i = 0; i < kAdamWSteps; ++i)
-          cpu::fast::adamw_update_mixed(got.params.data(), got.m.data(), got.v.data(), got.grads[i].data(),
-                                        working.data(), dt, n, adamw_hp(i + 1));
-        if (n > 3) got.params[3] = want.params[3];  // compared elementwise below; only the copy is the point
-        EXPECT_TRUE(within_ulps(got.params, want.params, kAdamWMaxUlps, "params")) << adamw_params(n);
-        EXPECT_TRUE(within_ulps(got.m, want.m, kAdamWMaxUlps, "m")) << adamw_params(n);
-        EXPECT_TRUE(within_ulps(got.v, want.v, kAdamWMaxUlps, "v")) << adamw_params(n);
-        for (size_t i = 0; i < n; ++i) {
-          const float p = i == 3 ? 7e4f : got.params[i];
-          const uint16_t expect = dt == DType::kBF16 ? f32_to_bf16(p) : f32_to_f16(p);
-          if (i != 3) {
-            ASSERT_EQ(working[i], expect) << "working copy at [" << i << "] of params " << p;
-          } else if (dt == DType::kF16) {
-            ASSERT_EQ(working[i] & 0x7fff, 0x7c00) << "f16 overflow is infinity";
-          }
-        }
-      });
-    }
-  }
-}
-
-// The pass the offloaded optimizer runs before a step's norm is known: reading the old state and writing the new
-// elsewhere gives bitwise the in-place pass on every clone and working dtype (SIMD bodies and tails), and leaves
-// the old state as it was.
-TEST(AdamW, IntoOtherArraysIsBitwiseInPlace) {
-  for (size_t n : {size_t{1}, size_t{15}, size_t{17}, size_t{100003}}) {
-    for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
-      for_each_isa([&] {
-        SCOPED_TRACE(fmt::format("n={} working={}", n, dtype_name(dt)));
-        AdamWState<float> in_place = make_adamw_state<float>(n, kAdamWSteps);
-        AdamWState<float> old = make_adamw_state<float>(n, kAdamWSteps);
-        std::vector<uint16_t> w_in_place(n), w_into(n);
-        std::vector<float> p(n), m(n), v(n);
-        for (int i = 0; i < kAdamWSteps; ++i) {
-          const AdamWState<float> before = old;
-          cpu::fast::adamw_update_mixed(in_place.params.data(), in_place.m.data(), in_place.v.data(),
-                                        in_place.grads[i].data(), w_in_place.data(), dt, n, adamw_hp(i + 1));
-          cpu::fast::adamw_update_into(old.params.data(), old.m.data(), old.v.data(), old.grads[i].data(), p.data(),
-                                       m.data(), v.data(), w_into.data(), dt, n, adamw_hp(i + 1));
-          ASSERT_TRUE(bitwise_equal(old.params, before.params, "old params")) << "the old state was written";
-          ASSERT_TRUE(bitwise_equal(old.m, before.m, "old m"));
-          ASSERT_TRUE(bitwise_equal(old.v, before.v, "old v"));
-          ASSERT_TRUE(bitwise_equal(p, in_place.params, "params")) << "step " << i + 1;
-          ASSERT_TRUE(bitwise_equal(m, in_place.m, "m")) << "step " << i + 1;
-          ASSERT_TRUE(bitwise_equal(v, in_place.v, "v")) << "step " << i + 1;
-          if (dt != DType::kF32) {
-            ASSERT_TRUE(w_into == w_in_place) << "working copy, step " << i + 1;
-          }
-          old.params = p;
-          old.m = m;
-          old.v = v;
-        }
-      });
     }
   }
 }
