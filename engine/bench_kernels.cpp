@@ -273,7 +273,10 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   DevBuf w4(size_t(4) * C * C, rng, -0.02f, 0.02f), dw4(size_t(4) * C * C, rng, -1, 1), b4(4 * C, rng, -0.1f, 0.1f);
   DevBuf db4(4 * C, rng, -1, 1), h4(4 * NC, rng, -1, 1), dh4(4 * NC, rng, -1, 1), g4(4 * NC, rng, -1, 1);
   DevBuf s4(4 * NC, rng, -1, 1);  // the GELU backward's scratch
+  // The attention's hidden activations (the backend's form, sized here for fp32): qkv, its output and their
+  // gradients.
   DevBuf qkv(3 * NC, rng, -1, 1), dqkv(3 * NC, rng, -1, 1), attn(att, rng, 0, 1.0f / T);
+  DevBuf atty(NC, rng, -1, 1), datty(NC, rng, -1, 1);
   // The classifier's logits, in the form its backend keeps them (fp32, or bf16: kernels.h).
   const double logits_bytes = static_cast<double>(k.classifier_logits_bytes(N, V, prec));
   DevBuf logits((static_cast<size_t>(logits_bytes) + 3) / 4, rng, -4, 4), lse(N, rng, 10, 11), losses(N, rng, 0, 1);
@@ -283,8 +286,11 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   const size_t np = static_cast<size_t>(params);
   DevBuf p(np, rng, -0.02f, 0.02f), m(np, rng, -1e-3f, 1e-3f), v(np, rng, 0, 1e-6f), g(np, rng, -1e-3f, 1e-3f);
   {
-    // Real probabilities in att for the backward (as forward would leave them).
-    k.attention_forward(y.f(), attn.f(), qkv.f(), B, T, C, NH, prec);
+    // A real qkv, and real probabilities (or flash statistics) in att for the backward, as forward would leave
+    // them; the output's gradient, as the attention's output linear's backward would leave it.
+    k.matmul_forward_to_hidden(qkv.f(), x.f(), w4.f(), b4.f(), N, C, 3 * C, prec);
+    k.attention_forward(atty.f(), attn.f(), qkv.f(), B, T, C, NH, prec);
+    k.matmul_backward_hidden(datty.f(), dw4.f(), db4.f(), y.f(), atty.f(), w4.f(), N, C, C, prec);
     // real hidden activations (the backend's form) for the MLP's backward: gelu(pre) in g4, pre in h4,
     k.matmul_gelu_forward(g4.f(), h4.f(), x.f(), w4.f(), b4.f(), N, C, 4 * C, prec);
     // and real logits and lse for the classifier's.
@@ -293,33 +299,32 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   }
 
   // Bytes: the fewest an op must move (each input read once, each output written once, "+=" read and written).
-  auto mm_fwd = [&](int OC, int IC) { return f * (double(N) * IC + double(OC) * IC + double(N) * OC + OC); };
-  // The block's linears overwrite their input gradients (matmul_backward_set, as the model runs them): dinp is
-  // written, not read and written.
-  auto mm_bwd = [&](int OC, int IC) {
-    return f * (double(N) * OC + 2.0 * N * IC + 3.0 * double(OC) * IC + 2.0 * OC);
-  };
-  // Bytes per element of the MLP's hidden activations in the backend's form (4, or 2 in bf16).
-  const double hf = static_cast<double>(k.mlp_hidden_bytes(N, 4 * C, prec)) / (4 * NC);
+  // The block's linears overwrite their input gradients (as the model runs them): dinp is written, not read and
+  // written.
+  // Bytes per element of the hidden activations in the backend's form (4, or 2 in bf16): the MLP's, and the
+  // attention's (qkv and its output, widths 3C and C: one form).
+  const double hf = static_cast<double>(k.hidden_bytes(N, 4 * C, prec)) / (4 * NC);
+  const double ha = static_cast<double>(k.hidden_bytes(N, C, prec)) / NC;
   // What attention saves for its backward: the probabilities, or flash attention's statistics, output and bf16
   // q, k, v. The backward reads dout and what was saved, and overwrites dqkv; it reads qkv too, unless the saved
   // part holds them (flash: what it saves is not the B*NH*T*T probabilities every other form saves).
   const size_t saved_floats = k.attention_saved_floats(B, T, C, NH, prec);
   const double saved_att = static_cast<double>(saved_floats);
   const bool att_saves_qkv = saved_floats != static_cast<size_t>(B) * NH * T * T;
-  const double att_bwd_bytes = f * ((att_saves_qkv ? 4 : 7) * NC + saved_att);
+  const double att_bwd_bytes = ha * (att_saves_qkv ? 4 : 7) * NC + f * saved_att;
   kernels::AdamWParams hp;
   std::vector<OpRow> ops = {
       {"encoder fwd", 1, f * 3 * NC, 0,
        [&] { k.encoder_forward(x.f(), d_tokens.i(), wte.f(), wpe.f(), B, T, C, 0, V); }},
       {"layernorm fwd", L + 1, f * (2 * NC + 2.0 * N),
        0, [&] { k.layernorm_forward(y.f(), mean.f(), rstd.f(), x.f(), lnw.f(), lnb.f(), N, C); }},
-      {"matmul fwd qkv", L, mm_fwd(3 * C, C), 2 * NC * 3 * C,
-       [&] { k.matmul_forward(qkv.f(), x.f(), w4.f(), b4.f(), N, C, 3 * C, prec); }},
-      {"attention fwd", L, f * (4 * NC + saved_att), 2 * att * (C / NH),
-       [&] { k.attention_forward(y.f(), attn.f(), qkv.f(), B, T, C, NH, prec); }},
-      {"matmul fwd attproj", L, mm_fwd(C, C), 2 * NC * C,
-       [&] { k.matmul_forward(y.f(), x.f(), w4.f(), b4.f(), N, C, C, prec); }},
+      // qkv written hidden.
+      {"matmul fwd qkv", L, f * (NC + 3.0 * C * C + 3 * C) + ha * 3 * NC, 2 * NC * 3 * C,
+       [&] { k.matmul_forward_to_hidden(qkv.f(), x.f(), w4.f(), b4.f(), N, C, 3 * C, prec); }},
+      {"attention fwd", L, ha * 4 * NC + f * saved_att, 2 * att * (C / NH),
+       [&] { k.attention_forward(atty.f(), attn.f(), qkv.f(), B, T, C, NH, prec); }},
+      {"matmul fwd attproj", L, ha * NC + f * (1.0 * C * C + NC + C), 2 * NC * C,
+       [&] { k.matmul_forward_hidden(y.f(), atty.f(), w4.f(), b4.f(), N, C, C, prec); }},
       {"residual+layernorm fwd", L, f * (4 * NC + 2.0 * N), 0,
        [&] {
          k.residual_layernorm_forward(h4.f(), y.f(), mean.f(), rstd.f(), x.f(), dx.f(), lnw.f(), lnb.f(), N, C);
@@ -347,12 +352,14 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
        }},
       {"matmul bwd fc", L, hf * 4 * NC + f * (2 * NC + 12.0 * C * C + 8 * C), 4 * NC * 4 * C,
        [&] { k.matmul_backward_set_hidden(dx.f(), dw4.f(), db4.f(), h4.f(), y.f(), w4.f(), N, C, 4 * C, prec); }},
-      {"matmul bwd attproj", L, mm_bwd(C, C), 4 * NC * C,
-       [&] { k.matmul_backward_set(dx.f(), dw4.f(), db4.f(), y.f(), x.f(), w4.f(), N, C, C, prec); }},
+      // dout read; inp read and dinp written, hidden.
+      {"matmul bwd attproj", L, f * (NC + 3.0 * C * C + 2 * C) + ha * 2 * NC, 4 * NC * C,
+       [&] { k.matmul_backward_hidden(datty.f(), dw4.f(), db4.f(), y.f(), atty.f(), w4.f(), N, C, C, prec); }},
       {"attention bwd", L, att_bwd_bytes, 4 * att * (C / NH),
-       [&] { k.attention_backward(dqkv.f(), y.f(), qkv.f(), attn.f(), B, T, C, NH, prec); }},
-      {"matmul bwd qkv", L, mm_bwd(3 * C, C), 4 * NC * 3 * C,
-       [&] { k.matmul_backward_set(dx.f(), dw4.f(), db4.f(), qkv.f(), x.f(), w4.f(), N, C, 3 * C, prec); }},
+       [&] { k.attention_backward(dqkv.f(), datty.f(), qkv.f(), attn.f(), B, T, C, NH, prec); }},
+      // dout (dqkv) read hidden.
+      {"matmul bwd qkv", L, ha * 3 * NC + f * (2 * NC + 9.0 * C * C + 6 * C), 4 * NC * 3 * C,
+       [&] { k.matmul_backward_set_hidden(dx.f(), dw4.f(), db4.f(), dqkv.f(), x.f(), w4.f(), N, C, 3 * C, prec); }},
       {"encoder bwd", 1, f * 5 * NC, 0,
        [&] { k.encoder_backward(dwte.f(), dwpe.f(), dx.f(), d_tokens.i(), B, T, C, 0, V); }},
       {"adamw", 1, 28.0 * np, 0, [&] { k.adamw_update(p.f(), m.f(), v.f(), g.f(), np, hp); }},

@@ -341,8 +341,13 @@ Status GPT2::ensure_activations(int B, int T) {
   // of them without tensor parallelism.
   const size_t A = attn_width_, Vr = static_cast<size_t>(vocab_.count);
   const size_t att_floats = k_->attention_saved_floats(B, T, attn_width_, heads_, precision_);
-  // The MLP's hidden activations and their gradients, in whatever form the backend keeps them (kernels.h).
-  const size_t hidden_floats = (mlp_hidden_bytes(static_cast<int>(BT)) + 3) / 4;
+  // The hidden activations (the MLP's, the attention's inputs and outputs) and their gradients, in whatever form
+  // the backend keeps them (kernels.h).
+  auto hidden_floats_of = [&](size_t width) {
+    return (hidden_bytes(static_cast<int>(BT), static_cast<int>(width)) + 3) / 4;
+  };
+  const size_t hidden_floats = hidden_floats_of(mlp_width_), atty_floats = hidden_floats_of(A);
+  const size_t qkv_floats = hidden_floats_of(3 * A);
   // The classifier's logits, in whatever form its backend keeps them (kernels.h).
   const size_t logits_floats =
       stage_.head ? (k_->classifier_logits_bytes(static_cast<int>(BT), static_cast<int>(Vr), precision_) + 3) / 4 : 0;
@@ -350,8 +355,8 @@ Status GPT2::ensure_activations(int B, int T) {
   const size_t sizes[] = {
       Nr * C,                                  // encoded
       L * Nr * C, L * Nr, L * Nr,              // ln1, ln1_mean, ln1_rstd
-      L * BT * 3 * A,                          // qkv
-      L * BT * A,                              // atty
+      L * qkv_floats,                          // qkv
+      L * atty_floats,                         // atty
       L * att_floats,                          // att: what attention saves for backward
       L * Nr * C, L * Nr * C,                  // attproj, residual2
       L * Nr * C, L * Nr, L * Nr,              // ln2, ln2_mean, ln2_rstd
@@ -360,7 +365,7 @@ Status GPT2::ensure_activations(int B, int T) {
       Nr * C, Nr, Nr,                          // lnf, lnf_mean, lnf_rstd
       logits_floats, BT, BT, BT,               // logits (the head's stage only), losses, lse, dlosses
       BT, BT,                                  // inputs, targets (int32, same size as float)
-      Nr * C, BT * C, BT * A, BT * 3 * A, hidden_floats, hidden_floats,  // dres, dln, datty, dqkv, dfch, dfch_gelu
+      Nr * C, BT * C, atty_floats, qkv_floats, hidden_floats, hidden_floats,  // dres, dln, datty, dqkv, dfch, dfch_gelu
       sp_ ? Nr * C : 0, sp_ ? BT * C : 0, sp_ ? 2 * C : 0,  // dln_rows, full, ln_grads
   };
   // The first kPerSlot arrays are one micro-batch's activations (one set per slot); the block gradients after
@@ -424,14 +429,14 @@ Status GPT2::ensure_activations(int B, int T) {
 Status GPT2::block_forward(int l, const float* params, const float* residual, int B, int T) {
   const int C = config_.n_embd, A = attn_width_, NH = heads_, F = mlp_width_;
   const int N = B * T, Nr = static_cast<int>(rows_here(N));
-  const size_t RC = static_cast<size_t>(Nr) * C, BTA = static_cast<size_t>(N) * A;
+  const size_t RC = static_cast<size_t>(Nr) * C;
   const BlockParams w = block_params(l, params);
   const size_t a = act_layer(l);
   float* ln1 = acts_.ln1 + a * RC;
   float* ln1_mean = acts_.ln1_mean + a * Nr;
   float* ln1_rstd = acts_.ln1_rstd + a * Nr;
-  float* qkv = acts_.qkv + a * BTA * 3;
-  float* atty = acts_.atty + a * BTA;
+  void* qkv = hidden_layer(acts_.qkv, a, N, 3 * A);
+  void* atty = hidden_layer(acts_.atty, a, N, A);
   float* att = acts_.att + a * k_->attention_saved_floats(B, T, A, NH, precision_);
   float* attproj = acts_.attproj + a * RC;
   float* residual2 = acts_.residual2 + a * RC;
@@ -446,10 +451,10 @@ Status GPT2::block_forward(int l, const float* params, const float* residual, in
 
   k_->layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, w.ln1w, w.ln1b, Nr, C);
   STRATA_ASSIGN_OR_RETURN(const float* ln1_in, gather_rows(ln1, RC));
-  k_->matmul_forward(qkv, ln1_in, w.qkvw, w.qkvb, N, C, 3 * A, precision_);
+  k_->matmul_forward_to_hidden(qkv, ln1_in, w.qkvw, w.qkvb, N, C, 3 * A, precision_);
   k_->attention_forward(atty, att, qkv, B, T, A, NH, precision_);
   float* partial = partial_for(attproj);
-  k_->matmul_forward(partial, atty, w.attprojw, adds_bias ? w.attprojb : nullptr, N, A, C, precision_);
+  k_->matmul_forward_hidden(partial, atty, w.attprojw, adds_bias ? w.attprojb : nullptr, N, A, C, precision_);
   STRATA_RETURN_IF_ERROR(reduce_rows(partial, attproj, RC));
   k_->residual_layernorm_forward(residual2, ln2, ln2_mean, ln2_rstd, residual, attproj, w.ln2w, w.ln2b, Nr, C);
   STRATA_ASSIGN_OR_RETURN(const float* ln2_in, gather_rows(ln2, RC));
@@ -604,15 +609,14 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
   const int C = config_.n_embd, A = attn_width_, NH = heads_, F = mlp_width_;
   const int N = B * T, Nr = static_cast<int>(rows_here(N));
   const size_t RC = static_cast<size_t>(Nr) * C;
-  const size_t BTA = static_cast<size_t>(N) * A;
   const BlockParams w = block_params(l, unit.params);
   const BlockParams dw = block_params(l, unit.grads);
   const size_t a = act_layer(l);
   const float* ln1 = acts_.ln1 + a * RC;
   const float* ln1_mean = acts_.ln1_mean + a * Nr;
   const float* ln1_rstd = acts_.ln1_rstd + a * Nr;
-  const float* qkv = acts_.qkv + a * BTA * 3;
-  const float* atty = acts_.atty + a * BTA;
+  const void* qkv = hidden_layer(acts_.qkv, a, N, 3 * A);
+  const void* atty = hidden_layer(acts_.atty, a, N, A);
   const float* att = acts_.att + a * k_->attention_saved_floats(B, T, A, NH, precision_);
   const float* residual2 = acts_.residual2 + a * RC;
   const float* ln2 = acts_.ln2 + a * RC;
@@ -641,12 +645,13 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
 
   {
     STRATA_ASSIGN_OR_RETURN(const float* dout, gather_rows(dres, RC));
-    k_->matmul_backward_set(grads_.datty, dw.attprojw, dw.attprojb, dout, atty, w.attprojw, N, A, C, precision_);
+    k_->matmul_backward_hidden(grads_.datty, dw.attprojw, dw.attprojb, dout, atty, w.attprojw, N, A, C, precision_);
   }
   k_->attention_backward(grads_.dqkv, grads_.datty, qkv, att, B, T, A, NH, precision_);
   {
     STRATA_ASSIGN_OR_RETURN(const float* ln1_in, gather_rows(ln1, RC));
-    k_->matmul_backward_set(grads_.dln, dw.qkvw, dw.qkvb, grads_.dqkv, ln1_in, w.qkvw, N, C, 3 * A, precision_);
+    k_->matmul_backward_set_hidden(grads_.dln, dw.qkvw, dw.qkvb, grads_.dqkv, ln1_in, w.qkvw, N, C, 3 * A,
+                                   precision_);
   }
   STRATA_RETURN_IF_ERROR(reduce_rows(grads_.dln, dln_rows, RC));
   return layernorm_backward_rows(dres, dw.ln1w, dw.ln1b, dln_rows, residual, w.ln1w, ln1_mean, ln1_rstd, Nr);

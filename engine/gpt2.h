@@ -289,11 +289,13 @@ class GPT2 {
   // Which layer slot of the per-layer activations block l uses, and where its output (the next block's
   // input) is, given B*T*C.
   size_t act_layer(int l) const { return checkpointing_ == ActivationCheckpointing::kNone ? l - stage_.first : 0; }
-  // Bytes of one (N, mlp_width_) hidden activation in the backend's form, and layer `a`'s in an array of them.
-  size_t mlp_hidden_bytes(int N) const { return k_->mlp_hidden_bytes(N, mlp_width_, precision_); }
-  void* hidden_layer(float* array, size_t a, int N) const {
-    return reinterpret_cast<std::byte*>(array) + a * mlp_hidden_bytes(N);
+  // Bytes of one (N, width) hidden activation in the backend's form (kernels.h), and layer `a`'s in an array of
+  // them; by default of the MLP's width.
+  size_t hidden_bytes(int N, int width) const { return k_->hidden_bytes(N, width, precision_); }
+  void* hidden_layer(float* array, size_t a, int N, int width) const {
+    return reinterpret_cast<std::byte*>(array) + a * hidden_bytes(N, width);
   }
+  void* hidden_layer(float* array, size_t a, int N) const { return hidden_layer(array, a, N, mlp_width_); }
   float* block_output(int l, size_t BTC) const {
     return acts_.residual3 + (checkpointing_ == ActivationCheckpointing::kHost ? l % 2 : l - stage_.first) * BTC;
   }
@@ -339,8 +341,8 @@ class GPT2 {
     float* ln1;        // (L,B,T,C)
     float* ln1_mean;   // (L,B,T)
     float* ln1_rstd;   // (L,B,T)
-    float* qkv;        // (L,B,T,3C)
-    float* atty;       // (L,B,T,C)
+    float* qkv;        // (L,B,T,3C) hidden
+    float* atty;       // (L,B,T,C) hidden
     float* att;        // (L,B,NH,T,T)
     float* attproj;    // (L,B,T,C)
     float* residual2;  // (L,B,T,C)
@@ -365,8 +367,8 @@ class GPT2 {
   struct BlockGrads {
     float* dres;       // (B,T,C) the residual stream's gradient
     float* dln;        // (B,T,C) dln1 / dln2 / dlnf
-    float* datty;      // (B,T,C)
-    float* dqkv;       // (B,T,3C)
+    float* datty;      // (B,T,C) hidden
+    float* dqkv;       // (B,T,3C) hidden
     float* dfch;       // (B,T,4C) hidden
     float* dfch_gelu;  // (B,T,4C) hidden
     // Sequence parallelism only (empty otherwise):

@@ -42,9 +42,29 @@ void composed_residual_layernorm_forward(float* res, float* out, float* mean, fl
   LayernormForward(out, mean, rstd, res, weight, bias, N, C);
 }
 
-// The MLP's hidden activations kept as fp32 (N,F).
-inline size_t composed_mlp_hidden_bytes(int N, int F, MatmulPrecision /*precision*/) {
-  return static_cast<size_t>(N) * static_cast<size_t>(F) * sizeof(float);
+// Hidden activations (kernels.h: the MLP's hidden units, the attention's inputs and outputs) kept as fp32
+// (N,width).
+inline size_t composed_hidden_bytes(int N, int width, MatmulPrecision /*precision*/) {
+  return static_cast<size_t>(N) * static_cast<size_t>(width) * sizeof(float);
+}
+
+// The attention slots over fp32 hidden activations: the backend's own fp32 attention.
+template <auto AttentionForward>
+void composed_attention_forward(void* out, float* att, const void* qkv, int B, int T, int C, int NH,
+                                MatmulPrecision precision) {
+  AttentionForward(static_cast<float*>(out), att, static_cast<const float*>(qkv), B, T, C, NH, precision);
+}
+template <auto AttentionBackward>
+void composed_attention_backward(void* dqkv, const void* dout, const void* qkv, const float* att, int B, int T,
+                                 int C, int NH, MatmulPrecision precision) {
+  AttentionBackward(static_cast<float*>(dqkv), static_cast<const float*>(dout), static_cast<const float*>(qkv), att,
+                    B, T, C, NH, precision);
+}
+
+template <auto MatmulForward>
+void composed_matmul_forward_to_hidden(void* out, const float* inp, const float* weight, const float* bias, int N,
+                                       int C, int OC, MatmulPrecision precision) {
+  MatmulForward(static_cast<float*>(out), inp, weight, bias, N, C, OC, precision);
 }
 
 // The MLP's first linear, then its GELU.
@@ -90,6 +110,13 @@ void composed_matmul_backward_set_hidden(float* dinp, float* dweight, float* dbi
                                          const float* inp, const float* weight, int N, int C, int OC,
                                          MatmulPrecision precision) {
   MatmulBackwardSet(dinp, dweight, dbias, static_cast<const float*>(dout), inp, weight, N, C, OC, precision);
+}
+
+template <auto MatmulBackwardSet>
+void composed_matmul_backward_hidden(void* dinp, float* dweight, float* dbias, const float* dout, const void* inp,
+                                     const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+  MatmulBackwardSet(static_cast<float*>(dinp), dweight, dbias, dout, static_cast<const float*>(inp), weight, N, C, OC,
+                    precision);
 }
 
 // Zero for backends whose memory the host addresses (the CPU ones).

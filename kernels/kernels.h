@@ -70,33 +70,46 @@ struct KernelSet {
   void (*matmul_backward_set)(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                               const float* weight, int N, int C, int OC, MatmulPrecision precision);
 
-  // Causal multi-head self-attention. qkv (B,T,3C) holds q,k,v side by side, each split into NH heads of C/NH.
-  // out (B,T,C); att (B,NH,T,T) saves the softmax probabilities (row t only defined up to column t; the rest
-  // is written as 0). Scale 1/sqrt(C/NH). `precision` is the arithmetic of its two products (QKᵀ, att·V, and
-  // their gradients): kBF16 lets a backend round their inputs to bf16 (CUDA does, for the tensor cores; the CPU
-  // backends compute in fp32 either way). The softmax and att are fp32 always.
-  void (*attention_forward)(float* out, float* att, const float* qkv, int B, int T, int C, int NH,
+  // Activations that pass only between two of the backend's own slots — the MLP's hidden units (pre (N,F),
+  // gelu(pre) and their gradients) and the attention's inputs and outputs (qkv (N,3C), out (N,C) and their
+  // gradients) — are kept in a form only those slots interpret, in buffers of hidden_bytes(N, width, precision)
+  // each: fp32 (N,width) on the CPU backends; CUDA keeps them in bf16 under kBF16 where width is a multiple of 8
+  // (as PyTorch's autocast does), so the matmuls on either side write and read them without conversion passes.
+  size_t (*hidden_bytes)(int N, int width, MatmulPrecision precision);
+
+  // Causal multi-head self-attention. qkv (B,T,3C) holds q,k,v side by side, each split into NH heads of C/NH;
+  // qkv, out (B,T,C) and their gradients are hidden (hidden_bytes). att (B,NH,T,T) saves the softmax
+  // probabilities (row t only defined up to column t; the rest is written as 0). Scale 1/sqrt(C/NH).
+  // `precision` is the arithmetic of its two products (QKᵀ, att·V, and their gradients): kBF16 lets a backend
+  // round their inputs to bf16 (CUDA does, for the tensor cores; the CPU backends compute in fp32 either way).
+  // The softmax and att are fp32 always.
+  void (*attention_forward)(void* out, float* att, const void* qkv, int B, int T, int C, int NH,
                             MatmulPrecision precision);
   // dqkv (B,T,3C) overwritten, every element (so the caller zeroes nothing; on CUDA the kernels store their
   // gradient instead of reading, adding and writing it back).
-  void (*attention_backward)(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T,
-                             int C, int NH, MatmulPrecision precision);
+  void (*attention_backward)(void* dqkv, const void* dout, const void* qkv, const float* att, int B, int T, int C,
+                             int NH, MatmulPrecision precision);
   // Floats of `att`: what attention_forward saves for attention_backward at these shapes. The CPU backends save
   // the probabilities (B*NH*T*T); CUDA's flash attention (bf16) saves far less (the row log-sum-exps, the
   // output and the bf16 q, k, v its backward takes again), and then `att` holds those instead of probabilities.
   size_t (*attention_saved_floats)(int B, int T, int C, int NH, MatmulPrecision precision);
 
-  // The MLP's hidden activations — pre (N,F), gelu(pre) and their gradients — in a form only the slots below
-  // interpret, in buffers of mlp_hidden_bytes(N, F, precision) each: fp32 (N,F) on the CPU backends; CUDA keeps
-  // them in bf16 under kBF16 (as PyTorch's autocast does), so the matmuls on either side of the GELU take and
-  // give them without conversion passes.
-  size_t (*mlp_hidden_bytes)(int N, int F, MatmulPrecision precision);
+  // The linears on either side of a hidden activation: matmul_forward or matmul_backward_set with the side named
+  // below in the hidden form; weights, biases and their gradients fp32, shapes as there ((N,C) -> (N,OC)), dinp
+  // OVERWRITTEN, dweight and dbias +=.
+  //
+  // out hidden (N,OC): the QKV linear.
+  void (*matmul_forward_to_hidden)(void* out, const float* inp, const float* weight, const float* bias, int N, int C,
+                                   int OC, MatmulPrecision precision);
+  // inp and dinp hidden (N,C): the attention's output linear's backward (its forward is matmul_forward_hidden).
+  void (*matmul_backward_hidden)(void* dinp, float* dweight, float* dbias, const float* dout, const void* inp,
+                                 const float* weight, int N, int C, int OC, MatmulPrecision precision);
   // The MLP's first linear and its GELU, fused where a backend can (CUDA under kBF16: cuBLASLt's GELU epilogue):
   // pre (N,OC) = inp (N,C) @ weight (OC,C)^T + bias (OC; may be null), out (N,OC) = gelu(pre), pre kept for the
   // backward; out and pre hidden (OC = F).
   void (*matmul_gelu_forward)(void* out, void* pre, const float* inp, const float* weight, const float* bias,
                               int N, int C, int OC, MatmulPrecision precision);
-  // The MLP's second linear: matmul_forward from a hidden inp (N,C) (C = F).
+  // The MLP's second linear and the attention's output linear: matmul_forward from a hidden inp (N,C).
   void (*matmul_forward_hidden)(float* out, const void* inp, const float* weight, const float* bias, int N, int C,
                                 int OC, MatmulPrecision precision);
   // The backward of a linear whose input was gelu(pre) (the MLP's second linear), through the GELU:
@@ -106,7 +119,7 @@ struct KernelSet {
   void (*matmul_backward_gelu)(void* dpre, float* dweight, float* dbias, const float* dout, const void* inp,
                                const void* pre, const float* weight, void* scratch, int N, int C, int OC,
                                MatmulPrecision precision);
-  // The MLP's first linear's backward: matmul_backward_set from a hidden dout (N,OC) (OC = F).
+  // The MLP's first linear's and the QKV linear's backward: matmul_backward_set from a hidden dout (N,OC).
   void (*matmul_backward_set_hidden)(float* dinp, float* dweight, float* dbias, const void* dout, const float* inp,
                                      const float* weight, int N, int C, int OC, MatmulPrecision precision);
 

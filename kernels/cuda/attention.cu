@@ -1,5 +1,8 @@
 // attention.cu — causal multi-head self-attention, forward and backward.
 //
+// qkv, out and their gradients are hidden activations (kernels.h): bf16 under bf16 precision where C is a
+// multiple of 8, else fp32.
+//
 // bf16 precision with a head size of 32 or 64 (and fewer than 2^31 rows of B*NH*T): flash attention
 // (flash_attention.cu), which never forms the T×T matrix; `att` then holds its saved statistics
 // (attention_saved_floats). Otherwise as llm.c's CUDA version does it: permute q, k, v to (B,NH,T,hs), batched
@@ -37,23 +40,41 @@ __device__ __forceinline__ size_t row_offset(size_t i, int T, int NH, int hs, in
 
 __device__ __forceinline__ void store(float* p, float x) { *p = x; }
 __device__ __forceinline__ void store(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+__device__ __forceinline__ float load(const float* p) { return *p; }
+__device__ __forceinline__ float load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 
-// qkv (B,T,3C) -> q, k, v each (B,NH,T,hs), as E (float or bf16).
-template <typename E>
-__global__ void permute_qkv_kernel(E* q, E* k, E* v, const float* qkv, int B, int T, int NH, int hs) {
+// qkv (B,T,3C), as In (float or bf16: hidden) -> q, k, v each (B,NH,T,hs), as E (float or bf16).
+template <typename E, typename In>
+__global__ void permute_qkv_kernel(E* q, E* k, E* v, const In* qkv, int B, int T, int NH, int hs) {
   const size_t total = static_cast<size_t>(B) * NH * T * hs;
   const int C = NH * hs;
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
     const size_t src = row_offset(i, T, NH, hs, 3 * C);
-    store(q + i, qkv[src]);
-    store(k + i, qkv[src + C]);
-    store(v + i, qkv[src + 2 * C]);
+    store(q + i, load(qkv + src));
+    store(k + i, load(qkv + src + C));
+    store(v + i, load(qkv + src + 2 * C));
   }
 }
 
 // The same into bf16 when hs is a multiple of 8: a thread per 8 consecutive columns of a (B,T) row of q, k and v
-// (two 16-byte loads each, one 16-byte store), without the per-element index arithmetic.
-__global__ void permute_qkv_bf16x8_kernel(uint4* q, uint4* k, uint4* v, const float* qkv, int B, int T, int NH,
+// (from fp32: two 16-byte loads each; from bf16: one), one 16-byte store each, without the per-element index
+// arithmetic.
+__device__ __forceinline__ uint4 load_bf16x8(const float* src) {
+  const float4 lo = *reinterpret_cast<const float4*>(src);
+  const float4 hi = *reinterpret_cast<const float4*>(src + 4);
+  const __nv_bfloat162 p0 = __floats2bfloat162_rn(lo.x, lo.y), p1 = __floats2bfloat162_rn(lo.z, lo.w);
+  const __nv_bfloat162 p2 = __floats2bfloat162_rn(hi.x, hi.y), p3 = __floats2bfloat162_rn(hi.z, hi.w);
+  uint4 packed;
+  packed.x = *reinterpret_cast<const uint32_t*>(&p0);
+  packed.y = *reinterpret_cast<const uint32_t*>(&p1);
+  packed.z = *reinterpret_cast<const uint32_t*>(&p2);
+  packed.w = *reinterpret_cast<const uint32_t*>(&p3);
+  return packed;
+}
+__device__ __forceinline__ uint4 load_bf16x8(const __nv_bfloat16* src) { return *reinterpret_cast<const uint4*>(src); }
+
+template <typename In>
+__global__ void permute_qkv_bf16x8_kernel(uint4* q, uint4* k, uint4* v, const In* qkv, int B, int T, int NH,
                                           int hs) {
   const int C = NH * hs, per_row = C / 8;
   const size_t total = static_cast<size_t>(B) * T * per_row;
@@ -62,53 +83,44 @@ __global__ void permute_qkv_bf16x8_kernel(uint4* q, uint4* k, uint4* v, const fl
     const int c = static_cast<int>(i % per_row) * 8, h = c / hs, d = c % hs;
     const size_t b = bt / T, t = bt % T;
     const size_t dst = (((b * NH + h) * T + t) * hs + d) / 8;
-    const float* src = qkv + bt * 3 * C + c;
-    uint4* outs[3] = {q, k, v};
-#pragma unroll
-    for (int part = 0; part < 3; ++part) {
-      const float4 lo = *reinterpret_cast<const float4*>(src + part * C);
-      const float4 hi = *reinterpret_cast<const float4*>(src + part * C + 4);
-      const __nv_bfloat162 p0 = __floats2bfloat162_rn(lo.x, lo.y), p1 = __floats2bfloat162_rn(lo.z, lo.w);
-      const __nv_bfloat162 p2 = __floats2bfloat162_rn(hi.x, hi.y), p3 = __floats2bfloat162_rn(hi.z, hi.w);
-      uint4 packed;
-      packed.x = *reinterpret_cast<const uint32_t*>(&p0);
-      packed.y = *reinterpret_cast<const uint32_t*>(&p1);
-      packed.z = *reinterpret_cast<const uint32_t*>(&p2);
-      packed.w = *reinterpret_cast<const uint32_t*>(&p3);
-      outs[part][dst] = packed;
-    }
+    const In* src = qkv + bt * 3 * C + c;
+    q[dst] = load_bf16x8(src);
+    k[dst] = load_bf16x8(src + C);
+    v[dst] = load_bf16x8(src + 2 * C);
   }
 }
 
-// Backward of the permute: dqkv (B,T,3C) = dq, dk, dv (each (B,NH,T,hs)).
-__global__ void unpermute_dqkv_kernel(float* dqkv, const float* dq, const float* dk, const float* dv, int B, int T,
+// Backward of the permute: dqkv (B,T,3C), as E (hidden) = dq, dk, dv (each (B,NH,T,hs)).
+template <typename E>
+__global__ void unpermute_dqkv_kernel(E* dqkv, const float* dq, const float* dk, const float* dv, int B, int T,
                                       int NH, int hs) {
   const size_t total = static_cast<size_t>(B) * NH * T * hs;
   const int C = NH * hs;
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
     const size_t dst = row_offset(i, T, NH, hs, 3 * C);
-    dqkv[dst] = dq[i];
-    dqkv[dst + C] = dk[i];
-    dqkv[dst + 2 * C] = dv[i];
+    store(dqkv + dst, dq[i]);
+    store(dqkv + dst + C, dk[i]);
+    store(dqkv + dst + 2 * C, dv[i]);
   }
 }
 
-// y (B,NH,T,hs) -> out (B,T,C) (overwrite).
-__global__ void unpermute_out_kernel(float* out, const float* y, int B, int T, int NH, int hs) {
+// y (B,NH,T,hs) -> out (B,T,C) as E (hidden), overwritten.
+template <typename E>
+__global__ void unpermute_out_kernel(E* out, const float* y, int B, int T, int NH, int hs) {
   const size_t total = static_cast<size_t>(B) * NH * T * hs;
   const int C = NH * hs;
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x) {
-    out[row_offset(i, T, NH, hs, C)] = y[i];
+    store(out + row_offset(i, T, NH, hs, C), y[i]);
   }
 }
 
-// dout (B,T,C) -> dy (B,NH,T,hs), as E.
-template <typename E>
-__global__ void permute_dout_kernel(E* dy, const float* dout, int B, int T, int NH, int hs) {
+// dout (B,T,C) as In (hidden) -> dy (B,NH,T,hs), as E.
+template <typename E, typename In>
+__global__ void permute_dout_kernel(E* dy, const In* dout, int B, int T, int NH, int hs) {
   const size_t total = static_cast<size_t>(B) * NH * T * hs;
   const int C = NH * hs;
   for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < total; i += size_t{gridDim.x} * blockDim.x)
-    store(dy + i, dout[row_offset(i, T, NH, hs, C)]);
+    store(dy + i, load(dout + row_offset(i, T, NH, hs, C)));
 }
 
 // In place on att (B*NH rows of T,T), one warp per row t: softmax over columns 0..t of the (already scaled)
@@ -171,20 +183,35 @@ void batched_gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, 
 
 constexpr int kThreads = 256;
 
-// qkv (B,T,3C) -> q, k, v (B,NH,T,hs each, n elements), rounded to bf16 or copied as fp32. q, k and v are
-// 16-byte aligned (scratch and flash attention's saved parts are).
-void permute_qkv(void* q, void* k, void* v, bool bf16, const float* qkv, int B, int T, int NH, int hs, size_t n) {
+// qkv (B,T,3C; bf16 where `qkv_bf16`, the hidden form, else fp32) -> q, k, v (B,NH,T,hs each, n elements),
+// rounded to bf16 or copied as fp32. q, k and v are 16-byte aligned (scratch and flash attention's saved parts
+// are).
+void permute_qkv(void* q, void* k, void* v, bool bf16, const void* qkv, bool qkv_bf16, int B, int T, int NH, int hs,
+                 size_t n) {
+  using bf = __nv_bfloat16;
   const cudaStream_t s = cuda_context().compute;
-  if (bf16 && hs % 8 == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0)
+  const bool x8 = bf16 && hs % 8 == 0 && reinterpret_cast<uintptr_t>(qkv) % 16 == 0;
+  auto* q8 = static_cast<uint4*>(q);
+  auto* k8 = static_cast<uint4*>(k);
+  auto* v8 = static_cast<uint4*>(v);
+  if (x8 && qkv_bf16)
+    permute_qkv_bf16x8_kernel<<<grid_for(n / 8, kThreads), kThreads, 0, s>>>(q8, k8, v8, static_cast<const bf*>(qkv),
+                                                                             B, T, NH, hs);
+  else if (x8)
     permute_qkv_bf16x8_kernel<<<grid_for(n / 8, kThreads), kThreads, 0, s>>>(
-        static_cast<uint4*>(q), static_cast<uint4*>(k), static_cast<uint4*>(v), qkv, B, T, NH, hs);
+        q8, k8, v8, static_cast<const float*>(qkv), B, T, NH, hs);
+  else if (bf16 && qkv_bf16)
+    permute_qkv_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(static_cast<bf*>(q), static_cast<bf*>(k),
+                                                                  static_cast<bf*>(v), static_cast<const bf*>(qkv), B,
+                                                                  T, NH, hs);
   else if (bf16)
-    permute_qkv_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(static_cast<__nv_bfloat16*>(q),
-                                                                  static_cast<__nv_bfloat16*>(k),
-                                                                  static_cast<__nv_bfloat16*>(v), qkv, B, T, NH, hs);
-  else
+    permute_qkv_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(static_cast<bf*>(q), static_cast<bf*>(k),
+                                                                  static_cast<bf*>(v), static_cast<const float*>(qkv),
+                                                                  B, T, NH, hs);
+  else  // fp32 products take fp32 activations (kF32: nothing is hidden in bf16)
     permute_qkv_kernel<<<grid_for(n, kThreads), kThreads, 0, s>>>(static_cast<float*>(q), static_cast<float*>(k),
-                                                                  static_cast<float*>(v), qkv, B, T, NH, hs);
+                                                                  static_cast<float*>(v),
+                                                                  static_cast<const float*>(qkv), B, T, NH, hs);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -194,8 +221,8 @@ struct HeadTensors {
   size_t elem;
   DeviceScratch q, k, v;
   HeadTensors(bool bf16_, size_t n) : bf16(bf16_), elem(bf16_ ? 2 : 4), q(n * elem), k(n * elem), v(n * elem) {}
-  void permute(const float* qkv, int B, int T, int NH, int hs, size_t n) {
-    permute_qkv(q.as<void>(), k.as<void>(), v.as<void>(), bf16, qkv, B, T, NH, hs, n);
+  void permute(const void* qkv, bool qkv_bf16, int B, int T, int NH, int hs, size_t n) {
+    permute_qkv(q.as<void>(), k.as<void>(), v.as<void>(), bf16, qkv, qkv_bf16, B, T, NH, hs, n);
   }
   cudaDataType_t type() const { return bf16 ? CUDA_R_16BF : CUDA_R_32F; }
 };
@@ -226,20 +253,21 @@ size_t attention_saved_floats(int B, int T, int C, int NH, MatmulPrecision preci
   return static_cast<size_t>(B) * NH * T * T;
 }
 
-void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH,
+void attention_forward(void* out, float* att, const void* qkv, int B, int T, int C, int NH,
                        MatmulPrecision precision) {
   if (B <= 0 || T <= 0) return;
   const CudaContext& ctx = cuda_context();
-  const bool bf16 = precision == MatmulPrecision::kBF16;
+  const bool bf16 = precision == MatmulPrecision::kBF16, hidden16 = hidden_bf16(C, precision);
   const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
   if (use_flash(B, T, C, NH, precision)) {  // q, k, v go into `att`, where the backward finds them again
+    STRATA_ASSERT_MSG(hidden16, "flash attention takes bf16 activations (a head size of 32 or 64 makes C % 8 == 0)");
     const FlashQkv s = flash_attention_saved_qkv(att, B, T, NH, hs);
-    permute_qkv(s.q, s.k, s.v, /*bf16=*/true, qkv, B, T, NH, hs, n);
-    flash_attention_forward(out, att, B, T, NH, hs);
+    permute_qkv(s.q, s.k, s.v, /*bf16=*/true, qkv, /*qkv_bf16=*/true, B, T, NH, hs, n);
+    flash_attention_forward(static_cast<uint16_t*>(out), att, B, T, NH, hs);
     return;
   }
   HeadTensors h(bf16, n);
-  h.permute(qkv, B, T, NH, hs, n);
+  h.permute(qkv, hidden16, B, T, NH, hs, n);
   DeviceScratch y(n * sizeof(float)), att_bf16(bf16 ? batch * square * 2 : 0);
   // scores Sᵀ (T,T) = K (hs,T)ᵀ · Q (hs,T), scaled by 1/sqrt(hs)
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
@@ -253,39 +281,48 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
   const void* probs = bf16 ? att_bf16.as<void>() : static_cast<const void*>(att);
   batched_gemm(CUBLAS_OP_N, CUBLAS_OP_N, hs, T, T, 1.0f, h.v.as<void>(), hs, head, probs, T, square, y.as<float>(), hs,
                head, batch, h.type());
-  unpermute_out_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(out, y.as<float>(), B, T, NH, hs);
+  if (hidden16)
+    unpermute_out_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(static_cast<__nv_bfloat16*>(out),
+                                                                              y.as<float>(), B, T, NH, hs);
+  else
+    unpermute_out_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(static_cast<float*>(out), y.as<float>(),
+                                                                              B, T, NH, hs);
   CUDA_CHECK_LAUNCH();
 }
 
-void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T, int C,
-                        int NH, MatmulPrecision precision) {
+void attention_backward(void* dqkv, const void* dout, const void* qkv, const float* att, int B, int T, int C, int NH,
+                        MatmulPrecision precision) {
   if (B <= 0 || T <= 0) return;
+  using bf = __nv_bfloat16;
   const CudaContext& ctx = cuda_context();
-  const bool bf16 = precision == MatmulPrecision::kBF16;
+  const bool bf16 = precision == MatmulPrecision::kBF16, hidden16 = hidden_bf16(C, precision);
   const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
-  if (use_flash(B, T, C, NH, precision)) {  // q, k, v from `att`; writes dqkv itself, rounding dout to bf16
-    flash_attention_backward(dqkv, dout, att, B, T, NH, hs);
+  if (use_flash(B, T, C, NH, precision)) {  // q, k, v from `att`; writes dqkv itself
+    flash_attention_backward(static_cast<uint16_t*>(dqkv), static_cast<const uint16_t*>(dout), att, B, T, NH, hs);
     return;
   }
   HeadTensors h(bf16, n);
-  h.permute(qkv, B, T, NH, hs, n);
+  h.permute(qkv, hidden16, B, T, NH, hs, n);
   DeviceScratch dy(n * h.elem), dq(n * sizeof(float)), dk(n * sizeof(float)), dv(n * sizeof(float));
   DeviceScratch datt(static_cast<size_t>(batch) * square * sizeof(float));
   const size_t probs_bf16_bytes = bf16 ? static_cast<size_t>(batch) * square * 2 : 0;
   DeviceScratch dscores_bf16(probs_bf16_bytes), att_bf16(probs_bf16_bytes);
-  if (bf16)
-    permute_dout_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(dy.as<__nv_bfloat16>(), dout, B, T, NH,
-                                                                             hs);
+  const dim3 elems = grid_for(n, kThreads);
+  if (bf16 && hidden16)
+    permute_dout_kernel<<<elems, kThreads, 0, ctx.compute>>>(dy.as<bf>(), static_cast<const bf*>(dout), B, T, NH, hs);
+  else if (bf16)
+    permute_dout_kernel<<<elems, kThreads, 0, ctx.compute>>>(dy.as<bf>(), static_cast<const float*>(dout), B, T, NH,
+                                                            hs);
   else
-    permute_dout_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(dy.as<float>(), dout, B, T, NH, hs);
+    permute_dout_kernel<<<elems, kThreads, 0, ctx.compute>>>(dy.as<float>(), static_cast<const float*>(dout), B, T,
+                                                            NH, hs);
   CUDA_CHECK_LAUNCH();
   // datt[t][t2] = dy[t] · v[t2]: the same form as the scores.
   batched_gemm(CUBLAS_OP_T, CUBLAS_OP_N, T, T, hs, 1.0f, h.v.as<void>(), hs, head, dy.as<void>(), hs, head,
                datt.as<float>(), T, square, batch, h.type());
   const int rows = batch * T, warps = kThreads / 32;
   causal_softmax_backward_kernel<<<(rows + warps - 1) / warps, kThreads, 0, ctx.compute>>>(
-      datt.as<float>(), att, bf16 ? dscores_bf16.as<__nv_bfloat16>() : nullptr,
-      bf16 ? att_bf16.as<__nv_bfloat16>() : nullptr, rows, T);
+      datt.as<float>(), att, bf16 ? dscores_bf16.as<bf>() : nullptr, bf16 ? att_bf16.as<bf>() : nullptr, rows, T);
   CUDA_CHECK_LAUNCH();
   const void* probs = bf16 ? att_bf16.as<void>() : static_cast<const void*>(att);
   const void* dscores = bf16 ? dscores_bf16.as<void>() : datt.as<void>();
@@ -299,8 +336,12 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
   // dk[t2] = scale * sum_t dscores[t][t2] q[t]: the form of dv.
   batched_gemm(CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, scale, h.q.as<void>(), hs, head, dscores, T, square,
                dk.as<float>(), hs, head, batch, h.type());
-  unpermute_dqkv_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.compute>>>(dqkv, dq.as<float>(), dk.as<float>(),
-                                                                             dv.as<float>(), B, T, NH, hs);
+  if (hidden16)
+    unpermute_dqkv_kernel<<<elems, kThreads, 0, ctx.compute>>>(static_cast<bf*>(dqkv), dq.as<float>(), dk.as<float>(),
+                                                               dv.as<float>(), B, T, NH, hs);
+  else
+    unpermute_dqkv_kernel<<<elems, kThreads, 0, ctx.compute>>>(static_cast<float*>(dqkv), dq.as<float>(),
+                                                               dk.as<float>(), dv.as<float>(), B, T, NH, hs);
   CUDA_CHECK_LAUNCH();
 }
 

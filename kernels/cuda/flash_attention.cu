@@ -19,7 +19,9 @@
 // rows of dV = Pᵀ dO and dK = dSᵀ Q (it computes Sᵀ = K Qᵀ directly, so Pᵀ is in registers as an A operand);
 // kernel 2 takes 64 queries per block and accumulates dQ = dS K over the key tiles. P is recomputed from the
 // saved log-sum-exp; dS = P ∘ (dP − D) with dP = dO Vᵀ. Kernels 1 and 2 store their rows straight into the
-// (B,T,3C) gradient of qkv, each element by one thread (it is overwritten: no read, no zeroing pass before).
+// (B,T,3C) gradient of qkv, in bf16, each element by one thread (it is overwritten: no read, no zeroing pass
+// before). The attention's input and output activations and their gradients are bf16 (B,T,C) rows: the model's
+// hidden form (kernels.h), which the linears on either side write and read.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 with bf16): g = lane / 4, t = lane % 4.
 //   A (16×16, row): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
@@ -206,7 +208,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // grid (B*NH, ceil(T/64)). saved: lse (B*NH, T) padded to a multiple of 4 floats, then O (B*NH, T, HS) fp32.
 template <int HS>
-__global__ void __launch_bounds__(kThreads) flash_fwd_kernel(float* out, float* lse_out, float* o_out, const bf16* q,
+__global__ void __launch_bounds__(kThreads) flash_fwd_kernel(bf16* out, float* lse_out, float* o_out, const bf16* q,
                                                              const bf16* k, const bf16* v, int T, int NH,
                                                              float scale) {
   __shared__ __align__(16) bf16 Ks[2][kTile * (HS + kPad)];
@@ -272,66 +274,67 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(float* out, float* 
 
   walk_key_tiles<HS>(Ks, Vs, k + head, v + head, qt, T, tile);
 
-  // out (B,T,C) at column h*HS; the saved lse and O (head layout).
+  // out (B,T,C) in bf16 at column h*HS; the saved lse and O (head layout, fp32).
   const int b = bh / NH, hd = bh % NH, C = NH * HS;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int query = row0 + g + 8 * h;
     if (query >= T) continue;
     const float inv = 1.0f / l[h];
-    float* dst = out + (static_cast<size_t>(b) * T + query) * C + static_cast<size_t>(hd) * HS;
+    bf16* dst = out + (static_cast<size_t>(b) * T + query) * C + static_cast<size_t>(hd) * HS;
     float* saved = o_out + head + static_cast<size_t>(query) * HS;
 #pragma unroll
     for (int n = 0; n < HS / 8; ++n) {
       const float2 val = make_float2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
-      *reinterpret_cast<float2*>(dst + 8 * n + 2 * t) = val;
+      *reinterpret_cast<__nv_bfloat162*>(dst + 8 * n + 2 * t) = __float22bfloat162_rn(val);
       *reinterpret_cast<float2*>(saved + 8 * n + 2 * t) = val;
     }
     if (t == 0) lse_out[static_cast<size_t>(bh) * T + query] = m[h] + __logf(l[h]);
   }
 }
 
-// D (B*NH, T) = rowsum(dO ∘ O), in fp32 from the unrounded dO (dout in (B,T,C)) and the saved O; and dy, dO
-// rounded to bf16 in head layout (B,NH,T,HS), the products' operand. A warp per row.
+// D (B*NH, T) = rowsum(dO ∘ O), in fp32 from dO (dout, bf16 in (B,T,C)) and the saved O; and dy, dO in head
+// layout (B,NH,T,HS), the products' operand. A warp per row.
 template <int HS>
-__global__ void flash_bwd_dot_kernel(float* D, bf16* dy, const float* dout, const float* o, int B, int T, int NH) {
+__global__ void flash_bwd_dot_kernel(float* D, bf16* dy, const bf16* dout, const float* o, int B, int T, int NH) {
   const int row = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= B * NH * T) return;
   const int bh = row / T, tq = row % T, b = bh / NH, h = bh % NH, C = NH * HS;
-  const float* dx = dout + (static_cast<size_t>(b) * T + tq) * C + static_cast<size_t>(h) * HS;
+  const bf16* dx = dout + (static_cast<size_t>(b) * T + tq) * C + static_cast<size_t>(h) * HS;
   const float* oy = o + static_cast<size_t>(row) * HS;
   bf16* dyr = dy + static_cast<size_t>(row) * HS;
   float s = 0.0f;
   for (int d = lane; d < HS; d += 32) {
-    const float x = dx[d];
-    s += x * oy[d];
-    dyr[d] = __float2bfloat16_rn(x);
+    const bf16 x = dx[d];
+    s += __bfloat162float(x) * oy[d];
+    dyr[d] = x;
   }
   s = warp_sum(s);
   if (lane == 0) D[row] = s;
 }
 
 // Stores a thread's accumulator rows (row0 + g, row0 + g + 8; HS/8 n-tiles, times `scale`) as their (B,T,3C)
-// gradient at column `col0` (q: h*HS, k: C + h*HS, v: 2C + h*HS). Each element has one owner: no atomics.
+// gradient in bf16 at column `col0` (q: h*HS, k: C + h*HS, v: 2C + h*HS). Each element has one owner: no atomics.
 template <int HS>
-__device__ void store_rows(float* dqkv, const float (&acc)[HS / 8][4], int row0, int b, int col0, int T, int C,
+__device__ void store_rows(bf16* dqkv, const float (&acc)[HS / 8][4], int row0, int b, int col0, int T, int C,
                            float scale) {
   const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row0 + g + 8 * h;
     if (row >= T) continue;
-    float* dst = dqkv + (static_cast<size_t>(b) * T + row) * 3 * C + col0 + 2 * t;
+    bf16* dst = dqkv + (static_cast<size_t>(b) * T + row) * 3 * C + col0 + 2 * t;
 #pragma unroll
     for (int n = 0; n < HS / 8; ++n) {
-      *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(acc[n][2 * h] * scale, acc[n][2 * h + 1] * scale);
+      *reinterpret_cast<__nv_bfloat162*>(dst + 8 * n) =
+          __floats2bfloat162_rn(acc[n][2 * h] * scale, acc[n][2 * h + 1] * scale);
     }
   }
 }
 
 // grid (B*NH, ceil(T/64)): dK (scaled) and dV of the block's 64 keys, stored into dqkv (B,T,3C).
 template <int HS>
-__global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(float* dqkv, const bf16* q, const bf16* k,
+__global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(bf16* dqkv, const bf16* q, const bf16* k,
                                                                 const bf16* v, const bf16* dy, const float* lse,
                                                                 const float* D, int T, int NH, float scale) {
   __shared__ __align__(16) bf16 Qs[2][kTile * (HS + kPad)];
@@ -407,7 +410,7 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(float* dqkv, con
 
 // grid (B*NH, ceil(T/64)): dQ (scaled) of the block's 64 queries, stored into dqkv (B,T,3C).
 template <int HS>
-__global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(float* dqkv, const bf16* q, const bf16* k,
+__global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(bf16* dqkv, const bf16* q, const bf16* k,
                                                                const bf16* v, const bf16* dy, const float* lse,
                                                                const float* D, int T, int NH, float scale) {
   __shared__ __align__(16) bf16 Ks[2][kTile * (HS + kPad)];
@@ -486,7 +489,7 @@ SavedParts<F> saved_parts(F* saved, int B, int T, int NH, int hs) {
 }
 
 template <int HS>
-void forward(float* out, float* saved, int B, int T, int NH) {
+void forward(bf16* out, float* saved, int B, int T, int NH) {
   const dim3 grid = tile_grid(B, T, NH);
   const float scale = 1.0f / sqrtf(static_cast<float>(HS));
   const auto s = saved_parts(saved, B, T, NH, HS);
@@ -495,7 +498,7 @@ void forward(float* out, float* saved, int B, int T, int NH) {
 }
 
 template <int HS>
-void backward(float* dqkv, const float* dout, const float* saved, int B, int T, int NH) {
+void backward(bf16* dqkv, const bf16* dout, const float* saved, int B, int T, int NH) {
   const CudaContext& ctx = cuda_context();
   const size_t rows = static_cast<size_t>(B) * NH * T;
   const auto s = saved_parts(saved, B, T, NH, HS);
@@ -528,7 +531,8 @@ FlashQkv flash_attention_saved_qkv(float* saved, int B, int T, int NH, int hs) {
   return {reinterpret_cast<uint16_t*>(s.q), reinterpret_cast<uint16_t*>(s.k), reinterpret_cast<uint16_t*>(s.v)};
 }
 
-void flash_attention_forward(float* out, float* saved, int B, int T, int NH, int hs) {
+void flash_attention_forward(uint16_t* out16, float* saved, int B, int T, int NH, int hs) {
+  auto* out = reinterpret_cast<bf16*>(out16);
   switch (hs) {
     case 32: return forward<32>(out, saved, B, T, NH);
     case 64: return forward<64>(out, saved, B, T, NH);
@@ -536,7 +540,10 @@ void flash_attention_forward(float* out, float* saved, int B, int T, int NH, int
   STRATA_ASSERT_MSG(false, "flash attention: unsupported head size (ask flash_attention_supported first)");
 }
 
-void flash_attention_backward(float* dqkv, const float* dout, const float* saved, int B, int T, int NH, int hs) {
+void flash_attention_backward(uint16_t* dqkv16, const uint16_t* dout16, const float* saved, int B, int T, int NH,
+                              int hs) {
+  auto* dqkv = reinterpret_cast<bf16*>(dqkv16);
+  const auto* dout = reinterpret_cast<const bf16*>(dout16);
   switch (hs) {
     case 32: return backward<32>(dqkv, dout, saved, B, T, NH);
     case 64: return backward<64>(dqkv, dout, saved, B, T, NH);

@@ -18,10 +18,11 @@ struct FlashQkv {
   uint16_t *q, *k, *v;
 };
 FlashQkv flash_attention_saved_qkv(float* saved, int B, int T, int NH, int hs);
-// out (B,T,C) overwritten; saved's q, k, v already written.
-void flash_attention_forward(float* out, float* saved, int B, int T, int NH, int hs);
-// dout (B,T,C) fp32, the gradient of out. dqkv (B,T,3C), the gradient of the qkv that saved's q, k, v were
-// taken from, overwritten: every element stored once (no read, no atomics).
-void flash_attention_backward(float* dqkv, const float* dout, const float* saved, int B, int T, int NH, int hs);
+// out (B,T,C) in bf16 overwritten; saved's q, k, v already written.
+void flash_attention_forward(uint16_t* out, float* saved, int B, int T, int NH, int hs);
+// dout (B,T,C) in bf16, the gradient of out. dqkv (B,T,3C) in bf16, the gradient of the qkv that saved's q, k, v
+// were taken from, overwritten: every element stored once (no read, no atomics).
+void flash_attention_backward(uint16_t* dqkv, const uint16_t* dout, const float* saved, int B, int T, int NH,
+                              int hs);
 
 }  // namespace strata::kernels::cuda

@@ -6,11 +6,14 @@
 // output. The bias is fused into the forward GEMM's epilogue; "+=" into gradients is the GEMM's beta = 1 (and
 // matmul_backward_set's beta 0 overwrites). The bias gradient is a deterministic column sum (reduce.cuh), not
 // cuBLASLt's BGRAD epilogue, which overwrites. Under bf16 the MLP's hidden activations (N,4C) are bf16
-// (mlp_hidden_bytes): the first linear writes gelu(pre) and pre in bf16 through cuBLASLt's GELU_AUX_BIAS epilogue
+// (hidden_bytes): the first linear writes gelu(pre) and pre in bf16 through cuBLASLt's GELU_AUX_BIAS epilogue
 // (its bias rounded to bf16, D's type, as autocast rounds it), the second reads gelu(pre) as it is, its input
 // gradient comes out as gelu'(pre) * (dout @ W) in bf16 through DGELU, and the first linear's backward reads
 // that; where cuBLASLt declines an epilogue, the GEMM and a bf16 GELU kernel. No conversion pass and no fp32
-// copy of the widest activations. The classifier's GEMMs write and read bf16 logits (classifier.cu).
+// copy of the widest activations. The attention's activations are bf16 the same way: the QKV linear writes qkv
+// (N,3C) in bf16 (its bias rounded too), the output linear reads the attention's bf16 output and writes its
+// input gradient in bf16 for the attention's backward, whose bf16 dqkv the QKV linear's backward reads. The
+// classifier's GEMMs write and read bf16 logits (classifier.cu).
 //
 // Each distinct problem (shapes, operations, types, pointer alignments) is planned once: descriptors and the
 // heuristic's best algorithms (up to 4, the next taken where cublasLtMatmul refuses one) are cached, so a
@@ -345,13 +348,80 @@ Gemm without_epilogue(Gemm g, void* d) {
   return g;
 }
 
-// The MLP's hidden activations are bf16 under kBF16 where their width is a multiple of 8 (whole 16-byte rows
-// for the tensor cores and for cuBLASLt's GELU aux matrix); fp32 (the composed path) otherwise.
-bool hidden_bf16(int width, MatmulPrecision precision) {
-  return precision == MatmulPrecision::kBF16 && width % kBf16RowAlign == 0;
+// The bias in D's type (cublasLt.h: a bf16 D takes a bf16 bias; autocast rounds it the same way); empty
+// without one.
+DeviceScratch bias_in_bf16(const float* bias, int OC) {
+  DeviceScratch b(bias != nullptr ? static_cast<size_t>(OC) * sizeof(uint16_t) : 0);
+  if (bias != nullptr) f32_to_bf16(b.as<uint16_t>(), bias, static_cast<size_t>(OC));
+  return b;
+}
+
+// A linear whose output is hidden in bf16 (OC a multiple of 8): out (N,OC) = inp @ W^T + bias in bf16, the bias
+// rounded to bf16 too (D's type) — or, where `pre` is given, pre = that and out = gelu(pre), both bf16: cuBLASLt's
+// GELU_AUX_BIAS epilogue (the aux matrix takes D's type), or the GEMM into pre and the GELU kernel where it
+// declines.
+void forward_into_bf16(void* out, void* pre, const float* inp, const float* weight, const float* bias, int N, int C,
+                       int OC) {
+  const Operand w = operand(weight, OC, C, MatmulPrecision::kBF16);
+  const Operand x = operand(inp, N, C, MatmulPrecision::kBF16);
+  const DeviceScratch bias16 = bias_in_bf16(bias, OC);
+  // out^T (OC,N) = [gelu](W (C,OC)^T @ inp^T (C,N) + bias), in bf16.
+  Gemm g{CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, w.ptr, w.ld, x.ptr, x.ld, out, OC, 0.0f,
+         bias != nullptr ? bias16.as<const void>() : nullptr, CUDA_R_16BF};
+  g.d_type = CUDA_R_16BF;
+  if (pre == nullptr) {
+    run_plain(g);
+    return;
+  }
+  if (alignment_of(pre) >= 16) {
+    g.epilogue = Epilogue::kGeluAux;
+    g.aux = pre;
+    g.aux_ld = OC;
+    if (run_gemm(g)) return;
+  }
+  run_plain(without_epilogue(g, pre));
+  gelu_forward_bf16(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(pre),
+                    static_cast<size_t>(N) * static_cast<size_t>(OC));
+}
+
+// The backward of a linear whose input side is hidden in bf16 (inp and dinp (N,C), C a multiple of 8) from an
+// fp32 dout (N,OC): dinp = dout @ W in bf16 (overwritten) — times gelu'(pre) where `pre` (hidden, like dinp) is
+// given: cuBLASLt's DGELU epilogue, or the GEMM into `scratch` and the GELU kernel where it declines —;
+// dweight (OC,C) += dout^T @ inp; dbias += column sums of dout.
+void backward_into_bf16(void* dinp, float* dweight, float* dbias, const float* dout, const void* inp,
+                        const float* weight, const void* pre, void* scratch, int N, int C, int OC) {
+  const Operand dy = operand(dout, N, OC, MatmulPrecision::kBF16);  // columns padded with zeros to dy.ld
+  const Operand w = operand(weight, OC, C, MatmulPrecision::kBF16, /*pad_rows=*/true);  // zero rows up to dy.ld
+  const int k = round_up(OC, kBf16RowAlign);
+  // dinp^T (C,N) = [gelu'(pre^T) *] (W (C,k) @ dout^T (k,N)), in bf16.
+  Gemm g{CUBLAS_OP_N, CUBLAS_OP_N, C, N, k, w.ptr, w.ld, dy.ptr, dy.ld, dinp, C, 0.0f, nullptr, CUDA_R_16BF};
+  g.d_type = CUDA_R_16BF;
+  if (pre == nullptr) {
+    run_plain(g);
+  } else {
+    bool fused = false;
+    if (alignment_of(pre) >= 16) {
+      g.epilogue = Epilogue::kDGelu;
+      g.aux = pre;
+      g.aux_ld = C;
+      fused = run_gemm(g);
+    }
+    if (!fused) {  // the gradient of gelu(pre) into scratch (bf16), then the GELU's backward into dinp
+      run_plain(without_epilogue(g, scratch));
+      gelu_backward_bf16(static_cast<uint16_t*>(dinp), static_cast<const uint16_t*>(pre),
+                         static_cast<const uint16_t*>(scratch), static_cast<size_t>(N) * static_cast<size_t>(C));
+    }
+  }
+  // dweight^T (C,OC) += inp^T (C,N) @ dout (N,OC), inp already bf16.
+  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dy.ptr, dy.ld, dweight, C, 1.0f, nullptr, CUDA_R_16BF});
+  if (dbias != nullptr) column_sums_accumulate(dbias, dout, N, OC);
 }
 
 }  // namespace
+
+bool hidden_bf16(int width, MatmulPrecision precision) {
+  return precision == MatmulPrecision::kBF16 && width % kBf16RowAlign == 0;
+}
 
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int N, int C, int OC, MatmulPrecision precision) {
@@ -363,37 +433,28 @@ void matmul_backward_set(float* dinp, float* dweight, float* dbias, const float*
   backward(dinp, 0.0f, dweight, dbias, dout, inp, weight, N, C, OC, precision);
 }
 
-size_t mlp_hidden_bytes(int N, int F, MatmulPrecision precision) {
+size_t hidden_bytes(int N, int F, MatmulPrecision precision) {
   return static_cast<size_t>(N) * static_cast<size_t>(F) * (hidden_bf16(F, precision) ? sizeof(uint16_t) : 4);
 }
 
 void matmul_gelu_forward(void* out, void* pre, const float* inp, const float* weight, const float* bias, int N,
                          int C, int OC, MatmulPrecision precision) {
-  const size_t n = static_cast<size_t>(N) * static_cast<size_t>(OC);
   if (!hidden_bf16(OC, precision)) {
     matmul_forward(static_cast<float*>(pre), inp, weight, bias, N, C, OC, precision);
-    gelu_forward(static_cast<float*>(out), static_cast<const float*>(pre), n);
+    gelu_forward(static_cast<float*>(out), static_cast<const float*>(pre),
+                 static_cast<size_t>(N) * static_cast<size_t>(OC));
     return;
   }
-  const Operand w = operand(weight, OC, C, precision);
-  const Operand x = operand(inp, N, C, precision);
-  // The bias in D's type.
-  DeviceScratch bias16(bias != nullptr ? static_cast<size_t>(OC) * sizeof(uint16_t) : 0);
-  if (bias != nullptr) f32_to_bf16(bias16.as<uint16_t>(), bias, static_cast<size_t>(OC));
-  // out^T (OC,N) = gelu(W (C,OC)^T @ inp^T (C,N) + bias) in bf16, pre^T (OC,N) the GELU's input in bf16 too
-  // (the aux matrix takes D's type).
-  Gemm g{CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, w.ptr, w.ld, x.ptr, x.ld, out, OC, 0.0f,
-         bias != nullptr ? bias16.as<const void>() : nullptr, CUDA_R_16BF};
-  g.d_type = CUDA_R_16BF;
-  if (alignment_of(pre) >= 16) {
-    g.epilogue = Epilogue::kGeluAux;
-    g.aux = pre;
-    g.aux_ld = OC;
-    if (run_gemm(g)) return;
+  forward_into_bf16(out, pre, inp, weight, bias, N, C, OC);
+}
+
+void matmul_forward_to_hidden(void* out, const float* inp, const float* weight, const float* bias, int N, int C,
+                              int OC, MatmulPrecision precision) {
+  if (!hidden_bf16(OC, precision)) {
+    matmul_forward(static_cast<float*>(out), inp, weight, bias, N, C, OC, precision);
+    return;
   }
-  // Without the epilogue: the same GEMM into pre, then the GELU kernel.
-  run_plain(without_epilogue(g, pre));
-  gelu_forward_bf16(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(pre), n);
+  forward_into_bf16(out, /*pre=*/nullptr, inp, weight, bias, N, C, OC);
 }
 
 void matmul_forward_hidden(float* out, const void* inp, const float* weight, const float* bias, int N, int C, int OC,
@@ -410,35 +471,25 @@ void matmul_forward_hidden(float* out, const void* inp, const float* weight, con
 void matmul_backward_gelu(void* dpre, float* dweight, float* dbias, const float* dout, const void* inp,
                           const void* pre, const float* weight, void* scratch, int N, int C, int OC,
                           MatmulPrecision precision) {
-  const size_t n = static_cast<size_t>(N) * static_cast<size_t>(C);
   if (!hidden_bf16(C, precision)) {  // the gradient of gelu(pre) into scratch, then the GELU's into dpre
+    const size_t n = static_cast<size_t>(N) * static_cast<size_t>(C);
     auto* s = static_cast<float*>(scratch);
     backward(s, 0.0f, dweight, dbias, dout, static_cast<const float*>(inp), weight, N, C, OC, precision);
     zero_floats(static_cast<float*>(dpre), n);
     gelu_backward(static_cast<float*>(dpre), static_cast<const float*>(pre), s, n);
     return;
   }
-  const Operand dy = operand(dout, N, OC, precision);            // columns padded with zeros to dy.ld
-  const Operand w = operand(weight, OC, C, precision, /*pad_rows=*/true);  // zero rows up to a multiple of 8
-  const int k = round_up(OC, kBf16RowAlign);
-  // dpre^T (C,N) = gelu'(pre^T) * (W (C,k) @ dout^T (k,N)), in bf16.
-  Gemm g{CUBLAS_OP_N, CUBLAS_OP_N, C, N, k, w.ptr, w.ld, dy.ptr, dy.ld, dpre, C, 0.0f, nullptr, CUDA_R_16BF};
-  g.d_type = CUDA_R_16BF;
-  bool fused = false;
-  if (alignment_of(pre) >= 16) {
-    g.epilogue = Epilogue::kDGelu;
-    g.aux = pre;
-    g.aux_ld = C;
-    fused = run_gemm(g);
+  backward_into_bf16(dpre, dweight, dbias, dout, inp, weight, pre, scratch, N, C, OC);
+}
+
+void matmul_backward_hidden(void* dinp, float* dweight, float* dbias, const float* dout, const void* inp,
+                            const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+  if (!hidden_bf16(C, precision)) {
+    backward(static_cast<float*>(dinp), 0.0f, dweight, dbias, dout, static_cast<const float*>(inp), weight, N, C, OC,
+             precision);
+    return;
   }
-  if (!fused) {  // the gradient of gelu(pre) into scratch (bf16), then the GELU's backward into dpre
-    run_plain(without_epilogue(g, scratch));
-    gelu_backward_bf16(static_cast<uint16_t*>(dpre), static_cast<const uint16_t*>(pre),
-                       static_cast<const uint16_t*>(scratch), n);
-  }
-  // dweight^T (C,OC) += inp^T (C,N) @ dout (N,OC), inp = gelu(pre) already bf16.
-  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dy.ptr, dy.ld, dweight, C, 1.0f, nullptr, CUDA_R_16BF});
-  if (dbias != nullptr) column_sums_accumulate(dbias, dout, N, OC);
+  backward_into_bf16(dinp, dweight, dbias, dout, inp, weight, /*pre=*/nullptr, /*scratch=*/nullptr, N, C, OC);
 }
 
 void matmul_backward_set_hidden(float* dinp, float* dweight, float* dbias, const void* dout, const float* inp,

@@ -27,7 +27,14 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
                      const float* weight, int N, int C, int OC, MatmulPrecision precision);
 void matmul_backward_set(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                          const float* weight, int N, int C, int OC, MatmulPrecision precision);
-size_t mlp_hidden_bytes(int N, int F, MatmulPrecision precision);
+// Hidden activations (kernels.h) are bf16 under kBF16 where their width is a multiple of 8 (whole 16-byte rows
+// for the tensor cores and for cuBLASLt's GELU aux matrix); fp32 otherwise. matmul.cpp.
+bool hidden_bf16(int width, MatmulPrecision precision);
+size_t hidden_bytes(int N, int width, MatmulPrecision precision);
+void matmul_forward_to_hidden(void* out, const float* inp, const float* weight, const float* bias, int N, int C,
+                              int OC, MatmulPrecision precision);
+void matmul_backward_hidden(void* dinp, float* dweight, float* dbias, const float* dout, const void* inp,
+                            const float* weight, int N, int C, int OC, MatmulPrecision precision);
 void matmul_gelu_forward(void* out, void* pre, const float* inp, const float* weight, const float* bias, int N, int C,
                          int OC, MatmulPrecision precision);
 void matmul_forward_hidden(float* out, const void* inp, const float* weight, const float* bias, int N, int C, int OC,
@@ -52,9 +59,9 @@ struct MatmulEpilogueCounts {
   int fallback_plans = 0;
 };
 MatmulEpilogueCounts matmul_epilogue_counts();
-void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH,
+void attention_forward(void* out, float* att, const void* qkv, int B, int T, int C, int NH,
                        MatmulPrecision precision);
-void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T, int C,
+void attention_backward(void* dqkv, const void* dout, const void* qkv, const float* att, int B, int T, int C,
                         int NH, MatmulPrecision precision);
 size_t attention_saved_floats(int B, int T, int C, int NH, MatmulPrecision precision);
 void gelu_forward(float* out, const float* inp, size_t N);

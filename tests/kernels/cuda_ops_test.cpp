@@ -247,11 +247,29 @@ struct AttentionRun {
   std::vector<double> want_out, want_att, want_dqkv, want_lse;
   std::vector<float> got_out, got_att, got_dqkv;
 };
+bool hidden_is_bf16(const KernelSet& k, int N, int F, MatmulPrecision p);
+Dev<float> hidden_on_device(const KernelSet& k, const std::vector<float>& v, int N, int F, MatmulPrecision p,
+                            int shift = 0);
+std::vector<float> hidden_to_host(const KernelSet& k, const Dev<float>& d, int N, int F, MatmulPrecision p,
+                                  int shift = 0);
+Dev<float> hidden_poisoned(const KernelSet& k, int N, int F, MatmulPrecision p, int shift = 0);
+// v as the backend holds it in the hidden form: rounded to bf16 where that is bf16.
+std::vector<double> held(const std::vector<float>& v, bool bf16) {
+  std::vector<double> d(v.size());
+  for (size_t i = 0; i < v.size(); ++i) d[i] = bf16 ? bf16_to_f32(f32_to_bf16(v[i])) : v[i];
+  return d;
+}
+
+// qkv, out and their gradients move in the hidden form (kernels.h): the reference takes the values as the
+// backend holds them.
 AttentionRun run_attention(const KernelSet& k, int B, int T, int C, int NH, uint64_t seed, MatmulPrecision precision,
                            double range) {
   Rng rng(seed);
   auto qkv = rand_vec(size_t(B) * T * 3 * C, rng, -range, range), dout = rand_vec(size_t(B) * T * C, rng);
-  const auto qkv_d = to_double(qkv), dout_d = to_double(dout);
+  const int N = B * T;
+  const bool h16 = hidden_is_bf16(k, N, C, precision);
+  EXPECT_EQ(h16, hidden_is_bf16(k, N, 3 * C, precision)) << "qkv and out in different forms";
+  const auto qkv_d = held(qkv, h16), dout_d = held(dout, h16);
   AttentionRun r;
   r.want_out.resize(dout.size());
   r.want_att.resize(size_t(B) * NH * T * T);
@@ -276,27 +294,28 @@ AttentionRun run_attention(const KernelSet& k, int B, int T, int C, int NH, uint
         r.want_lse.push_back(mx + std::log(sum));
       }
   const size_t saved = k.attention_saved_floats(B, T, C, NH, precision);
-  Dev<float> g_qkv(qkv), g_dout(dout);
+  Dev<float> g_qkv = hidden_on_device(k, qkv, N, 3 * C, precision);
+  Dev<float> g_dout = hidden_on_device(k, dout, N, C, precision);
   // dqkv starts as NaN: the backward overwrites it, every element.
-  auto g_out = Dev<float>::poisoned(dout.size()), g_att = Dev<float>::poisoned(saved);
-  auto g_dqkv = Dev<float>::poisoned(qkv.size());
+  auto g_out = hidden_poisoned(k, N, C, precision), g_att = Dev<float>::poisoned(saved);
+  auto g_dqkv = hidden_poisoned(k, N, 3 * C, precision);
   k.attention_forward(g_out.get(), g_att.get(), g_qkv.get(), B, T, C, NH, precision);
   k.attention_backward(g_dqkv.get(), g_dout.get(), g_qkv.get(), g_att.get(), B, T, C, NH, precision);
-  r.got_out = g_out.download();
+  r.got_out = hidden_to_host(k, g_out, N, C, precision);
   r.got_att = g_att.download();
-  r.got_dqkv = g_dqkv.download();
+  r.got_dqkv = hidden_to_host(k, g_dqkv, N, 3 * C, precision);
   return r;
 }
 
-// The MLP's hidden activations (N,F) move in the backend's form (kernels.h: bf16 under kBF16 at widths that are
-// a multiple of 8, else fp32): these put them on the device and bring them back as floats.
+// Hidden activations (N,F) move in the backend's form (kernels.h: bf16 under kBF16 at widths that are a multiple
+// of 8, else fp32): these put them on the device and bring them back as floats.
 bool hidden_is_bf16(const KernelSet& k, int N, int F, MatmulPrecision p) {
-  return k.mlp_hidden_bytes(N, F, p) == size_t(N) * F * sizeof(uint16_t);
+  return k.hidden_bytes(N, F, p) == size_t(N) * F * sizeof(uint16_t);
 }
 // `shift` floats in front of the data (get() + shift is the buffer): 1 leaves it 4-byte aligned only, which keeps
 // cuBLASLt's GELU epilogues off it (their aux matrix must be 16-byte aligned) and so tests the fallbacks.
 Dev<float> hidden_on_device(const KernelSet& k, const std::vector<float>& v, int N, int F, MatmulPrecision p,
-                            int shift = 0) {
+                            int shift) {
   std::vector<float> raw(shift + (hidden_is_bf16(k, N, F, p) ? (v.size() * 2 + 3) / 4 : v.size()), 0.0f);
   if (!hidden_is_bf16(k, N, F, p)) {
     std::copy(v.begin(), v.end(), raw.begin() + shift);
@@ -307,7 +326,7 @@ Dev<float> hidden_on_device(const KernelSet& k, const std::vector<float>& v, int
   return Dev<float>(raw);
 }
 std::vector<float> hidden_to_host(const KernelSet& k, const Dev<float>& d, int N, int F, MatmulPrecision p,
-                                  int shift = 0) {
+                                  int shift) {
   std::vector<float> raw = d.download();
   const size_t n = size_t(N) * F;
   if (!hidden_is_bf16(k, N, F, p)) return {raw.begin() + shift, raw.begin() + shift + n};
@@ -316,8 +335,8 @@ std::vector<float> hidden_to_host(const KernelSet& k, const Dev<float>& d, int N
   for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(h[i]);
   return out;
 }
-Dev<float> hidden_poisoned(const KernelSet& k, int N, int F, MatmulPrecision p, int shift = 0) {
-  return Dev<float>::poisoned(shift + (k.mlp_hidden_bytes(N, F, p) + 3) / 4);
+Dev<float> hidden_poisoned(const KernelSet& k, int N, int F, MatmulPrecision p, int shift) {
+  return Dev<float>::poisoned(shift + (k.hidden_bytes(N, F, p) + 3) / 4);
 }
 
 // The MLP's linear + GELU slots against the reference's matmul and GELU. Under bf16 the GELU may be cuBLASLt's
@@ -411,8 +430,11 @@ void check_matmul_gelu(const KernelSet& k, int N, int C, int OC, MatmulPrecision
   EXPECT_TRUE(all_close(g_db.download(), dbias, accum_atol(N), kRtol, "dbias"));
 }
 
-// The MLP's second linear's forward from a hidden input and its first linear's backward from a hidden output
-// gradient, against the reference on the values as the backend holds them (bf16-rounded where it keeps them so).
+// The four linears on either side of a hidden activation (kernels.h), against the reference on the values as the
+// backend holds them (bf16-rounded where it keeps them so): the MLP's second linear's forward from a hidden input
+// and its first linear's backward from a hidden output gradient; the QKV linear's forward to a hidden output and
+// the attention's output linear's backward with its input side hidden. A hidden output in bf16 is one more
+// rounding (2^-8 relative, 1/128 allowed); overwritten outputs start as NaN.
 void check_matmul_hidden(const KernelSet& k, int N, int F, int C, MatmulPrecision precision, uint64_t seed) {
   const bool bf16 = precision == MatmulPrecision::kBF16;
   SCOPED_TRACE(fmt::format("hidden matmuls N={} F={} C={} precision={} seed={}", N, F, C, bf16 ? "bf16" : "f32", seed));
@@ -420,34 +442,53 @@ void check_matmul_hidden(const KernelSet& k, int N, int F, int C, MatmulPrecisio
   auto h = rand_vec(size_t(N) * F, rng), w2 = rand_vec(size_t(C) * F, rng), b2 = rand_vec(C, rng);
   auto x = rand_vec(size_t(N) * C, rng), w1 = rand_vec(size_t(F) * C, rng), dh = rand_vec(size_t(N) * F, rng);
   auto dw1_0 = rand_vec(w1.size(), rng), db1_0 = rand_vec(F, rng);
-  auto round = [&](const std::vector<float>& v) {
-    std::vector<double> d(v.size());
-    for (size_t i = 0; i < v.size(); ++i) d[i] = bf16 ? bf16_to_f32(f32_to_bf16(v[i])) : v[i];
-    return d;
-  };
-  const auto h_d = round(h), w2_d = round(w2), x_d = round(x), w1_d = round(w1), dh_d = round(dh);
+  auto b1 = rand_vec(F, rng), dy = rand_vec(size_t(N) * C, rng);
+  auto dw2_0 = rand_vec(w2.size(), rng), db2_0 = rand_vec(C, rng);
+  const bool h16 = hidden_is_bf16(k, N, F, precision);
+  const auto h_d = held(h, bf16), w2_d = held(w2, bf16), x_d = held(x, bf16), w1_d = held(w1, bf16);
+  const auto dh_d = held(dh, bf16), dy_d = held(dy, bf16);
   // out (N,C) = h @ w2^T + b2
   std::vector<double> out(size_t(N) * C);
   ref::matmul_forward(out.data(), h_d.data(), w2_d.data(), to_double(b2).data(), N, F, C, MatmulPrecision::kF32);
   // dx (N,C) = dh @ w1 (overwritten); dw1 += dh^T @ x; db1 += column sums of dh (as the backend holds dh)
   std::vector<double> dx(size_t(N) * C, 0.0), dw1 = to_double(dw1_0), db1 = to_double(db1_0);
-  const bool dh_bf16 = hidden_is_bf16(k, N, F, precision);
-  const std::vector<double> dh_held = dh_bf16 ? dh_d : to_double(dh);
+  const std::vector<double> dh_held = held(dh, h16);
   ref::matmul_backward(dx.data(), dw1.data(), static_cast<double*>(nullptr), dh_d.data(), x_d.data(), w1_d.data(), N,
                        C, F, MatmulPrecision::kF32);
   for (int n = 0; n < N; ++n)
     for (int f = 0; f < F; ++f) db1[f] += dh_held[size_t(n) * F + f];
+  // out1 (N,F) hidden = x @ w1^T + b1 (a bf16 output takes its bias in bf16, as autocast rounds it)
+  std::vector<double> out1(size_t(N) * F);
+  ref::matmul_forward(out1.data(), x_d.data(), w1_d.data(), held(b1, h16).data(), N, C, F, MatmulPrecision::kF32);
+  // dh2 (N,F) hidden = dy @ w2 (overwritten); dw2 += dy^T @ h; db2 += column sums of dy (fp32)
+  std::vector<double> dh2(size_t(N) * F, 0.0), dw2 = to_double(dw2_0), db2 = to_double(db2_0);
+  ref::matmul_backward(dh2.data(), dw2.data(), static_cast<double*>(nullptr), dy_d.data(), h_d.data(), w2_d.data(), N,
+                       F, C, MatmulPrecision::kF32);
+  for (int n = 0; n < N; ++n)
+    for (int c = 0; c < C; ++c) db2[c] += dy[size_t(n) * C + c];
 
   Dev<float> g_h = hidden_on_device(k, h, N, F, precision), g_dh = hidden_on_device(k, dh, N, F, precision);
   Dev<float> g_w2(w2), g_b2(b2), g_x(x), g_w1(w1), g_dw1(dw1_0), g_db1(db1_0);
+  Dev<float> g_b1(b1), g_dy(dy), g_dw2(dw2_0), g_db2(db2_0);
   auto g_out = Dev<float>::poisoned(out.size()), g_dx = Dev<float>::poisoned(dx.size());
+  auto g_out1 = hidden_poisoned(k, N, F, precision), g_dh2 = hidden_poisoned(k, N, F, precision);
   k.matmul_forward_hidden(g_out.get(), g_h.get(), g_w2.get(), g_b2.get(), N, F, C, precision);
   k.matmul_backward_set_hidden(g_dx.get(), g_dw1.get(), g_db1.get(), g_dh.get(), g_x.get(), g_w1.get(), N, C, F,
                                precision);
+  k.matmul_forward_to_hidden(g_out1.get(), g_x.get(), g_w1.get(), g_b1.get(), N, C, F, precision);
+  k.matmul_backward_hidden(g_dh2.get(), g_dw2.get(), g_db2.get(), g_dy.get(), g_h.get(), g_w2.get(), N, F, C,
+                           precision);
+  const double hidden_rtol = h16 ? 1.0 / 128 : 0.0;
   EXPECT_TRUE(all_close(g_out.download(), out, accum_atol(F), kRtol, "out"));
   EXPECT_TRUE(all_close(g_dx.download(), dx, accum_atol(F), kRtol, "dinp (set)"));
   EXPECT_TRUE(all_close(g_dw1.download(), dw1, accum_atol(N), kRtol, "dweight"));
   EXPECT_TRUE(all_close(g_db1.download(), db1, accum_atol(N), kRtol, "dbias"));
+  EXPECT_TRUE(all_close(hidden_to_host(k, g_out1, N, F, precision), out1, accum_atol(C), kRtol + hidden_rtol,
+                        "out (to hidden)"));
+  EXPECT_TRUE(all_close(hidden_to_host(k, g_dh2, N, F, precision), dh2, accum_atol(C), kRtol + hidden_rtol,
+                        "dinp (hidden)"));
+  EXPECT_TRUE(all_close(g_dw2.download(), dw2, accum_atol(N), kRtol, "dweight (hidden inp)"));
+  EXPECT_TRUE(all_close(g_db2.download(), db2, accum_atol(N), kRtol, "dbias (hidden inp)"));
 }
 
 TEST_F(CudaOpsTest, MatmulHidden) {
