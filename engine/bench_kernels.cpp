@@ -277,6 +277,7 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   // gradients.
   DevBuf qkv(3 * NC, rng, -1, 1), dqkv(3 * NC, rng, -1, 1), attn(att, rng, 0, 1.0f / T);
   DevBuf atty(NC, rng, -1, 1), datty(NC, rng, -1, 1);
+  DevBuf xh(NC, rng, -1, 1);  // a layernorm's output, hidden: the linears' input
   // The classifier's logits, in the form its backend keeps them (fp32, or bf16: kernels.h).
   const double logits_bytes = static_cast<double>(k.classifier_logits_bytes(N, V, prec));
   DevBuf logits((static_cast<size_t>(logits_bytes) + 3) / 4, rng, -4, 4), lse(N, rng, 10, 11), losses(N, rng, 0, 1);
@@ -288,13 +289,14 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   {
     // A real qkv, and real probabilities (or flash statistics) in att for the backward, as forward would leave
     // them; the output's gradient, as the attention's output linear's backward would leave it.
-    k.matmul_forward_to_hidden(qkv.f(), x.f(), w4.f(), b4.f(), N, C, 3 * C, prec);
+    k.layernorm_forward(xh.f(), mean.f(), rstd.f(), x.f(), lnw.f(), lnb.f(), N, C, prec);
+    k.matmul_forward_to_hidden(qkv.f(), xh.f(), w4.f(), b4.f(), N, C, 3 * C, prec);
     k.attention_forward(atty.f(), attn.f(), qkv.f(), B, T, C, NH, prec);
     k.matmul_backward_hidden(datty.f(), dw4.f(), db4.f(), y.f(), atty.f(), w4.f(), N, C, C, prec);
     // real hidden activations (the backend's form) for the MLP's backward: gelu(pre) in g4, pre in h4,
-    k.matmul_gelu_forward(g4.f(), h4.f(), x.f(), w4.f(), b4.f(), N, C, 4 * C, prec);
+    k.matmul_gelu_forward(g4.f(), h4.f(), xh.f(), w4.f(), b4.f(), N, C, 4 * C, prec);
     // and real logits and lse for the classifier's.
-    k.classifier_forward(logits.f(), losses.f(), lse.f(), x.f(), wte.f(), d_targets.i(), N, C, V, 0, prec);
+    k.classifier_forward(logits.f(), losses.f(), lse.f(), xh.f(), wte.f(), d_targets.i(), N, C, V, 0, prec);
     kernels::cuda_synchronize();
   }
 
@@ -302,7 +304,7 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   // The block's linears overwrite their input gradients (as the model runs them): dinp is written, not read and
   // written.
   // Bytes per element of the hidden activations in the backend's form (4, or 2 in bf16): the MLP's, and the
-  // attention's (qkv and its output, widths 3C and C: one form).
+  // layernorms' outputs and the attention's (qkv and its output; widths C and 3C: one form).
   const double hf = static_cast<double>(k.hidden_bytes(N, 4 * C, prec)) / (4 * NC);
   const double ha = static_cast<double>(k.hidden_bytes(N, C, prec)) / NC;
   // What attention saves for its backward: the probabilities, or flash attention's statistics, output and bf16
@@ -316,31 +318,33 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   std::vector<OpRow> ops = {
       {"encoder fwd", 1, f * 3 * NC, 0,
        [&] { k.encoder_forward(x.f(), d_tokens.i(), wte.f(), wpe.f(), B, T, C, 0, V); }},
-      {"layernorm fwd", L + 1, f * (2 * NC + 2.0 * N),
-       0, [&] { k.layernorm_forward(y.f(), mean.f(), rstd.f(), x.f(), lnw.f(), lnb.f(), N, C); }},
-      // qkv written hidden.
-      {"matmul fwd qkv", L, f * (NC + 3.0 * C * C + 3 * C) + ha * 3 * NC, 2 * NC * 3 * C,
-       [&] { k.matmul_forward_to_hidden(qkv.f(), x.f(), w4.f(), b4.f(), N, C, 3 * C, prec); }},
+      // out written hidden.
+      {"layernorm fwd", L + 1, f * (NC + 2.0 * N) + ha * NC,
+       0, [&] { k.layernorm_forward(xh.f(), mean.f(), rstd.f(), x.f(), lnw.f(), lnb.f(), N, C, prec); }},
+      // inp read and qkv written hidden.
+      {"matmul fwd qkv", L, f * (3.0 * C * C + 3 * C) + ha * 4 * NC, 2 * NC * 3 * C,
+       [&] { k.matmul_forward_to_hidden(qkv.f(), xh.f(), w4.f(), b4.f(), N, C, 3 * C, prec); }},
       {"attention fwd", L, ha * 4 * NC + f * saved_att, 2 * att * (C / NH),
        [&] { k.attention_forward(atty.f(), attn.f(), qkv.f(), B, T, C, NH, prec); }},
       {"matmul fwd attproj", L, ha * NC + f * (1.0 * C * C + NC + C), 2 * NC * C,
        [&] { k.matmul_forward_hidden(y.f(), atty.f(), w4.f(), b4.f(), N, C, C, prec); }},
-      {"residual+layernorm fwd", L, f * (4 * NC + 2.0 * N), 0,
+      {"residual+layernorm fwd", L, f * (3 * NC + 2.0 * N) + ha * NC, 0,
        [&] {
-         k.residual_layernorm_forward(h4.f(), y.f(), mean.f(), rstd.f(), x.f(), dx.f(), lnw.f(), lnb.f(), N, C);
+         k.residual_layernorm_forward(h4.f(), xh.f(), mean.f(), rstd.f(), x.f(), dx.f(), lnw.f(), lnb.f(), N, C,
+                                      prec);
        }},
       {"residual fwd", L, f * 3 * NC, 0, [&] { k.residual_forward(y.f(), x.f(), dx.f(), size_t(NC)); }},
-      {"matmul+gelu fwd fc", L, f * (NC + 4.0 * C * C + 4 * C) + 2 * hf * 4 * NC, 2 * NC * 4 * C,
-       [&] { k.matmul_gelu_forward(dh4.f(), h4.f(), x.f(), w4.f(), b4.f(), N, C, 4 * C, prec); }},
+      {"matmul+gelu fwd fc", L, ha * NC + f * (4.0 * C * C + 4 * C) + 2 * hf * 4 * NC, 2 * NC * 4 * C,
+       [&] { k.matmul_gelu_forward(dh4.f(), h4.f(), xh.f(), w4.f(), b4.f(), N, C, 4 * C, prec); }},
       {"matmul fwd fcproj", L, hf * 4 * NC + f * (4.0 * C * C + NC + C), 2 * NC * 4 * C,
        [&] { k.matmul_forward_hidden(y.f(), h4.f(), w4.f(), b4.f(), N, 4 * C, C, prec); }},
-      {"classifier fwd", 1, f * (NC + double(V) * C) + logits_bytes + 12.0 * N, 2 * NC * V,
+      {"classifier fwd", 1, ha * NC + f * double(V) * C + logits_bytes + 12.0 * N, 2 * NC * V,
        [&] {
-         k.classifier_forward(logits.f(), losses.f(), lse.f(), x.f(), wte.f(), d_targets.i(), N, C, V, 0, prec);
+         k.classifier_forward(logits.f(), losses.f(), lse.f(), xh.f(), wte.f(), d_targets.i(), N, C, V, 0, prec);
        }},
-      {"classifier bwd", 1, f * (3 * NC + 3.0 * V * C) + 2 * logits_bytes + 8.0 * N, 4 * NC * V,
+      {"classifier bwd", 1, ha * NC + f * (2 * NC + 3.0 * V * C) + 2 * logits_bytes + 8.0 * N, 4 * NC * V,
        [&] {
-         k.classifier_backward(dx.f(), dwte.f(), logits.f(), lse.f(), d_targets.i(), dlosses.f(), x.f(), wte.f(), N,
+         k.classifier_backward(dx.f(), dwte.f(), logits.f(), lse.f(), d_targets.i(), dlosses.f(), xh.f(), wte.f(), N,
                                C, V, 0, prec);
        }},
       {"layernorm bwd", 2 * L + 1, f * 5 * NC, 0,
@@ -350,16 +354,17 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
        [&] {
          k.matmul_backward_gelu(dh4.f(), dw4.f(), db4.f(), y.f(), g4.f(), h4.f(), w4.f(), s4.f(), N, 4 * C, C, prec);
        }},
-      {"matmul bwd fc", L, hf * 4 * NC + f * (2 * NC + 12.0 * C * C + 8 * C), 4 * NC * 4 * C,
-       [&] { k.matmul_backward_set_hidden(dx.f(), dw4.f(), db4.f(), h4.f(), y.f(), w4.f(), N, C, 4 * C, prec); }},
+      // dout and inp read hidden.
+      {"matmul bwd fc", L, hf * 4 * NC + ha * NC + f * (NC + 12.0 * C * C + 8 * C), 4 * NC * 4 * C,
+       [&] { k.matmul_backward_set_hidden(dx.f(), dw4.f(), db4.f(), h4.f(), xh.f(), w4.f(), N, C, 4 * C, prec); }},
       // dout read; inp read and dinp written, hidden.
       {"matmul bwd attproj", L, f * (NC + 3.0 * C * C + 2 * C) + ha * 2 * NC, 4 * NC * C,
        [&] { k.matmul_backward_hidden(datty.f(), dw4.f(), db4.f(), y.f(), atty.f(), w4.f(), N, C, C, prec); }},
       {"attention bwd", L, att_bwd_bytes, 4 * att * (C / NH),
        [&] { k.attention_backward(dqkv.f(), datty.f(), qkv.f(), attn.f(), B, T, C, NH, prec); }},
-      // dout (dqkv) read hidden.
-      {"matmul bwd qkv", L, ha * 3 * NC + f * (2 * NC + 9.0 * C * C + 6 * C), 4 * NC * 3 * C,
-       [&] { k.matmul_backward_set_hidden(dx.f(), dw4.f(), db4.f(), dqkv.f(), x.f(), w4.f(), N, C, 3 * C, prec); }},
+      // dout (dqkv) and inp read hidden.
+      {"matmul bwd qkv", L, ha * 4 * NC + f * (NC + 9.0 * C * C + 6 * C), 4 * NC * 3 * C,
+       [&] { k.matmul_backward_set_hidden(dx.f(), dw4.f(), db4.f(), dqkv.f(), xh.f(), w4.f(), N, C, 3 * C, prec); }},
       {"encoder bwd", 1, f * 5 * NC, 0,
        [&] { k.encoder_backward(dwte.f(), dwpe.f(), dx.f(), d_tokens.i(), B, T, C, 0, V); }},
       {"adamw", 1, 28.0 * np, 0, [&] { k.adamw_update(p.f(), m.f(), v.f(), g.f(), np, hp); }},

@@ -274,6 +274,16 @@ Result<const float*> GPT2::gather_rows(const float* rows, size_t rows_floats) {
   return static_cast<const float*>(grads_.full);
 }
 
+Result<const void*> GPT2::gather_hidden_rows(const void* rows, int Nr, int width) {
+  if (!sp_) return rows;
+  const size_t n = static_cast<size_t>(Nr) * static_cast<size_t>(width), bytes = hidden_bytes(Nr, width);
+  STRATA_ASSERT_MSG(bytes == n * sizeof(float) || bytes == n * sizeof(uint16_t),
+                    "a hidden activation neither fp32 nor 16-bit cannot be gathered");
+  const DType dtype = bytes == n * sizeof(float) ? DType::kF32 : DType::kBF16;
+  STRATA_RETURN_IF_ERROR(tp_->all_gather(rows, grads_.full, n, dtype).with_context("sequence-parallel all-gather"));
+  return static_cast<const void*>(grads_.full);
+}
+
 Status GPT2::reduce_rows(float* partial, float* out, size_t rows_floats) {
   if (!sp_) {
     STRATA_ASSERT(partial == out);
@@ -342,27 +352,29 @@ Status GPT2::ensure_activations(int B, int T) {
   const size_t A = attn_width_, Vr = static_cast<size_t>(vocab_.count);
   const size_t att_floats = k_->attention_saved_floats(B, T, attn_width_, heads_, precision_);
   // The hidden activations (the MLP's, the attention's inputs and outputs) and their gradients, in whatever form
-  // the backend keeps them (kernels.h).
+  // the backend keeps them (kernels.h), B*T rows.
   auto hidden_floats_of = [&](size_t width) {
     return (hidden_bytes(static_cast<int>(BT), static_cast<int>(width)) + 3) / 4;
   };
   const size_t hidden_floats = hidden_floats_of(mlp_width_), atty_floats = hidden_floats_of(A);
   const size_t qkv_floats = hidden_floats_of(3 * A);
+  // The layernorms' outputs (this rank's rows), which feed only linears: hidden too.
+  const size_t ln_floats = (hidden_bytes(static_cast<int>(Nr), C) + 3) / 4;
   // The classifier's logits, in whatever form its backend keeps them (kernels.h).
   const size_t logits_floats =
       stage_.head ? (k_->classifier_logits_bytes(static_cast<int>(BT), static_cast<int>(Vr), precision_) + 3) / 4 : 0;
   // Sizes in floats, in the order of the Activations struct, then the per-block gradient scratch.
   const size_t sizes[] = {
       Nr * C,                                  // encoded
-      L * Nr * C, L * Nr, L * Nr,              // ln1, ln1_mean, ln1_rstd
+      L * ln_floats, L * Nr, L * Nr,           // ln1, ln1_mean, ln1_rstd
       L * qkv_floats,                          // qkv
       L * atty_floats,                         // atty
       L * att_floats,                          // att: what attention saves for backward
       L * Nr * C, L * Nr * C,                  // attproj, residual2
-      L * Nr * C, L * Nr, L * Nr,              // ln2, ln2_mean, ln2_rstd
+      L * ln_floats, L * Nr, L * Nr,           // ln2, ln2_mean, ln2_rstd
       L * hidden_floats, L * hidden_floats,    // fch, fch_gelu
       L * Nr * C, R * Nr * C,                  // fcproj, residual3
-      Nr * C, Nr, Nr,                          // lnf, lnf_mean, lnf_rstd
+      ln_floats, Nr, Nr,                       // lnf, lnf_mean, lnf_rstd
       logits_floats, BT, BT, BT,               // logits (the head's stage only), losses, lse, dlosses
       BT, BT,                                  // inputs, targets (int32, same size as float)
       Nr * C, BT * C, atty_floats, qkv_floats, hidden_floats, hidden_floats,  // dres, dln, datty, dqkv, dfch, dfch_gelu
@@ -432,7 +444,7 @@ Status GPT2::block_forward(int l, const float* params, const float* residual, in
   const size_t RC = static_cast<size_t>(Nr) * C;
   const BlockParams w = block_params(l, params);
   const size_t a = act_layer(l);
-  float* ln1 = acts_.ln1 + a * RC;
+  void* ln1 = hidden_layer(acts_.ln1, a, Nr, C);
   float* ln1_mean = acts_.ln1_mean + a * Nr;
   float* ln1_rstd = acts_.ln1_rstd + a * Nr;
   void* qkv = hidden_layer(acts_.qkv, a, N, 3 * A);
@@ -440,7 +452,7 @@ Status GPT2::block_forward(int l, const float* params, const float* residual, in
   float* att = acts_.att + a * k_->attention_saved_floats(B, T, A, NH, precision_);
   float* attproj = acts_.attproj + a * RC;
   float* residual2 = acts_.residual2 + a * RC;
-  float* ln2 = acts_.ln2 + a * RC;
+  void* ln2 = hidden_layer(acts_.ln2, a, Nr, C);
   float* ln2_mean = acts_.ln2_mean + a * Nr;
   float* ln2_rstd = acts_.ln2_rstd + a * Nr;
   void* fch = hidden_layer(acts_.fch, a, N);
@@ -449,15 +461,16 @@ Status GPT2::block_forward(int l, const float* params, const float* residual, in
   float* residual3 = block_output(l, RC);
   const bool adds_bias = tp_rank_ == 0;  // of the row-parallel linears
 
-  k_->layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, w.ln1w, w.ln1b, Nr, C);
-  STRATA_ASSIGN_OR_RETURN(const float* ln1_in, gather_rows(ln1, RC));
+  k_->layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, w.ln1w, w.ln1b, Nr, C, precision_);
+  STRATA_ASSIGN_OR_RETURN(const void* ln1_in, gather_hidden_rows(ln1, Nr, C));
   k_->matmul_forward_to_hidden(qkv, ln1_in, w.qkvw, w.qkvb, N, C, 3 * A, precision_);
   k_->attention_forward(atty, att, qkv, B, T, A, NH, precision_);
   float* partial = partial_for(attproj);
   k_->matmul_forward_hidden(partial, atty, w.attprojw, adds_bias ? w.attprojb : nullptr, N, A, C, precision_);
   STRATA_RETURN_IF_ERROR(reduce_rows(partial, attproj, RC));
-  k_->residual_layernorm_forward(residual2, ln2, ln2_mean, ln2_rstd, residual, attproj, w.ln2w, w.ln2b, Nr, C);
-  STRATA_ASSIGN_OR_RETURN(const float* ln2_in, gather_rows(ln2, RC));
+  k_->residual_layernorm_forward(residual2, ln2, ln2_mean, ln2_rstd, residual, attproj, w.ln2w, w.ln2b, Nr, C,
+                                 precision_);
+  STRATA_ASSIGN_OR_RETURN(const void* ln2_in, gather_hidden_rows(ln2, Nr, C));
   k_->matmul_gelu_forward(fch_gelu, fch, ln2_in, w.fcw, w.fcb, N, C, F, precision_);
   partial = partial_for(fcproj);
   k_->matmul_forward_hidden(partial, fch_gelu, w.fcprojw, adds_bias ? w.fcprojb : nullptr, N, F, C, precision_);
@@ -587,11 +600,12 @@ Status GPT2::forward_units(int B, int T, bool with_loss) {
   if (!stage_.head) return Status::ok();
   {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView lnf, acquire(L + 1, Pass::kForward));
-    k_->layernorm_forward(acts_.lnf, acts_.lnf_mean, acts_.lnf_rstd, residual, lnf.params, lnf.params + C, Nr, C);
+    k_->layernorm_forward(acts_.lnf, acts_.lnf_mean, acts_.lnf_rstd, residual, lnf.params, lnf.params + C, Nr, C,
+                          precision_);
     release(L + 1, Pass::kForward);
   }
   // The LM head is tied to the token embedding: the embedding unit's second use (this rank's vocabulary columns).
-  STRATA_ASSIGN_OR_RETURN(const float* lnf_in, gather_rows(acts_.lnf, RC));
+  STRATA_ASSIGN_OR_RETURN(const void* lnf_in, gather_hidden_rows(acts_.lnf, Nr, C));
   STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kForward));
   k_->classifier_forward(acts_.logits, acts_.losses, acts_.lse, lnf_in, emb.params,
                          with_loss ? acts_.targets : nullptr, N, C, static_cast<int>(vocab_.count),
@@ -612,14 +626,14 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
   const BlockParams w = block_params(l, unit.params);
   const BlockParams dw = block_params(l, unit.grads);
   const size_t a = act_layer(l);
-  const float* ln1 = acts_.ln1 + a * RC;
+  const void* ln1 = hidden_layer(acts_.ln1, a, Nr, C);
   const float* ln1_mean = acts_.ln1_mean + a * Nr;
   const float* ln1_rstd = acts_.ln1_rstd + a * Nr;
   const void* qkv = hidden_layer(acts_.qkv, a, N, 3 * A);
   const void* atty = hidden_layer(acts_.atty, a, N, A);
   const float* att = acts_.att + a * k_->attention_saved_floats(B, T, A, NH, precision_);
   const float* residual2 = acts_.residual2 + a * RC;
-  const float* ln2 = acts_.ln2 + a * RC;
+  const void* ln2 = hidden_layer(acts_.ln2, a, Nr, C);
   const float* ln2_mean = acts_.ln2_mean + a * Nr;
   const float* ln2_rstd = acts_.ln2_rstd + a * Nr;
   const void* fch = hidden_layer(acts_.fch, a, N);
@@ -636,7 +650,7 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
                              N, F, C, precision_);
   }
   {
-    STRATA_ASSIGN_OR_RETURN(const float* ln2_in, gather_rows(ln2, RC));
+    STRATA_ASSIGN_OR_RETURN(const void* ln2_in, gather_hidden_rows(ln2, Nr, C));
     k_->matmul_backward_set_hidden(grads_.dln, dw.fcw, dw.fcb, grads_.dfch, ln2_in, w.fcw, N, C, F, precision_);
   }
   STRATA_RETURN_IF_ERROR(reduce_rows(grads_.dln, dln_rows, RC));
@@ -649,7 +663,7 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
   }
   k_->attention_backward(grads_.dqkv, grads_.datty, qkv, att, B, T, A, NH, precision_);
   {
-    STRATA_ASSIGN_OR_RETURN(const float* ln1_in, gather_rows(ln1, RC));
+    STRATA_ASSIGN_OR_RETURN(const void* ln1_in, gather_hidden_rows(ln1, Nr, C));
     k_->matmul_backward_set_hidden(grads_.dln, dw.qkvw, dw.qkvb, grads_.dqkv, ln1_in, w.qkvw, N, C, 3 * A,
                                    precision_);
   }
@@ -685,7 +699,7 @@ Status GPT2::backward_stage(const float* dy, float loss_scale) {
   device_->zero(grads_.dres, sizeof(float) * RC);
   float* dln_rows = sp_ ? grads_.dln_rows : grads_.dln;
   {
-    STRATA_ASSIGN_OR_RETURN(const float* lnf_in, gather_rows(acts_.lnf, RC));
+    STRATA_ASSIGN_OR_RETURN(const void* lnf_in, gather_hidden_rows(acts_.lnf, Nr, C));
     STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kBackward));
     // In place: the logits become their gradient.
     k_->classifier_backward(grads_.dln, emb.grads, acts_.logits, acts_.lse, acts_.targets, acts_.dlosses, lnf_in,

@@ -266,6 +266,8 @@ class GPT2 {
   // The (B*T, C) input of a column-parallel linear from this rank's rows (`rows_floats` of them): the ranks'
   // rows gathered into the scratch grads_.full under sequence parallelism, else the rows themselves.
   Result<const float*> gather_rows(const float* rows, size_t rows_floats);
+  // The same for a hidden activation (kernels.h) of Nr rows and `width` columns, in the backend's form.
+  Result<const void*> gather_hidden_rows(const void* rows, int Nr, int width);
   // Where a row-parallel linear (or the embedding) writes its partial (B*T, C) sum that belongs in `out`:
   // grads_.full under sequence parallelism, else `out`.
   float* partial_for(float* out) const { return sp_ ? grads_.full : out; }
@@ -338,7 +340,7 @@ class GPT2 {
   // rank's rows only.
   struct Activations {
     float* encoded;    // (B,T,C)
-    float* ln1;        // (L,B,T,C)
+    float* ln1;        // (L,B,T,C) hidden
     float* ln1_mean;   // (L,B,T)
     float* ln1_rstd;   // (L,B,T)
     float* qkv;        // (L,B,T,3C) hidden
@@ -346,14 +348,14 @@ class GPT2 {
     float* att;        // (L,B,NH,T,T)
     float* attproj;    // (L,B,T,C)
     float* residual2;  // (L,B,T,C)
-    float* ln2;        // (L,B,T,C)
+    float* ln2;        // (L,B,T,C) hidden
     float* ln2_mean;   // (L,B,T)
     float* ln2_rstd;   // (L,B,T)
     float* fch;        // (L,B,T,4C) hidden (kernels.h: the backend's form; hidden_layer() finds a layer's)
     float* fch_gelu;   // (L,B,T,4C) hidden
     float* fcproj;     // (L,B,T,C)
     float* residual3;  // (L,B,T,C)
-    float* lnf;        // (B,T,C)
+    float* lnf;        // (B,T,C) hidden
     float* lnf_mean;   // (B,T)
     float* lnf_rstd;   // (B,T)
     float* logits;     // (B,T,V)

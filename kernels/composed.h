@@ -17,29 +17,37 @@ inline size_t composed_classifier_logits_bytes(int N, int V, MatmulPrecision /*p
 }
 
 template <auto MatmulForward, auto CrossEntropyForward>
-void composed_classifier_forward(void* logits, float* losses, float* lse, const float* inp, const float* weight,
+void composed_classifier_forward(void* logits, float* losses, float* lse, const void* inp, const float* weight,
                                  const int32_t* targets, int N, int C, int V, int vocab_start,
                                  MatmulPrecision precision) {
   float* out = static_cast<float*>(logits);
-  MatmulForward(out, inp, weight, nullptr, N, C, V, precision);
+  MatmulForward(out, static_cast<const float*>(inp), weight, nullptr, N, C, V, precision);
   if (targets != nullptr) CrossEntropyForward(losses, lse, out, targets, N, V, vocab_start);
 }
 
 template <auto MatmulBackward, auto CrossEntropyBackward>
 void composed_classifier_backward(float* dinp, float* dweight, void* logits, const float* lse,
-                                  const int32_t* targets, const float* dlosses, const float* inp, const float* weight,
+                                  const int32_t* targets, const float* dlosses, const void* inp, const float* weight,
                                   int N, int C, int V, int vocab_start, MatmulPrecision precision) {
   float* dlogits = static_cast<float*>(logits);  // in place
   CrossEntropyBackward(dlogits, dlogits, lse, targets, dlosses, N, V, vocab_start);
-  MatmulBackward(dinp, dweight, nullptr, dlogits, inp, weight, N, C, V, precision);
+  MatmulBackward(dinp, dweight, nullptr, dlogits, static_cast<const float*>(inp), weight, N, C, V, precision);
 }
 
-// The residual add, then the layernorm.
+// The layernorm into an fp32 hidden out (the backend's own fp32 layernorm).
+template <auto LayernormForward>
+void composed_layernorm_forward(void* out, float* mean, float* rstd, const float* inp, const float* weight,
+                                const float* bias, int N, int C, MatmulPrecision /*precision*/) {
+  LayernormForward(static_cast<float*>(out), mean, rstd, inp, weight, bias, N, C);
+}
+
+// The residual add, then the backend's own fp32 layernorm.
 template <auto ResidualForward, auto LayernormForward>
-void composed_residual_layernorm_forward(float* res, float* out, float* mean, float* rstd, const float* inp1,
-                                         const float* inp2, const float* weight, const float* bias, int N, int C) {
+void composed_residual_layernorm_forward(float* res, void* out, float* mean, float* rstd, const float* inp1,
+                                         const float* inp2, const float* weight, const float* bias, int N, int C,
+                                         MatmulPrecision /*precision*/) {
   ResidualForward(res, inp1, inp2, static_cast<size_t>(N) * static_cast<size_t>(C));
-  LayernormForward(out, mean, rstd, res, weight, bias, N, C);
+  LayernormForward(static_cast<float*>(out), mean, rstd, res, weight, bias, N, C);
 }
 
 // Hidden activations (kernels.h: the MLP's hidden units, the attention's inputs and outputs) kept as fp32
@@ -62,16 +70,16 @@ void composed_attention_backward(void* dqkv, const void* dout, const void* qkv, 
 }
 
 template <auto MatmulForward>
-void composed_matmul_forward_to_hidden(void* out, const float* inp, const float* weight, const float* bias, int N,
+void composed_matmul_forward_to_hidden(void* out, const void* inp, const float* weight, const float* bias, int N,
                                        int C, int OC, MatmulPrecision precision) {
-  MatmulForward(static_cast<float*>(out), inp, weight, bias, N, C, OC, precision);
+  MatmulForward(static_cast<float*>(out), static_cast<const float*>(inp), weight, bias, N, C, OC, precision);
 }
 
 // The MLP's first linear, then its GELU.
 template <auto MatmulForward, auto GeluForward>
-void composed_matmul_gelu_forward(void* out, void* pre, const float* inp, const float* weight, const float* bias,
+void composed_matmul_gelu_forward(void* out, void* pre, const void* inp, const float* weight, const float* bias,
                                   int N, int C, int OC, MatmulPrecision precision) {
-  MatmulForward(static_cast<float*>(pre), inp, weight, bias, N, C, OC, precision);
+  MatmulForward(static_cast<float*>(pre), static_cast<const float*>(inp), weight, bias, N, C, OC, precision);
   GeluForward(static_cast<float*>(out), static_cast<const float*>(pre),
               static_cast<size_t>(N) * static_cast<size_t>(OC));
 }
@@ -107,9 +115,10 @@ void composed_matmul_backward_set(float* dinp, float* dweight, float* dbias, con
 
 template <auto MatmulBackwardSet>
 void composed_matmul_backward_set_hidden(float* dinp, float* dweight, float* dbias, const void* dout,
-                                         const float* inp, const float* weight, int N, int C, int OC,
+                                         const void* inp, const float* weight, int N, int C, int OC,
                                          MatmulPrecision precision) {
-  MatmulBackwardSet(dinp, dweight, dbias, static_cast<const float*>(dout), inp, weight, N, C, OC, precision);
+  MatmulBackwardSet(dinp, dweight, dbias, static_cast<const float*>(dout), static_cast<const float*>(inp), weight, N,
+                    C, OC, precision);
 }
 
 template <auto MatmulBackwardSet>

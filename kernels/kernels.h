@@ -45,9 +45,10 @@ struct KernelSet {
   void (*encoder_backward)(float* dwte, float* dwpe, const float* dout, const int32_t* inp, int B, int T, int C,
                            int vocab_start, int vocab_rows);
 
-  // out (N,C) = (inp - mean) * rstd * weight + bias; saves mean (N) and rstd (N). eps = 1e-5.
-  void (*layernorm_forward)(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                            const float* bias, int N, int C);
+  // out (N,C) = (inp - mean) * rstd * weight + bias; saves mean (N) and rstd (N). eps = 1e-5. out is hidden
+  // (hidden_bytes, below: it only feeds linears), in the form `precision` gives it.
+  void (*layernorm_forward)(void* out, float* mean, float* rstd, const float* inp, const float* weight,
+                            const float* bias, int N, int C, MatmulPrecision precision);
   // dinp (N,C), dweight (C), dbias (C) +=.
   void (*layernorm_backward)(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                              const float* weight, const float* mean, const float* rstd, int N, int C);
@@ -55,8 +56,9 @@ struct KernelSet {
   // The residual add and the layernorm after it, fused where a backend can: res (N,C) = inp1 + inp2, then
   // layernorm_forward of res into out, mean and rstd. (Its backward is layernorm_backward's: the add passes the
   // gradient through.)
-  void (*residual_layernorm_forward)(float* res, float* out, float* mean, float* rstd, const float* inp1,
-                                     const float* inp2, const float* weight, const float* bias, int N, int C);
+  void (*residual_layernorm_forward)(float* res, void* out, float* mean, float* rstd, const float* inp1,
+                                     const float* inp2, const float* weight, const float* bias, int N, int C,
+                                     MatmulPrecision precision);
 
   // out (N,OC) = inp (N,C) @ weight(OC,C)^T + bias (OC); bias may be null.
   void (*matmul_forward)(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
@@ -70,11 +72,12 @@ struct KernelSet {
   void (*matmul_backward_set)(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                               const float* weight, int N, int C, int OC, MatmulPrecision precision);
 
-  // Activations that pass only between two of the backend's own slots — the MLP's hidden units (pre (N,F),
-  // gelu(pre) and their gradients) and the attention's inputs and outputs (qkv (N,3C), out (N,C) and their
-  // gradients) — are kept in a form only those slots interpret, in buffers of hidden_bytes(N, width, precision)
-  // each: fp32 (N,width) on the CPU backends; CUDA keeps them in bf16 under kBF16 where width is a multiple of 8
-  // (as PyTorch's autocast does), so the matmuls on either side write and read them without conversion passes.
+  // Activations that pass only between two of the backend's own slots — every linear's input (the layernorms'
+  // outputs, the attention's output, gelu(pre)), the MLP's hidden units (pre (N,F) and its gradient) and the
+  // attention's qkv (N,3C), and their gradients where a slot says so — are kept in a form only those slots
+  // interpret, in buffers of hidden_bytes(N, width, precision) each: fp32 (N,width) on the CPU backends; CUDA
+  // keeps them in bf16 under kBF16 where width is a multiple of 8 (as PyTorch's autocast does), so the matmuls on
+  // either side write and read them without conversion passes.
   size_t (*hidden_bytes)(int N, int width, MatmulPrecision precision);
 
   // Causal multi-head self-attention. qkv (B,T,3C) holds q,k,v side by side, each split into NH heads of C/NH;
@@ -94,22 +97,23 @@ struct KernelSet {
   // output and the bf16 q, k, v its backward takes again), and then `att` holds those instead of probabilities.
   size_t (*attention_saved_floats)(int B, int T, int C, int NH, MatmulPrecision precision);
 
-  // The linears on either side of a hidden activation: matmul_forward or matmul_backward_set with the side named
-  // below in the hidden form; weights, biases and their gradients fp32, shapes as there ((N,C) -> (N,OC)), dinp
-  // OVERWRITTEN, dweight and dbias +=.
+  // The linears, whose inputs are hidden: matmul_forward or matmul_backward_set with inp and the other sides
+  // named below in the hidden form; weights, biases and their gradients fp32, shapes as there ((N,C) -> (N,OC)),
+  // dinp OVERWRITTEN, dweight and dbias +=.
   //
-  // out hidden (N,OC): the QKV linear.
-  void (*matmul_forward_to_hidden)(void* out, const float* inp, const float* weight, const float* bias, int N, int C,
+  // out hidden (N,OC) too: the QKV linear.
+  void (*matmul_forward_to_hidden)(void* out, const void* inp, const float* weight, const float* bias, int N, int C,
                                    int OC, MatmulPrecision precision);
   // inp and dinp hidden (N,C): the attention's output linear's backward (its forward is matmul_forward_hidden).
   void (*matmul_backward_hidden)(void* dinp, float* dweight, float* dbias, const float* dout, const void* inp,
                                  const float* weight, int N, int C, int OC, MatmulPrecision precision);
   // The MLP's first linear and its GELU, fused where a backend can (CUDA under kBF16: cuBLASLt's GELU epilogue):
   // pre (N,OC) = inp (N,C) @ weight (OC,C)^T + bias (OC; may be null), out (N,OC) = gelu(pre), pre kept for the
-  // backward; out and pre hidden (OC = F).
-  void (*matmul_gelu_forward)(void* out, void* pre, const float* inp, const float* weight, const float* bias,
+  // backward; inp, out and pre hidden (OC = F).
+  void (*matmul_gelu_forward)(void* out, void* pre, const void* inp, const float* weight, const float* bias,
                               int N, int C, int OC, MatmulPrecision precision);
-  // The MLP's second linear and the attention's output linear: matmul_forward from a hidden inp (N,C).
+  // The MLP's second linear and the attention's output linear: out (N,OC) fp32 (a partial sum of the residual
+  // stream).
   void (*matmul_forward_hidden)(float* out, const void* inp, const float* weight, const float* bias, int N, int C,
                                 int OC, MatmulPrecision precision);
   // The backward of a linear whose input was gelu(pre) (the MLP's second linear), through the GELU:
@@ -119,8 +123,9 @@ struct KernelSet {
   void (*matmul_backward_gelu)(void* dpre, float* dweight, float* dbias, const float* dout, const void* inp,
                                const void* pre, const float* weight, void* scratch, int N, int C, int OC,
                                MatmulPrecision precision);
-  // The MLP's first linear's and the QKV linear's backward: matmul_backward_set from a hidden dout (N,OC).
-  void (*matmul_backward_set_hidden)(float* dinp, float* dweight, float* dbias, const void* dout, const float* inp,
+  // The MLP's first linear's and the QKV linear's backward: dout (N,OC) hidden too, dinp (N,C) fp32 (the
+  // layernorm's output gradient).
+  void (*matmul_backward_set_hidden)(float* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
                                      const float* weight, int N, int C, int OC, MatmulPrecision precision);
 
   // GELU, tanh approximation (GPT-2's). out (N) = gelu(inp).
@@ -146,17 +151,17 @@ struct KernelSet {
   void (*softmax_crossentropy_backward)(float* dlogits, const float* logits, const float* lse,
                                         const int32_t* targets, const float* dlosses, int N, int V, int vocab_start);
 
-  // The LM head and its loss, the classifier: logits (N,V) = inp (N,C) @ weight (V,C)^T, kept in `logits`, a
+  // The LM head and its loss, the classifier: logits (N,V) = inp (N,C; hidden) @ weight (V,C)^T, kept in `logits`, a
   // buffer of classifier_logits_bytes(N, V, precision) that only these slots interpret — fp32 (N,V) on the CPU
   // backends; CUDA keeps them in bf16 under kBF16, as PyTorch's autocast does, so the fp32 logits never exist —
   // then, where targets is non-null, softmax_crossentropy_forward's losses and lse over them (V and vocab_start
   // as there: a slice of the vocabulary under tensor parallelism).
-  void (*classifier_forward)(void* logits, float* losses, float* lse, const float* inp, const float* weight,
+  void (*classifier_forward)(void* logits, float* losses, float* lse, const void* inp, const float* weight,
                              const int32_t* targets, int N, int C, int V, int vocab_start, MatmulPrecision precision);
   // softmax_crossentropy_backward with this lse into the logits, which it OVERWRITES, then matmul_backward's
   // dinp (N,C) += and dweight (V,C) +=.
   void (*classifier_backward)(float* dinp, float* dweight, void* logits, const float* lse, const int32_t* targets,
-                              const float* dlosses, const float* inp, const float* weight, int N, int C, int V,
+                              const float* dlosses, const void* inp, const float* weight, int N, int C, int V,
                               int vocab_start, MatmulPrecision precision);
   size_t (*classifier_logits_bytes)(int N, int V, MatmulPrecision precision);
 

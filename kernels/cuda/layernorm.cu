@@ -1,10 +1,13 @@
 // layernorm.cu — layernorm forward (also fused with the residual add before it) and backward, one warp per row
-// (torch.nn.LayerNorm: biased variance, eps 1e-5 inside the square root). The weight and bias gradients are
+// (torch.nn.LayerNorm: biased variance, eps 1e-5 inside the square root). The forward's output only feeds
+// linears: it is hidden (kernels.h), bf16 under bf16 where C is a multiple of 8. The weight and bias gradients are
 // column sums over rows, in an order fixed by the shapes: at widths that are a multiple of 4 up to 1024 the
 // backward is one pass that sums them as it goes (layernorm_backward_fused_kernel), else the dinp kernel and
 // the two-pass reduction of reduce.cuh.
 #include <cstdint>
 #include <initializer_list>
+
+#include <cuda_bf16.h>
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_context.h"
@@ -16,11 +19,14 @@ namespace {
 
 constexpr int kRowsPerBlock = 8;  // warps per block
 
+__device__ __forceinline__ void store(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+
 // kResidual: the row is inp + inp2, written to `res` as it is summed; the two later passes read back only what
 // the same thread wrote there (residual_layernorm_forward: one kernel instead of an add and a layernorm, the sum
-// read once from memory instead of twice, with the same arithmetic).
-template <bool kResidual>
-__global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, float* res, const float* inp,
+// read once from memory instead of twice, with the same arithmetic). Out (hidden) as E: fp32, or bf16.
+template <bool kResidual, typename E>
+__global__ void layernorm_forward_kernel(E* out, float* mean, float* rstd, float* res, const float* inp,
                                          const float* inp2, const float* weight, const float* bias, int N, int C) {
   const int n = blockIdx.x * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -44,8 +50,8 @@ __global__ void layernorm_forward_kernel(float* out, float* mean, float* rstd, f
     v += d * d;
   }
   const float r = 1.0f / sqrtf(warp_sum(v) / C + 1e-5f);
-  float* o = out + static_cast<size_t>(n) * C;
-  for (int i = lane; i < C; i += 32) o[i] = r * (x[i] - m) * weight[i] + bias[i];
+  E* o = out + static_cast<size_t>(n) * C;
+  for (int i = lane; i < C; i += 32) store(o + i, r * (x[i] - m) * weight[i] + bias[i]);
   if (lane == 0) {
     mean[n] = m;
     rstd[n] = r;
@@ -210,22 +216,35 @@ struct LayernormParamGrads {
 
 }  // namespace
 
-void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
-                       int N, int C) {
+namespace {
+
+// The layernorm's out (hidden) in its form: bf16 where hidden_bf16 says, else fp32.
+template <bool kResidual>
+void launch_layernorm_forward(void* out, float* mean, float* rstd, float* res, const float* inp, const float* inp2,
+                              const float* weight, const float* bias, int N, int C, MatmulPrecision precision) {
   if (N <= 0) return;
   const unsigned blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
-  layernorm_forward_kernel<false><<<blocks, 32 * kRowsPerBlock, 0, cuda_context().compute>>>(
-      out, mean, rstd, nullptr, inp, nullptr, weight, bias, N, C);
+  const cudaStream_t s = cuda_context().compute;
+  if (hidden_bf16(C, precision))
+    layernorm_forward_kernel<kResidual><<<blocks, 32 * kRowsPerBlock, 0, s>>>(
+        static_cast<__nv_bfloat16*>(out), mean, rstd, res, inp, inp2, weight, bias, N, C);
+  else
+    layernorm_forward_kernel<kResidual><<<blocks, 32 * kRowsPerBlock, 0, s>>>(static_cast<float*>(out), mean, rstd,
+                                                                               res, inp, inp2, weight, bias, N, C);
   CUDA_CHECK_LAUNCH();
 }
 
-void residual_layernorm_forward(float* res, float* out, float* mean, float* rstd, const float* inp1,
-                                const float* inp2, const float* weight, const float* bias, int N, int C) {
-  if (N <= 0) return;
-  const unsigned blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
-  layernorm_forward_kernel<true><<<blocks, 32 * kRowsPerBlock, 0, cuda_context().compute>>>(
-      out, mean, rstd, res, inp1, inp2, weight, bias, N, C);
-  CUDA_CHECK_LAUNCH();
+}  // namespace
+
+void layernorm_forward(void* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+                       int N, int C, MatmulPrecision precision) {
+  launch_layernorm_forward<false>(out, mean, rstd, nullptr, inp, nullptr, weight, bias, N, C, precision);
+}
+
+void residual_layernorm_forward(float* res, void* out, float* mean, float* rstd, const float* inp1,
+                                const float* inp2, const float* weight, const float* bias, int N, int C,
+                                MatmulPrecision precision) {
+  launch_layernorm_forward<true>(out, mean, rstd, res, inp1, inp2, weight, bias, N, C, precision);
 }
 
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,

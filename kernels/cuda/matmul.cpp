@@ -10,10 +10,11 @@
 // (its bias rounded to bf16, D's type, as autocast rounds it), the second reads gelu(pre) as it is, its input
 // gradient comes out as gelu'(pre) * (dout @ W) in bf16 through DGELU, and the first linear's backward reads
 // that; where cuBLASLt declines an epilogue, the GEMM and a bf16 GELU kernel. No conversion pass and no fp32
-// copy of the widest activations. The attention's activations are bf16 the same way: the QKV linear writes qkv
-// (N,3C) in bf16 (its bias rounded too), the output linear reads the attention's bf16 output and writes its
-// input gradient in bf16 for the attention's backward, whose bf16 dqkv the QKV linear's backward reads. The
-// classifier's GEMMs write and read bf16 logits (classifier.cu).
+// copy of the widest activations. Every linear's input is hidden the same way (the layernorms write theirs in
+// bf16), and so are the attention's: the QKV linear writes qkv (N,3C) in bf16 (its bias rounded too), the output
+// linear reads the attention's bf16 output and writes its input gradient in bf16 for the attention's backward,
+// whose bf16 dqkv the QKV linear's backward reads. The classifier's GEMMs write and read bf16 logits
+// (classifier.cu).
 //
 // Each distinct problem (shapes, operations, types, pointer alignments) is planned once: descriptors and the
 // heuristic's best algorithms (up to 4, the next taken where cublasLtMatmul refuses one) are cached, so a
@@ -285,8 +286,18 @@ Operand operand(const float* x, int rows, int cols, MatmulPrecision precision, b
 cudaDataType_t ab_type(MatmulPrecision precision) {
   return precision == MatmulPrecision::kF32 ? CUDA_R_32F : CUDA_R_16BF;
 }
+// A hidden activation (kernels.h) as an operand: its bf16 rows as they are, or its fp32 ones as `operand` takes
+// them (rounded to bf16 under kBF16 where the width keeps them fp32).
+Operand hidden_operand(const void* x, int rows, int cols, MatmulPrecision precision) {
+  if (hidden_bf16(cols, precision)) return {DeviceScratch(), x, cols};
+  return operand(static_cast<const float*>(x), rows, cols, precision);
+}
 
 }  // namespace
+
+bool hidden_bf16(int width, MatmulPrecision precision) {
+  return precision == MatmulPrecision::kBF16 && width % kBf16RowAlign == 0;
+}
 
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC,
                     MatmulPrecision precision) {
@@ -308,35 +319,30 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
 
 namespace {
 
-// dinp_beta: 1 adds into dinp (matmul_backward), 0 overwrites it (matmul_backward_set).
-void backward(float* dinp, float dinp_beta, float* dweight, float* dbias, const float* dout, const float* inp,
-              const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+// A linear's two backward GEMMs from its output gradient and input as operands (`operand`, `hidden_operand`;
+// under bf16 dy's rows padded with zeros to a multiple of 8, dy.ld): dinp (N,C) = dout @ W + dinp_beta * dinp
+// (1 adds into dinp, 0 overwrites it), the padding columns meeting zero weight rows; dweight (OC,C) +=
+// dout^T @ inp, the first OC of each row.
+void backward_gemms(float* dinp, float dinp_beta, float* dweight, const Operand& dy, const Operand& x,
+                    const float* weight, int N, int C, int OC, MatmulPrecision precision) {
   const bool bf16 = precision == MatmulPrecision::kBF16;
-  const Operand dy = operand(dout, N, OC, precision);  // bf16: columns padded with zeros to dy.ld
   const Operand w = operand(weight, OC, C, precision, bf16);  // bf16: zero rows up to a multiple of 8
-  const Operand x = operand(inp, N, C, precision);
   const cudaDataType_t t = ab_type(precision);
   // dinp^T (C,N) = W (C,OC) @ dout^T (OC,N) + beta * dinp^T, the inner dimension rounded up over the zero
   // padding in bf16.
   const int k = bf16 ? round_up(OC, kBf16RowAlign) : OC;
+  STRATA_ASSERT_MSG(!bf16 || dy.ld == k, "bf16 gradient rows must be padded to a multiple of 8");
   run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_N, C, N, k, w.ptr, w.ld, dy.ptr, dy.ld, dinp, C, dinp_beta, nullptr, t});
   // dweight^T (C,OC) += inp^T (C,N) @ dout (N,OC)
   run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x.ptr, x.ld, dy.ptr, dy.ld, dweight, C, 1.0f, nullptr, t});
-  if (dbias != nullptr) column_sums_accumulate(dbias, dout, N, OC);
 }
 
-// A linear's backward from a bf16 output gradient whose rows are padded with zeros to ld_dout (a multiple of 8):
-// dinp (N,C) = dout @ W + dinp_beta * dinp, the padding columns meeting zero weight rows; dweight (OC,C) +=
-// dout^T @ inp, the first OC of each row.
-void backward_from_bf16(float* dinp, float dinp_beta, float* dweight, const uint16_t* dout, int ld_dout,
-                        const float* inp, const float* weight, int N, int C, int OC) {
-  STRATA_ASSERT_MSG(ld_dout == round_up(OC, kBf16RowAlign), "bf16 gradient rows must be padded to a multiple of 8");
-  const Operand w = operand(weight, OC, C, MatmulPrecision::kBF16, /*pad_rows=*/true);
-  const Operand x = operand(inp, N, C, MatmulPrecision::kBF16);
-  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_N, C, N, ld_dout, w.ptr, w.ld, dout, ld_dout, dinp, C, dinp_beta, nullptr,
-                 CUDA_R_16BF});
-  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x.ptr, x.ld, dout, ld_dout, dweight, C, 1.0f, nullptr,
-                 CUDA_R_16BF});
+// From fp32 dout and inp; dbias += column sums of dout.
+void backward(float* dinp, float dinp_beta, float* dweight, float* dbias, const float* dout, const float* inp,
+              const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+  backward_gemms(dinp, dinp_beta, dweight, operand(dout, N, OC, precision), operand(inp, N, C, precision), weight, N,
+                 C, OC, precision);
+  if (dbias != nullptr) column_sums_accumulate(dbias, dout, N, OC);
 }
 
 // The same GEMM with no GELU epilogue, writing D to `d` instead: what a declined epilogue falls back on.
@@ -356,14 +362,14 @@ DeviceScratch bias_in_bf16(const float* bias, int OC) {
   return b;
 }
 
-// A linear whose output is hidden in bf16 (OC a multiple of 8): out (N,OC) = inp @ W^T + bias in bf16, the bias
-// rounded to bf16 too (D's type) — or, where `pre` is given, pre = that and out = gelu(pre), both bf16: cuBLASLt's
-// GELU_AUX_BIAS epilogue (the aux matrix takes D's type), or the GEMM into pre and the GELU kernel where it
-// declines.
-void forward_into_bf16(void* out, void* pre, const float* inp, const float* weight, const float* bias, int N, int C,
+// A linear whose output is hidden in bf16 (OC a multiple of 8), from a hidden inp: out (N,OC) = inp @ W^T + bias
+// in bf16, the bias rounded to bf16 too (D's type) — or, where `pre` is given, pre = that and out = gelu(pre),
+// both bf16: cuBLASLt's GELU_AUX_BIAS epilogue (the aux matrix takes D's type), or the GEMM into pre and the GELU
+// kernel where it declines.
+void forward_into_bf16(void* out, void* pre, const void* inp, const float* weight, const float* bias, int N, int C,
                        int OC) {
   const Operand w = operand(weight, OC, C, MatmulPrecision::kBF16);
-  const Operand x = operand(inp, N, C, MatmulPrecision::kBF16);
+  const Operand x = hidden_operand(inp, N, C, MatmulPrecision::kBF16);
   const DeviceScratch bias16 = bias_in_bf16(bias, OC);
   // out^T (OC,N) = [gelu](W (C,OC)^T @ inp^T (C,N) + bias), in bf16.
   Gemm g{CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, w.ptr, w.ld, x.ptr, x.ld, out, OC, 0.0f,
@@ -419,10 +425,6 @@ void backward_into_bf16(void* dinp, float* dweight, float* dbias, const float* d
 
 }  // namespace
 
-bool hidden_bf16(int width, MatmulPrecision precision) {
-  return precision == MatmulPrecision::kBF16 && width % kBf16RowAlign == 0;
-}
-
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int N, int C, int OC, MatmulPrecision precision) {
   backward(dinp, 1.0f, dweight, dbias, dout, inp, weight, N, C, OC, precision);
@@ -437,10 +439,10 @@ size_t hidden_bytes(int N, int F, MatmulPrecision precision) {
   return static_cast<size_t>(N) * static_cast<size_t>(F) * (hidden_bf16(F, precision) ? sizeof(uint16_t) : 4);
 }
 
-void matmul_gelu_forward(void* out, void* pre, const float* inp, const float* weight, const float* bias, int N,
+void matmul_gelu_forward(void* out, void* pre, const void* inp, const float* weight, const float* bias, int N,
                          int C, int OC, MatmulPrecision precision) {
   if (!hidden_bf16(OC, precision)) {
-    matmul_forward(static_cast<float*>(pre), inp, weight, bias, N, C, OC, precision);
+    matmul_forward_hidden(static_cast<float*>(pre), inp, weight, bias, N, C, OC, precision);
     gelu_forward(static_cast<float*>(out), static_cast<const float*>(pre),
                  static_cast<size_t>(N) * static_cast<size_t>(OC));
     return;
@@ -448,10 +450,10 @@ void matmul_gelu_forward(void* out, void* pre, const float* inp, const float* we
   forward_into_bf16(out, pre, inp, weight, bias, N, C, OC);
 }
 
-void matmul_forward_to_hidden(void* out, const float* inp, const float* weight, const float* bias, int N, int C,
+void matmul_forward_to_hidden(void* out, const void* inp, const float* weight, const float* bias, int N, int C,
                               int OC, MatmulPrecision precision) {
   if (!hidden_bf16(OC, precision)) {
-    matmul_forward(static_cast<float*>(out), inp, weight, bias, N, C, OC, precision);
+    matmul_forward_hidden(static_cast<float*>(out), inp, weight, bias, N, C, OC, precision);
     return;
   }
   forward_into_bf16(out, /*pre=*/nullptr, inp, weight, bias, N, C, OC);
@@ -459,13 +461,11 @@ void matmul_forward_to_hidden(void* out, const float* inp, const float* weight, 
 
 void matmul_forward_hidden(float* out, const void* inp, const float* weight, const float* bias, int N, int C, int OC,
                            MatmulPrecision precision) {
-  if (!hidden_bf16(C, precision)) {
-    matmul_forward(out, static_cast<const float*>(inp), weight, bias, N, C, OC, precision);
-    return;
-  }
-  // out^T (OC,N) = W (C,OC)^T @ inp^T (C,N), inp already bf16 with rows of C.
   const Operand w = operand(weight, OC, C, precision);
-  run_plain(Gemm{CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, w.ptr, w.ld, inp, C, out, OC, 0.0f, bias, CUDA_R_16BF});
+  const Operand x = hidden_operand(inp, N, C, precision);
+  // out^T (OC,N) = W (C,OC)^T @ inp^T (C,N) + bias
+  run_plain(
+      Gemm{CUBLAS_OP_T, CUBLAS_OP_N, OC, N, C, w.ptr, w.ld, x.ptr, x.ld, out, OC, 0.0f, bias, ab_type(precision)});
 }
 
 void matmul_backward_gelu(void* dpre, float* dweight, float* dbias, const float* dout, const void* inp,
@@ -492,31 +492,31 @@ void matmul_backward_hidden(void* dinp, float* dweight, float* dbias, const floa
   backward_into_bf16(dinp, dweight, dbias, dout, inp, weight, /*pre=*/nullptr, /*scratch=*/nullptr, N, C, OC);
 }
 
-void matmul_backward_set_hidden(float* dinp, float* dweight, float* dbias, const void* dout, const float* inp,
+void matmul_backward_set_hidden(float* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
                                 const float* weight, int N, int C, int OC, MatmulPrecision precision) {
-  if (!hidden_bf16(OC, precision)) {
-    matmul_backward_set(dinp, dweight, dbias, static_cast<const float*>(dout), inp, weight, N, C, OC, precision);
-    return;
-  }
-  // dout already bf16 with rows of OC, a multiple of 8 (no padding).
-  backward_from_bf16(dinp, 0.0f, dweight, static_cast<const uint16_t*>(dout), OC, inp, weight, N, C, OC);
-  if (dbias != nullptr) column_sums_accumulate_bf16(dbias, static_cast<const uint16_t*>(dout), N, OC);
+  backward_gemms(dinp, 0.0f, dweight, hidden_operand(dout, N, OC, precision), hidden_operand(inp, N, C, precision),
+                 weight, N, C, OC, precision);
+  if (dbias == nullptr) return;
+  if (hidden_bf16(OC, precision))
+    column_sums_accumulate_bf16(dbias, static_cast<const uint16_t*>(dout), N, OC);
+  else
+    column_sums_accumulate(dbias, static_cast<const float*>(dout), N, OC);
 }
 
-void matmul_forward_bf16_out(uint16_t* out, int ld_out, const float* inp, const float* weight, int N, int C,
-                             int OC) {
+void matmul_forward_bf16_out(uint16_t* out, int ld_out, const void* inp, const float* weight, int N, int C, int OC) {
   STRATA_ASSERT_MSG(ld_out == round_up(OC, kBf16RowAlign), "bf16 output rows must be padded to a multiple of 8");
   // Zero weight rows up to ld_out make the padding columns 0.
   const Operand w = operand(weight, OC, C, MatmulPrecision::kBF16, /*pad_rows=*/true);
-  const Operand x = operand(inp, N, C, MatmulPrecision::kBF16);
+  const Operand x = hidden_operand(inp, N, C, MatmulPrecision::kBF16);
   Gemm g{CUBLAS_OP_T, CUBLAS_OP_N, ld_out, N, C, w.ptr, w.ld, x.ptr, x.ld, out, ld_out, 0.0f, nullptr, CUDA_R_16BF};
   g.d_type = CUDA_R_16BF;
   run_plain(g);
 }
 
-void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout, int ld_dout, const float* inp,
+void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout, int ld_dout, const void* inp,
                                const float* weight, int N, int C, int OC) {
-  backward_from_bf16(dinp, 1.0f, dweight, dout, ld_dout, inp, weight, N, C, OC);
+  backward_gemms(dinp, 1.0f, dweight, Operand{DeviceScratch(), dout, ld_dout},
+                 hidden_operand(inp, N, C, MatmulPrecision::kBF16), weight, N, C, OC, MatmulPrecision::kBF16);
 }
 
 MatmulEpilogueCounts matmul_epilogue_counts() { return epilogue_counts; }

@@ -88,6 +88,20 @@ class CudaOpsTest : public ::testing::Test {
   const KernelSet& k = cuda_kernels();
 };
 
+// Hidden activations (kernels.h) on the device and back, defined with the MLP's checks below.
+bool hidden_is_bf16(const KernelSet& k, int N, int F, MatmulPrecision p);
+Dev<float> hidden_on_device(const KernelSet& k, const std::vector<float>& v, int N, int F, MatmulPrecision p,
+                            int shift = 0);
+std::vector<float> hidden_to_host(const KernelSet& k, const Dev<float>& d, int N, int F, MatmulPrecision p,
+                                  int shift = 0);
+Dev<float> hidden_poisoned(const KernelSet& k, int N, int F, MatmulPrecision p, int shift = 0);
+// v as the backend holds it in the hidden form: rounded to bf16 where that is bf16.
+std::vector<double> held(const std::vector<float>& v, bool bf16) {
+  std::vector<double> d(v.size());
+  for (size_t i = 0; i < v.size(); ++i) d[i] = bf16 ? bf16_to_f32(f32_to_bf16(v[i])) : v[i];
+  return d;
+}
+
 // The whole table, and a slice of its rows without wpe (tensor parallelism's vocab-parallel embedding: tokens
 // outside the slice add nothing).
 TEST_F(CudaOpsTest, Encoder) {
@@ -137,7 +151,8 @@ TEST_F(CudaOpsTest, Layernorm) {
     Dev<float> g_inp(inp), g_w(weight), g_b(bias), g_dout(dout), g_dinp(dinp0), g_dw(dweight0), g_db(dbias0);
     auto g_out = Dev<float>::poisoned(inp.size());
     auto g_mean = Dev<float>::poisoned(N), g_rstd = Dev<float>::poisoned(N);
-    k.layernorm_forward(g_out.get(), g_mean.get(), g_rstd.get(), g_inp.get(), g_w.get(), g_b.get(), N, C);
+    k.layernorm_forward(g_out.get(), g_mean.get(), g_rstd.get(), g_inp.get(), g_w.get(), g_b.get(), N, C,
+                        MatmulPrecision::kF32);
     k.layernorm_backward(g_dinp.get(), g_dw.get(), g_db.get(), g_dout.get(), g_inp.get(), g_w.get(), g_mean.get(),
                          g_rstd.get(), N, C);
     // Normalized values are O(1) with an O(C)-term mean and variance behind them.
@@ -147,6 +162,14 @@ TEST_F(CudaOpsTest, Layernorm) {
     EXPECT_TRUE(all_close(g_dinp.download(), dinp, accum_atol(C), kRtol, "dinp"));
     EXPECT_TRUE(all_close(g_dw.download(), dweight, 4 * accum_atol(N), kRtol, "dweight"));
     EXPECT_TRUE(all_close(g_db.download(), dbias, accum_atol(N), kRtol, "dbias"));
+    // Under bf16 the output is hidden, the linears' input: bf16 at widths that are a multiple of 8 (one more
+    // rounding, 2^-8 relative), else fp32.
+    const MatmulPrecision bf16 = MatmulPrecision::kBF16;
+    auto g_out16 = hidden_poisoned(k, N, C, bf16);
+    k.layernorm_forward(g_out16.get(), g_mean.get(), g_rstd.get(), g_inp.get(), g_w.get(), g_b.get(), N, C, bf16);
+    const double hidden_rtol = hidden_is_bf16(k, N, C, bf16) ? 1.0 / 128 : 0.0;
+    EXPECT_EQ(hidden_is_bf16(k, N, C, bf16), C % 8 == 0);
+    EXPECT_TRUE(all_close(hidden_to_host(k, g_out16, N, C, bf16), out, accum_atol(C), kRtol + hidden_rtol, "out bf16"));
   }
 }
 
@@ -161,15 +184,20 @@ TEST_F(CudaOpsTest, ResidualLayernorm) {
     ref::residual_forward(res.data(), a_d.data(), b_d.data(), res.size());
     ref::layernorm_forward(out.data(), mean.data(), rstd.data(), res.data(), w_d.data(), bias_d.data(), N, C);
     Dev<float> g_a(a), g_b(b), g_w(w), g_bias(bias);
-    auto g_res = Dev<float>::poisoned(res.size()), g_out = Dev<float>::poisoned(out.size());
-    auto g_mean = Dev<float>::poisoned(N), g_rstd = Dev<float>::poisoned(N);
-    k.residual_layernorm_forward(g_res.get(), g_out.get(), g_mean.get(), g_rstd.get(), g_a.get(), g_b.get(),
-                                 g_w.get(), g_bias.get(), N, C);
-    EXPECT_TRUE(all_close(g_res.download(), res, kElemAtol, kRtol, "res"));
-    // As the Layernorm case, over the sum rounded to fp32 (the reference's is exact).
-    EXPECT_TRUE(all_close(g_out.download(), out, accum_atol(C) + kElemAtol, kRtol, "out"));
-    EXPECT_TRUE(all_close(g_mean.download(), mean, accum_atol(C) + kElemAtol, kRtol, "mean"));
-    EXPECT_TRUE(all_close(g_rstd.download(), rstd, accum_atol(C) + kElemAtol, kRtol, "rstd"));
+    for (MatmulPrecision precision : {MatmulPrecision::kF32, MatmulPrecision::kBF16}) {
+      SCOPED_TRACE(precision == MatmulPrecision::kF32 ? "f32" : "bf16");
+      auto g_res = Dev<float>::poisoned(res.size()), g_out = hidden_poisoned(k, N, C, precision);
+      auto g_mean = Dev<float>::poisoned(N), g_rstd = Dev<float>::poisoned(N);
+      k.residual_layernorm_forward(g_res.get(), g_out.get(), g_mean.get(), g_rstd.get(), g_a.get(), g_b.get(),
+                                   g_w.get(), g_bias.get(), N, C, precision);
+      EXPECT_TRUE(all_close(g_res.download(), res, kElemAtol, kRtol, "res"));
+      // As the Layernorm case, over the sum rounded to fp32 (the reference's is exact); out hidden.
+      const double hidden_rtol = hidden_is_bf16(k, N, C, precision) ? 1.0 / 128 : 0.0;
+      EXPECT_TRUE(all_close(hidden_to_host(k, g_out, N, C, precision), out, accum_atol(C) + kElemAtol,
+                            kRtol + hidden_rtol, "out"));
+      EXPECT_TRUE(all_close(g_mean.download(), mean, accum_atol(C) + kElemAtol, kRtol, "mean"));
+      EXPECT_TRUE(all_close(g_rstd.download(), rstd, accum_atol(C) + kElemAtol, kRtol, "rstd"));
+    }
   }
 }
 
@@ -247,19 +275,6 @@ struct AttentionRun {
   std::vector<double> want_out, want_att, want_dqkv, want_lse;
   std::vector<float> got_out, got_att, got_dqkv;
 };
-bool hidden_is_bf16(const KernelSet& k, int N, int F, MatmulPrecision p);
-Dev<float> hidden_on_device(const KernelSet& k, const std::vector<float>& v, int N, int F, MatmulPrecision p,
-                            int shift = 0);
-std::vector<float> hidden_to_host(const KernelSet& k, const Dev<float>& d, int N, int F, MatmulPrecision p,
-                                  int shift = 0);
-Dev<float> hidden_poisoned(const KernelSet& k, int N, int F, MatmulPrecision p, int shift = 0);
-// v as the backend holds it in the hidden form: rounded to bf16 where that is bf16.
-std::vector<double> held(const std::vector<float>& v, bool bf16) {
-  std::vector<double> d(v.size());
-  for (size_t i = 0; i < v.size(); ++i) d[i] = bf16 ? bf16_to_f32(f32_to_bf16(v[i])) : v[i];
-  return d;
-}
-
 // qkv, out and their gradients move in the hidden form (kernels.h): the reference takes the values as the
 // backend holds them.
 AttentionRun run_attention(const KernelSet& k, int B, int T, int C, int NH, uint64_t seed, MatmulPrecision precision,
@@ -362,7 +377,8 @@ void check_matmul_gelu(const KernelSet& k, int N, int C, int OC, MatmulPrecision
     for (size_t i = 0; i < v.size(); ++i) d[i] = to_bf16 ? bf16_to_f32(f32_to_bf16(v[i])) : v[i];
     return d;
   };
-  // inp is both the forward's fp32 input (rounded by the matmul under bf16) and the backward's hidden one.
+  // inp is both the forward's hidden input and the backward's (rounded to bf16 under bf16 either way: by the
+  // hidden form, or by the matmul where the width keeps it fp32).
   const auto inp_d = round(inp, bf16), w_d = round(weight, bf16), dout_d = round(dout, bf16);
   // A bf16 output takes its bias in bf16 too (cuBLASLt's rule; autocast rounds it the same way).
   const auto bias_d = round(bias, fwd_hidden_bf16), pre_bd = round(pre_b, bwd_hidden_bf16);
@@ -379,12 +395,12 @@ void check_matmul_gelu(const KernelSet& k, int N, int C, int OC, MatmulPrecision
   for (int n = 0; n < N; ++n)
     for (int o = 0; o < OC; ++o) dbias[o] += dout[size_t(n) * OC + o];
 
-  Dev<float> g_inp(inp), g_w(weight), g_b(bias), g_dout(dout), g_dw(dweight0), g_db(dbias0);
+  Dev<float> g_w(weight), g_b(bias), g_dout(dout), g_dw(dweight0), g_db(dbias0);
   Dev<float> g_inp_h = hidden_on_device(k, inp, N, C, precision);
   Dev<float> g_pre_b = hidden_on_device(k, pre_b, N, C, precision, shift);
   auto g_out = hidden_poisoned(k, N, OC, precision), g_pre = hidden_poisoned(k, N, OC, precision, shift);
   auto g_dpre = hidden_poisoned(k, N, C, precision), g_scratch = hidden_poisoned(k, N, C, precision);
-  k.matmul_gelu_forward(g_out.get(), g_pre.get() + shift, g_inp.get(), g_w.get(), g_b.get(), N, C, OC, precision);
+  k.matmul_gelu_forward(g_out.get(), g_pre.get() + shift, g_inp_h.get(), g_w.get(), g_b.get(), N, C, OC, precision);
   k.matmul_backward_gelu(g_dpre.get(), g_dw.get(), g_db.get(), g_dout.get(), g_inp_h.get(), g_pre_b.get() + shift,
                          g_w.get(), g_scratch.get(), N, C, OC, precision);
   // bf16 hidden values: up to two roundings of 2^-8 relative each (the fallback rounds the GEMM's result, then
@@ -468,7 +484,8 @@ void check_matmul_hidden(const KernelSet& k, int N, int F, int C, MatmulPrecisio
     for (int c = 0; c < C; ++c) db2[c] += dy[size_t(n) * C + c];
 
   Dev<float> g_h = hidden_on_device(k, h, N, F, precision), g_dh = hidden_on_device(k, dh, N, F, precision);
-  Dev<float> g_w2(w2), g_b2(b2), g_x(x), g_w1(w1), g_dw1(dw1_0), g_db1(db1_0);
+  Dev<float> g_x = hidden_on_device(k, x, N, C, precision);
+  Dev<float> g_w2(w2), g_b2(b2), g_w1(w1), g_dw1(dw1_0), g_db1(db1_0);
   Dev<float> g_b1(b1), g_dy(dy), g_dw2(dw2_0), g_db2(db2_0);
   auto g_out = Dev<float>::poisoned(out.size()), g_dx = Dev<float>::poisoned(dx.size());
   auto g_out1 = hidden_poisoned(k, N, F, precision), g_dh2 = hidden_poisoned(k, N, F, precision);
@@ -674,7 +691,8 @@ void check_classifier(const KernelSet& k, int N, int C, int V, int v0, MatmulPre
   ref::matmul_backward(dinp.data(), dweight.data(), static_cast<double*>(nullptr), dlogits.data(), inp_d.data(),
                        w_d.data(), N, C, V, MatmulPrecision::kF32);
 
-  Dev<float> g_inp(inp), g_w(weight), g_dlosses(dlosses), g_dinp(dinp0), g_dw(dweight0);
+  Dev<float> g_inp = hidden_on_device(k, inp, N, C, precision);  // a layernorm's output: hidden
+  Dev<float> g_w(weight), g_dlosses(dlosses), g_dinp(dinp0), g_dw(dweight0);
   Dev<int32_t> g_targets(targets);
   auto g_logits = Dev<float>::poisoned((k.classifier_logits_bytes(N, V, precision) + 3) / 4);
   auto g_losses = Dev<float>::poisoned(N), g_lse = Dev<float>::poisoned(N);
