@@ -157,19 +157,22 @@ if [[ $bench == 1 ]] && in_budget "bench step"; then
       { status=1; tail -20 "$out/bench_offload_spec_$spares.log"; }
   done
   # A unit's CPU Adam can only overlap the compute between its last micro-batch's backward and the next step's
-  # forward of it (about one micro-batch), so the step is about compute + (Adam - one micro-batch): 8 and 32
-  # micro-batches a step show how far more of them per step take the utilisation.
-  # "8s": 8 again, unclipped, with every sub-group's update started during the last backward (spare buffers:
-  # 30 GB more host memory), which overlaps the Adam of all but the first units with that backward.
-  for accum in 8 32 8s; do
-    in_budget "bench 2.5B MFU, $accum micro-batches" || continue
+  # forward of it (about one micro-batch), so the step is about compute + (Adam - one micro-batch). Runs are
+  # BxA: A micro-batches of B sequences a step. 8x4: micro-batches of 8 (the GEMMs at N = 8192 rows, and one
+  # micro-batch's compute about as long as the 2.5B parameters' CPU Adam); 2x32: many small ones; "2x8s": 8 of
+  # B=2, unclipped, with every sub-group's update started during the last backward (spare buffers: 30 GB more
+  # host memory), which overlaps the Adam of all but the first units with that backward.
+  for run in 8x4 2x32 2x8s; do
+    mb=${run%%x*} rest=${run#*x}
+    accum=${rest%s}
+    in_budget "bench 2.5B MFU, $run" || continue
     spec=()
-    [[ $accum == 8s ]] && spec=(--grad-clip 0 --speculative-sub-groups 1000)
-    echo; echo "== strata bench step, GPT-2 2.5B (48 layers, width 2048), optimizer on the CPU, ${accum%s} micro-batches" \
-      "of B=2 a step ${spec[*]}: model FLOPs utilisation"
-    run_limited 240 "bench 2.5B" "$strata" bench step --device cuda --precision bf16 --layers 48 --heads 32 --width 2048 --context 1024 --batch 2 \
-      --grad-accum ${accum%s} --steps 2 --warmup 1 --offload-optimizer cpu "${spec[@]}" --json 2>"$out/bench_mfu_$accum.log" |
-      tee "$out/bench_mfu_$accum.jsonl" || { status=1; tail -20 "$out/bench_mfu_$accum.log"; }
+    [[ $rest == *s ]] && spec=(--grad-clip 0 --speculative-sub-groups 1000)
+    echo; echo "== strata bench step, GPT-2 2.5B (48 layers, width 2048), optimizer on the CPU, $accum micro-batches" \
+      "of B=$mb a step ${spec[*]}: model FLOPs utilisation"
+    run_limited 240 "bench 2.5B" "$strata" bench step --device cuda --precision bf16 --layers 48 --heads 32 --width 2048 \
+      --context 1024 --batch "$mb" --grad-accum "$accum" --steps 2 --warmup 1 --offload-optimizer cpu "${spec[@]}" --json \
+      2>"$out/bench_mfu_$run.log" | tee "$out/bench_mfu_$run.jsonl" || { status=1; tail -20 "$out/bench_mfu_$run.log"; }
   done
   if in_budget "bench kernels"; then
     echo; echo "== strata bench kernels (GPT-2 124M shapes, bf16 matmuls)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that spends a short GPU lease in priority order (sessions get 15 minutes of device time, one
-# command at most 10): the CUDA tests, the before/after step (gpu-ab), the kernel profile (gpu-profile), the
-# 2.5B model's FLOPs utilisation, GPT-2 124M's offload rows, the PyTorch step, and training on 2 ranks — each
+# command at most 10): the CUDA tests, the before/after step (gpu-ab), the PyTorch step, the 2.5B model's FLOPs
+# utilisation, the kernel profile (gpu-profile), GPT-2 124M's offload rows, and training on 2 ranks — each
 # under its own limit and all under one deadline, so the parts that do not fit are named as not run instead of
 # cutting the call off. Every part's output goes to a file under OUT (the device tool returns only the last
 # 12 000 characters printed), packed at the end into at most 8 files. On the build machine first:
@@ -60,19 +60,24 @@ if [[ -x .gpu-ab/strata_base ]]; then
   [[ -e .gpu-ab/lib ]] || ln -s ../.gpu/lib .gpu-ab/lib
   part 90 ab scripts/gpu-ab.sh --from-bundle .gpu-ab --no-tests --out "$out/ab" --pack
 fi
-part 90 profile scripts/gpu-profile.sh --strata .gpu/strata --out "$out/runs/profile"
 S=.gpu/strata
 g124=(--device cuda --precision bf16 --layers 12 --heads 12 --width 768 --vocab 50257 --context 1024 --batch 8)
-g25=(--device cuda --precision bf16 --layers 48 --heads 32 --width 2048 --context 1024 --batch 2 --steps 2
-     --warmup 1 --offload-optimizer cpu --json)
-part 240 mfu-2.5b-32 "$S" bench step "${g25[@]}" --grad-accum 32
-part 240 mfu-2.5b-8-spares "$S" bench step "${g25[@]}" --grad-accum 8 --grad-clip 0 --speculative-sub-groups 1000
+g25=(--device cuda --precision bf16 --layers 48 --heads 32 --width 2048 --context 1024 --steps 2 --warmup 1
+     --offload-optimizer cpu --json)
+# Issue 6's two speed targets first: the step against PyTorch's in the same call, then the 2.5B model's
+# utilisation with micro-batches of 8 (GEMMs at N = 8192, and a micro-batch's compute about as long as the CPU
+# Adam it has to hide).
+part 120 pytorch env PYTHONUNBUFFERED=1 python3 scripts/bench_step_torch.py --device cuda --compile --sdpa \
+  --precision bf16 --layers 12 --heads 12 --width 768 --context 1024 --batch 8 --steps 10 --warmup 3
+part 200 mfu-2.5b-8x4 "$S" bench step "${g25[@]}" --batch 8 --grad-accum 4
+part 90 profile scripts/gpu-profile.sh --strata .gpu/strata --out "$out/runs/profile"
+part 200 mfu-2.5b-2x32 "$S" bench step "${g25[@]}" --batch 2 --grad-accum 32
+part 200 mfu-2.5b-2x8-spares "$S" bench step "${g25[@]}" --batch 2 --grad-accum 8 --grad-clip 0 \
+  --speculative-sub-groups 1000
 part 60 offload-nvme "$S" bench step "${g124[@]}" --offload-param nvme --offload-optimizer nvme --steps 6 --warmup 2 --json
 part 45 offload-cpu "$S" bench step "${g124[@]}" --offload-param cpu --offload-optimizer cpu --steps 6 --warmup 2 --rounds 2 --json
 for s in 0 1000; do
   part 45 "optimizer-cpu-spares-$s" "$S" bench step "${g124[@]}" --offload-optimizer cpu --grad-clip 0 \
     --speculative-sub-groups $s --steps 6 --warmup 2 --rounds 2 --json
 done
-part 120 pytorch env PYTHONUNBUFFERED=1 python3 scripts/bench_step_torch.py --device cuda --compile --sdpa \
-  --precision bf16 --layers 12 --heads 12 --width 768 --context 1024 --batch 8 --steps 10 --warmup 3
 part 150 ranks scripts/gpu-check.sh --from-bundle .gpu --out "$out/gr" --no-tests --no-bench --pack
