@@ -307,13 +307,13 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
   // layernorms' outputs and the attention's (qkv and its output; widths C and 3C: one form).
   const double hf = static_cast<double>(k.hidden_bytes(N, 4 * C, prec)) / (4 * NC);
   const double ha = static_cast<double>(k.hidden_bytes(N, C, prec)) / NC;
-  // What attention saves for its backward: the probabilities, or flash attention's statistics, output and bf16
-  // q, k, v. The backward reads dout and what was saved, and overwrites dqkv; it reads qkv too, unless the saved
-  // part holds them (flash: what it saves is not the B*NH*T*T probabilities every other form saves).
+  // What attention saves for its backward: the probabilities, or flash attention's log-sum-exps. The backward
+  // reads dout, qkv and what was saved, and overwrites dqkv; flash attention (what it saves is not the B*NH*T*T
+  // probabilities every other form saves) reads the forward's output too.
   const size_t saved_floats = k.attention_saved_floats(B, T, C, NH, prec);
   const double saved_att = static_cast<double>(saved_floats);
-  const bool att_saves_qkv = saved_floats != static_cast<size_t>(B) * NH * T * T;
-  const double att_bwd_bytes = ha * (att_saves_qkv ? 4 : 7) * NC + f * saved_att;
+  const bool att_reads_out = saved_floats != static_cast<size_t>(B) * NH * T * T;
+  const double att_bwd_bytes = ha * (att_reads_out ? 8 : 7) * NC + f * saved_att;
   kernels::AdamWParams hp;
   std::vector<OpRow> ops = {
       {"encoder fwd", 1, f * 3 * NC, 0,
@@ -361,7 +361,7 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
       {"matmul bwd attproj", L, f * (NC + 3.0 * C * C + 2 * C) + ha * 2 * NC, 4 * NC * C,
        [&] { k.matmul_backward_hidden(datty.f(), dw4.f(), db4.f(), y.f(), atty.f(), w4.f(), N, C, C, prec); }},
       {"attention bwd", L, att_bwd_bytes, 4 * att * (C / NH),
-       [&] { k.attention_backward(dqkv.f(), datty.f(), qkv.f(), attn.f(), B, T, C, NH, prec); }},
+       [&] { k.attention_backward(dqkv.f(), datty.f(), qkv.f(), atty.f(), attn.f(), B, T, C, NH, prec); }},
       // dout (dqkv) and inp read hidden.
       {"matmul bwd qkv", L, ha * 4 * NC + f * (NC + 9.0 * C * C + 6 * C), 4 * NC * 3 * C,
        [&] { k.matmul_backward_set_hidden(dx.f(), dw4.f(), db4.f(), dqkv.f(), xh.f(), w4.f(), N, C, 3 * C, prec); }},

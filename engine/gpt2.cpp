@@ -661,7 +661,7 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
     STRATA_ASSIGN_OR_RETURN(const float* dout, gather_rows(dres, RC));
     k_->matmul_backward_hidden(grads_.datty, dw.attprojw, dw.attprojb, dout, atty, w.attprojw, N, A, C, precision_);
   }
-  k_->attention_backward(grads_.dqkv, grads_.datty, qkv, att, B, T, A, NH, precision_);
+  k_->attention_backward(grads_.dqkv, grads_.datty, qkv, atty, att, B, T, A, NH, precision_);
   {
     STRATA_ASSIGN_OR_RETURN(const void* ln1_in, gather_hidden_rows(ln1, Nr, C));
     k_->matmul_backward_set_hidden(grads_.dln, dw.qkvw, dw.qkvb, grads_.dqkv, ln1_in, w.qkvw, N, C, 3 * A,

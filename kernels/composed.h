@@ -63,8 +63,8 @@ void composed_attention_forward(void* out, float* att, const void* qkv, int B, i
   AttentionForward(static_cast<float*>(out), att, static_cast<const float*>(qkv), B, T, C, NH, precision);
 }
 template <auto AttentionBackward>
-void composed_attention_backward(void* dqkv, const void* dout, const void* qkv, const float* att, int B, int T,
-                                 int C, int NH, MatmulPrecision precision) {
+void composed_attention_backward(void* dqkv, const void* dout, const void* qkv, const void* /*out*/, const float* att,
+                                 int B, int T, int C, int NH, MatmulPrecision precision) {
   AttentionBackward(static_cast<float*>(dqkv), static_cast<const float*>(dout), static_cast<const float*>(qkv), att,
                     B, T, C, NH, precision);
 }

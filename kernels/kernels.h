@@ -89,12 +89,12 @@ struct KernelSet {
   void (*attention_forward)(void* out, float* att, const void* qkv, int B, int T, int C, int NH,
                             MatmulPrecision precision);
   // dqkv (B,T,3C) overwritten, every element (so the caller zeroes nothing; on CUDA the kernels store their
-  // gradient instead of reading, adding and writing it back).
-  void (*attention_backward)(void* dqkv, const void* dout, const void* qkv, const float* att, int B, int T, int C,
-                             int NH, MatmulPrecision precision);
+  // gradient instead of reading, adding and writing it back). qkv, out and att are the forward's.
+  void (*attention_backward)(void* dqkv, const void* dout, const void* qkv, const void* out, const float* att, int B,
+                             int T, int C, int NH, MatmulPrecision precision);
   // Floats of `att`: what attention_forward saves for attention_backward at these shapes. The CPU backends save
-  // the probabilities (B*NH*T*T); CUDA's flash attention (bf16) saves far less (the row log-sum-exps, the
-  // output and the bf16 q, k, v its backward takes again), and then `att` holds those instead of probabilities.
+  // the probabilities (B*NH*T*T); CUDA's flash attention (bf16) saves only the rows' log-sum-exps (its backward
+  // reads qkv and out again), and then `att` holds those instead of probabilities.
   size_t (*attention_saved_floats)(int B, int T, int C, int NH, MatmulPrecision precision);
 
   // The linears, whose inputs are hidden: matmul_forward or matmul_backward_set with inp and the other sides

@@ -4,7 +4,7 @@
 // multiple of 8, else fp32.
 //
 // bf16 precision with a head size of 32 or 64 (and fewer than 2^31 rows of B*NH*T): flash attention
-// (flash_attention.cu), which never forms the T×T matrix; `att` then holds its saved statistics
+// (flash_attention.cu), which never forms the T×T matrix; `att` then holds only the rows' log-sum-exps
 // (attention_saved_floats). Otherwise as llm.c's CUDA version does it: permute q, k, v to (B,NH,T,hs), batched
 // cuBLAS GEMMs for QKᵀ and for att·V, a warp-per-row causal softmax, and `att` holds the probabilities
 // (B,NH,T,T). On that path bf16 runs the four products on the tensor cores (the permutes and softmaxes write
@@ -259,11 +259,9 @@ void attention_forward(void* out, float* att, const void* qkv, int B, int T, int
   const CudaContext& ctx = cuda_context();
   const bool bf16 = precision == MatmulPrecision::kBF16, hidden16 = hidden_bf16(C, precision);
   const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
-  if (use_flash(B, T, C, NH, precision)) {  // q, k, v go into `att`, where the backward finds them again
+  if (use_flash(B, T, C, NH, precision)) {  // q, k, v read in place from the bf16 qkv
     STRATA_ASSERT_MSG(hidden16, "flash attention takes bf16 activations (a head size of 32 or 64 makes C % 8 == 0)");
-    const FlashQkv s = flash_attention_saved_qkv(att, B, T, NH, hs);
-    permute_qkv(s.q, s.k, s.v, /*bf16=*/true, qkv, /*qkv_bf16=*/true, B, T, NH, hs, n);
-    flash_attention_forward(static_cast<uint16_t*>(out), att, B, T, NH, hs);
+    flash_attention_forward(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(qkv), att, B, T, NH, hs);
     return;
   }
   HeadTensors h(bf16, n);
@@ -290,15 +288,17 @@ void attention_forward(void* out, float* att, const void* qkv, int B, int T, int
   CUDA_CHECK_LAUNCH();
 }
 
-void attention_backward(void* dqkv, const void* dout, const void* qkv, const float* att, int B, int T, int C, int NH,
-                        MatmulPrecision precision) {
+void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* att, int B,
+                        int T, int C, int NH, MatmulPrecision precision) {
   if (B <= 0 || T <= 0) return;
   using bf = __nv_bfloat16;
   const CudaContext& ctx = cuda_context();
   const bool bf16 = precision == MatmulPrecision::kBF16, hidden16 = hidden_bf16(C, precision);
   const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
-  if (use_flash(B, T, C, NH, precision)) {  // q, k, v from `att`; writes dqkv itself
-    flash_attention_backward(static_cast<uint16_t*>(dqkv), static_cast<const uint16_t*>(dout), att, B, T, NH, hs);
+  if (use_flash(B, T, C, NH, precision)) {  // q, k, v, out and dout read in place; writes dqkv itself
+    flash_attention_backward(static_cast<uint16_t*>(dqkv), static_cast<const uint16_t*>(dout),
+                             static_cast<const uint16_t*>(qkv), static_cast<const uint16_t*>(out), att, B, T, NH,
+                             hs);
     return;
   }
   HeadTensors h(bf16, n);

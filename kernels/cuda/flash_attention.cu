@@ -11,17 +11,19 @@
 // occupancy.)
 //
 // Forward: walk the key tiles up to the diagonal: S = Q Kᵀ -> online softmax (running max m and sum l per
-// row, the output rescaled as m grows) -> O += P V with P rounded to bf16. Saves, per row, the log-sum-exp of
-// the scaled scores and the output O itself (head layout, fp32), which the backward needs for D = rowsum(dO∘O).
+// row, the output rescaled as m grows; each probability one FMA and one ex2, the scale folded into the
+// exponent's base-2 form) -> O += P V with P rounded to bf16. Saves, per row, the log-sum-exp of the scaled
+// scores; the backward takes O from the output (bf16) for D = rowsum(dO∘O).
 //
-// Backward, deterministic (no atomics): kernel 0 computes D = rowsum(dO ∘ O) and rounds dO to bf16 in head
-// layout; kernel 1 takes 64 keys per block and walks the query tiles from the diagonal down, accumulating its
-// rows of dV = Pᵀ dO and dK = dSᵀ Q (it computes Sᵀ = K Qᵀ directly, so Pᵀ is in registers as an A operand);
-// kernel 2 takes 64 queries per block and accumulates dQ = dS K over the key tiles. P is recomputed from the
+// Backward, deterministic (no atomics): kernel 0 computes D = rowsum(dO ∘ O); kernel 1 takes 64 keys per block
+// and walks the query tiles from the diagonal down, accumulating its rows of dV = Pᵀ dO and dK = dSᵀ Q (it
+// computes Sᵀ = K Qᵀ directly, so Pᵀ is in registers as an A operand); kernel 2 takes 64 queries per block and accumulates dQ = dS K over the key tiles. P is recomputed from the
 // saved log-sum-exp; dS = P ∘ (dP − D) with dP = dO Vᵀ. Kernels 1 and 2 store their rows straight into the
 // (B,T,3C) gradient of qkv, in bf16, each element by one thread (it is overwritten: no read, no zeroing pass
-// before). The attention's input and output activations and their gradients are bf16 (B,T,C) rows: the model's
-// hidden form (kernels.h), which the linears on either side write and read.
+// before). The attention's input and output activations and their gradients are bf16 (B,T,·) rows: the model's
+// hidden form (kernels.h), which the linears on either side write and read. The kernels read their heads' q, k,
+// v, O and dO in place from those rows (3C and C elements apart): nothing is permuted into head layout, and
+// nothing but the log-sum-exps is saved for the backward, which reads qkv and the output again.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 with bf16): g = lane / 4, t = lane % 4.
 //   A (16×16, row): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
@@ -29,6 +31,8 @@
 //   C (16×8):       c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
 #include <cuda_bf16.h>
 
+#include <cstdint>
+#include <string>
 #include <type_traits>
 
 #include "kernels/cuda/cuda_check.h"
@@ -91,24 +95,25 @@ __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// Starts copying rows [row0, row0 + 64) of a (T, HS) bf16 head slice into a shared tile with row stride
-// HS + kPad (rows past T are zeros); the caller commits the group and waits for it. The tiles are double-buffered:
-// the next tile's copy runs under this tile's products.
+// Starts copying rows [row0, row0 + 64) of a (T, HS) bf16 head slice whose rows are `ld` elements apart (3C in
+// qkv, C in the output's gradient) into a shared tile with row stride HS + kPad (rows past T are zeros); the
+// caller commits the group and waits for it. The tiles are double-buffered: the next tile's copy runs under this
+// tile's products.
 template <int HS>
-__device__ void load_tile_async(bf16* dst, const bf16* src, int row0, int T) {
+__device__ void load_tile_async(bf16* dst, const bf16* src, int row0, int T, int ld) {
   constexpr int kVecs = HS / 8;  // 16-byte copies per row
   for (int i = threadIdx.x; i < kTile * kVecs; i += kThreads) {
     const int r = i / kVecs, c = (i % kVecs) * 8;
     const bool in = row0 + r < T;
-    copy_async_16(dst + r * (HS + kPad) + c, src + static_cast<size_t>(in ? row0 + r : 0) * HS + c, in);
+    copy_async_16(dst + r * (HS + kPad) + c, src + static_cast<size_t>(in ? row0 + r : 0) * ld + c, in);
   }
 }
 
-// Starts copying key tile k0's K and V rows into the shared tiles Kt, Vt, as one committed group.
+// Starts copying key tile k0's K and V rows (row stride ld) into the shared tiles Kt, Vt, as one committed group.
 template <int HS>
-__device__ void start_kv_tile(bf16* Kt, bf16* Vt, const bf16* k, const bf16* v, int k0, int T) {
-  load_tile_async<HS>(Kt, k, k0, T);
-  load_tile_async<HS>(Vt, v, k0, T);
+__device__ void start_kv_tile(bf16* Kt, bf16* Vt, const bf16* k, const bf16* v, int k0, int T, int ld) {
+  load_tile_async<HS>(Kt, k, k0, T, ld);
+  load_tile_async<HS>(Vt, v, k0, T, ld);
   copy_async_commit();
 }
 
@@ -120,11 +125,11 @@ __device__ void start_kv_tile(bf16* Kt, bf16* Vt, const bf16* k, const bf16* v, 
 // caller's accumulators by reference, which a real call would put in local memory.
 template <int HS, typename Fn>
 __device__ __forceinline__ void walk_key_tiles(bf16 (*Ks)[kTile * (HS + kPad)], bf16 (*Vs)[kTile * (HS + kPad)],
-                                               const bf16* k, const bf16* v, int last, int T, Fn& tile) {
+                                               const bf16* k, const bf16* v, int ld, int last, int T, Fn& tile) {
   for (int kt = 0; kt <= last; ++kt) {
     const int cur = kt & 1;
     if (kt < last) {
-      start_kv_tile<HS>(Ks[cur ^ 1], Vs[cur ^ 1], k, v, (kt + 1) * kTile, T);
+      start_kv_tile<HS>(Ks[cur ^ 1], Vs[cur ^ 1], k, v, (kt + 1) * kTile, T, ld);
       copy_async_wait<1>();
     } else {
       copy_async_wait<0>();
@@ -138,14 +143,14 @@ __device__ __forceinline__ void walk_key_tiles(bf16 (*Ks)[kTile * (HS + kPad)], 
   }
 }
 
-// The A fragments of 16 rows × HS (row r of the strip is row `row0 + r` of the (T, HS) head slice; rows past T
-// are zeros), straight from global memory: each warp reads its rows once per block.
+// The A fragments of 16 rows × HS (row r of the strip is row `row0 + r` of the (T, HS) head slice, rows `ld`
+// elements apart; rows past T are zeros), straight from global memory: each warp reads its rows once per block.
 template <int HS>
-__device__ void load_a_strip(uint32_t (&a)[HS / 16][4], const bf16* src, int row0, int T) {
+__device__ void load_a_strip(uint32_t (&a)[HS / 16][4], const bf16* src, int row0, int T, int ld) {
   const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const bool in0 = row0 + g < T, in1 = row0 + g + 8 < T;
-  const bf16* r0 = src + static_cast<size_t>(row0 + g) * HS;
-  const bf16* r1 = src + static_cast<size_t>(row0 + g + 8) * HS;
+  const bf16* r0 = src + static_cast<size_t>(row0 + g) * ld;
+  const bf16* r1 = src + static_cast<size_t>(row0 + g + 8) * ld;
 #pragma unroll
   for (int kk = 0; kk < HS / 16; ++kk) {
     const int c = 16 * kk + 2 * t;
@@ -196,6 +201,16 @@ __device__ void strip_pb(float (&acc)[HS / 8][4], const float (&p)[8][4], const 
   }
 }
 
+constexpr float kLog2e = 1.4426950408889634f;
+// 2^x on the special-function unit: what __expf is built on, without its multiply by log2(e). The softmaxes
+// below fold that multiply and the 1/sqrt(hs) scale into one FMA per score (FlashAttention's scale_log2):
+// exp(scale·s − m) = 2^(s·scale·log2e − m·log2e). 2^-inf = +0.
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Reductions over the four lanes (t = 0..3) that share a row.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -206,23 +221,40 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// grid (B*NH, ceil(T/64)). saved: lse (B*NH, T) padded to a multiple of 4 floats, then O (B*NH, T, HS) fp32.
+// Head bh's (T, HS) slices of q, k and v in qkv (B,T,3C), rows 3C apart, and of dO in dout (B,T,C), rows C
+// apart: read in place, so no pass permutes them into head layout.
 template <int HS>
-__global__ void __launch_bounds__(kThreads) flash_fwd_kernel(bf16* out, float* lse_out, float* o_out, const bf16* q,
-                                                             const bf16* k, const bf16* v, int T, int NH,
-                                                             float scale) {
+struct HeadSlices {
+  const bf16 *q, *k, *v, *dy;
+  int C;
+  __device__ HeadSlices(const bf16* qkv, const bf16* dout, int bh, int T, int NH) : C(NH * HS) {
+    const size_t b = static_cast<size_t>(bh / NH), col = static_cast<size_t>(bh % NH) * HS;
+    q = qkv + b * T * 3 * C + col;
+    k = q + C;
+    v = q + 2 * C;
+    dy = dout != nullptr ? dout + b * T * C + col : nullptr;
+  }
+};
+
+// grid (B*NH, ceil(T/64)). lse_out: (B*NH, T), the rows' log-sum-exps of the scaled scores.
+template <int HS>
+__global__ void __launch_bounds__(kThreads) flash_fwd_kernel(bf16* out, float* lse_out, const bf16* qkv, int T,
+                                                             int NH, float scale) {
   __shared__ __align__(16) bf16 Ks[2][kTile * (HS + kPad)];
   __shared__ __align__(16) bf16 Vs[2][kTile * (HS + kPad)];
   // The heaviest query tiles (most key tiles below the diagonal) first, so the last wave is the light ones.
   const int qt = gridDim.y - 1 - blockIdx.y, bh = blockIdx.x, q0 = qt * kTile;
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-  const size_t head = static_cast<size_t>(bh) * T * HS;
+  const HeadSlices<HS> x(qkv, nullptr, bh, T, NH);
+  const int ld = 3 * x.C;
   const int row0 = q0 + warp * 16;  // this thread's rows: row0 + g and row0 + g + 8
-  start_kv_tile<HS>(Ks[0], Vs[0], k + head, v + head, 0, T);
+  start_kv_tile<HS>(Ks[0], Vs[0], x.k, x.v, 0, T, ld);
   uint32_t qa[HS / 16][4];
-  load_a_strip<HS>(qa, q + head, row0, T);
+  load_a_strip<HS>(qa, x.q, row0, T, ld);
   float o[HS / 8][4] = {};
+  // m: the rows' running maxima of the unscaled scores (the scale is positive: the same keys attain them).
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  const float scale_log2 = scale * kLog2e;
 
   // One key tile: S = Q Kᵀ, the online softmax, O += P V (masked: the diagonal tile; see walk_key_tiles).
   auto tile = [&](auto masked, int k0, const bf16* Kt, const bf16* Vt) {
@@ -235,18 +267,17 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(bf16* out, float* l
       for (int e = 0; e < 4; ++e) {
         if constexpr (decltype(masked)::value) {
           const int key = k0 + 8 * j + 2 * t + (e & 1), query = row0 + g + 8 * (e >> 1);
-          s[j][e] = (key <= query && key < T) ? s[j][e] * scale : -INFINITY;
-        } else {
-          s[j][e] *= scale;
+          if (key > query || key >= T) s[j][e] = -INFINITY;
         }
         mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
       }
-    float alpha[2], sum[2] = {0.0f, 0.0f};
+    float alpha[2], m_log2[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float m_new = fmaxf(m[h], quad_max(mx[h]));
-      alpha[h] = m_new == -INFINITY ? 1.0f : __expf(m[h] - m_new);
+      alpha[h] = m_new == -INFINITY ? 1.0f : exp2_approx((m[h] - m_new) * scale_log2);
       m[h] = m_new;
+      m_log2[h] = m_new * scale_log2;
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -255,9 +286,9 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(bf16* out, float* l
         const int h = e >> 1;
         // Unmasked, every row has a finite maximum (m is -inf only for a row whose keys so far are all masked).
         if constexpr (decltype(masked)::value)
-          s[j][e] = m[h] == -INFINITY ? 0.0f : __expf(s[j][e] - m[h]);
+          s[j][e] = m[h] == -INFINITY ? 0.0f : exp2_approx(fmaf(s[j][e], scale_log2, -m_log2[h]));
         else
-          s[j][e] = __expf(s[j][e] - m[h]);
+          s[j][e] = exp2_approx(fmaf(s[j][e], scale_log2, -m_log2[h]));
         sum[h] += s[j][e];
       }
 #pragma unroll
@@ -272,9 +303,9 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(bf16* out, float* l
     strip_pb<HS>(o, s, Vt);
   };
 
-  walk_key_tiles<HS>(Ks, Vs, k + head, v + head, qt, T, tile);
+  walk_key_tiles<HS>(Ks, Vs, x.k, x.v, ld, qt, T, tile);
 
-  // out (B,T,C) in bf16 at column h*HS; the saved lse and O (head layout, fp32).
+  // out (B,T,C) in bf16 at column h*HS, and the rows' lse.
   const int b = bh / NH, hd = bh % NH, C = NH * HS;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -282,33 +313,25 @@ __global__ void __launch_bounds__(kThreads) flash_fwd_kernel(bf16* out, float* l
     if (query >= T) continue;
     const float inv = 1.0f / l[h];
     bf16* dst = out + (static_cast<size_t>(b) * T + query) * C + static_cast<size_t>(hd) * HS;
-    float* saved = o_out + head + static_cast<size_t>(query) * HS;
 #pragma unroll
     for (int n = 0; n < HS / 8; ++n) {
-      const float2 val = make_float2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
-      *reinterpret_cast<__nv_bfloat162*>(dst + 8 * n + 2 * t) = __float22bfloat162_rn(val);
-      *reinterpret_cast<float2*>(saved + 8 * n + 2 * t) = val;
+      *reinterpret_cast<__nv_bfloat162*>(dst + 8 * n + 2 * t) =
+          __floats2bfloat162_rn(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
     }
-    if (t == 0) lse_out[static_cast<size_t>(bh) * T + query] = m[h] + __logf(l[h]);
+    if (t == 0) lse_out[static_cast<size_t>(bh) * T + query] = m[h] * scale + __logf(l[h]);
   }
 }
 
-// D (B*NH, T) = rowsum(dO ∘ O), in fp32 from dO (dout, bf16 in (B,T,C)) and the saved O; and dy, dO in head
-// layout (B,NH,T,HS), the products' operand. A warp per row.
+// D (B*NH, T) = rowsum(dO ∘ O), in fp32 from dO (dout) and O (out), both bf16 in (B,T,C), as FlashAttention
+// takes them. A warp per row.
 template <int HS>
-__global__ void flash_bwd_dot_kernel(float* D, bf16* dy, const bf16* dout, const float* o, int B, int T, int NH) {
+__global__ void flash_bwd_dot_kernel(float* D, const bf16* dout, const bf16* out, int B, int T, int NH) {
   const int row = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= B * NH * T) return;
   const int bh = row / T, tq = row % T, b = bh / NH, h = bh % NH, C = NH * HS;
-  const bf16* dx = dout + (static_cast<size_t>(b) * T + tq) * C + static_cast<size_t>(h) * HS;
-  const float* oy = o + static_cast<size_t>(row) * HS;
-  bf16* dyr = dy + static_cast<size_t>(row) * HS;
+  const size_t at = (static_cast<size_t>(b) * T + tq) * C + static_cast<size_t>(h) * HS;
   float s = 0.0f;
-  for (int d = lane; d < HS; d += 32) {
-    const bf16 x = dx[d];
-    s += __bfloat162float(x) * oy[d];
-    dyr[d] = x;
-  }
+  for (int d = lane; d < HS; d += 32) s += __bfloat162float(dout[at + d]) * __bfloat162float(out[at + d]);
   s = warp_sum(s);
   if (lane == 0) D[row] = s;
 }
@@ -334,32 +357,34 @@ __device__ void store_rows(bf16* dqkv, const float (&acc)[HS / 8][4], int row0, 
 
 // grid (B*NH, ceil(T/64)): dK (scaled) and dV of the block's 64 keys, stored into dqkv (B,T,3C).
 template <int HS>
-__global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(bf16* dqkv, const bf16* q, const bf16* k,
-                                                                const bf16* v, const bf16* dy, const float* lse,
-                                                                const float* D, int T, int NH, float scale) {
+__global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(bf16* dqkv, const bf16* qkv, const bf16* dout,
+                                                                const float* lse, const float* D, int T, int NH,
+                                                                float scale) {
   __shared__ __align__(16) bf16 Qs[2][kTile * (HS + kPad)];
   __shared__ __align__(16) bf16 dYs[2][kTile * (HS + kPad)];
   __shared__ float lse_s[2][kTile], D_s[2][kTile];
   const int kt = blockIdx.y, bh = blockIdx.x, k0 = kt * kTile;  // the heaviest key tiles are the first
+  const float scale_log2 = scale * kLog2e;
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-  const size_t head = static_cast<size_t>(bh) * T * HS;
+  const HeadSlices<HS> x(qkv, dout, bh, T, NH);
+  const int ld = 3 * x.C;
   const int row0 = k0 + warp * 16;  // this thread's keys: row0 + g and row0 + g + 8
   const int n_qt = (T + kTile - 1) / kTile;
   // The query tile q0's Q and dO (asynchronously) and its rows' lse and D into buffer `buf`.
   auto load = [&](int buf, int q0) {
-    load_tile_async<HS>(Qs[buf], q + head, q0, T);
-    load_tile_async<HS>(dYs[buf], dy + head, q0, T);
+    load_tile_async<HS>(Qs[buf], x.q, q0, T, ld);
+    load_tile_async<HS>(dYs[buf], x.dy, q0, T, x.C);
     copy_async_commit();
     for (int i = threadIdx.x; i < kTile; i += kThreads) {
       const bool in = q0 + i < T;
-      lse_s[buf][i] = in ? lse[static_cast<size_t>(bh) * T + q0 + i] : 0.0f;
+      lse_s[buf][i] = in ? lse[static_cast<size_t>(bh) * T + q0 + i] * kLog2e : 0.0f;  // in log2 units
       D_s[buf][i] = in ? D[static_cast<size_t>(bh) * T + q0 + i] : 0.0f;
     }
   };
   load(0, kt * kTile);
   uint32_t ka[HS / 16][4], va[HS / 16][4];
-  load_a_strip<HS>(ka, k + head, row0, T);
-  load_a_strip<HS>(va, v + head, row0, T);
+  load_a_strip<HS>(ka, x.k, row0, T, ld);
+  load_a_strip<HS>(va, x.v, row0, T, ld);
   float dK[HS / 8][4] = {}, dV[HS / 8][4] = {};
 
   // One query tile. The diagonal tile needs the causal mask and the last one the mask of queries past T; those
@@ -377,9 +402,10 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(bf16* dqkv, cons
         float pe;
         if constexpr (decltype(masked)::value) {
           const int query = q0 + col, key = row0 + g + 8 * (e >> 1);
-          pe = (query >= key && query < T && key < T) ? __expf(p[j][e] * scale - lse_s[buf][col]) : 0.0f;
+          pe = (query >= key && query < T && key < T) ? exp2_approx(fmaf(p[j][e], scale_log2, -lse_s[buf][col]))
+                                                      : 0.0f;
         } else {
-          pe = __expf(p[j][e] * scale - lse_s[buf][col]);
+          pe = exp2_approx(fmaf(p[j][e], scale_log2, -lse_s[buf][col]));
         }
         p[j][e] = pe;
         dp[j][e] = pe * (dp[j][e] - D_s[buf][col]);  // dSᵀ
@@ -410,24 +436,26 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(bf16* dqkv, cons
 
 // grid (B*NH, ceil(T/64)): dQ (scaled) of the block's 64 queries, stored into dqkv (B,T,3C).
 template <int HS>
-__global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(bf16* dqkv, const bf16* q, const bf16* k,
-                                                               const bf16* v, const bf16* dy, const float* lse,
-                                                               const float* D, int T, int NH, float scale) {
+__global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(bf16* dqkv, const bf16* qkv, const bf16* dout,
+                                                               const float* lse, const float* D, int T, int NH,
+                                                               float scale) {
   __shared__ __align__(16) bf16 Ks[2][kTile * (HS + kPad)];
   __shared__ __align__(16) bf16 Vs[2][kTile * (HS + kPad)];
   const int qt = gridDim.y - 1 - blockIdx.y, bh = blockIdx.x, q0 = qt * kTile;  // heaviest tiles first
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-  const size_t head = static_cast<size_t>(bh) * T * HS;
+  const HeadSlices<HS> x(qkv, dout, bh, T, NH);
+  const int ld = 3 * x.C;
   const int row0 = q0 + warp * 16;
-  start_kv_tile<HS>(Ks[0], Vs[0], k + head, v + head, 0, T);
+  const float scale_log2 = scale * kLog2e;
+  start_kv_tile<HS>(Ks[0], Vs[0], x.k, x.v, 0, T, ld);
   uint32_t qa[HS / 16][4], ya[HS / 16][4];
-  load_a_strip<HS>(qa, q + head, row0, T);
-  load_a_strip<HS>(ya, dy + head, row0, T);
+  load_a_strip<HS>(qa, x.q, row0, T, ld);
+  load_a_strip<HS>(ya, x.dy, row0, T, x.C);
   float row_lse[2], row_D[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int query = row0 + g + 8 * h;
-    row_lse[h] = query < T ? lse[static_cast<size_t>(bh) * T + query] : 0.0f;
+    row_lse[h] = query < T ? lse[static_cast<size_t>(bh) * T + query] * kLog2e : 0.0f;  // in log2 units
     row_D[h] = query < T ? D[static_cast<size_t>(bh) * T + query] : 0.0f;
   }
   float dQ[HS / 8][4] = {};
@@ -445,16 +473,16 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(bf16* dqkv, const
         float pe;
         if constexpr (decltype(masked)::value) {
           const int key = k0 + 8 * j + 2 * t + (e & 1), query = row0 + g + 8 * h;
-          pe = (key <= query && key < T && query < T) ? __expf(p[j][e] * scale - row_lse[h]) : 0.0f;
+          pe = (key <= query && key < T && query < T) ? exp2_approx(fmaf(p[j][e], scale_log2, -row_lse[h])) : 0.0f;
         } else {
-          pe = __expf(p[j][e] * scale - row_lse[h]);
+          pe = exp2_approx(fmaf(p[j][e], scale_log2, -row_lse[h]));
         }
         dp[j][e] = pe * (dp[j][e] - row_D[h]);  // dS
       }
     strip_pb<HS>(dQ, dp, Kt);  // dQ += dS K
   };
 
-  walk_key_tiles<HS>(Ks, Vs, k + head, v + head, qt, T, tile);
+  walk_key_tiles<HS>(Ks, Vs, x.k, x.v, ld, qt, T, tile);
   store_rows<HS>(dqkv, dQ, row0, bh / NH, bh % NH * HS, T, NH * HS, scale);
 }
 
@@ -467,52 +495,42 @@ dim3 tile_grid(int B, int T, int NH) {
   return dim3(static_cast<unsigned>(B) * static_cast<unsigned>(NH), static_cast<unsigned>(tiles));
 }
 
-// The saved log-sum-exps, padded so that the saved output after them stays 16-byte aligned for vector stores.
+// What the forward saves: the rows' log-sum-exps (B*NH*T floats), padded to a multiple of 4.
 size_t lse_floats(int B, int T, int NH) { return (static_cast<size_t>(B) * NH * T + 3) / 4 * 4; }
 
-// saved: lse (lse_floats), O (B*NH*T*HS fp32), then q, k, v (B*NH*T*HS bf16 each); every part 16-byte aligned
-// (lse_floats is a multiple of 4, and B*NH*T*HS of 32 for the head sizes supported).
-// F: float (the forward writes them) or const float (the backward reads them).
-template <typename F>
-struct SavedParts {
-  using B16 = std::conditional_t<std::is_const_v<F>, const bf16, bf16>;
-  F* lse;
-  F* o;
-  B16 *q, *k, *v;
-};
-template <typename F>
-SavedParts<F> saved_parts(F* saved, int B, int T, int NH, int hs) {
-  const size_t n = static_cast<size_t>(B) * NH * T * hs;
-  F* o = saved + lse_floats(B, T, NH);
-  auto* q = reinterpret_cast<typename SavedParts<F>::B16*>(o + n);
-  return {saved, o, q, q + n, q + 2 * n};
+// The kernels' 16-byte copies of rows of q, k, v and dO start at multiples of 16 bytes when these are 16-byte
+// aligned (rows of 3C and C bf16, C a multiple of 32, heads at multiples of 32 elements).
+void check_aligned(const void* p, const char* what) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 == 0) return;
+  const std::string msg = std::string("flash attention: ") + what + " is not 16-byte aligned";
+  STRATA_ASSERT_MSG(false, msg.c_str());
 }
 
 template <int HS>
-void forward(bf16* out, float* saved, int B, int T, int NH) {
+void forward(bf16* out, const bf16* qkv, float* lse, int B, int T, int NH) {
+  check_aligned(qkv, "qkv");
   const dim3 grid = tile_grid(B, T, NH);
   const float scale = 1.0f / sqrtf(static_cast<float>(HS));
-  const auto s = saved_parts(saved, B, T, NH, HS);
-  flash_fwd_kernel<HS><<<grid, kThreads, 0, cuda_context().compute>>>(out, s.lse, s.o, s.q, s.k, s.v, T, NH, scale);
+  flash_fwd_kernel<HS><<<grid, kThreads, 0, cuda_context().compute>>>(out, lse, qkv, T, NH, scale);
   CUDA_CHECK_LAUNCH();
 }
 
 template <int HS>
-void backward(bf16* dqkv, const bf16* dout, const float* saved, int B, int T, int NH) {
+void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, int B, int T,
+              int NH) {
+  check_aligned(qkv, "qkv");
+  check_aligned(dout, "the output's gradient");
   const CudaContext& ctx = cuda_context();
   const size_t rows = static_cast<size_t>(B) * NH * T;
-  const auto s = saved_parts(saved, B, T, NH, HS);
-  DeviceScratch D(rows * sizeof(float)), dy(rows * HS * sizeof(bf16));
-  flash_bwd_dot_kernel<HS><<<(rows + kWarps - 1) / kWarps, kThreads, 0, ctx.compute>>>(D.as<float>(), dy.as<bf16>(),
-                                                                                       dout, s.o, B, T, NH);
+  DeviceScratch D(rows * sizeof(float));
+  flash_bwd_dot_kernel<HS><<<(rows + kWarps - 1) / kWarps, kThreads, 0, ctx.compute>>>(D.as<float>(), dout, out, B,
+                                                                                       T, NH);
   CUDA_CHECK_LAUNCH();
   const dim3 grid = tile_grid(B, T, NH);
   const float scale = 1.0f / sqrtf(static_cast<float>(HS));
-  flash_bwd_kv_kernel<HS><<<grid, kThreads, 0, ctx.compute>>>(dqkv, s.q, s.k, s.v, dy.as<bf16>(), s.lse,
-                                                              D.as<float>(), T, NH, scale);
+  flash_bwd_kv_kernel<HS><<<grid, kThreads, 0, ctx.compute>>>(dqkv, qkv, dout, lse, D.as<float>(), T, NH, scale);
   CUDA_CHECK_LAUNCH();
-  flash_bwd_q_kernel<HS><<<grid, kThreads, 0, ctx.compute>>>(dqkv, s.q, s.k, s.v, dy.as<bf16>(), s.lse,
-                                                             D.as<float>(), T, NH, scale);
+  flash_bwd_q_kernel<HS><<<grid, kThreads, 0, ctx.compute>>>(dqkv, qkv, dout, lse, D.as<float>(), T, NH, scale);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -521,32 +539,27 @@ void backward(bf16* dqkv, const bf16* dout, const float* saved, int B, int T, in
 // 128 would need twice the accumulator registers of 64 and spill: it takes the batched-GEMM path instead.
 bool flash_attention_supported(int hs) { return hs == 32 || hs == 64; }
 
-size_t flash_attention_saved_floats(int B, int T, int NH, int hs) {
-  const size_t n = static_cast<size_t>(B) * NH * T * hs;
-  return lse_floats(B, T, NH) + n + 3 * n / 2;  // lse, O, then q, k, v in bf16 (two to a float)
-}
+size_t flash_attention_saved_floats(int B, int T, int NH, int /*hs*/) { return lse_floats(B, T, NH); }
 
-FlashQkv flash_attention_saved_qkv(float* saved, int B, int T, int NH, int hs) {
-  const auto s = saved_parts(saved, B, T, NH, hs);
-  return {reinterpret_cast<uint16_t*>(s.q), reinterpret_cast<uint16_t*>(s.k), reinterpret_cast<uint16_t*>(s.v)};
-}
-
-void flash_attention_forward(uint16_t* out16, float* saved, int B, int T, int NH, int hs) {
+void flash_attention_forward(uint16_t* out16, const uint16_t* qkv16, float* lse, int B, int T, int NH, int hs) {
   auto* out = reinterpret_cast<bf16*>(out16);
+  const auto* qkv = reinterpret_cast<const bf16*>(qkv16);
   switch (hs) {
-    case 32: return forward<32>(out, saved, B, T, NH);
-    case 64: return forward<64>(out, saved, B, T, NH);
+    case 32: return forward<32>(out, qkv, lse, B, T, NH);
+    case 64: return forward<64>(out, qkv, lse, B, T, NH);
   }
   STRATA_ASSERT_MSG(false, "flash attention: unsupported head size (ask flash_attention_supported first)");
 }
 
-void flash_attention_backward(uint16_t* dqkv16, const uint16_t* dout16, const float* saved, int B, int T, int NH,
-                              int hs) {
+void flash_attention_backward(uint16_t* dqkv16, const uint16_t* dout16, const uint16_t* qkv16,
+                              const uint16_t* out16, const float* lse, int B, int T, int NH, int hs) {
   auto* dqkv = reinterpret_cast<bf16*>(dqkv16);
   const auto* dout = reinterpret_cast<const bf16*>(dout16);
+  const auto* qkv = reinterpret_cast<const bf16*>(qkv16);
+  const auto* out = reinterpret_cast<const bf16*>(out16);
   switch (hs) {
-    case 32: return backward<32>(dqkv, dout, saved, B, T, NH);
-    case 64: return backward<64>(dqkv, dout, saved, B, T, NH);
+    case 32: return backward<32>(dqkv, dout, qkv, out, lse, B, T, NH);
+    case 64: return backward<64>(dqkv, dout, qkv, out, lse, B, T, NH);
   }
   STRATA_ASSERT_MSG(false, "flash attention: unsupported head size (ask flash_attention_supported first)");
 }

@@ -62,7 +62,7 @@ struct MatmulEpilogueCounts {
 MatmulEpilogueCounts matmul_epilogue_counts();
 void attention_forward(void* out, float* att, const void* qkv, int B, int T, int C, int NH,
                        MatmulPrecision precision);
-void attention_backward(void* dqkv, const void* dout, const void* qkv, const float* att, int B, int T, int C,
+void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* att, int B, int T, int C,
                         int NH, MatmulPrecision precision);
 size_t attention_saved_floats(int B, int T, int C, int NH, MatmulPrecision precision);
 void gelu_forward(float* out, const float* inp, size_t N);
