@@ -70,6 +70,8 @@ g25=(--device cuda --precision bf16 --layers 48 --heads 32 --width 2048 --contex
 part 120 pytorch env PYTHONUNBUFFERED=1 python3 scripts/bench_step_torch.py --device cuda --compile --sdpa \
   --precision bf16 --layers 12 --heads 12 --width 768 --context 1024 --batch 8 --steps 10 --warmup 3
 part 200 mfu-2.5b-8x4 "$S" bench step "${g25[@]}" --batch 8 --grad-accum 4
+part 200 mfu-2.5b-8x4-spares "$S" bench step "${g25[@]}" --batch 8 --grad-accum 4 --grad-clip 0 \
+  --speculative-sub-groups 1000
 part 90 profile scripts/gpu-profile.sh --strata .gpu/strata --out "$out/runs/profile"
 part 200 mfu-2.5b-2x32 "$S" bench step "${g25[@]}" --batch 2 --grad-accum 32
 part 200 mfu-2.5b-2x8-spares "$S" bench step "${g25[@]}" --batch 2 --grad-accum 8 --grad-clip 0 \
