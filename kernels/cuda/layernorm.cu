@@ -1,6 +1,8 @@
 // layernorm.cu — layernorm forward (also fused with the residual add before it) and backward, one warp per row
 // (torch.nn.LayerNorm: biased variance, eps 1e-5 inside the square root). The forward's output only feeds
-// linears: it is hidden (kernels.h), bf16 under bf16 where C is a multiple of 8. The weight and bias gradients are
+// linears: it is hidden (kernels.h), bf16 under bf16 where C is a multiple of 8. At widths that are a multiple
+// of 4 up to 1024 the forward keeps its row in registers, read once with 16-byte loads
+// (layernorm_forward_vec_kernel). The weight and bias gradients are
 // column sums over rows, in an order fixed by the shapes: at widths that are a multiple of 4 up to 1024 the
 // backward is one pass that sums them as it goes (layernorm_backward_fused_kernel), else the dinp kernel and
 // the two-pass reduction of reduce.cuh.
@@ -52,6 +54,65 @@ __global__ void layernorm_forward_kernel(E* out, float* mean, float* rstd, float
   const float r = 1.0f / sqrtf(warp_sum(v) / C + 1e-5f);
   E* o = out + static_cast<size_t>(n) * C;
   for (int i = lane; i < C; i += 32) store(o + i, r * (x[i] - m) * weight[i] + bias[i]);
+  if (lane == 0) {
+    mean[n] = m;
+    rstd[n] = r;
+  }
+}
+
+__device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ void store4(__nv_bfloat16* p, float4 v) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  uint2 packed;
+  packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+  packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+  *reinterpret_cast<uint2*>(p) = packed;
+}
+__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+
+// The same for rows of C <= 128 * kVecs floats, C a multiple of 4 (GPT-2's widths): each lane holds 4 * kVecs
+// columns of its warp's row (c = 4 * (lane + 32 j)) in registers, read once with 16-byte loads (and, with the
+// residual, the sum written once), where the kernel above reads the row three times with 4-byte loads.
+template <int kVecs, bool kResidual, typename E>
+__global__ void __launch_bounds__(32 * kRowsPerBlock) layernorm_forward_vec_kernel(
+    E* out, float* mean, float* rstd, float* res, const float* inp, const float* inp2, const float* weight,
+    const float* bias, int N, int C) {
+  const int n = blockIdx.x * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (n >= N) return;
+  const size_t row = static_cast<size_t>(n) * C;
+  float4 x[kVecs];
+  float s = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int c = 4 * (lane + 32 * j);
+    x[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (c >= C) continue;
+    x[j] = load4(inp + row + c);
+    if constexpr (kResidual) {
+      const float4 y = load4(inp2 + row + c);
+      x[j] = make_float4(x[j].x + y.x, x[j].y + y.y, x[j].z + y.z, x[j].w + y.w);
+      store4(res + row + c, x[j]);
+    }
+    s += (x[j].x + x[j].y) + (x[j].z + x[j].w);
+  }
+  const float m = warp_sum(s) / C;
+  float v = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    if (4 * (lane + 32 * j) >= C) continue;
+    const float4 d = make_float4(x[j].x - m, x[j].y - m, x[j].z - m, x[j].w - m);
+    v += (d.x * d.x + d.y * d.y) + (d.z * d.z + d.w * d.w);
+  }
+  const float r = 1.0f / sqrtf(warp_sum(v) / C + 1e-5f);
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int c = 4 * (lane + 32 * j);
+    if (c >= C) continue;
+    const float4 w = load4(weight + c), b = load4(bias + c);
+    store4(out + row + c, make_float4(r * (x[j].x - m) * w.x + b.x, r * (x[j].y - m) * w.y + b.y,
+                                      r * (x[j].z - m) * w.z + b.z, r * (x[j].w - m) * w.w + b.w));
+  }
   if (lane == 0) {
     mean[n] = m;
     rstd[n] = r;
@@ -191,10 +252,11 @@ void launch_layernorm_backward_fused(float* dinp, float* dweight, float* dbias, 
   launch_column_sums<2>(ColumnDsts<2>{{dweight, dbias}}, blocks, C, FusedPartials{partials.as<float>(), C});
 }
 
-// Whether the fused backward takes these buffers: C a multiple of 4 up to 1024, every row 16-byte aligned.
-bool fused_backward_fits(int C, std::initializer_list<const float*> rows_of_c) {
+// Whether the one-pass kernels (layernorm_forward_vec_kernel, layernorm_backward_fused_kernel) take these
+// buffers: C a multiple of 4 up to 1024, every row 16-byte aligned (null: not used).
+bool rows_fit_vectors(int C, std::initializer_list<const void*> rows_of_c) {
   if (C % 4 != 0 || C > 1024) return false;
-  for (const float* p : rows_of_c)
+  for (const void* p : rows_of_c)
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
   return true;
 }
@@ -218,20 +280,44 @@ struct LayernormParamGrads {
 
 namespace {
 
+// The forward into out as E: the one-pass kernel where the rows fit it, else the general one.
+template <bool kResidual, typename E>
+void launch_forward_as(E* out, float* mean, float* rstd, float* res, const float* inp, const float* inp2,
+                       const float* weight, const float* bias, int N, int C) {
+  const unsigned blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock, threads = 32 * kRowsPerBlock;
+  const cudaStream_t s = cuda_context().compute;
+  if (rows_fit_vectors(C, {out, inp, weight, bias, inp2, res})) {
+    switch ((C + 127) / 128) {
+#define STRATA_LN_FWD_VEC(V)                                                                                     \
+  case V:                                                                                                        \
+    layernorm_forward_vec_kernel<V, kResidual><<<blocks, threads, 0, s>>>(out, mean, rstd, res, inp, inp2, weight, \
+                                                                          bias, N, C);                           \
+    CUDA_CHECK_LAUNCH();                                                                                         \
+    return;
+      STRATA_LN_FWD_VEC(1)
+      STRATA_LN_FWD_VEC(2)
+      STRATA_LN_FWD_VEC(3)
+      STRATA_LN_FWD_VEC(4)
+      STRATA_LN_FWD_VEC(5)
+      STRATA_LN_FWD_VEC(6)
+      STRATA_LN_FWD_VEC(7)
+      STRATA_LN_FWD_VEC(8)
+#undef STRATA_LN_FWD_VEC
+    }
+  }
+  layernorm_forward_kernel<kResidual><<<blocks, threads, 0, s>>>(out, mean, rstd, res, inp, inp2, weight, bias, N, C);
+  CUDA_CHECK_LAUNCH();
+}
+
 // The layernorm's out (hidden) in its form: bf16 where hidden_bf16 says, else fp32.
 template <bool kResidual>
 void launch_layernorm_forward(void* out, float* mean, float* rstd, float* res, const float* inp, const float* inp2,
                               const float* weight, const float* bias, int N, int C, MatmulPrecision precision) {
   if (N <= 0) return;
-  const unsigned blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
-  const cudaStream_t s = cuda_context().compute;
   if (hidden_bf16(C, precision))
-    layernorm_forward_kernel<kResidual><<<blocks, 32 * kRowsPerBlock, 0, s>>>(
-        static_cast<__nv_bfloat16*>(out), mean, rstd, res, inp, inp2, weight, bias, N, C);
+    launch_forward_as<kResidual>(static_cast<__nv_bfloat16*>(out), mean, rstd, res, inp, inp2, weight, bias, N, C);
   else
-    layernorm_forward_kernel<kResidual><<<blocks, 32 * kRowsPerBlock, 0, s>>>(static_cast<float*>(out), mean, rstd,
-                                                                               res, inp, inp2, weight, bias, N, C);
-  CUDA_CHECK_LAUNCH();
+    launch_forward_as<kResidual>(static_cast<float*>(out), mean, rstd, res, inp, inp2, weight, bias, N, C);
 }
 
 }  // namespace
@@ -250,7 +336,7 @@ void residual_layernorm_forward(float* res, void* out, float* mean, float* rstd,
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                         const float* weight, const float* mean, const float* rstd, int N, int C) {
   if (N <= 0) return;
-  if (fused_backward_fits(C, {dinp, dout, inp, weight})) {
+  if (rows_fit_vectors(C, {dinp, dout, inp, weight})) {
     switch ((C + 127) / 128) {
       case 1: return launch_layernorm_backward_fused<1>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
       case 2: return launch_layernorm_backward_fused<2>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
