@@ -1,7 +1,7 @@
 // layernorm.cu — layernorm forward (also fused with the residual add before it) and backward, one warp per row
 // (torch.nn.LayerNorm: biased variance, eps 1e-5 inside the square root). The forward's output only feeds
 // linears: it is hidden (kernels.h), bf16 under bf16 where C is a multiple of 8. At widths that are a multiple
-// of 4 up to 1024 the forward keeps its row in registers, read once with 16-byte loads
+// of 4 up to 2048 the forward keeps its row in registers, read once with 16-byte loads
 // (layernorm_forward_vec_kernel). The weight and bias gradients are
 // column sums over rows, in an order fixed by the shapes: at widths that are a multiple of 4 up to 1024 the
 // backward is one pass that sums them as it goes (layernorm_backward_fused_kernel), else the dinp kernel and
@@ -70,9 +70,10 @@ __device__ __forceinline__ void store4(__nv_bfloat16* p, float4 v) {
 }
 __device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 
-// The same for rows of C <= 128 * kVecs floats, C a multiple of 4 (GPT-2's widths): each lane holds 4 * kVecs
-// columns of its warp's row (c = 4 * (lane + 32 j)) in registers, read once with 16-byte loads (and, with the
-// residual, the sum written once), where the kernel above reads the row three times with 4-byte loads.
+// The same for rows of C <= 128 * kVecs floats, C a multiple of 4 (GPT-2's widths, up to 2048): each lane holds
+// 4 * kVecs columns of its warp's row (c = 4 * (lane + 32 j)) in registers, read once with 16-byte loads (and,
+// with the residual, the sum written once), where the kernel above reads the row three times with 4-byte loads.
+constexpr int kMaxForwardVecs = 16;
 template <int kVecs, bool kResidual, typename E>
 __global__ void __launch_bounds__(32 * kRowsPerBlock) layernorm_forward_vec_kernel(
     E* out, float* mean, float* rstd, float* res, const float* inp, const float* inp2, const float* weight,
@@ -253,9 +254,9 @@ void launch_layernorm_backward_fused(float* dinp, float* dweight, float* dbias, 
 }
 
 // Whether the one-pass kernels (layernorm_forward_vec_kernel, layernorm_backward_fused_kernel) take these
-// buffers: C a multiple of 4 up to 1024, every row 16-byte aligned (null: not used).
-bool rows_fit_vectors(int C, std::initializer_list<const void*> rows_of_c) {
-  if (C % 4 != 0 || C > 1024) return false;
+// buffers: C a multiple of 4 up to max_c, every row 16-byte aligned (null: not used).
+bool rows_fit_vectors(int C, int max_c, std::initializer_list<const void*> rows_of_c) {
+  if (C % 4 != 0 || C > max_c) return false;
   for (const void* p : rows_of_c)
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
   return true;
@@ -286,7 +287,7 @@ void launch_forward_as(E* out, float* mean, float* rstd, float* res, const float
                        const float* weight, const float* bias, int N, int C) {
   const unsigned blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock, threads = 32 * kRowsPerBlock;
   const cudaStream_t s = cuda_context().compute;
-  if (rows_fit_vectors(C, {out, inp, weight, bias, inp2, res})) {
+  if (rows_fit_vectors(C, 128 * kMaxForwardVecs, {out, inp, weight, bias, inp2, res})) {
     switch ((C + 127) / 128) {
 #define STRATA_LN_FWD_VEC(V)                                                                                     \
   case V:                                                                                                        \
@@ -302,6 +303,14 @@ void launch_forward_as(E* out, float* mean, float* rstd, float* res, const float
       STRATA_LN_FWD_VEC(6)
       STRATA_LN_FWD_VEC(7)
       STRATA_LN_FWD_VEC(8)
+      STRATA_LN_FWD_VEC(9)
+      STRATA_LN_FWD_VEC(10)
+      STRATA_LN_FWD_VEC(11)
+      STRATA_LN_FWD_VEC(12)
+      STRATA_LN_FWD_VEC(13)
+      STRATA_LN_FWD_VEC(14)
+      STRATA_LN_FWD_VEC(15)
+      STRATA_LN_FWD_VEC(16)
 #undef STRATA_LN_FWD_VEC
     }
   }
@@ -336,7 +345,7 @@ void residual_layernorm_forward(float* res, void* out, float* mean, float* rstd,
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                         const float* weight, const float* mean, const float* rstd, int N, int C) {
   if (N <= 0) return;
-  if (rows_fit_vectors(C, {dinp, dout, inp, weight})) {
+  if (rows_fit_vectors(C, 1024, {dinp, dout, inp, weight})) {
     switch ((C + 127) / 128) {
       case 1: return launch_layernorm_backward_fused<1>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
       case 2: return launch_layernorm_backward_fused<2>(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C);
