@@ -108,8 +108,9 @@ TEST_F(GpuTrainTest, Fp32StepsMatchTheCpu) {
   EXPECT_LT(cpu.losses.back(), cpu.losses.front()) << "the loss must fall over the steps";
 }
 
-// The GPU's bf16 mode also rounds attention's products, the logits and the MLP's hidden activations and their
-// gradients (the CPU keeps all of those fp32), so the runs differ by bf16 rounding. Parameters are compared by
+// The GPU's bf16 mode also rounds attention's products, the logits and the hidden activations (the linears'
+// inputs, qkv, the MLP's hidden units) and some of their gradients (the CPU keeps all of those fp32), so the
+// runs differ by bf16 rounding. Parameters are compared by
 // their total update, not element by element: Adam normalizes each gradient, so a parameter whose exact
 // gradient is zero (the key bias: softmax ignores a constant added to a row of scores) takes lr-sized steps
 // driven by rounding noise, differently on each side.
