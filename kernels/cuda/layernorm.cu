@@ -8,6 +8,7 @@
 // the two-pass reduction of reduce.cuh.
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 
@@ -287,32 +288,21 @@ void launch_forward_as(E* out, float* mean, float* rstd, float* res, const float
                        const float* weight, const float* bias, int N, int C) {
   const unsigned blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock, threads = 32 * kRowsPerBlock;
   const cudaStream_t s = cuda_context().compute;
+  // The register rows come in 6 sizes (each lane's columns are guarded by c < C, so a larger one serves any
+  // narrower row): GPT-2's widths 768, 1024, 1600 and 2048 take 6, 8, 16 and 16.
+  auto vec = [&](auto vecs) {
+    layernorm_forward_vec_kernel<decltype(vecs)::value, kResidual><<<blocks, threads, 0, s>>>(
+        out, mean, rstd, res, inp, inp2, weight, bias, N, C);
+    CUDA_CHECK_LAUNCH();
+  };
   if (rows_fit_vectors(C, 128 * kMaxForwardVecs, {out, inp, weight, bias, inp2, res})) {
-    switch ((C + 127) / 128) {
-#define STRATA_LN_FWD_VEC(V)                                                                                     \
-  case V:                                                                                                        \
-    layernorm_forward_vec_kernel<V, kResidual><<<blocks, threads, 0, s>>>(out, mean, rstd, res, inp, inp2, weight, \
-                                                                          bias, N, C);                           \
-    CUDA_CHECK_LAUNCH();                                                                                         \
-    return;
-      STRATA_LN_FWD_VEC(1)
-      STRATA_LN_FWD_VEC(2)
-      STRATA_LN_FWD_VEC(3)
-      STRATA_LN_FWD_VEC(4)
-      STRATA_LN_FWD_VEC(5)
-      STRATA_LN_FWD_VEC(6)
-      STRATA_LN_FWD_VEC(7)
-      STRATA_LN_FWD_VEC(8)
-      STRATA_LN_FWD_VEC(9)
-      STRATA_LN_FWD_VEC(10)
-      STRATA_LN_FWD_VEC(11)
-      STRATA_LN_FWD_VEC(12)
-      STRATA_LN_FWD_VEC(13)
-      STRATA_LN_FWD_VEC(14)
-      STRATA_LN_FWD_VEC(15)
-      STRATA_LN_FWD_VEC(16)
-#undef STRATA_LN_FWD_VEC
-    }
+    const int need = (C + 127) / 128;
+    if (need <= 2) return vec(std::integral_constant<int, 2>{});
+    if (need <= 4) return vec(std::integral_constant<int, 4>{});
+    if (need <= 6) return vec(std::integral_constant<int, 6>{});
+    if (need <= 8) return vec(std::integral_constant<int, 8>{});
+    if (need <= 12) return vec(std::integral_constant<int, 12>{});
+    return vec(std::integral_constant<int, 16>{});
   }
   layernorm_forward_kernel<kResidual><<<blocks, threads, 0, s>>>(out, mean, rstd, res, inp, inp2, weight, bias, N, C);
   CUDA_CHECK_LAUNCH();
