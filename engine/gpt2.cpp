@@ -351,8 +351,8 @@ Status GPT2::ensure_activations(int B, int T) {
   // of them without tensor parallelism.
   const size_t A = attn_width_, Vr = static_cast<size_t>(vocab_.count);
   const size_t att_floats = k_->attention_saved_floats(B, T, attn_width_, heads_, precision_);
-  // The hidden activations (the MLP's, the attention's inputs and outputs) and their gradients, in whatever form
-  // the backend keeps them (kernels.h), B*T rows.
+  // The hidden activations of B*T rows (the MLP's, the attention's qkv and output) and their gradients, in
+  // whatever form the backend keeps them (kernels.h).
   auto hidden_floats_of = [&](size_t width) {
     return (hidden_bytes(static_cast<int>(BT), static_cast<int>(width)) + 3) / 4;
   };

@@ -50,7 +50,7 @@ void composed_residual_layernorm_forward(float* res, void* out, float* mean, flo
   LayernormForward(static_cast<float*>(out), mean, rstd, res, weight, bias, N, C);
 }
 
-// Hidden activations (kernels.h: the MLP's hidden units, the attention's inputs and outputs) kept as fp32
+// Hidden activations (kernels.h: the linears' inputs, the MLP's hidden units, the attention's qkv) kept as fp32
 // (N,width).
 inline size_t composed_hidden_bytes(int N, int width, MatmulPrecision /*precision*/) {
   return static_cast<size_t>(N) * static_cast<size_t>(width) * sizeof(float);

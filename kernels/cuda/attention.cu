@@ -184,8 +184,7 @@ void batched_gemm(cublasOperation_t op_a, cublasOperation_t op_b, int m, int n, 
 constexpr int kThreads = 256;
 
 // qkv (B,T,3C; bf16 where `qkv_bf16`, the hidden form, else fp32) -> q, k, v (B,NH,T,hs each, n elements),
-// rounded to bf16 or copied as fp32. q, k and v are 16-byte aligned (scratch and flash attention's saved parts
-// are).
+// rounded to bf16 or copied as fp32, for the batched GEMMs. q, k and v are 16-byte aligned (scratch is).
 void permute_qkv(void* q, void* k, void* v, bool bf16, const void* qkv, bool qkv_bf16, int B, int T, int NH, int hs,
                  size_t n) {
   using bf = __nv_bfloat16;
