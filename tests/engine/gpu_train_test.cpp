@@ -21,6 +21,7 @@
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/device.h"
 #include "tests/engine/trainer_fixture.h"
+#include "tests/engine/param_compare.h"
 #include "tests/test_util.h"
 
 namespace strata::engine {
@@ -37,25 +38,8 @@ struct TrainRun {
   std::vector<float> params;  // and after the last
 };
 
-// ‖(a.params − a.init) − (b.params − b.init)‖ / ‖b.params − b.init‖: how far apart the two runs' total updates are.
 double update_distance(const TrainRun& a, const TrainRun& b) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < a.params.size(); ++i) {
-    const double ua = double(a.params[i]) - a.init[i], ub = double(b.params[i]) - b.init[i];
-    diff += (ua - ub) * (ua - ub);
-    norm += ub * ub;
-  }
-  return std::sqrt(diff / norm);
-}
-
-std::vector<float> host_params(const GPT2& m) {
-  std::vector<float> out;
-  for (const Unit& u : m.units()) {
-    std::vector<float> h(u.numel());
-    m.device().copy_to_host(h.data(), u.p(), h.size() * sizeof(float));
-    out.insert(out.end(), h.begin(), h.end());
-  }
-  return out;
+  return testing::update_distance(a.init, a.params, b.init, b.params);
 }
 
 TrainRun train(kernels::Device& device, MatmulPrecision precision, uint64_t seed = 5) {
@@ -64,7 +48,7 @@ TrainRun train(kernels::Device& device, MatmulPrecision precision, uint64_t seed
   EXPECT_TRUE(model.is_ok()) << model.status().to_string();
   GPT2& m = *model.value();
   EXPECT_TRUE(m.init_gpt2(seed).is_ok());
-  r.init = host_params(m);
+  r.init = testing::host_params(m);
   AdamWConfig ac;
   ac.grad_clip = 0.5f;  // low enough that clipping is active on some steps
   auto opt = AdamW::create(m.units(), ac, device);
@@ -83,7 +67,7 @@ TrainRun train(kernels::Device& device, MatmulPrecision precision, uint64_t seed
     EXPECT_TRUE(m.backward().is_ok());
     opt->step(m.units(), 1e-3f);
   }
-  r.params = host_params(m);
+  r.params = testing::host_params(m);
   return r;
 }
 
@@ -145,7 +129,7 @@ TEST_F(GpuTrainTest, CheckpointRoundTripsThroughTheHost) {
   state.step = 1;
   auto saved = save_checkpoint(dir, *model.value(), *opt, state, 0);
   ASSERT_TRUE(saved.is_ok()) << saved.status().to_string();
-  const std::vector<float> want = host_params(*model.value());
+  const std::vector<float> want = testing::host_params(*model.value());
 
   for (kernels::Device* d : {gpu_.get(), cpu_.get()}) {
     auto other = GPT2::create(kConfig, *d, MatmulPrecision::kF32);
@@ -154,7 +138,7 @@ TEST_F(GpuTrainTest, CheckpointRoundTripsThroughTheHost) {
     ASSERT_TRUE(other_opt.is_ok());
     auto st = load_checkpoint(saved.value(), *other.value(), *other_opt);
     ASSERT_TRUE(st.is_ok()) << st.status().to_string();
-    const std::vector<float> got = host_params(*other.value());
+    const std::vector<float> got = testing::host_params(*other.value());
     ASSERT_EQ(got.size(), want.size());
     EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float))) << "on " << d->name();
   }
