@@ -331,7 +331,11 @@ __global__ void flash_bwd_dot_kernel(float* D, const bf16* dout, const bf16* out
   const int bh = row / T, tq = row % T, b = bh / NH, h = bh % NH, C = NH * HS;
   const size_t at = (static_cast<size_t>(b) * T + tq) * C + static_cast<size_t>(h) * HS;
   float s = 0.0f;
-  for (int d = lane; d < HS; d += 32) s += __bfloat162float(dout[at + d]) * __bfloat162float(out[at + d]);
+  for (int d = 2 * lane; d < HS; d += 64) {  // a pair of columns per lane: 4-byte loads, 128 bytes a warp
+    const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + at + d));
+    const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(out + at + d));
+    s += g.x * o.x + g.y * o.y;
+  }
   s = warp_sum(s);
   if (lane == 0) D[row] = s;
 }
