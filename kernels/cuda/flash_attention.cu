@@ -15,15 +15,15 @@
 // exponent's base-2 form) -> O += P V with P rounded to bf16. Saves, per row, the log-sum-exp of the scaled
 // scores; the backward takes O from the output (bf16) for D = rowsum(dO∘O).
 //
-// Backward, deterministic (no atomics): kernel 0 computes D = rowsum(dO ∘ O); kernel 1 takes 64 keys per block
-// and walks the query tiles from the diagonal down, accumulating its rows of dV = Pᵀ dO and dK = dSᵀ Q (it
-// computes Sᵀ = K Qᵀ directly, so Pᵀ is in registers as an A operand); kernel 2 takes 64 queries per block and accumulates dQ = dS K over the key tiles. P is recomputed from the
-// saved log-sum-exp; dS = P ∘ (dP − D) with dP = dO Vᵀ. Kernels 1 and 2 store their rows straight into the
-// (B,T,3C) gradient of qkv, in bf16, each element by one thread (it is overwritten: no read, no zeroing pass
-// before). The attention's input and output activations and their gradients are bf16 (B,T,·) rows: the model's
-// hidden form (kernels.h), which the linears on either side write and read. The kernels read their heads' q, k,
-// v, O and dO in place from those rows (3C and C elements apart): nothing is permuted into head layout, and
-// nothing but the log-sum-exps is saved for the backward, which reads qkv and the output again.
+// Backward, deterministic (no atomics): kernel 0 computes D = rowsum(dO ∘ O); kernel 1 takes 64 keys per block and
+// walks the query tiles from the diagonal down, accumulating its rows of dV = Pᵀ dO and dK = dSᵀ Q (it computes Sᵀ = K
+// Qᵀ directly, so Pᵀ is in registers as an A operand); kernel 2 takes 64 queries per block and accumulates dQ = dS K
+// over the key tiles. P is recomputed from the saved log-sum-exp; dS = P ∘ (dP − D) with dP = dO Vᵀ. Kernels 1 and 2
+// store their rows straight into the (B,T,3C) gradient of qkv, in bf16, each element by one thread (it is overwritten:
+// no read, no zeroing pass before). The attention's input and output activations and their gradients are bf16 (B,T,·)
+// rows: the model's hidden form (kernels.h), which the linears on either side write and read. The kernels read their
+// heads' q, k, v, O and dO in place from those rows (3C and C elements apart): nothing is permuted into head layout,
+// and nothing but the log-sum-exps is saved for the backward, which reads qkv and the output again.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 with bf16): g = lane / 4, t = lane % 4.
 //   A (16×16, row): a0 = (g, 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)

@@ -144,12 +144,13 @@ __global__ void layernorm_dinp_kernel(float* dinp, const float* dout, const floa
   }
 }
 
-// The backward in one pass over dout and inp for rows of C <= 128 * kVecs floats, C a multiple of 4 (GPT-2's
-// widths): a warp per row, each lane holding 4 * kVecs columns (c = 4 * (lane + 32 j)) in registers — the
-// row's dout and inp, read once with 16-byte loads for both of dinp's sums and its write, and the lane's own
-// sums of dweight's and dbias's terms over the block's rows, which the block then adds warp by warp into
-// partials[blockIdx.x]; launch_column_sums then adds the blocks' rows (hundreds of them: over many blocks,
-// not one thread per column). Every order is fixed by the shapes, so runs are bitwise alike. (The general kernel above reads dout and inp twice, and the column sums read them a third time.)
+// The backward in one pass over dout and inp for rows of C <= 128 * kVecs floats, C a multiple of 4 (GPT-2's widths): a
+// warp per row, each lane holding 4 * kVecs columns (c = 4 * (lane + 32 j)) in registers — the row's dout and inp, read
+// once with 16-byte loads for both of dinp's sums and its write, and the lane's own sums of dweight's and dbias's terms
+// over the block's rows, which the block then adds warp by warp into partials[blockIdx.x]; launch_column_sums then adds
+// the blocks' rows (hundreds of them: over many blocks, not one thread per column). Every order is fixed by the shapes,
+// so runs are bitwise alike. (The general kernel above reads dout and inp twice, and the column sums read them a third
+// time.)
 constexpr int kFusedWarps = 4;
 constexpr int kFusedRowsPerWarp = 4;
 constexpr int kFusedRows = kFusedWarps * kFusedRowsPerWarp;  // rows per block

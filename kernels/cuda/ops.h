@@ -46,9 +46,9 @@ void matmul_backward_gelu(void* dpre, float* dweight, float* dbias, const float*
 void matmul_backward_set_hidden(float* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
                                 const float* weight, int N, int C, int OC, MatmulPrecision precision);
 // The classifier's GEMMs over bf16 logits (classifier.cu), inp hidden and the operands bf16 as under kBF16:
-// out (N,ld_out) = inp (N,C) @ weight (OC,C)^T in bf16, rows padded with zeros to ld_out (OC rounded up to a multiple of 8); and its
-// backward from such a bf16 gradient (padding columns zero): dinp (N,C) += dout @ weight, dweight (OC,C) +=
-// dout^T @ inp.
+// out (N,ld_out) = inp (N,C) @ weight (OC,C)^T in bf16, rows padded with zeros to ld_out (OC rounded up to a
+// multiple of 8); and its backward from such a bf16 gradient (padding columns zero): dinp (N,C) += dout @ weight,
+// dweight (OC,C) += dout^T @ inp.
 void matmul_forward_bf16_out(uint16_t* out, int ld_out, const void* inp, const float* weight, int N, int C, int OC);
 void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout, int ld_dout, const void* inp,
                                const float* weight, int N, int C, int OC);
@@ -62,8 +62,8 @@ struct MatmulEpilogueCounts {
 MatmulEpilogueCounts matmul_epilogue_counts();
 void attention_forward(void* out, float* att, const void* qkv, int B, int T, int C, int NH,
                        MatmulPrecision precision);
-void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* att, int B, int T, int C,
-                        int NH, MatmulPrecision precision);
+void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* att, int B,
+                        int T, int C, int NH, MatmulPrecision precision);
 size_t attention_saved_floats(int B, int T, int C, int NH, MatmulPrecision precision);
 void gelu_forward(float* out, const float* inp, size_t N);
 void gelu_backward(float* dinp, const float* inp, const float* dout, size_t N);

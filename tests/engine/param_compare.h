@@ -21,7 +21,8 @@ inline std::vector<float> host_params(const engine::GPT2& m) {
   return out;
 }
 
-// ‖(a − a_init) − (b − b_init)‖ / ‖b − b_init‖: how far run a's total update is from run b's, relative to b's.
+// ‖(a − a_init) − (b − b_init)‖ / ‖b − b_init‖: how far run a's total update is from run b's, relative to
+// b's.
 inline double update_distance(const std::vector<float>& a_init, const std::vector<float>& a,
                               const std::vector<float>& b_init, const std::vector<float>& b) {
   double diff = 0, norm = 0;
