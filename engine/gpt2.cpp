@@ -351,15 +351,14 @@ Status GPT2::ensure_activations(int B, int T) {
   // of them without tensor parallelism.
   const size_t A = attn_width_, Vr = static_cast<size_t>(vocab_.count);
   const size_t att_floats = k_->attention_saved_floats(B, T, attn_width_, heads_, precision_);
-  // The hidden activations of B*T rows (the MLP's, the attention's qkv and output) and their gradients, in
-  // whatever form the backend keeps them (kernels.h).
-  auto hidden_floats_of = [&](size_t width) {
-    return (hidden_bytes(static_cast<int>(BT), static_cast<int>(width)) + 3) / 4;
+  // The hidden activations and their gradients, in whatever form the backend keeps them (kernels.h): the MLP's,
+  // the attention's qkv and output (B*T rows), and the layernorms' outputs, which feed only linears (this rank's
+  // rows).
+  auto hidden_floats_of = [&](size_t rows, size_t width) {
+    return (hidden_bytes(static_cast<int>(rows), static_cast<int>(width)) + 3) / 4;
   };
-  const size_t hidden_floats = hidden_floats_of(mlp_width_), atty_floats = hidden_floats_of(A);
-  const size_t qkv_floats = hidden_floats_of(3 * A);
-  // The layernorms' outputs (this rank's rows), which feed only linears: hidden too.
-  const size_t ln_floats = (hidden_bytes(static_cast<int>(Nr), C) + 3) / 4;
+  const size_t hidden_floats = hidden_floats_of(BT, mlp_width_), atty_floats = hidden_floats_of(BT, A);
+  const size_t qkv_floats = hidden_floats_of(BT, 3 * A), ln_floats = hidden_floats_of(Nr, C);
   // The classifier's logits, in whatever form its backend keeps them (kernels.h).
   const size_t logits_floats =
       stage_.head ? (k_->classifier_logits_bytes(static_cast<int>(BT), static_cast<int>(Vr), precision_) + 3) / 4 : 0;

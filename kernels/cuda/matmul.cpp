@@ -319,6 +319,11 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
 
 namespace {
 
+// dweight^T (C,OC) += inp^T (C,N) @ dout (N,OC), operands of type t.
+void dweight_gemm(float* dweight, const Operand& x, const Operand& dy, int N, int C, int OC, cudaDataType_t t) {
+  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x.ptr, x.ld, dy.ptr, dy.ld, dweight, C, 1.0f, nullptr, t});
+}
+
 // A linear's two backward GEMMs from its output gradient and input as operands (`operand`, `hidden_operand`;
 // under bf16 dy's rows padded with zeros to a multiple of 8, dy.ld): dinp (N,C) = dout @ W + dinp_beta * dinp
 // (1 adds into dinp, 0 overwrites it), the padding columns meeting zero weight rows; dweight (OC,C) +=
@@ -333,8 +338,7 @@ void backward_gemms(float* dinp, float dinp_beta, float* dweight, const Operand&
   const int k = bf16 ? round_up(OC, kBf16RowAlign) : OC;
   STRATA_ASSERT_MSG(!bf16 || dy.ld == k, "bf16 gradient rows must be padded to a multiple of 8");
   run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_N, C, N, k, w.ptr, w.ld, dy.ptr, dy.ld, dinp, C, dinp_beta, nullptr, t});
-  // dweight^T (C,OC) += inp^T (C,N) @ dout (N,OC)
-  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, x.ptr, x.ld, dy.ptr, dy.ld, dweight, C, 1.0f, nullptr, t});
+  dweight_gemm(dweight, x, dy, N, C, OC, t);
 }
 
 // From fp32 dout and inp; dbias += column sums of dout.
@@ -418,8 +422,7 @@ void backward_into_bf16(void* dinp, float* dweight, float* dbias, const float* d
                          static_cast<const uint16_t*>(scratch), static_cast<size_t>(N) * static_cast<size_t>(C));
     }
   }
-  // dweight^T (C,OC) += inp^T (C,N) @ dout (N,OC), inp already bf16.
-  run_plain(Gemm{CUBLAS_OP_N, CUBLAS_OP_T, C, OC, N, inp, C, dy.ptr, dy.ld, dweight, C, 1.0f, nullptr, CUDA_R_16BF});
+  dweight_gemm(dweight, Operand{DeviceScratch(), inp, C}, dy, N, C, OC, CUDA_R_16BF);  // inp already bf16
   if (dbias != nullptr) column_sums_accumulate(dbias, dout, N, OC);
 }
 
