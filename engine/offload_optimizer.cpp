@@ -217,7 +217,11 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
 
 Status OffloadedAdamW::set_gradient_reducer(comm::Communicator* group) {
   reducer_ = group;
-  if (group != nullptr) release_spares("data parallelism");
+  if (group != nullptr) {
+    // The gradients are summed over the ranks at home before the norm, which takes it from the sums.
+    coordinator_->set_norms_on_arrival(false);
+    release_spares("data parallelism");
+  }
   return Status::ok();
 }
 

@@ -83,6 +83,7 @@ nlohmann::json OffloadStepReport::to_json() const {
           {"evictions", evictions},
           {"write_backs", write_backs},
           {"retraces", retraces},
+          {"norms_early", norms_early},
           {"early_start", early_start},
           {"early_groups", early_groups},
           {"early_reads", early_reads},
@@ -319,6 +320,7 @@ OffloadStepReport OffloadRuntime::take_report() {
   r.evictions = cs.evictions;
   r.write_backs = cs.write_backs;
   r.retraces = cs.retraces;
+  r.norms_early = cs.norms_early;
   const OffloadedStepStats& os = optimizer_->last_step_stats();
   r.optimizer_s = os.update_s;
   r.grads_wait_s = os.grads_wait_s;

@@ -78,6 +78,7 @@ struct OffloadStepReport {
   double h2d_busy_s = 0, d2h_busy_s = 0, nvme_busy_s = 0;
   uint64_t h2d_bytes = 0, d2h_bytes = 0, nvme_read_bytes = 0, nvme_write_bytes = 0;
   uint64_t fetches = 0, prefetch_hits = 0, evictions = 0, retraces = 0;
+  uint64_t norms_early = 0;  // gradients whose sum of squares for the norm was taken during the backward
   uint64_t write_backs = 0;  // evicted parameters newer than their nvme home, written there first
   uint64_t gather_bytes = 0, reduce_bytes = 0;  // ZeRO-3: units all-gathered, gradients reduce-scattered
   double collectives_busy_s = 0;                // ZeRO-3: the coordinator's collectives (waiting for peers too)

@@ -128,6 +128,9 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
   // Gradient shards read, added to and written back (ZeRO-3), or gradients summed over ranks where they lie
   // (sum_grads_over): on a queue of their own, behind no parameter traffic.
   if (options.grad_home == Tier::kNvme) s->grad_io = std::make_unique<CopyQueue>("gradient io");
+  if (options.grad_home == Tier::kHost && shard_group == nullptr) s->norms = std::make_unique<CopyQueue>("gradient norms");
+  // Where the kernels run on the host's own cores, the backward leaves none idle for the sums of squares.
+  s->norms_on_arrival = !device.host_accessible();
   for (int i = 0; i < options.nvme_buffers; ++i) {
     if (largest_read > 0) {
       STRATA_ASSIGN_OR_RETURN(PinnedBuffer b, pool->try_acquire(largest_read, "offload.nvme read staging"));
@@ -484,8 +487,9 @@ void Coordinator::send_grads_home(size_t u, const kernels::DeviceFence& fence) {
           dev->download(dst, src, bytes);
           return Status::ok();
         },
-        bytes);
+        bytes, {r.grads_norm});  // the last sum of squares still reading the home copy
     r.grads_download = downloaded;
+    queue_norm(u);
   } else {
     // Through a write-staging buffer to the swap store; the sum of squares for the norm is taken on the way,
     // from the same bytes the optimizer will read.
@@ -524,6 +528,28 @@ void Coordinator::send_grads_home(size_t u, const kernels::DeviceFence& fence) {
   }
 }
 
+void Coordinator::queue_norm(size_t u) {
+  State& s = *s_;
+  State::UnitRec& r = s.units[u];
+  r.grads_norm = CopyTicket();
+  r.grads_norm_sumsq.reset();
+  // Only the step's last backward sends a gradient home for good: an earlier micro-batch's download is brought
+  // back and added to, so its sum of squares would be wasted work.
+  if (s.norms == nullptr || !s.norms_on_arrival || s.accumulating) return;
+  auto sumsq = std::make_shared<double>(std::numeric_limits<double>::quiet_NaN());
+  r.grads_norm_sumsq = sumsq;
+  r.grads_norm = s.norms->submit(
+      [u, sumsq, x = r.host_grads.as<const float>(), lo = r.shard.lo, len = r.shard.len,
+       excluded = &r.info.norm_excluded] {  // the units never move
+        trace::Span span("gradient norm", static_cast<int64_t>(u));
+        *sumsq = sum_squares_excluding(x, lo, len, *excluded, host_sum_squares);
+        return Status::ok();
+      },
+      0, {r.grads_download});
+}
+
+void Coordinator::set_norms_on_arrival(bool on) { s_->norms_on_arrival = on; }
+
 void Coordinator::set_accumulating(bool on) { s_->accumulating = on; }
 
 void Coordinator::set_step_is_one_pass(bool on) { s_->step_is_one_pass = on; }
@@ -532,7 +558,10 @@ Status Coordinator::zero_grads() {
   for (State::UnitRec& r : s_->units) {
     STRATA_RETURN_IF_ERROR(r.grads_download.wait().with_context("offload: gradients of unit '" + r.info.name + "'"));
     STRATA_RETURN_IF_ERROR(r.grads_ready.wait().with_context("offload: gradients of unit '" + r.info.name + "'"));
+    (void)r.grads_norm.wait();  // fails only when the download it follows did
     r.grads_download = CopyTicket();
+    r.grads_norm = CopyTicket();
+    r.grads_norm_sumsq.reset();
     r.grads_reduce = CopyTicket();
     r.grads_ready = CopyTicket();
     r.grad_state = GradState::kZero;
@@ -573,6 +602,9 @@ Status Coordinator::flush_grads(bool take_norms) {
       case GradState::kZero:
         (void)r.grads_home_read.wait();  // a read of the home copy may still be in flight
         if (s_->options.grad_home == Tier::kHost) {
+          (void)r.grads_norm.wait();
+          r.grads_norm = CopyTicket();
+          r.grads_norm_sumsq.reset();
           std::memset(r.host_grads.data(), 0, r.bytes);
         } else {
           STRATA_RETURN_IF_ERROR(s_->write_zero_grads(r));
@@ -590,8 +622,15 @@ Status Coordinator::flush_grads(bool take_norms) {
         break;
     }
     if (take_norms && s_->options.grad_home == Tier::kHost) {
-      r.grad_sumsq = sum_squares_excluding(r.host_grads.as<float>(), r.shard.lo, r.shard.len, r.info.norm_excluded,
-                                           host_sum_squares);
+      if (r.grads_norm_sumsq != nullptr) {  // taken as the download landed
+        STRATA_RETURN_IF_ERROR(
+            r.grads_norm.wait().with_context("offload: the gradient norm of unit '" + r.info.name + "'"));
+        r.grad_sumsq = *r.grads_norm_sumsq;
+        ++s_->stats.norms_early;
+      } else {
+        r.grad_sumsq = sum_squares_excluding(r.host_grads.as<float>(), r.shard.lo, r.shard.len,
+                                             r.info.norm_excluded, host_sum_squares);
+      }
       r.grad_sumsq_valid = true;
     }
   }
@@ -608,7 +647,10 @@ float* Coordinator::host_grads_for_update(size_t u) {
                     "host_grads_for_update before flush_grads");
   if (r.dev_grads.data() != nullptr) s_->drop_device_grads(r);
   r.grad_state = GradState::kHost;
-  r.grad_sumsq_valid = false;  // the caller changes it
+  (void)r.grads_norm.wait();  // the caller changes it: no sum of squares may still be reading it
+  r.grads_norm = CopyTicket();
+  r.grads_norm_sumsq.reset();
+  r.grad_sumsq_valid = false;
   return r.host_grads.as<float>();
 }
 

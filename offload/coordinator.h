@@ -121,6 +121,9 @@ struct CoordinatorStats {  // since the last take_stats()
   uint64_t evictions = 0;
   uint64_t write_backs = 0;  // evicted parameter copies newer than their nvme home, written there first
   uint64_t retraces = 0;   // times the access order differed from the trace
+  // flush_grads: gradients (grad_home host) whose sum of squares for the norm was taken as they landed during
+  // the backward, not by flush_grads after it
+  uint64_t norms_early = 0;
   uint64_t gather_bytes = 0, reduce_bytes = 0;  // ZeRO-3: units all-gathered, gradients reduce-scattered
 };
 
@@ -198,9 +201,17 @@ class Coordinator {
   // (kernels/cpu/fast.h add_sum_squares from 0 over the unit, whichever the home; less the unit's
   // norm_excluded ranges, each piece from 0, added in order). ZeRO-3: this rank's shard
   // of the gradient summed over the group (shard(u).len elements) and its sum of squares. With `take_norms`
-  // (grad_home host) each unit's sum of squares is taken as its gradient lands, overlapping the downloads still
-  // in flight; pass false when the gradients change before the norm (summed over ranks), which then takes them.
+  // (grad_home host) each unit's sum of squares is the one taken on the "gradient norms" queue as its step's
+  // last download landed, while the backward still ran (set_norms_on_arrival), or else taken here as its
+  // gradient lands, overlapping the downloads still in flight; the same function on the same bytes either way.
+  // Pass false when the gradients change before the norm (summed over ranks), which then takes them.
   Status flush_grads(bool take_norms = true);
+  // grad_home host, not sharded: whether each gradient's sum of squares is taken as soon as a download after
+  // set_accumulating(false) lands, on the host's cores while the device computes the rest of the backward. On
+  // by default where the device's memory is not the host's (a GPU); off on the CPU backend, whose kernels leave
+  // no core idle during the backward. Turned off when the gradients change at home before the norm (summed over
+  // data-parallel ranks), which would make that work wasted.
+  void set_norms_on_arrival(bool on);
   const float* host_grads(size_t u) const;
   // The same gradient for changing in place before the optimizer reads it (summing it over data-parallel
   // ranks): any device copy of it is dropped, so nothing stale is used. grad_home host; after flush_grads().
@@ -234,6 +245,9 @@ class Coordinator {
   // Queues unit u's device gradient (kDevice) to its home after the kernels before `fence`: kBoth, or kHost
   // when the step uses it no more.
   void send_grads_home(size_t u, const kernels::DeviceFence& fence);
+  // After a download of unit u's gradient into host memory: its sum of squares queued behind it, when the
+  // download is the step's last (see set_norms_on_arrival); else no norm is pending for the new home copy.
+  void queue_norm(size_t u);
   std::unique_ptr<State> s_;
   CoordinatorOptions options_;
   std::function<Status(size_t)> before_use_;

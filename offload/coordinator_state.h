@@ -130,6 +130,11 @@ struct Coordinator::State {
                                          // thread; ZeRO-3: of the shard's last write, on the gradient io thread);
                                          // host: taken by flush_grads when grad_sumsq_valid
     bool grad_sumsq_valid = false;       // host: grad_sumsq is that of host_grads as they are now
+    // grad_home host, not sharded: the sum of squares of the last download, taken on the norms queue as soon as
+    // it landed (queued by the step's last backward), and where it goes; null when none was queued since the
+    // last change to host_grads. Anything that writes host_grads waits for grads_norm first.
+    CopyTicket grads_norm;
+    std::shared_ptr<double> grads_norm_sumsq;
     bool grads_reduced = false;          // ZeRO-3: a reduce-scatter added to the home shard since zero_grads
   };
 
@@ -173,6 +178,11 @@ struct Coordinator::State {
   PinnedBuffer reduce_scratch;
   std::unique_ptr<CopyQueue> grad_io;
   std::unique_ptr<CopyQueue> collectives;
+  // grad_home host, not sharded: each gradient's sum of squares for the norm, taken as its step's last download
+  // lands (UnitRec::grads_norm), so that the norm is summed while the backward still runs rather than after it
+  // on the training thread. Declared last: destroyed first, while the host_grads its jobs read still live.
+  std::unique_ptr<CopyQueue> norms;
+  bool norms_on_arrival = false;  // Coordinator::set_norms_on_arrival
 
   State(kernels::Device& d, CopyEngine& c, PinnedPool* p, SwapStore* s, const CoordinatorOptions& o)
       : device(d), copies(c), pool(p), store(s), options(o) {}
@@ -187,6 +197,7 @@ struct Coordinator::State {
       (void)r.params_ready.wait();
       (void)r.grads_ready.wait();
       (void)r.grads_download.wait();
+      (void)r.grads_norm.wait();
     }
     for (Slot& s : spares) wait_all(s.after);
   }

@@ -207,6 +207,33 @@ TEST(CoordinatorTest, ADeviceBudgetBelowTheModelEvictsWithoutStaleDataAndAccumul
   EXPECT_EQ(s.retraces, 0u);
 }
 
+// The gradient norm's sums of squares are taken as the last backward's downloads land, not by flush_grads
+// after it, and equal the sums of the gradients as they end up: not of an earlier micro-batch's download (with
+// the parameters offloaded every backward sends its gradients home), and not when the gradients will change at
+// home before the norm (set_norms_on_arrival(false), as under data parallelism).
+class CoordinatorNormTest : public ::testing::TestWithParam<Tier> {};
+
+TEST_P(CoordinatorNormTest, TheNormIsSummedAsTheLastBackwardsGradientsLand) {
+  for (const bool on_arrival : {true, false}) {
+    SCOPED_TRACE(on_arrival ? "norms on arrival" : "norms in flush_grads");
+    Rig rig(GetParam(), 0, {}, /*faulty=*/false, /*slow_downloads=*/true);
+    rig.coord->set_norms_on_arrival(on_arrival);
+    for (int n = 0; n < 2; ++n) {
+      rig.zero_grads();
+      rig.coord->set_accumulating(true);
+      rig.step(all_units(), n);
+      rig.coord->set_accumulating(false);
+      rig.step(all_units(), n + 100);
+      rig.coord->take_stats();
+      rig.check_grads_and_update(n);  // each unit's sum of squares against the gradient's own
+      EXPECT_EQ(rig.coord->take_stats().norms_early, on_arrival ? kUnits : 0u) << "step " << n;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(ParamHomes, CoordinatorNormTest, ::testing::Values(Tier::kDevice, Tier::kHost),
+                         [](const auto& info) { return std::string(tier_name(info.param)); });
+
 // New parameters of a unit on the device are not written to nvme (the device copy is marked newer); read_params
 // and the next acquires get them from the device.
 TEST(CoordinatorTest, ParametersOnTheDeviceGoHomeOnlyWhenEvicted) {
