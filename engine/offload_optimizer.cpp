@@ -372,6 +372,12 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
         for (size_t g = 0; g < groups_.size(); ++g) {
           if (!fed_[groups_[g].unit]) h.feed.push_back({g, coordinator_->grads_home_ticket(groups_[g].unit)});
         }
+        // The backward fed the sub-groups last unit first, but the next forward takes the units first to last
+        // and publication follows the feed: what the worker has not taken yet goes in the forward's order, so
+        // that the forward waits for each unit's own update instead of for every one fed before it (the first
+        // units, whose gradients were final last). Every gradient is home by now (flush_grads).
+        std::sort(h.feed.begin() + static_cast<std::ptrdiff_t>(h.taken), h.feed.end(),
+                  [](const Handoff::Item& a, const Handoff::Item& b) { return a.group < b.group; });
         h.speculative = false;
         h.closed = true;
         h.cv.notify_all();

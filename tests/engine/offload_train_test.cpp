@@ -2,6 +2,7 @@
 // every placement (optimizer in host memory or on NVMe, parameters in host memory or on NVMe, small sub-groups
 // that split tensors, a cap on live parameters that forces evictions, gradient accumulation, activation
 // checkpoints on the device or in host memory), resumed runs included. Compared: the per-step loss and gradient norm, and the final checkpoint's weights and moments.
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <functional>
@@ -13,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include "common/trace.h"
@@ -505,6 +507,61 @@ TEST_F(OffloadTrainTest, TheTraceShowsStepsUpdatesAndTransfers) {
   EXPECT_EQ(where["publish"], std::set<std::string>{"training"});
   EXPECT_FALSE(where["nvme read"].empty());
   EXPECT_FALSE(where["nvme write"].empty());
+}
+
+// Updates started during the last backward take the sub-groups last unit first, as their gradients become
+// final; once step() confirms them, the ones the worker has not taken yet go first unit first, the order the
+// next forward publishes and uses them in, so that it waits for each unit's own update rather than for all of
+// them. With two spares the worker takes at most three sub-groups before the confirmation (two into spares, one
+// waiting for the norm): every update's publications are in ascending sub-group order after at most three.
+// Unclipped, every step after the first starts during backward and keeps its updates; still the plain run.
+TEST_F(OffloadTrainTest, AfterTheBackwardsEarlyUpdatesTheRestComeInTheForwardsOrder) {
+  const json zero = {{"stage", 2},
+                     {"offload_optimizer", {{"device", "cpu"}, {"speculative_sub_groups", 2}}},
+                     {"sub_group_size", 3000}};
+  json plain = config("plain_unclipped", json());
+  plain["training"]["grad_clip"] = 0.0;
+  run("plain_unclipped", plain);
+  json o = config("spares_unclipped", zero);
+  o["training"]["grad_clip"] = 0.0;
+  trace::start();
+  trace::name_thread("training");
+  const fs::path path = dir_ / "spares_trace.json";
+  {
+    struct Stop {
+      const fs::path& path;
+      ~Stop() { EXPECT_TRUE(trace::write(path.string()).is_ok()); }
+    } stop{path};
+    run("spares_unclipped", o);
+  }
+  expect_same_run("plain_unclipped", "spares_unclipped", 6);
+  const json totals = offload_totals(dir_ / "spares_unclipped.jsonl");
+  ASSERT_FALSE(totals.is_null());
+  EXPECT_GE(totals.value("early_start", 0.0), 4.0) << totals.dump();
+  EXPECT_EQ(totals.value("redone", 0.0), 0.0) << totals.dump();
+
+  std::ifstream in(path);
+  const json j = json::parse(in);
+  std::vector<std::pair<double, int>> published;  // (time, sub-group)
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] == "X" && e["name"] == "publish") published.push_back({e["ts"].get<double>(), e["args"]["arg"].get<int>()});
+  }
+  std::sort(published.begin(), published.end());
+  std::set<int> groups;
+  for (const auto& [ts, g] : published) groups.insert(g);
+  const size_t G = groups.size();
+  ASSERT_GT(G, 10u) << "small sub-groups, so that most are left at the confirmation";
+  ASSERT_EQ(published.size() % G, 0u) << "each update publishes every sub-group once";
+  size_t early_orders = 0;  // updates whose first publications were not in ascending order
+  for (size_t start = 0; start < published.size(); start += G) {
+    std::vector<int> order;
+    for (size_t i = start; i < start + G; ++i) order.push_back(published[i].second);
+    SCOPED_TRACE(fmt::format("update {}: {}", start / G + 1, fmt::join(order, " ")));
+    EXPECT_EQ(std::set<int>(order.begin(), order.end()).size(), G);
+    early_orders += !std::is_sorted(order.begin(), order.end());
+    EXPECT_TRUE(std::is_sorted(order.begin() + 3, order.end()));
+  }
+  EXPECT_GT(early_orders, 0u) << "no update took sub-groups during backward";
 }
 
 TEST_F(OffloadTrainTest, ParamOffloadWithoutOptimizerOffloadIsRefusedByName) {
