@@ -159,10 +159,10 @@ if [[ $bench == 1 ]] && in_budget "bench step"; then
   # A unit's CPU Adam can only overlap the compute between its last micro-batch's backward and the next step's
   # forward of it (about one micro-batch), so the step is about compute + (Adam - one micro-batch). Runs are
   # BxA: A micro-batches of B sequences a step. 8x4: micro-batches of 8 (the GEMMs at N = 8192 rows, and one
-  # micro-batch's compute about as long as the 2.5B parameters' CPU Adam); 2x32: many small ones; "s": unclipped,
-  # with every sub-group's update started during the last backward (spare buffers: 30 GB more host memory), which
-  # overlaps the Adam of all but the first units with that backward.
-  for run in 8x4 8x4s 2x32 2x8s; do
+  # micro-batch's compute about as long as the 2.5B parameters' CPU Adam); 8x8: 64K tokens a step; 2x32: many
+  # small ones; "s": unclipped, with every sub-group's update started during the last backward (spare buffers:
+  # 30 GB more host memory), which overlaps the Adam of all but the first units with that backward.
+  for run in 8x4s 8x8s 8x4 2x32 2x8s; do
     mb=${run%%x*} rest=${run#*x}
     accum=${rest%s}
     in_budget "bench 2.5B MFU, $run" || continue
