@@ -73,6 +73,10 @@ part 120 pytorch env PYTHONUNBUFFERED=1 python3 scripts/bench_step_torch.py --de
 spares=(--grad-clip 0 --speculative-sub-groups 1000)
 part 200 mfu-2.5b-8x4-spares "$S" bench step "${g25[@]}" --batch 8 --grad-accum 4 "${spares[@]}"
 part 240 mfu-2.5b-8x8-spares "$S" bench step "${g25[@]}" --batch 8 --grad-accum 8 "${spares[@]}"
+# Where the 2.5B model's compute goes (31.5% of the GEMM rate at B=2 on 2026-11-24, against the 40% to reach):
+# its layers' kernels at B=8 without offload, 4 layers of them (ncu times every kernel one at a time).
+part 120 profile-2.5b scripts/gpu-profile.sh --strata .gpu/strata --out "$out/runs/profile-2.5b" -- --device cuda \
+  --precision bf16 --layers 4 --heads 32 --width 2048 --vocab 50257 --context 1024 --batch 8 --steps 1 --warmup 0
 part 90 profile scripts/gpu-profile.sh --strata .gpu/strata --out "$out/runs/profile"
 part 200 mfu-2.5b-8x4 "$S" bench step "${g25[@]}" --batch 8 --grad-accum 4
 part 200 mfu-2.5b-2x32 "$S" bench step "${g25[@]}" --batch 2 --grad-accum 32
