@@ -2,23 +2,27 @@
 # Where a GPU training step's time goes, kernel by kernel: one `strata bench step` under Nsight Compute (ncu),
 # timing every kernel it launches (gpu__time_duration; caches and clocks left as they run, not flushed or
 # locked), then a table of the kernels by total time — what `bench kernels` cannot split (an op's permute and
-# its flash kernel, a matmul's bf16 rounding passes and its GEMM). Run on the GPU machine:
-#   scripts/gpu-profile.sh [--strata PATH] [--out DIR] [--top N] [-- BENCH STEP OPTIONS]
+# its flash kernel, a matmul's bf16 rounding passes and its GEMM). With --details REGEX, instead, what limits
+# the kernels whose names match REGEX: ncu's throughput, occupancy, warp-stall and pipe sections for their
+# first 16 launches (details.txt; of GPT-2 124M's flash kernels: the 12 forwards, then one of each backward
+# kernel). Run on the GPU machine:
+#   scripts/gpu-profile.sh [--strata PATH] [--out DIR] [--top N] [--details REGEX] [-- BENCH STEP OPTIONS]
 # Defaults: build/strata (or .gpu/strata, the gpu-check bundle's, with its libraries), out gpu-profile-out/,
 # the 30 heaviest kernels, and GPT-2 124M (B=8, T=1024, bf16) for one step without warm-up. Writes the raw
 # CSV (ncu.csv) and the table (kernels.txt) under DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-strata="" out=gpu-profile-out top=30
-valid="valid: --strata PATH, --out DIR, --top N, -- BENCH STEP OPTIONS"
+strata="" out=gpu-profile-out top=30 details=""
+valid="valid: --strata PATH, --out DIR, --top N, --details REGEX, -- BENCH STEP OPTIONS"
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --strata|--out|--top)
+    --strata|--out|--top|--details)
       [[ $# -ge 2 ]] || { echo "gpu-profile.sh: '$1' needs a value ($valid)" >&2; exit 2; } ;;&
     --strata) strata="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --top) top="$2"; shift 2 ;;
+    --details) details="$2"; shift 2 ;;
     --) shift; break ;;
     *) echo "gpu-profile.sh: unknown option '$1' ($valid)" >&2; exit 2 ;;
   esac
@@ -49,6 +53,15 @@ done
 [[ -n $ncu ]] || { echo "gpu-profile.sh: ncu (Nsight Compute) not found on PATH or under /opt/nvidia" >&2; exit 2; }
 
 mkdir -p "$out"
+if [[ -n $details ]]; then
+  echo "== $strata bench step ${bench[*]} under $ncu: what limits the kernels matching '$details'"
+  "$ncu" --target-processes all --kernel-name "regex:$details" --launch-count 16 --cache-control none \
+    --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section InstructionStats \
+    --log-file "$out/details.txt" "$strata" bench step "${bench[@]}" >"$out/bench.txt"
+  cat "$out/details.txt"
+  exit 0
+fi
 echo "== $strata bench step ${bench[*]} under $ncu"
 "$ncu" --target-processes all --metrics gpu__time_duration.sum --cache-control none --clock-control none \
   --csv --page raw --print-units base --log-file "$out/ncu.csv" "$strata" bench step "${bench[@]}" >"$out/bench.txt"

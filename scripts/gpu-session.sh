@@ -78,6 +78,9 @@ part 240 mfu-2.5b-8x8-spares "$S" bench step "${g25[@]}" --batch 8 --grad-accum 
 part 120 profile-2.5b scripts/gpu-profile.sh --strata .gpu/strata --out "$out/runs/profile-2.5b" -- --device cuda \
   --precision bf16 --layers 4 --heads 32 --width 2048 --vocab 50257 --context 1024 --batch 8 --steps 1 --warmup 0
 part 90 profile scripts/gpu-profile.sh --strata .gpu/strata --out "$out/runs/profile"
+# The flash kernels run at about a fifth of their roofline (5.3 of GPT-2 124M's 24 ms on 2026-11-28): what
+# stalls them (ncu's warp-state, pipe and occupancy sections), before any rewrite.
+part 60 flash-details scripts/gpu-profile.sh --strata .gpu/strata --out "$out/runs/flash" --details flash
 part 200 mfu-2.5b-8x4 "$S" bench step "${g25[@]}" --batch 8 --grad-accum 4
 part 200 mfu-2.5b-2x32 "$S" bench step "${g25[@]}" --batch 2 --grad-accum 32
 part 60 offload-nvme "$S" bench step "${g124[@]}" --offload-param nvme --offload-optimizer nvme --steps 6 --warmup 2 --json
