@@ -128,7 +128,8 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(kernels::Device& device
   // Gradient shards read, added to and written back (ZeRO-3), or gradients summed over ranks where they lie
   // (sum_grads_over): on a queue of their own, behind no parameter traffic.
   if (options.grad_home == Tier::kNvme) s->grad_io = std::make_unique<CopyQueue>("gradient io");
-  if (options.grad_home == Tier::kHost && shard_group == nullptr) s->norms = std::make_unique<CopyQueue>("gradient norms");
+  if (options.grad_home == Tier::kHost && shard_group == nullptr)
+    s->norms = std::make_unique<CopyQueue>("gradient norms");
   // Where the kernels run on the host's own cores, the backward leaves none idle for the sums of squares.
   s->norms_on_arrival = !device.host_accessible();
   for (int i = 0; i < options.nvme_buffers; ++i) {

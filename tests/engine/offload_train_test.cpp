@@ -544,7 +544,8 @@ TEST_F(OffloadTrainTest, AfterTheBackwardsEarlyUpdatesTheRestComeInTheForwardsOr
   const json j = json::parse(in);
   std::vector<std::pair<double, int>> published;  // (time, sub-group)
   for (const auto& e : j["traceEvents"]) {
-    if (e["ph"] == "X" && e["name"] == "publish") published.push_back({e["ts"].get<double>(), e["args"]["arg"].get<int>()});
+    if (e["ph"] == "X" && e["name"] == "publish")
+      published.push_back({e["ts"].get<double>(), e["args"]["arg"].get<int>()});
   }
   std::sort(published.begin(), published.end());
   std::set<int> groups;
