@@ -31,7 +31,9 @@
 //   C (16×8):       c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
 #include <cuda_bf16.h>
 
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -237,8 +239,8 @@ struct HeadSlices {
 };
 
 // grid (B*NH, ceil(T/64)). lse_out: (B*NH, T), the rows' log-sum-exps of the scaled scores.
-template <int HS>
-__global__ void __launch_bounds__(kThreads) flash_fwd_kernel(bf16* out, float* lse_out, const bf16* qkv, int T,
+template <int HS, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd_kernel(bf16* out, float* lse_out, const bf16* qkv, int T,
                                                              int NH, float scale) {
   __shared__ __align__(16) bf16 Ks[2][kTile * (HS + kPad)];
   __shared__ __align__(16) bf16 Vs[2][kTile * (HS + kPad)];
@@ -360,8 +362,8 @@ __device__ void store_rows(bf16* dqkv, const float (&acc)[HS / 8][4], int row0, 
 }
 
 // grid (B*NH, ceil(T/64)): dK (scaled) and dV of the block's 64 keys, stored into dqkv (B,T,3C).
-template <int HS>
-__global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(bf16* dqkv, const bf16* qkv, const bf16* dout,
+template <int HS, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) flash_bwd_kv_kernel(bf16* dqkv, const bf16* qkv, const bf16* dout,
                                                                 const float* lse, const float* D, int T, int NH,
                                                                 float scale) {
   __shared__ __align__(16) bf16 Qs[2][kTile * (HS + kPad)];
@@ -439,8 +441,8 @@ __global__ void __launch_bounds__(kThreads) flash_bwd_kv_kernel(bf16* dqkv, cons
 }
 
 // grid (B*NH, ceil(T/64)): dQ (scaled) of the block's 64 queries, stored into dqkv (B,T,3C).
-template <int HS>
-__global__ void __launch_bounds__(kThreads) flash_bwd_q_kernel(bf16* dqkv, const bf16* qkv, const bf16* dout,
+template <int HS, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) flash_bwd_q_kernel(bf16* dqkv, const bf16* qkv, const bf16* dout,
                                                                const float* lse, const float* D, int T, int NH,
                                                                float scale) {
   __shared__ __align__(16) bf16 Ks[2][kTile * (HS + kPad)];
@@ -510,12 +512,44 @@ void check_aligned(const void* p, const char* what) {
   STRATA_ASSERT_MSG(false, msg.c_str());
 }
 
+// Blocks of each kernel resident on a multiprocessor (__launch_bounds__'s minimum, which caps the registers at
+// 64K / (128 x blocks)). kOccupancyDefault's 0 is no minimum, as without the argument: the registers are the
+// compiler's choice (hs 64 on sm_90: 136, 251 and 141 for the forward, dK/dV and dQ kernels, so 3, 2 and 3
+// blocks; a minimum of 1 is not the same: it lets ptxas take 163, 251 and 237). kOccupancyHigh asks for 4, 3
+// and 4 blocks (128, 168 and 128 registers, at 32, 112 and 40 bytes of spill loads) — for hs 64 only, an
+// experiment until a GPU measures it (flash_attention.h).
+struct MinBlocks {
+  int fwd, kv, q;
+};
+constexpr MinBlocks kOccupancyDefault{0, 0, 0}, kOccupancyHigh{4, 3, 4};
+
+template <int HS, int kMinBlocks>
+void launch_forward(bf16* out, const bf16* qkv, float* lse, int B, int T, int NH) {
+  const float scale = 1.0f / sqrtf(static_cast<float>(HS));
+  flash_fwd_kernel<HS, kMinBlocks>
+      <<<tile_grid(B, T, NH), kThreads, 0, cuda_context().compute>>>(out, lse, qkv, T, NH, scale);
+  CUDA_CHECK_LAUNCH();
+}
+
 template <int HS>
 void forward(bf16* out, const bf16* qkv, float* lse, int B, int T, int NH) {
   check_aligned(qkv, "qkv");
+  if constexpr (HS == 64) {
+    if (flash_attention_occupancy() == FlashOccupancy::kHigh)
+      return launch_forward<HS, kOccupancyHigh.fwd>(out, qkv, lse, B, T, NH);
+  }
+  launch_forward<HS, kOccupancyDefault.fwd>(out, qkv, lse, B, T, NH);
+}
+
+template <int HS, int kKvBlocks, int kQBlocks>
+void launch_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* lse, const float* D, int B, int T,
+                     int NH) {
+  const CudaContext& ctx = cuda_context();
   const dim3 grid = tile_grid(B, T, NH);
   const float scale = 1.0f / sqrtf(static_cast<float>(HS));
-  flash_fwd_kernel<HS><<<grid, kThreads, 0, cuda_context().compute>>>(out, lse, qkv, T, NH, scale);
+  flash_bwd_kv_kernel<HS, kKvBlocks><<<grid, kThreads, 0, ctx.compute>>>(dqkv, qkv, dout, lse, D, T, NH, scale);
+  CUDA_CHECK_LAUNCH();
+  flash_bwd_q_kernel<HS, kQBlocks><<<grid, kThreads, 0, ctx.compute>>>(dqkv, qkv, dout, lse, D, T, NH, scale);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -530,15 +564,41 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   flash_bwd_dot_kernel<HS><<<(rows + kWarps - 1) / kWarps, kThreads, 0, ctx.compute>>>(D.as<float>(), dout, out, B,
                                                                                        T, NH);
   CUDA_CHECK_LAUNCH();
-  const dim3 grid = tile_grid(B, T, NH);
-  const float scale = 1.0f / sqrtf(static_cast<float>(HS));
-  flash_bwd_kv_kernel<HS><<<grid, kThreads, 0, ctx.compute>>>(dqkv, qkv, dout, lse, D.as<float>(), T, NH, scale);
-  CUDA_CHECK_LAUNCH();
-  flash_bwd_q_kernel<HS><<<grid, kThreads, 0, ctx.compute>>>(dqkv, qkv, dout, lse, D.as<float>(), T, NH, scale);
-  CUDA_CHECK_LAUNCH();
+  if constexpr (HS == 64) {
+    if (flash_attention_occupancy() == FlashOccupancy::kHigh)
+      return launch_backward<HS, kOccupancyHigh.kv, kOccupancyHigh.q>(dqkv, dout, qkv, lse, D.as<float>(), B, T, NH);
+  }
+  launch_backward<HS, kOccupancyDefault.kv, kOccupancyDefault.q>(dqkv, dout, qkv, lse, D.as<float>(), B, T, NH);
 }
 
 }  // namespace
+
+namespace {
+// kDefault or kHigh as an int; -1 until the first call reads STRATA_FLASH_OCCUPANCY.
+std::atomic<int> occupancy_setting{-1};
+}  // namespace
+
+FlashOccupancy flash_attention_occupancy() {
+  int v = occupancy_setting.load(std::memory_order_relaxed);
+  if (v >= 0) return static_cast<FlashOccupancy>(v);
+  const char* env = std::getenv("STRATA_FLASH_OCCUPANCY");
+  const std::string s = env != nullptr ? env : "";
+  if (s.empty() || s == "default") {
+    v = static_cast<int>(FlashOccupancy::kDefault);
+  } else if (s == "high") {
+    v = static_cast<int>(FlashOccupancy::kHigh);
+  } else {
+    const std::string msg = "STRATA_FLASH_OCCUPANCY=" + s + ": expected 'default' or 'high'";
+    STRATA_ASSERT_MSG(false, msg.c_str());
+  }
+  int unset = -1;
+  occupancy_setting.compare_exchange_strong(unset, v);  // a set_ in between wins
+  return static_cast<FlashOccupancy>(occupancy_setting.load(std::memory_order_relaxed));
+}
+
+void set_flash_attention_occupancy(FlashOccupancy o) {
+  occupancy_setting.store(static_cast<int>(o), std::memory_order_relaxed);
+}
 
 // 128 would need twice the accumulator registers of 64 and spill: it takes the batched-GEMM path instead.
 bool flash_attention_supported(int hs) { return hs == 32 || hs == 64; }

@@ -17,6 +17,7 @@
 #include "kernels/cpu/reference.h"
 #include "kernels/cpu/reference_matmul.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/flash_attention.h"
 #include "kernels/cuda/ops.h"
 #include "tests/kernels/cuda_ops_test_util.h"
 #include "tests/test_util.h"
@@ -207,7 +208,8 @@ TEST_F(CudaOpsTest, Attention) {
 // tile has rows; 100: three of its four) check the edges. Inputs of range 2.6 make the scores about 2.2
 // standard deviations wide instead of 0.3, so each row's maximum moves between tiles and the online softmax
 // rescales what it summed; outputs scale with the range and gradients with its square, and so do the
-// tolerances.
+// tolerances. At hs 64 the kernels built for higher occupancy (flash_attention.h) run too and must give the same
+// bits.
 TEST_F(CudaOpsTest, AttentionBF16) {
   for (auto [B, T, C, NH, seed, range] :
        {std::tuple{2, 67, 128, 2, 23u, 1.0}, std::tuple{1, 200, 256, 8, 24u, 1.0}, std::tuple{2, 130, 256, 2, 25u, 1.0},
@@ -232,6 +234,16 @@ TEST_F(CudaOpsTest, AttentionBF16) {
     EXPECT_TRUE(all_close(r.got_dqkv, r.want_dqkv, 2e-2 * range * range, 2e-2, "dqkv"));
     if (T > 1) {
       EXPECT_FALSE(all_close(r.got_out, r.want_out, accum_atol(hs + T), kRtol, "out")) << "the bf16 path did not run";
+    }
+    if (hs == 64) {
+      // The kernels built for more blocks a multiprocessor (fewer registers, some spilled) do the same arithmetic:
+      // the same bits.
+      cuda::set_flash_attention_occupancy(cuda::FlashOccupancy::kHigh);
+      const AttentionRun high = run_attention(k, B, T, C, NH, seed, MatmulPrecision::kBF16, range);
+      cuda::set_flash_attention_occupancy(cuda::FlashOccupancy::kDefault);
+      EXPECT_EQ(high.got_out, r.got_out) << "high occupancy: out";
+      EXPECT_EQ(high.got_att, r.got_att) << "high occupancy: lse";
+      EXPECT_EQ(high.got_dqkv, r.got_dqkv) << "high occupancy: dqkv";
     }
   }
 }
