@@ -240,8 +240,8 @@ struct HeadSlices {
 
 // grid (B*NH, ceil(T/64)). lse_out: (B*NH, T), the rows' log-sum-exps of the scaled scores.
 template <int HS, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) flash_fwd_kernel(bf16* out, float* lse_out, const bf16* qkv, int T,
-                                                             int NH, float scale) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    flash_fwd_kernel(bf16* out, float* lse_out, const bf16* qkv, int T, int NH, float scale) {
   __shared__ __align__(16) bf16 Ks[2][kTile * (HS + kPad)];
   __shared__ __align__(16) bf16 Vs[2][kTile * (HS + kPad)];
   // The heaviest query tiles (most key tiles below the diagonal) first, so the last wave is the light ones.
@@ -363,9 +363,9 @@ __device__ void store_rows(bf16* dqkv, const float (&acc)[HS / 8][4], int row0, 
 
 // grid (B*NH, ceil(T/64)): dK (scaled) and dV of the block's 64 keys, stored into dqkv (B,T,3C).
 template <int HS, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) flash_bwd_kv_kernel(bf16* dqkv, const bf16* qkv, const bf16* dout,
-                                                                const float* lse, const float* D, int T, int NH,
-                                                                float scale) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    flash_bwd_kv_kernel(bf16* dqkv, const bf16* qkv, const bf16* dout, const float* lse, const float* D, int T, int NH,
+                        float scale) {
   __shared__ __align__(16) bf16 Qs[2][kTile * (HS + kPad)];
   __shared__ __align__(16) bf16 dYs[2][kTile * (HS + kPad)];
   __shared__ float lse_s[2][kTile], D_s[2][kTile];
@@ -442,9 +442,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) flash_bwd_kv_kernel(bf16
 
 // grid (B*NH, ceil(T/64)): dQ (scaled) of the block's 64 queries, stored into dqkv (B,T,3C).
 template <int HS, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) flash_bwd_q_kernel(bf16* dqkv, const bf16* qkv, const bf16* dout,
-                                                               const float* lse, const float* D, int T, int NH,
-                                                               float scale) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    flash_bwd_q_kernel(bf16* dqkv, const bf16* qkv, const bf16* dout, const float* lse, const float* D, int T, int NH,
+                       float scale) {
   __shared__ __align__(16) bf16 Ks[2][kTile * (HS + kPad)];
   __shared__ __align__(16) bf16 Vs[2][kTile * (HS + kPad)];
   const int qt = gridDim.y - 1 - blockIdx.y, bh = blockIdx.x, q0 = qt * kTile;  // heaviest tiles first
@@ -522,6 +522,8 @@ struct MinBlocks {
   int fwd, kv, q;
 };
 constexpr MinBlocks kOccupancyDefault{0, 0, 0}, kOccupancyHigh{4, 3, 4};
+// The setting, FlashOccupancy as an int; -1 until the first call reads STRATA_FLASH_OCCUPANCY.
+std::atomic<int> occupancy_setting{-1};
 
 template <int HS, int kMinBlocks>
 void launch_forward(bf16* out, const bf16* qkv, float* lse, int B, int T, int NH) {
@@ -571,11 +573,6 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
   launch_backward<HS, kOccupancyDefault.kv, kOccupancyDefault.q>(dqkv, dout, qkv, lse, D.as<float>(), B, T, NH);
 }
 
-}  // namespace
-
-namespace {
-// kDefault or kHigh as an int; -1 until the first call reads STRATA_FLASH_OCCUPANCY.
-std::atomic<int> occupancy_setting{-1};
 }  // namespace
 
 FlashOccupancy flash_attention_occupancy() {

@@ -12,8 +12,8 @@ namespace strata::kernels::cuda {
 
 bool flash_attention_supported(int hs);  // 32, 64
 // How many blocks of each hs-64 kernel a multiprocessor is to hold: kDefault leaves the registers to the compiler
-// (on sm_90 3, 2 and 3 blocks of the forward, dK/dV and dQ kernels); kHigh caps them for 4, 3 and 4 (a few dozen
-// bytes of spills each). The kernels look latency-bound (about a fifth of their roofline), so more resident warps
+// (on sm_90 3, 2 and 3 blocks of the forward, dK/dV and dQ kernels); kHigh caps them for 4, 3 and 4 (32 to 112
+// bytes of spill loads each). The kernels look latency-bound (about a fifth of their roofline), so more resident warps
 // may pay; until a GPU says which is faster, both are built and STRATA_FLASH_OCCUPANCY=default|high (read at the
 // first call; anything else stops the process naming it) chooses. The same arithmetic either way: bitwise the
 // same results. set_ overrides it (tests).
