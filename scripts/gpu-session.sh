@@ -53,6 +53,31 @@ part() {
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/runs/gpu.txt"
+# Where cuDNN is on this machine and which version, for the fused-attention route (issue 6 allows cuDNN's, chosen
+# at run time): the bundle cannot carry it, so it would be loaded from here.
+timeout 30 python3 - >"$out/runs/cudnn.txt" 2>&1 <<'PY'
+import ctypes, glob, os, subprocess
+found = []
+try:
+    import nvidia.cudnn
+    found += glob.glob(os.path.join(list(nvidia.cudnn.__path__)[0], "lib", "libcudnn.so*"))
+except Exception as e:
+    print("no nvidia.cudnn package:", e)
+try:
+    import torch
+    found += glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libcudnn.so*"))
+    print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version())
+except Exception as e:
+    print("torch:", e)
+found += glob.glob("/usr/local/cuda*/lib64/libcudnn.so*") + glob.glob("/usr/lib/x86_64-linux-gnu/libcudnn.so*")
+for path in sorted(set(found)):
+    try:
+        print(path, "version", ctypes.CDLL(path).cudnnGetVersion())
+    except OSError as e:
+        print(path, "does not load:", e)
+print(subprocess.run(["sh", "-c", "ldconfig -p | grep -i cudnn"], capture_output=True, text=True).stdout or
+      "ldconfig: no cudnn")
+PY
 part 90 cuda-tests scripts/gpu-check.sh --from-bundle .gpu --out "$out/gc" --no-bench --no-ranks --pack
 if [[ -x .gpu-ab/strata_base ]]; then
   [[ -e .gpu-ab/strata_new ]] || ln -s ../.gpu/strata .gpu-ab/strata_new
