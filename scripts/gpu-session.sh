@@ -106,8 +106,9 @@ part 90 profile scripts/gpu-profile.sh --strata .gpu/strata --out "$out/runs/pro
 # The flash kernels run at about a fifth of their roofline (5.3 of GPT-2 124M's 24 ms on 2026-11-28): what
 # stalls them (ncu's warp-state, pipe and occupancy sections), before any rewrite.
 part 60 flash-details scripts/gpu-profile.sh --strata .gpu/strata --out "$out/runs/flash" --details flash
-# And the same kernels built for more blocks a multiprocessor, against the default, alternating in one call.
-part 90 flash-occupancy scripts/gpu-flash-occupancy.sh --strata .gpu/strata
+# The experimental settings against the defaults: the flash kernels built for more blocks a multiprocessor, and
+# cuBLASLt's candidates timed per problem (scripts/gpu-variants.sh).
+part 150 variants scripts/gpu-variants.sh --strata .gpu/strata
 part 200 mfu-2.5b-8x4 "$S" bench step "${g25[@]}" --batch 8 --grad-accum 4
 part 200 mfu-2.5b-2x32 "$S" bench step "${g25[@]}" --batch 2 --grad-accum 32
 part 60 offload-nvme "$S" bench step "${g124[@]}" --offload-param nvme --offload-optimizer nvme --steps 6 --warmup 2 --json

@@ -21,8 +21,12 @@
 // training step does no planning after its first.
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <limits>
 #include <map>
+#include <string>
 #include <tuple>
 
 #include <fmt/format.h>
@@ -196,6 +200,76 @@ Plan make_plan(const CudaContext& ctx, const Gemm& g, int align_a, int align_b, 
   return p;
 }
 
+// -1 until the first plan reads STRATA_MATMUL_AUTOTUNE; then 0 or 1 (set_matmul_autotune overrides).
+std::atomic<int> autotune_setting{-1};
+
+bool autotune_on() {
+  int v = autotune_setting.load(std::memory_order_relaxed);
+  if (v >= 0) return v == 1;
+  const char* env = std::getenv("STRATA_MATMUL_AUTOTUNE");
+  const std::string s = env != nullptr ? env : "";
+  if (s.empty() || s == "0") {
+    v = 0;
+  } else if (s == "1") {
+    v = 1;
+  } else {
+    const std::string msg = "STRATA_MATMUL_AUTOTUNE=" + s + ": expected 0 or 1";
+    STRATA_ASSERT_MSG(false, msg.c_str());
+  }
+  int unset = -1;
+  autotune_setting.compare_exchange_strong(unset, v);
+  return autotune_setting.load(std::memory_order_relaxed) == 1;
+}
+
+// Times the heuristic's candidates on the problem's own operands and keeps the fastest in p.algo_index: each
+// writes into scratch (D, and a GELU_AUX epilogue's aux), once to warm up and then 3 times between events, so
+// nothing the model holds changes. Waits for the compute stream: once per problem, in the first step. A candidate
+// cublasLtMatmul refuses is skipped.
+void autotune(const CudaContext& ctx, Plan& p, const Gemm& g) {
+  if (p.algo_count < 2) return;
+  const size_t elem = g.d_type == CUDA_R_32F ? sizeof(float) : sizeof(uint16_t);
+  const size_t d_bytes = static_cast<size_t>(g.ldd) * static_cast<size_t>(g.n) * elem;
+  DeviceScratch d(d_bytes);
+  CUDA_CHECK(cudaMemsetAsync(d.as<void>(), 0, d_bytes, ctx.compute));  // beta 1 reads it
+  Gemm scratch = g;
+  scratch.d = d.as<void>();
+  const bool writes_aux = g.epilogue == Epilogue::kGeluAux;  // DGELU reads its aux: the real one
+  DeviceScratch aux(writes_aux ? static_cast<size_t>(g.aux_ld) * static_cast<size_t>(g.n) * elem : 0);
+  if (writes_aux) scratch.aux = aux.as<void>();
+  set_epilogue_pointers(p.desc, scratch);
+  cudaEvent_t start = nullptr, stop = nullptr;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  const float alpha = 1.0f;
+  auto run = [&](int i) {
+    return cublasLtMatmul(ctx.lt, p.desc, &alpha, g.a, p.a, g.b, p.b, &g.beta, scratch.d, p.d, scratch.d, p.d,
+                          &p.algos[static_cast<size_t>(i)], ctx.lt_workspace, CudaContext::kLtWorkspaceBytes,
+                          ctx.compute);
+  };
+  float best = std::numeric_limits<float>::infinity(), first = best;
+  int best_i = p.algo_index;
+  for (int i = p.algo_index; i < p.algo_count; ++i) {
+    if (run(i) != CUBLAS_STATUS_SUCCESS) continue;
+    CUDA_CHECK(cudaEventRecord(start, ctx.compute));
+    bool ok = true;
+    for (int r = 0; r < 3 && ok; ++r) ok = run(i) == CUBLAS_STATUS_SUCCESS;
+    CUDA_CHECK(cudaEventRecord(stop, ctx.compute));
+    CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    if (!ok) continue;
+    if (i == p.algo_index) first = ms;
+    if (ms < best) best = ms, best_i = i;
+  }
+  CUDA_CHECK(cudaEventDestroy(start));
+  CUDA_CHECK(cudaEventDestroy(stop));
+  CUDA_CHECK(cudaGetLastError());
+  STRATA_LOG_INFO("cuBLASLt autotune m={} n={} k={}: candidate {} of {} ({:.1f} us against the heuristic's first, "
+                  "{:.1f} us)",
+                  g.m, g.n, g.k, best_i + 1, p.algo_count, 1e3f * best / 3, 1e3f * first / 3);
+  p.algo_index = best_i;
+}
+
 // Enqueues the GEMM; false (and nothing enqueued) only for a GELU epilogue cuBLASLt does not take here.
 bool run_gemm(const Gemm& g) {
   if (g.m == 0 || g.n == 0) return true;
@@ -221,7 +295,10 @@ bool run_gemm(const Gemm& g) {
                     g.beta != 0.0f,        g.bias != nullptr,    align_a,    align_b,
                     align_d,     align_bias,  static_cast<int>(g.epilogue), g.aux_ld, align_aux};
   auto it = plans.find(key);
-  if (it == plans.end()) it = plans.emplace(key, make_plan(ctx, g, align_a, align_b, align_d)).first;
+  if (it == plans.end()) {
+    it = plans.emplace(key, make_plan(ctx, g, align_a, align_b, align_d)).first;
+    if (it->second.supported && autotune_on()) autotune(ctx, it->second, g);
+  }
   Plan& p = it->second;
   if (!p.supported) return false;
   set_epilogue_pointers(p.desc, g);
@@ -523,5 +600,8 @@ void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout
 }
 
 MatmulEpilogueCounts matmul_epilogue_counts() { return epilogue_counts; }
+
+bool matmul_autotune() { return autotune_on(); }
+void set_matmul_autotune(bool on) { autotune_setting.store(on ? 1 : 0, std::memory_order_relaxed); }
 
 }  // namespace strata::kernels::cuda

@@ -60,6 +60,14 @@ struct MatmulEpilogueCounts {
   int fallback_plans = 0;
 };
 MatmulEpilogueCounts matmul_epilogue_counts();
+// Whether each GEMM problem's plan times the cuBLASLt heuristic's candidates (up to 4) on its first call and keeps
+// the fastest, instead of taking the heuristic's first: STRATA_MATMUL_AUTOTUNE=1 (read at the first plan;
+// anything but 0 or 1 stops the process naming it), off by default, because the choice then depends on timings
+// and two runs may pick algorithms that sum in another order (GPU runs stop being bitwise reproducible). It waits
+// for the GPU once per problem, in the first step, and logs each choice. An experiment until a GPU measures it.
+// set_ overrides it for the plans made after (tests). matmul.cpp.
+bool matmul_autotune();
+void set_matmul_autotune(bool on);
 void attention_forward(void* out, float* att, const void* qkv, int B, int T, int C, int NH,
                        MatmulPrecision precision);
 void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* att, int B,

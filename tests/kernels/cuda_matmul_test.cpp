@@ -276,6 +276,17 @@ TEST_F(CudaOpsTest, MatmulGelu) {
   EXPECT_GE(after.gelu_plans, 4) << "not every GELU epilogue was planned";
 }
 
+// STRATA_MATMUL_AUTOTUNE's plans (ops.h): each times the heuristic's candidates on scratch and keeps the fastest.
+// Shapes no other case plans, so their plans are made here with it on: the plain GEMMs at both precisions, and
+// the GELU epilogues (GELU_AUX writes its aux into scratch while timing; DGELU reads the real one).
+TEST_F(CudaOpsTest, MatmulAutotune) {
+  cuda::set_matmul_autotune(true);
+  check_matmul(k, 192, 320, 704, MatmulPrecision::kBF16, 41, true);
+  check_matmul(k, 96, 160, 224, MatmulPrecision::kF32, 42, true);
+  check_matmul_gelu(k, 128, 160, 640, MatmulPrecision::kBF16, 43);
+  cuda::set_matmul_autotune(false);
+}
+
 // The classifier slots (the LM head and its cross-entropy) against the reference's matmul and cross-entropy.
 // Under bf16 the reference rounds what the fused kernels keep in bf16 too — the operands, the logits and their
 // gradient, as PyTorch's autocast does — so what is left is fp32 accumulation and the odd rounding it flips.
