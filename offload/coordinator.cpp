@@ -559,10 +559,8 @@ Status Coordinator::zero_grads() {
   for (State::UnitRec& r : s_->units) {
     STRATA_RETURN_IF_ERROR(r.grads_download.wait().with_context("offload: gradients of unit '" + r.info.name + "'"));
     STRATA_RETURN_IF_ERROR(r.grads_ready.wait().with_context("offload: gradients of unit '" + r.info.name + "'"));
-    (void)r.grads_norm.wait();  // fails only when the download it follows did
+    r.settle_norm();
     r.grads_download = CopyTicket();
-    r.grads_norm = CopyTicket();
-    r.grads_norm_sumsq.reset();
     r.grads_reduce = CopyTicket();
     r.grads_ready = CopyTicket();
     r.grad_state = GradState::kZero;
@@ -603,9 +601,7 @@ Status Coordinator::flush_grads(bool take_norms) {
       case GradState::kZero:
         (void)r.grads_home_read.wait();  // a read of the home copy may still be in flight
         if (s_->options.grad_home == Tier::kHost) {
-          (void)r.grads_norm.wait();
-          r.grads_norm = CopyTicket();
-          r.grads_norm_sumsq.reset();
+          r.settle_norm();
           std::memset(r.host_grads.data(), 0, r.bytes);
         } else {
           STRATA_RETURN_IF_ERROR(s_->write_zero_grads(r));
@@ -648,9 +644,7 @@ float* Coordinator::host_grads_for_update(size_t u) {
                     "host_grads_for_update before flush_grads");
   if (r.dev_grads.data() != nullptr) s_->drop_device_grads(r);
   r.grad_state = GradState::kHost;
-  (void)r.grads_norm.wait();  // the caller changes it: no sum of squares may still be reading it
-  r.grads_norm = CopyTicket();
-  r.grads_norm_sumsq.reset();
+  r.settle_norm();  // the caller changes it
   r.grad_sumsq_valid = false;
   return r.host_grads.as<float>();
 }

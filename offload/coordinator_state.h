@@ -135,6 +135,12 @@ struct Coordinator::State {
     // last change to host_grads. Anything that writes host_grads waits for grads_norm first.
     CopyTicket grads_norm;
     std::shared_ptr<double> grads_norm_sumsq;
+    // Before host_grads change outside a download: waits for a sum of squares still reading them, and forgets it.
+    void settle_norm() {
+      (void)grads_norm.wait();  // fails only when the download it follows did, which that download reports
+      grads_norm = CopyTicket();
+      grads_norm_sumsq.reset();
+    }
     bool grads_reduced = false;          // ZeRO-3: a reduce-scatter added to the home shard since zero_grads
   };
 
