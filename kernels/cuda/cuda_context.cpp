@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 
 #include <fmt/format.h>
 
@@ -105,6 +106,24 @@ CudaContext& cuda_context() {
     return c;
   }();
   return *ctx;
+}
+
+bool EnvSwitch::on() {
+  int v = state_.load(std::memory_order_relaxed);
+  if (v >= 0) return v == 1;
+  const char* env = std::getenv(var_);
+  const std::string s = env != nullptr ? env : "";
+  if (s.empty() || s == off_) {
+    v = 0;
+  } else if (s == on_) {
+    v = 1;
+  } else {
+    const std::string msg = fmt::format("{}={}: expected '{}' or '{}'", var_, s, off_, on_);
+    STRATA_ASSERT_MSG(false, msg.c_str());
+  }
+  int unset = -1;
+  state_.compare_exchange_strong(unset, v);  // a set() in between wins
+  return state_.load(std::memory_order_relaxed) == 1;
 }
 
 DeviceScratch::DeviceScratch(size_t bytes) {

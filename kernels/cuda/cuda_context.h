@@ -9,6 +9,7 @@
 // Deliberately free of common/status.h (and so of fmt): .cu files include it.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 
 #include <cublasLt.h>
@@ -28,6 +29,21 @@ struct CudaContext {
 };
 
 CudaContext& cuda_context();
+
+// An experimental setting of the backend, off or on, read once per process from environment variable `var`
+// (unset, empty or `off_value`: off; `on_value`: on; anything else stops the process naming the variable and
+// both values) at its first use; set() overrides it (tests). A static object: its strings must outlive it.
+class EnvSwitch {
+ public:
+  EnvSwitch(const char* var, const char* off_value, const char* on_value)
+      : var_(var), off_(off_value), on_(on_value) {}
+  bool on();
+  void set(bool on) { state_.store(on ? 1 : 0, std::memory_order_relaxed); }
+
+ private:
+  const char *var_, *off_, *on_;
+  std::atomic<int> state_{-1};  // -1 until read
+};
 
 // Stream-ordered device scratch on the compute stream (cudaMallocAsync from the device's default pool, which is
 // told to keep freed memory cached): valid for work enqueued on `compute` after construction and before

@@ -31,9 +31,7 @@
 //   C (16×8):       c0, c1 = (g, 2t..2t+1), c2, c3 = (g+8, 2t..2t+1)
 #include <cuda_bf16.h>
 
-#include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -522,8 +520,7 @@ struct MinBlocks {
   int fwd, kv, q;
 };
 constexpr MinBlocks kOccupancyDefault{0, 0, 0}, kOccupancyHigh{4, 3, 4};
-// The setting, FlashOccupancy as an int; -1 until the first call reads STRATA_FLASH_OCCUPANCY.
-std::atomic<int> occupancy_setting{-1};
+EnvSwitch high_occupancy("STRATA_FLASH_OCCUPANCY", "default", "high");
 
 template <int HS, int kMinBlocks>
 void launch_forward(bf16* out, const bf16* qkv, float* lse, int B, int T, int NH) {
@@ -576,26 +573,10 @@ void backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, co
 }  // namespace
 
 FlashOccupancy flash_attention_occupancy() {
-  int v = occupancy_setting.load(std::memory_order_relaxed);
-  if (v >= 0) return static_cast<FlashOccupancy>(v);
-  const char* env = std::getenv("STRATA_FLASH_OCCUPANCY");
-  const std::string s = env != nullptr ? env : "";
-  if (s.empty() || s == "default") {
-    v = static_cast<int>(FlashOccupancy::kDefault);
-  } else if (s == "high") {
-    v = static_cast<int>(FlashOccupancy::kHigh);
-  } else {
-    const std::string msg = "STRATA_FLASH_OCCUPANCY=" + s + ": expected 'default' or 'high'";
-    STRATA_ASSERT_MSG(false, msg.c_str());
-  }
-  int unset = -1;
-  occupancy_setting.compare_exchange_strong(unset, v);  // a set_ in between wins
-  return static_cast<FlashOccupancy>(occupancy_setting.load(std::memory_order_relaxed));
+  return high_occupancy.on() ? FlashOccupancy::kHigh : FlashOccupancy::kDefault;
 }
 
-void set_flash_attention_occupancy(FlashOccupancy o) {
-  occupancy_setting.store(static_cast<int>(o), std::memory_order_relaxed);
-}
+void set_flash_attention_occupancy(FlashOccupancy o) { high_occupancy.set(o == FlashOccupancy::kHigh); }
 
 // 128 would need twice the accumulator registers of 64 and spill: it takes the batched-GEMM path instead.
 bool flash_attention_supported(int hs) { return hs == 32 || hs == 64; }

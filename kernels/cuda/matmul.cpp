@@ -21,9 +21,7 @@
 // training step does no planning after its first.
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <map>
 #include <string>
@@ -200,26 +198,7 @@ Plan make_plan(const CudaContext& ctx, const Gemm& g, int align_a, int align_b, 
   return p;
 }
 
-// -1 until the first plan reads STRATA_MATMUL_AUTOTUNE; then 0 or 1 (set_matmul_autotune overrides).
-std::atomic<int> autotune_setting{-1};
-
-bool autotune_on() {
-  int v = autotune_setting.load(std::memory_order_relaxed);
-  if (v >= 0) return v == 1;
-  const char* env = std::getenv("STRATA_MATMUL_AUTOTUNE");
-  const std::string s = env != nullptr ? env : "";
-  if (s.empty() || s == "0") {
-    v = 0;
-  } else if (s == "1") {
-    v = 1;
-  } else {
-    const std::string msg = "STRATA_MATMUL_AUTOTUNE=" + s + ": expected 0 or 1";
-    STRATA_ASSERT_MSG(false, msg.c_str());
-  }
-  int unset = -1;
-  autotune_setting.compare_exchange_strong(unset, v);
-  return autotune_setting.load(std::memory_order_relaxed) == 1;
-}
+EnvSwitch autotune_setting("STRATA_MATMUL_AUTOTUNE", "0", "1");
 
 // Times the heuristic's candidates on the problem's own operands and keeps the fastest in p.algo_index: each
 // writes into scratch (D, and a GELU_AUX epilogue's aux), once to warm up and then 3 times between events, so
@@ -297,7 +276,7 @@ bool run_gemm(const Gemm& g) {
   auto it = plans.find(key);
   if (it == plans.end()) {
     it = plans.emplace(key, make_plan(ctx, g, align_a, align_b, align_d)).first;
-    if (it->second.supported && autotune_on()) autotune(ctx, it->second, g);
+    if (it->second.supported && autotune_setting.on()) autotune(ctx, it->second, g);
   }
   Plan& p = it->second;
   if (!p.supported) return false;
@@ -601,7 +580,7 @@ void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout
 
 MatmulEpilogueCounts matmul_epilogue_counts() { return epilogue_counts; }
 
-bool matmul_autotune() { return autotune_on(); }
-void set_matmul_autotune(bool on) { autotune_setting.store(on ? 1 : 0, std::memory_order_relaxed); }
+bool matmul_autotune() { return autotune_setting.on(); }
+void set_matmul_autotune(bool on) { autotune_setting.set(on); }
 
 }  // namespace strata::kernels::cuda
