@@ -21,6 +21,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_context.h"
+#include "kernels/cuda/cudnn_attention.h"
 #include "kernels/cuda/flash_attention.h"
 #include "kernels/cuda/ops.h"
 #include "kernels/cuda/reduce.cuh"
@@ -245,6 +246,12 @@ bool use_flash(int B, int T, int C, int NH, MatmulPrecision precision) {
          static_cast<long long>(B) * NH * T < (1ll << 31) && T <= 65535ll * 64;
 }
 
+// On the flash path, cuDNN's fused kernels instead where they are chosen and can run the shape (they save the
+// same log-sum-exps: cudnn_attention.h).
+bool use_cudnn(int B, int T, int NH, int hs) {
+  return cudnn_attention_chosen() && cudnn_attention_runs(B, T, NH, hs);
+}
+
 }  // namespace
 
 size_t attention_saved_floats(int B, int T, int C, int NH, MatmulPrecision precision) {
@@ -260,7 +267,10 @@ void attention_forward(void* out, float* att, const void* qkv, int B, int T, int
   const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
   if (use_flash(B, T, C, NH, precision)) {  // q, k, v read in place from the bf16 qkv
     STRATA_ASSERT_MSG(hidden16, "flash attention takes bf16 activations (a head size of 32 or 64 makes C % 8 == 0)");
-    flash_attention_forward(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(qkv), att, B, T, NH, hs);
+    if (use_cudnn(B, T, NH, hs))
+      cudnn_attention_forward(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(qkv), att, B, T, NH, hs);
+    else
+      flash_attention_forward(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(qkv), att, B, T, NH, hs);
     return;
   }
   HeadTensors h(bf16, n);
@@ -295,9 +305,13 @@ void attention_backward(void* dqkv, const void* dout, const void* qkv, const voi
   const bool bf16 = precision == MatmulPrecision::kBF16, hidden16 = hidden_bf16(C, precision);
   const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
   if (use_flash(B, T, C, NH, precision)) {  // q, k, v, out and dout read in place; writes dqkv itself
-    flash_attention_backward(static_cast<uint16_t*>(dqkv), static_cast<const uint16_t*>(dout),
-                             static_cast<const uint16_t*>(qkv), static_cast<const uint16_t*>(out), att, B, T, NH,
-                             hs);
+    auto* dqkv16 = static_cast<uint16_t*>(dqkv);
+    const auto *dout16 = static_cast<const uint16_t*>(dout), *qkv16 = static_cast<const uint16_t*>(qkv),
+               *out16 = static_cast<const uint16_t*>(out);
+    if (use_cudnn(B, T, NH, hs))
+      cudnn_attention_backward(dqkv16, dout16, qkv16, out16, att, B, T, NH, hs);
+    else
+      flash_attention_backward(dqkv16, dout16, qkv16, out16, att, B, T, NH, hs);
     return;
   }
   HeadTensors h(bf16, n);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,8 @@
 #include "kernels/cpu/reference.h"
 #include "kernels/cpu/reference_matmul.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/cudnn_attention.h"
+#include "kernels/cuda/cudnn_graph.h"
 #include "kernels/cuda/flash_attention.h"
 #include "kernels/cuda/ops.h"
 #include "tests/kernels/cuda_ops_test_util.h"
@@ -246,6 +249,45 @@ TEST_F(CudaOpsTest, AttentionBF16) {
       EXPECT_EQ(high.got_dqkv, r.got_dqkv) << "high occupancy: dqkv";
     }
   }
+}
+
+// cuDNN's fused attention (STRATA_ATTENTION=cudnn; kernels/cuda/cudnn_attention.h) on AttentionBF16's flash
+// cases, against the same reference at the same tolerances, the log-sum-exps it saves included (the flash
+// backward reads them too). Skips, saying why, where cuDNN cannot be loaded. Where it loads, every case whose T is
+// a whole number of 64-row tiles (GPT-2's shapes are) must run on it; a shorter or ragged one it declines is
+// named and left to the flash kernels. The forward must give the same bits twice, and the backward too where its
+// plan is the deterministic form.
+TEST_F(CudaOpsTest, AttentionCudnn) {
+  if (const auto loaded = cuda::cudnn::load(); !loaded.is_ok())
+    GTEST_SKIP() << "cuDNN attention not testable here: " << loaded.status().message();
+  cuda::set_cudnn_attention_chosen(true);
+  for (auto [B, T, C, NH, seed, range] :
+       {std::tuple{2, 128, 128, 2, 30u, 1.0}, std::tuple{2, 192, 256, 4, 32u, 2.6}, std::tuple{1, 256, 256, 8, 33u, 1.0},
+        std::tuple{2, 67, 128, 2, 23u, 1.0}, std::tuple{2, 100, 64, 2, 31u, 1.0}}) {
+    const int hs = C / NH;
+    SCOPED_TRACE(fmt::format("cuDNN attention B={} T={} C={} NH={} seed={} range={}", B, T, C, NH, seed, range));
+    std::string why;
+    if (!cuda::cudnn_attention_runs(B, T, NH, hs, &why)) {
+      if (T % 64 == 0) ADD_FAILURE() << "cuDNN cannot run it: " << why;
+      else std::cout << fmt::format("cuDNN declines B={} T={} NH={} hs={}: {}\n", B, T, NH, hs, why);
+      continue;
+    }
+    const AttentionRun r = run_attention(k, B, T, C, NH, seed, MatmulPrecision::kBF16, range);
+    const std::vector<float> lse(r.got_att.begin(), r.got_att.begin() + size_t(B) * NH * T);
+    EXPECT_TRUE(all_close(lse, r.want_lse, 1e-2 * range, 1e-2, "lse"));
+    EXPECT_TRUE(all_close(r.got_out, r.want_out, 1e-2 * range, 2e-2, "out"));
+    EXPECT_TRUE(all_close(r.got_dqkv, r.want_dqkv, 2e-2 * range * range, 2e-2, "dqkv"));
+    if (T > 1) {
+      EXPECT_FALSE(all_close(r.got_out, r.want_out, accum_atol(hs + T), kRtol, "out")) << "the bf16 path did not run";
+    }
+    const AttentionRun again = run_attention(k, B, T, C, NH, seed, MatmulPrecision::kBF16, range);
+    EXPECT_EQ(again.got_out, r.got_out) << "a second run: out";
+    EXPECT_EQ(again.got_att, r.got_att) << "a second run: lse";
+    if (cuda::cudnn_attention_reproducible(B, T, NH, hs)) {
+      EXPECT_EQ(again.got_dqkv, r.got_dqkv) << "a second run of the deterministic backward: dqkv";
+    }
+  }
+  cuda::set_cudnn_attention_chosen(false);
 }
 
 TEST_F(CudaOpsTest, GeluAndResidual) {
