@@ -78,7 +78,11 @@ for path in sorted(set(found)):
 print(subprocess.run(["sh", "-c", "ldconfig -p | grep -i cudnn"], capture_output=True, text=True).stdout or
       "ldconfig: no cudnn")
 PY
-part 90 cuda-tests scripts/gpu-check.sh --from-bundle .gpu --out "$out/gc" --no-bench --no-ranks --pack
+part 120 cuda-tests scripts/gpu-check.sh --from-bundle .gpu --out "$out/gc" --no-bench --no-ranks --pack
+# This GPU as cuDNN describes it (kernels_cuda_test CudnnAttentionGraphs prints it): committed under
+# tests/fixtures/cudnn/, it lets machines without the GPU have cuDNN choose engines for the attention's graphs.
+tar xzf "$out/gc.tgz" -O --wildcards '*kernels_cuda_test.log' 2>/dev/null | grep '^cuDNN device properties' \
+  >"$out/runs/cudnn-device-properties.txt" || echo "no cuDNN device properties printed" >"$out/runs/cudnn-device-properties.txt"
 if [[ -x .gpu-ab/strata_base ]]; then
   [[ -e .gpu-ab/strata_new ]] || ln -s ../.gpu/strata .gpu-ab/strata_new
   [[ -e .gpu-ab/kernels_cuda_test ]] || ln -s ../.gpu/kernels_cuda_test .gpu-ab/kernels_cuda_test
@@ -95,6 +99,9 @@ g25=(--device cuda --precision bf16 --layers 48 --heads 32 --width 2048 --contex
 # micro-batches a step (32K and 64K tokens), then at 4 without the early updates, for what they buy.
 part 120 pytorch env PYTHONUNBUFFERED=1 python3 scripts/bench_step_torch.py --device cuda --compile --sdpa \
   --precision bf16 --layers 12 --heads 12 --width 768 --context 1024 --batch 8 --steps 10 --warmup 3
+# cuDNN's fused attention against the flash kernels (the step alternating, and bench kernels): attention is the
+# largest lever left on the step (5.3 of 24 ms at about a fifth of its bound on 2026-11-28).
+part 100 cudnn-attention scripts/gpu-variants.sh --strata .gpu/strata STRATA_ATTENTION=cudnn
 spares=(--grad-clip 0 --speculative-sub-groups 1000)
 part 200 mfu-2.5b-8x4-spares "$S" bench step "${g25[@]}" --batch 8 --grad-accum 4 "${spares[@]}"
 part 240 mfu-2.5b-8x8-spares "$S" bench step "${g25[@]}" --batch 8 --grad-accum 8 "${spares[@]}"
@@ -108,7 +115,7 @@ part 90 profile scripts/gpu-profile.sh --strata .gpu/strata --out "$out/runs/pro
 part 60 flash-details scripts/gpu-profile.sh --strata .gpu/strata --out "$out/runs/flash" --details flash
 # The experimental settings against the defaults: the flash kernels built for more blocks a multiprocessor, and
 # cuBLASLt's candidates timed per problem (scripts/gpu-variants.sh).
-part 150 variants scripts/gpu-variants.sh --strata .gpu/strata
+part 150 variants scripts/gpu-variants.sh --strata .gpu/strata STRATA_FLASH_OCCUPANCY=high STRATA_MATMUL_AUTOTUNE=1
 part 200 mfu-2.5b-8x4 "$S" bench step "${g25[@]}" --batch 8 --grad-accum 4
 part 200 mfu-2.5b-2x32 "$S" bench step "${g25[@]}" --batch 2 --grad-accum 32
 part 60 offload-nvme "$S" bench step "${g124[@]}" --offload-param nvme --offload-optimizer nvme --steps 6 --warmup 2 --json

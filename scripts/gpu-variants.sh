@@ -3,8 +3,10 @@
 # training step alternating default, setting, default, setting, then `bench kernels` under each (at GPT-2 124M's
 # shapes, and for the flash kernels also at the 2.5B model's). The settings (environment variables, off by
 # default until measured): STRATA_FLASH_OCCUPANCY=high (the flash kernels built for more blocks a multiprocessor:
-# registers capped, some spilled; kernels/cuda/flash_attention.h) and STRATA_MATMUL_AUTOTUNE=1 (each GEMM problem
-# times cuBLASLt's candidates once and keeps the fastest; kernels/cuda/ops.h). Run on the GPU machine:
+# registers capped, some spilled; kernels/cuda/flash_attention.h), STRATA_MATMUL_AUTOTUNE=1 (each GEMM problem
+# times cuBLASLt's candidates once and keeps the fastest; kernels/cuda/ops.h) and STRATA_ATTENTION=cudnn (cuDNN's
+# fused attention instead of the flash kernels, where STRATA_CUDNN_LIBRARY or the library path finds cuDNN;
+# kernels/cuda/cudnn_attention.h). Run on the GPU machine:
 #   scripts/gpu-variants.sh [--strata PATH] [VAR=VALUE ...]   (default build/strata, or .gpu/strata with its
 #                                                              libraries; default both settings above)
 set -uo pipefail
@@ -20,7 +22,7 @@ while [[ $# -gt 0 ]]; do
     *) echo "gpu-variants.sh: unknown argument '$1' ($valid)" >&2; exit 2 ;;
   esac
 done
-[[ ${#settings[@]} -gt 0 ]] || settings=(STRATA_FLASH_OCCUPANCY=high STRATA_MATMUL_AUTOTUNE=1)
+[[ ${#settings[@]} -gt 0 ]] || settings=(STRATA_ATTENTION=cudnn STRATA_FLASH_OCCUPANCY=high STRATA_MATMUL_AUTOTUNE=1)
 if [[ -z $strata ]]; then
   if [[ -x build/strata ]]; then strata=build/strata; else strata=.gpu/strata; fi
 fi
@@ -38,7 +40,7 @@ for setting in "${settings[@]}"; do
       --context 1024 --batch 8 --steps 10 --warmup 2 --json 2>/dev/null | tail -1 || status=1
   done
   shapes=("12 768")
-  [[ $setting == STRATA_FLASH_* ]] && shapes+=("32 2048")
+  [[ $setting == STRATA_FLASH_* || $setting == STRATA_ATTENTION=* ]] && shapes+=("32 2048")
   for env in "" "$setting"; do
     for shape in "${shapes[@]}"; do
       set -- $shape

@@ -34,7 +34,8 @@ bundle_fits() {
 
 # bundle_library_path DIR: put DIR/lib (its gzipped libraries unpacked to a temporary folder) and CUDA's
 # libraries on LD_LIBRARY_PATH — the toolkit's, else the ones a PyTorch install carries in its nvidia/…/lib
-# folders (cuBLAS, cudart, NCCL: NCCL, 218 MB, is too big to carry in a bundle).
+# folders (cuBLAS, cudart, NCCL: NCCL, 218 MB, is too big to carry in a bundle; cuDNN and the NVRTC its
+# runtime-compiled engines need, for STRATA_ATTENTION=cudnn).
 bundle_library_path() {
   local extra="$1/lib" d gz unpacked
   if compgen -G "$1/lib/*.gz" >/dev/null; then
@@ -50,7 +51,7 @@ dirs = []
 for root in roots:
     for lib in sorted(glob.glob(os.path.join(root, "nvidia", "**", "lib", "lib*.so*"), recursive=True)):
         name, where = os.path.basename(lib), os.path.dirname(lib)
-        if name.startswith(("libcublas", "libcudart", "libnccl")) and where not in dirs:
+        if name.startswith(("libcublas", "libcudart", "libnccl", "libcudnn", "libnvrtc")) and where not in dirs:
             dirs.append(where)
 print(":".join(dirs))
 PY
