@@ -33,11 +33,14 @@ if [[ $strata == .gpu/strata ]]; then
 fi
 
 status=0
+errs=$(mktemp "${TMPDIR:-/tmp}/gpu-variants.XXXXXX")
+trap 'rm -f "$errs"' EXIT
 for setting in "${settings[@]}"; do
+  : >"$errs"
   for env in "" "$setting" "" "$setting"; do
     echo "== GPT-2 124M step (B=8, T=1024, bf16), ${env:-defaults}"
     env $env "$strata" bench step --device cuda --precision bf16 --layers 12 --heads 12 --width 768 --vocab 50257 \
-      --context 1024 --batch 8 --steps 10 --warmup 2 --json 2>/dev/null | tail -1 || status=1
+      --context 1024 --batch 8 --steps 10 --warmup 2 --json 2>>"$errs" | tail -1 || status=1
   done
   shapes=("12 768")
   [[ $setting == STRATA_FLASH_* || $setting == STRATA_ATTENTION=* ]] && shapes+=("32 2048")
@@ -46,8 +49,11 @@ for setting in "${settings[@]}"; do
       set -- $shape
       echo "== bench kernels, $1 heads of width $2, B=8, T=1024, ${env:-defaults}"
       env $env "$strata" bench kernels --layers 1 --heads "$1" --width "$2" --batch 8 --context 1024 --json \
-        2>/dev/null || status=1
+        2>>"$errs" || status=1
     done
   done
+  # What the setting's runs logged about it (cuDNN's plans or why it declined, cuBLASLt's choices), once each.
+  echo "== logged under $setting"
+  grep -E 'cuDNN|cuBLASLt|STRATA_|rror|ailed|bort' "$errs" | sed -E 's/^\[[^]]*\] //' | sort | uniq -c | head -20
 done
 exit $status

@@ -4,8 +4,9 @@
 // multiple of 8, else fp32.
 //
 // bf16 precision with a head size of 32 or 64 (and fewer than 2^31 rows of B*NH*T): flash attention
-// (flash_attention.cu), which never forms the T×T matrix; `att` then holds only the rows' log-sum-exps
-// (attention_saved_floats). Otherwise as llm.c's CUDA version does it: permute q, k, v to (B,NH,T,hs), batched
+// (flash_attention.cu), or with STRATA_ATTENTION=cudnn cuDNN's fused kernels (cudnn_attention.cpp) at any head size
+// they run; neither forms the T×T matrix, and `att` holds only the rows' log-sum-exps (attention_saved_floats).
+// Otherwise as llm.c's CUDA version does it: permute q, k, v to (B,NH,T,hs), batched
 // cuBLAS GEMMs for QKᵀ and for att·V, a warp-per-row causal softmax, and `att` holds the probabilities
 // (B,NH,T,T). On that path bf16 runs the four products on the tensor cores (the permutes and softmaxes write
 // bf16 copies beside their fp32 results; the GEMMs accumulate and write fp32); fp32 keeps everything fp32
@@ -239,23 +240,27 @@ struct Dims {
   }
 };
 
-// The flash kernels' grid takes a sequence's tiles of 64 on its y axis (at most 65535 blocks) and index rows of
-// B*NH*T with an int; beyond either, the batched GEMMs (which would need T*T floats a head anyway).
-bool use_flash(int B, int T, int C, int NH, MatmulPrecision precision) {
-  return precision == MatmulPrecision::kBF16 && flash_attention_supported(C / NH) &&
-         static_cast<long long>(B) * NH * T < (1ll << 31) && T <= 65535ll * 64;
-}
+// What runs a shape. The fused ones (flash, cuDNN) save only the rows' log-sum-exps, the batched GEMMs the
+// probabilities.
+enum class Path { kFlash, kCudnn, kGemms };
 
-// On the flash path, cuDNN's fused kernels instead where they are chosen and can run the shape (they save the
-// same log-sum-exps: cudnn_attention.h).
-bool use_cudnn(int B, int T, int NH, int hs) {
-  return cudnn_attention_chosen() && cudnn_attention_runs(B, T, NH, hs);
+// bf16 with fewer than 2^31 rows of B*NH*T (indexed with an int): cuDNN's fused kernels where they are chosen
+// (cudnn_attention.h) and run the shape, at any head size that keeps rows 16-byte aligned; else the flash kernels
+// at head sizes 32 and 64 while their grid holds the sequence's tiles of 64 (y: at most 65535 blocks); else the
+// batched GEMMs (which would need T*T floats a head anyway). The same answer every time for a shape (cuDNN's is
+// kept), so the forward, the backward and what is saved between them agree.
+Path path_for(int B, int T, int C, int NH, MatmulPrecision precision) {
+  if (precision != MatmulPrecision::kBF16 || static_cast<long long>(B) * NH * T >= (1ll << 31)) return Path::kGemms;
+  const int hs = C / NH;
+  if (hs % 8 == 0 && cudnn_attention_chosen() && cudnn_attention_runs(B, T, NH, hs)) return Path::kCudnn;
+  if (flash_attention_supported(hs) && T <= 65535ll * 64) return Path::kFlash;
+  return Path::kGemms;
 }
 
 }  // namespace
 
 size_t attention_saved_floats(int B, int T, int C, int NH, MatmulPrecision precision) {
-  if (use_flash(B, T, C, NH, precision)) return flash_attention_saved_floats(B, T, NH, C / NH);
+  if (path_for(B, T, C, NH, precision) != Path::kGemms) return flash_attention_saved_floats(B, T, NH, C / NH);
   return static_cast<size_t>(B) * NH * T * T;
 }
 
@@ -265,12 +270,15 @@ void attention_forward(void* out, float* att, const void* qkv, int B, int T, int
   const CudaContext& ctx = cuda_context();
   const bool bf16 = precision == MatmulPrecision::kBF16, hidden16 = hidden_bf16(C, precision);
   const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
-  if (use_flash(B, T, C, NH, precision)) {  // q, k, v read in place from the bf16 qkv
-    STRATA_ASSERT_MSG(hidden16, "flash attention takes bf16 activations (a head size of 32 or 64 makes C % 8 == 0)");
-    if (use_cudnn(B, T, NH, hs))
-      cudnn_attention_forward(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(qkv), att, B, T, NH, hs);
+  if (const Path path = path_for(B, T, C, NH, precision); path != Path::kGemms) {  // q, k, v read in place
+    STRATA_ASSERT_MSG(hidden16, "fused attention takes bf16 activations (a head size that is a multiple of 8 makes "
+                                "C % 8 == 0)");
+    auto* out16 = static_cast<uint16_t*>(out);
+    const auto* qkv16 = static_cast<const uint16_t*>(qkv);
+    if (path == Path::kCudnn)
+      cudnn_attention_forward(out16, qkv16, att, B, T, NH, hs);
     else
-      flash_attention_forward(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(qkv), att, B, T, NH, hs);
+      flash_attention_forward(out16, qkv16, att, B, T, NH, hs);
     return;
   }
   HeadTensors h(bf16, n);
@@ -304,11 +312,11 @@ void attention_backward(void* dqkv, const void* dout, const void* qkv, const voi
   const CudaContext& ctx = cuda_context();
   const bool bf16 = precision == MatmulPrecision::kBF16, hidden16 = hidden_bf16(C, precision);
   const auto [hs, batch, n, head, square] = Dims::of(B, T, C, NH);
-  if (use_flash(B, T, C, NH, precision)) {  // q, k, v, out and dout read in place; writes dqkv itself
+  if (const Path path = path_for(B, T, C, NH, precision); path != Path::kGemms) {  // writes dqkv itself
     auto* dqkv16 = static_cast<uint16_t*>(dqkv);
     const auto *dout16 = static_cast<const uint16_t*>(dout), *qkv16 = static_cast<const uint16_t*>(qkv),
                *out16 = static_cast<const uint16_t*>(out);
-    if (use_cudnn(B, T, NH, hs))
+    if (path == Path::kCudnn)
       cudnn_attention_backward(dqkv16, dout16, qkv16, out16, att, B, T, NH, hs);
     else
       flash_attention_backward(dqkv16, dout16, qkv16, out16, att, B, T, NH, hs);

@@ -14,6 +14,7 @@
 
 #include "common/check.h"
 #include "kernels/cuda/cuda_context.h"
+#include "kernels/cuda/cuda_kernels.h"
 
 namespace strata::kernels::cuda::cudnn {
 namespace {
@@ -167,6 +168,7 @@ Result<int64_t> Descriptor::get_int64(cudnnBackendAttributeName_t name) const {
 Result<cudnnHandle_t> handle() {
   static const Result<cudnnHandle_t> h = []() -> Result<cudnnHandle_t> {
     STRATA_ASSIGN_OR_RETURN(const Api* a, load());
+    STRATA_RETURN_IF_ERROR(cuda_available());
     const CudaContext& ctx = cuda_context();  // makes the backend's device current
     cudnnHandle_t created = nullptr;
     if (const cudnnStatus_t s = a->Create(&created); s != CUDNN_STATUS_SUCCESS)

@@ -251,19 +251,21 @@ TEST_F(CudaOpsTest, AttentionBF16) {
   }
 }
 
-// cuDNN's fused attention (STRATA_ATTENTION=cudnn; kernels/cuda/cudnn_attention.h) on AttentionBF16's flash
-// cases, against the same reference at the same tolerances, the log-sum-exps it saves included (the flash
-// backward reads them too). Skips, saying why, where cuDNN cannot be loaded. Where it loads, every case whose T is
-// a whole number of 64-row tiles (GPT-2's shapes are) must run on it; a shorter or ragged one it declines is
-// named and left to the flash kernels. The forward must give the same bits twice, and the backward too where its
-// plan is the deterministic form.
+// cuDNN's fused attention (STRATA_ATTENTION=cudnn; kernels/cuda/cudnn_attention.h) on AttentionBF16's cases, the
+// flash kernels' head sizes (32, 64) and the batched GEMMs' (48, 128), which it takes too, against the same
+// reference at the same tolerances, the log-sum-exps it saves included (the flash backward reads them too), and
+// saving only those. Skips, saying why, where cuDNN cannot be loaded. Where it loads, every case whose T is a
+// whole number of 64-row tiles (GPT-2's shapes are) must run on it; a shorter or ragged one it declines is named
+// and left to the other paths. The forward must give the same bits twice, and the backward too where its plan is
+// the deterministic form.
 TEST_F(CudaOpsTest, AttentionCudnn) {
   if (const auto loaded = cuda::cudnn::load(); !loaded.is_ok())
     GTEST_SKIP() << "cuDNN attention not testable here: " << loaded.status().message();
   cuda::set_cudnn_attention_chosen(true);
   for (auto [B, T, C, NH, seed, range] :
        {std::tuple{2, 128, 128, 2, 30u, 1.0}, std::tuple{2, 192, 256, 4, 32u, 2.6}, std::tuple{1, 256, 256, 8, 33u, 1.0},
-        std::tuple{2, 67, 128, 2, 23u, 1.0}, std::tuple{2, 100, 64, 2, 31u, 1.0}}) {
+        std::tuple{2, 67, 128, 2, 23u, 1.0}, std::tuple{2, 100, 64, 2, 31u, 1.0}, std::tuple{1, 128, 256, 2, 34u, 1.0},
+        std::tuple{2, 70, 96, 2, 27u, 1.0}}) {
     const int hs = C / NH;
     SCOPED_TRACE(fmt::format("cuDNN attention B={} T={} C={} NH={} seed={} range={}", B, T, C, NH, seed, range));
     std::string why;
@@ -272,6 +274,8 @@ TEST_F(CudaOpsTest, AttentionCudnn) {
       else std::cout << fmt::format("cuDNN declines B={} T={} NH={} hs={}: {}\n", B, T, NH, hs, why);
       continue;
     }
+    EXPECT_EQ(k.attention_saved_floats(B, T, C, NH, MatmulPrecision::kBF16), (size_t(B) * NH * T + 3) / 4 * 4)
+        << "saves more than the log-sum-exps";
     const AttentionRun r = run_attention(k, B, T, C, NH, seed, MatmulPrecision::kBF16, range);
     const std::vector<float> lse(r.got_att.begin(), r.got_att.begin() + size_t(B) * NH * T);
     EXPECT_TRUE(all_close(lse, r.want_lse, 1e-2 * range, 1e-2, "lse"));
