@@ -8,8 +8,10 @@
 // flash kernels save too) and the division, and P·V; the backward recomputes P from the stats and forms dV = Pᵀ·dO,
 // dP = dO·Vᵀ, dS = P∘(dP − rowsum(dO∘O))·scale, dK = dSᵀ·Q and dQ = dS·K. The frontend's deterministic form is
 // tried first (dQ written by its own product from dS, no atomic accumulation: the same bits every run, as the rest
-// of the CUDA backend), then the one accumulating dQ in fp32. Where cuDNN (9.21 on) offers one fused forward
-// operation (SDPA_FWD, causal through a mask subgraph) and the decomposed forward finds no engine, that is tried.
+// of the CUDA backend; its workspace holds dP, so not where that is over an eighth of the free memory), then the
+// one accumulating dQ in fp32. On cuDNN 9.21 and later, what a frontend built against those headers sends is tried
+// where these find no engine: the forward as one fused operation (SDPA_FWD, causal through a mask subgraph), the
+// backward with its mask as one diagonal-band operation.
 //
 // Layouts: q, k and v are (B,NH,T,hs) views of the (B,T,3C) rows (strides 3C·T, hs, 3C, 1; k and v at C and 2C
 // elements on), Kᵀ the same tensor with its last two dimensions' sizes and strides swapped; the output and its
@@ -20,6 +22,7 @@
 // H100's recorded properties and compiles their kernels (kernels_cuda_test CudnnAttentionGraphs).
 #include "kernels/cuda/cudnn_attention.h"
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <tuple>
@@ -103,8 +106,10 @@ constexpr auto kSoftmaxStatsDesc = static_cast<cudnnBackendAttributeName_t>(3102
 const cudnnPointwiseMode_t kCmpGe = CUDNN_POINTWISE_CMP_GE;  // the band's comparison: keep where row >= column
 
 // The first cuDNN that runs these graphs as written: −inf as the mask's value (9.10 on), 9.10's SDPA excluded
-// (the frontend refuses 9.10.0 and 9.10.1), and dQ's fp32 accumulator needing no zeroing by the caller (9.6 on).
-constexpr size_t kMinVersion = 91100;
+// (the frontend refuses 9.10.0 and 9.10.1), dQ's fp32 accumulator needing no zeroing by the caller (9.6 on), and
+// no padding mask needed where T is not a multiple of 128 (the frontend adds one up to 9.15, a backend bug's
+// workaround).
+constexpr size_t kMinVersion = 91600;
 constexpr size_t kUnifiedForwardVersion = 92100;
 
 // The shape's sizes and the strides of its views.
@@ -198,8 +203,18 @@ class Graph {
     add(op);
   }
 
-  // The causal mask on the scores s: where a column (key) is past the row (query), −inf.
-  const Descriptor& causal_mask(const Shape& sh, const Descriptor& s, const Descriptor& neg_inf) {
+  // The causal mask on the scores s: where a column (key) is past the row (query), −inf. `band`: as cuDNN 9.21's
+  // one diagonal-band operation (what a frontend built against 9.21's headers sends), else as the pointwise chain
+  // of row and column indices, comparison and select.
+  const Descriptor& causal_mask(const Shape& sh, const Descriptor& s, const Descriptor& neg_inf, bool band = false) {
+    if (band) {
+      const Descriptor& masked = temp(sh.scores(), sh.scores_strides());
+      Descriptor& op = keep(kDiagonalBandMaskOp, fmt::format("causal mask operation of the {}", what_));
+      op.set(kBandMaskXDesc, s).set(kBandMaskBDesc, neg_inf).set(kBandMaskYDesc, masked)
+          .raw(kBandMaskComparison, CUDNN_TYPE_POINTWISE_MODE, 1, &kCmpGe);
+      add(op);
+      return masked;
+    }
     const Descriptor& row = temp(sh.scores(), sh.scores_strides(), CUDNN_DATA_INT32);
     pointwise(CUDNN_POINTWISE_GEN_INDEX, s, nullptr, nullptr, row, CUDNN_DATA_FLOAT, 2);
     const Descriptor& col = temp(sh.scores(), sh.scores_strides(), CUDNN_DATA_INT32);
@@ -396,10 +411,12 @@ std::pair<std::unique_ptr<Graph>, const Descriptor*> unified_forward_graph(const
 }
 
 // §backward, decomposed. `accumulate`: dQ summed in an fp32 accumulator then converted (the frontend's default,
-// atomics); else written by its own product (the frontend's deterministic form on sm_90).
-std::unique_ptr<Graph> backward_graph(const Shape& sh, bool accumulate) {
-  auto g = std::make_unique<Graph>(fmt::format("attention backward{} B={} T={} NH={} hs={}",
-                                               accumulate ? " (accumulating dQ)" : "", sh.B, sh.T, sh.NH, sh.hs));
+// atomics); else written by its own product (the frontend's deterministic form on sm_90). `band`: the causal mask
+// as one operation (Graph::causal_mask).
+std::unique_ptr<Graph> backward_graph(const Shape& sh, bool accumulate, bool band = false) {
+  auto g = std::make_unique<Graph>(fmt::format("attention backward{}{} B={} T={} NH={} hs={}",
+                                               accumulate ? " (accumulating dQ)" : "", band ? " (band mask)" : "",
+                                               sh.B, sh.T, sh.NH, sh.hs));
   const Descriptor& q = g->tensor(kQ, sh.head(), sh.qkv(), CUDNN_DATA_BFLOAT16);
   const Descriptor& kt = g->tensor(kK, sh.head_t(), sh.qkv_t(), CUDNN_DATA_BFLOAT16);
   const Descriptor& vt = g->tensor(kV, sh.head_t(), sh.qkv_t(), CUDNN_DATA_BFLOAT16);
@@ -428,7 +445,7 @@ std::unique_ptr<Graph> backward_graph(const Shape& sh, bool accumulate) {
   g->pointwise(CUDNN_POINTWISE_MUL, s, &scale, nullptr, scaled);
   const Descriptor& shifted = g->temp(sh.scores(), sh.scores_strides());
   g->pointwise(CUDNN_POINTWISE_SUB, scaled, &stats, nullptr, shifted);
-  const Descriptor& masked = g->causal_mask(sh, shifted, neg_inf);
+  const Descriptor& masked = g->causal_mask(sh, shifted, neg_inf, band);
   const Descriptor& p = g->temp(sh.scores(), sh.scores_strides());
   g->pointwise(CUDNN_POINTWISE_EXP, masked, nullptr, nullptr, p);
 
@@ -480,12 +497,16 @@ ShapePlans build(const Shape& sh, const Target& target) {
     r.status = loaded.status();
     return r;
   }
-  if (const size_t version = loaded.value()->GetVersion(); version < kMinVersion) {
-    r.status = Status::not_found("cuDNN {} is older than 9.11, the first these attention graphs are written for",
+  const size_t version = loaded.value()->GetVersion();
+  if (version < kMinVersion) {
+    r.status = Status::not_found("cuDNN {} is older than 9.16, the first these attention graphs are written for",
                                  version);
     return r;
   }
-  const size_t version = loaded.value()->GetVersion();
+  if (sh.T < 2) {  // the frontend refuses a backward of one query and one key
+    r.status = Status::not_found("cuDNN's fused attention takes sequences of 2 or more, not T={}", sh.T);
+    return r;
+  }
   auto fwd = build_plan(forward_graph(sh), target);
   if (fwd.is_ok()) {
     fwd->how = "decomposed graph, " + fwd->how;
@@ -503,27 +524,48 @@ ShapePlans build(const Shape& sh, const Target& target) {
     r.status = fwd.status();
     return r;
   }
-  auto bwd = build_plan(backward_graph(sh, /*accumulate=*/false), target);
-  if (bwd.is_ok()) {
-    bwd->how = "deterministic, " + bwd->how;
-  } else {
-    auto acc = build_plan(backward_graph(sh, /*accumulate=*/true), target);
-    if (!acc.is_ok()) {
-      r.status = Status(acc.status().code(), fmt::format("{}; and accumulating dQ: {}", bwd.status().message(),
-                                                         acc.status().message()));
+  // The backward's forms in order: deterministic, then accumulating dQ; each with the mask as the pointwise
+  // chain, then (9.21 on) as one operation. The deterministic form's workspace holds dP (about B·NH·T·T bf16),
+  // so it is passed over where that is more than an eighth of the GPU's free memory.
+  size_t free_bytes = SIZE_MAX;
+  if (target.handle != nullptr) {
+    size_t total = 0;
+    if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) free_bytes = SIZE_MAX;
+  }
+  std::string refusals;
+  for (const bool band : {false, true}) {
+    if (band && version < kUnifiedForwardVersion) break;
+    for (const bool accumulate : {false, true}) {
+      auto bwd = build_plan(backward_graph(sh, accumulate, band), target);
+      if (bwd.is_ok() && !accumulate && static_cast<size_t>(bwd->workspace) > free_bytes / 8) {
+        refusals += fmt::format("{}the deterministic form's workspace of {:.0f} MiB is over an eighth of the {:.0f} "
+                                "MiB free",
+                                refusals.empty() ? "" : "; ", static_cast<double>(bwd->workspace) / (1 << 20),
+                                static_cast<double>(free_bytes) / (1 << 20));
+        continue;
+      }
+      if (!bwd.is_ok()) {
+        refusals += fmt::format("{}{}", refusals.empty() ? "" : "; ", bwd.status().message());
+        continue;
+      }
+      bwd->accumulates_dq = accumulate;
+      bwd->how = fmt::format("{}{}, {}", accumulate ? "accumulating dQ in fp32 (not bitwise reproducible)"
+                                                    : "deterministic",
+                             band ? ", band mask" : "", bwd->how);
+      r.forward = std::move(fwd).value();
+      r.backward = std::move(bwd).value();
       return r;
     }
-    acc->accumulates_dq = true;
-    acc->how = "accumulating dQ in fp32 (not bitwise reproducible), " + acc->how;
-    bwd = std::move(acc);
   }
-  r.forward = std::move(fwd).value();
-  r.backward = std::move(bwd).value();
+  r.status = Status::not_found("cuDNN cannot run the attention backward B={} T={} NH={} hs={}: {}", sh.B, sh.T,
+                               sh.NH, sh.hs, refusals);
   return r;
 }
 
 ShapePlans& plans_for(int B, int T, int NH, int hs) {
-  static std::map<Key, ShapePlans> plans;  // one driving thread (cuda_context.h), so no lock
+  // One driving thread (cuda_context.h), so no lock. Never destroyed: at exit the plans would be destroyed after
+  // cuDNN itself (loaded after this was made), as CudaContext is left for the same reason.
+  static auto& plans = *new std::map<Key, ShapePlans>;
   const Key key{B, T, NH, hs};
   auto it = plans.find(key);
   if (it == plans.end()) {
@@ -538,7 +580,7 @@ ShapePlans& plans_for(int B, int T, int NH, int hs) {
       STRATA_LOG_INFO("cuDNN attention B={} T={} NH={} hs={}: forward {}; backward {}", B, T, NH, hs, p.forward.how,
                       p.backward.how);
     else
-      STRATA_LOG_WARN("cuDNN attention B={} T={} NH={} hs={} cannot run ({}); the flash kernels run instead", B, T,
+      STRATA_LOG_WARN("cuDNN attention B={} T={} NH={} hs={} cannot run ({}); the other attention path runs", B, T,
                       NH, hs, p.status.to_string());
   }
   return it->second;
@@ -579,9 +621,12 @@ bool cudnn_attention_graphs_finalize(int B, int T, int NH, int hs, std::string* 
   Status st = loaded.status();
   const Shape sh{B, T, NH, hs};
   if (st.is_ok()) st = operation_graph(*forward_graph(sh), nullptr, nullptr).status();
-  for (const bool accumulate : {false, true})
-    if (st.is_ok()) st = operation_graph(*backward_graph(sh, accumulate), nullptr, nullptr).status();
-  if (st.is_ok() && loaded.value()->GetVersion() >= kUnifiedForwardVersion) {
+  const bool newer = st.is_ok() && loaded.value()->GetVersion() >= kUnifiedForwardVersion;
+  for (const bool band : {false, true})
+    for (const bool accumulate : {false, true})
+      if (st.is_ok() && (newer || !band))
+        st = operation_graph(*backward_graph(sh, accumulate, band), nullptr, nullptr).status();
+  if (st.is_ok() && newer) {
     auto [g, op] = unified_forward_graph(sh);
     st = operation_graph(*g, op, nullptr).status();
   }

@@ -65,25 +65,26 @@ Loaded open_cudnn() {
     resolve(lib, "cudnnBackendGetAttribute", &a.BackendGetAttribute, &missing);
     resolve(lib, "cudnnBackendFinalize", &a.BackendFinalize, &missing);
     resolve(lib, "cudnnBackendExecute", &a.BackendExecute, &missing);
+    std::string why;
     if (!missing.empty()) {
-      r.status = Status::not_found("cuDNN at {} has no {}", path, missing);
+      why = fmt::format("{} has no {}", path, missing);
+    } else if (const size_t version = a.GetVersion(); version / 10000 != CUDNN_MAJOR) {  // 9.19.0 is 91900
+      why = fmt::format("{} is version {}, not {}.x", path, version, CUDNN_MAJOR);
+    } else {
       return r;
     }
-    const size_t version = a.GetVersion();  // 9.19.0 is 91900
-    if (version / 10000 != CUDNN_MAJOR) {
-      r.status = Status::not_found("cuDNN at {} is version {}; this build needs major version {}", path, version,
-                                   CUDNN_MAJOR);
-      return r;
-    }
-    return r;
+    tried += fmt::format("{}{}", tried.empty() ? "" : "; ", why);
+    ::dlclose(lib);
   }
   r.status = Status::not_found("cuDNN could not be loaded (set STRATA_CUDNN_LIBRARY to its libcudnn.so.{}): {}",
                                CUDNN_MAJOR, tried);
   return r;
 }
 
+// Never destroyed: descriptors left in static objects (cudnn_attention.cpp's plans) are destroyed with them, if
+// ever, and need the entry points.
 const Loaded& loaded() {
-  static const Loaded l = open_cudnn();
+  static const Loaded& l = *new Loaded(open_cudnn());
   return l;
 }
 
