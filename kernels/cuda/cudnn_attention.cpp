@@ -47,9 +47,11 @@ namespace strata::kernels::cuda {
 namespace {
 
 EnvSwitch cudnn_setting("STRATA_ATTENTION", "flash", "cudnn");
+uint64_t calls = 0;  // one driving thread (cuda_context.h)
 
 }  // namespace
 
+uint64_t cudnn_attention_calls() { return calls; }
 bool cudnn_attention_chosen() { return cudnn_setting.on(); }
 void set_cudnn_attention_chosen(bool chosen) { cudnn_setting.set(chosen); }
 
@@ -664,6 +666,7 @@ void cudnn_attention_forward(uint16_t* out, const uint16_t* qkv, float* lse, int
   STRATA_ASSERT_MSG(p.status.is_ok(), "cudnn_attention_forward for a shape cuDNN cannot run");
   const size_t C = static_cast<size_t>(NH) * hs;
   float scale = 1.0f / std::sqrt(static_cast<float>(hs)), neg_inf = -std::numeric_limits<float>::infinity();
+  ++calls;
   execute(p.forward, {kQ, kK, kV, kO, kStats, kScale, kNegInf},
           {mut(qkv), mut(qkv + C), mut(qkv + 2 * C), out, lse, &scale, &neg_inf}, {});
 }
@@ -677,6 +680,7 @@ void cudnn_attention_backward(uint16_t* dqkv, const uint16_t* dout, const uint16
         one = 1.0f;
   std::vector<std::pair<int64_t, size_t>> own{{kSoftmaxSum, rows * sizeof(float)}};
   if (p.backward.accumulates_dq) own.insert(own.begin(), {kDQAccum, rows * hs * sizeof(float)});
+  ++calls;
   execute(p.backward, {kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kNegInf, kOne},
           {mut(qkv), mut(qkv + C), mut(qkv + 2 * C), mut(out), mut(dout), mut(lse), dqkv, dqkv + C, dqkv + 2 * C,
            &scale, &neg_inf, &one},

@@ -24,6 +24,9 @@ void set_cudnn_attention_chosen(bool chosen);  // overrides it (tests)
 // in *why (when not null). Free of Status (and so of fmt) because attention.cu includes it.
 bool cudnn_attention_runs(int B, int T, int NH, int hs, std::string* why = nullptr);
 
+// How many forwards and backwards have run on cuDNN in this process (tests).
+uint64_t cudnn_attention_calls();
+
 // Whether the shape's backward is cuDNN's deterministic form (the same bits every run), where it runs.
 bool cudnn_attention_reproducible(int B, int T, int NH, int hs);
 

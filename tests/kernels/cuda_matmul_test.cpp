@@ -280,11 +280,10 @@ TEST_F(CudaOpsTest, MatmulGelu) {
 // Shapes no other case plans, so their plans are made here with it on: the plain GEMMs at both precisions, and
 // the GELU epilogues (GELU_AUX writes its aux into scratch while timing; DGELU reads the real one).
 TEST_F(CudaOpsTest, MatmulAutotune) {
-  cuda::set_matmul_autotune(true);
+  ScopedSwitch<bool> autotune(cuda::matmul_autotune, cuda::set_matmul_autotune, true);
   check_matmul(k, 192, 320, 704, MatmulPrecision::kBF16, 41, true);
   check_matmul(k, 96, 160, 224, MatmulPrecision::kF32, 42, true);
   check_matmul_gelu(k, 128, 160, 640, MatmulPrecision::kBF16, 43);
-  cuda::set_matmul_autotune(false);
 }
 
 // The classifier slots (the LM head and its cross-entropy) against the reference's matmul and cross-entropy.

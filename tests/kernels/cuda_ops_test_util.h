@@ -39,9 +39,12 @@ inline std::vector<double> to_double(const std::vector<float>& v) { return {v.be
 template <typename T>
 class Dev {
  public:
+  // Both constructors end with the device idle: the copy from pageable memory and the poisoning memset run on the
+  // legacy stream, which the backend's non-blocking compute stream does not wait for.
   explicit Dev(const std::vector<T>& host) : n_(host.size()) {
     EXPECT_EQ(cudaMalloc(&ptr_, bytes()), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(ptr_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
   // n elements filled with NaN bytes (0xFF…): an element the op forgets to write stays NaN.
   static Dev poisoned(size_t n) { return Dev(n); }
@@ -62,6 +65,7 @@ class Dev {
   explicit Dev(size_t n) : n_(n) {
     EXPECT_EQ(cudaMalloc(&ptr_, bytes()), cudaSuccess);
     EXPECT_EQ(cudaMemset(ptr_, 0xFF, bytes()), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
   size_t bytes() const { return n_ * sizeof(T) + 4; }  // the allocation: never 0 bytes; copies move n_ elements
   T* ptr_ = nullptr;
@@ -116,5 +120,19 @@ inline std::vector<double> held(const std::vector<float>& v, bool bf16) {
   for (size_t i = 0; i < v.size(); ++i) d[i] = bf16 ? bf16_to_f32(f32_to_bf16(v[i])) : v[i];
   return d;
 }
+
+// Sets a process-wide switch of the backend for a scope and puts back what it was.
+template <typename Value>
+class ScopedSwitch {
+ public:
+  ScopedSwitch(Value (*get)(), void (*set)(Value), Value value) : set_(set), saved_(get()) { set_(value); }
+  ScopedSwitch(const ScopedSwitch&) = delete;
+  ScopedSwitch& operator=(const ScopedSwitch&) = delete;
+  ~ScopedSwitch() { set_(saved_); }
+
+ private:
+  void (*set_)(Value);
+  Value saved_;
+};
 
 }  // namespace strata::kernels::cuda_test
