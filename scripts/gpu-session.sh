@@ -102,6 +102,8 @@ part 120 pytorch env PYTHONUNBUFFERED=1 python3 scripts/bench_step_torch.py --de
 # cuDNN's fused attention against the flash kernels (the step alternating, and bench kernels): attention is the
 # largest lever left on the step (5.3 of 24 ms at about a fifth of its bound on 2026-11-28).
 part 100 cudnn-attention scripts/gpu-variants.sh --strata .gpu/strata STRATA_ATTENTION=cudnn
+# And training steps through it against the CPU backend's (head size 16: cuDNN's, not the flash kernels').
+part 60 cudnn-train env STRATA_ATTENTION=cudnn .gpu/engine_gpu_train_test
 spares=(--grad-clip 0 --speculative-sub-groups 1000)
 part 200 mfu-2.5b-8x4-spares "$S" bench step "${g25[@]}" --batch 8 --grad-accum 4 "${spares[@]}"
 part 240 mfu-2.5b-8x8-spares "$S" bench step "${g25[@]}" --batch 8 --grad-accum 8 "${spares[@]}"
