@@ -101,7 +101,9 @@ part 120 pytorch env PYTHONUNBUFFERED=1 python3 scripts/bench_step_torch.py --de
   --precision bf16 --layers 12 --heads 12 --width 768 --context 1024 --batch 8 --steps 10 --warmup 3
 # cuDNN's fused attention against the flash kernels (the step alternating, and bench kernels): attention is the
 # largest lever left on the step (5.3 of 24 ms at about a fifth of its bound on 2026-11-28).
-part 100 cudnn-attention scripts/gpu-variants.sh --strata .gpu/strata STRATA_ATTENTION=cudnn
+# Both of its backward forms: deterministic (dP through a B·NH·T² workspace) and accumulating dQ with atomics.
+part 170 cudnn-attention scripts/gpu-variants.sh --strata .gpu/strata STRATA_ATTENTION=cudnn \
+  "STRATA_ATTENTION=cudnn STRATA_CUDNN_DETERMINISTIC=0"
 # And training steps through it against the CPU backend's (head size 16: cuDNN's, not the flash kernels').
 part 60 cudnn-train env STRATA_ATTENTION=cudnn .gpu/engine_gpu_train_test
 spares=(--grad-clip 0 --speculative-sub-groups 1000)

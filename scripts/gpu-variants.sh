@@ -6,9 +6,10 @@
 # registers capped, some spilled; kernels/cuda/flash_attention.h), STRATA_MATMUL_AUTOTUNE=1 (each GEMM problem
 # times cuBLASLt's candidates once and keeps the fastest; kernels/cuda/ops.h) and STRATA_ATTENTION=cudnn (cuDNN's
 # fused attention instead of the flash kernels, where STRATA_CUDNN_LIBRARY or the library path finds cuDNN;
-# kernels/cuda/cudnn_attention.h). Run on the GPU machine:
+# kernels/cuda/cudnn_attention.h; with STRATA_CUDNN_DETERMINISTIC=0 its backward accumulating dQ with atomics).
+# A setting may be several variables in one argument ("A=1 B=2"). Run on the GPU machine:
 #   scripts/gpu-variants.sh [--strata PATH] [VAR=VALUE ...]   (default build/strata, or .gpu/strata with its
-#                                                              libraries; default both settings above)
+#                                                              libraries; default the settings above)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,7 +23,8 @@ while [[ $# -gt 0 ]]; do
     *) echo "gpu-variants.sh: unknown argument '$1' ($valid)" >&2; exit 2 ;;
   esac
 done
-[[ ${#settings[@]} -gt 0 ]] || settings=(STRATA_ATTENTION=cudnn STRATA_FLASH_OCCUPANCY=high STRATA_MATMUL_AUTOTUNE=1)
+[[ ${#settings[@]} -gt 0 ]] || settings=(STRATA_ATTENTION=cudnn "STRATA_ATTENTION=cudnn STRATA_CUDNN_DETERMINISTIC=0"
+                                         STRATA_FLASH_OCCUPANCY=high STRATA_MATMUL_AUTOTUNE=1)
 if [[ -z $strata ]]; then
   if [[ -x build/strata ]]; then strata=build/strata; else strata=.gpu/strata; fi
 fi

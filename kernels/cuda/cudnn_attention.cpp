@@ -47,6 +47,7 @@ namespace strata::kernels::cuda {
 namespace {
 
 EnvSwitch cudnn_setting("STRATA_ATTENTION", "flash", "cudnn");
+EnvSwitch accumulate_setting("STRATA_CUDNN_DETERMINISTIC", "1", "0");  // on: the accumulating backward first
 uint64_t calls = 0;  // one driving thread (cuda_context.h)
 
 }  // namespace
@@ -54,6 +55,8 @@ uint64_t calls = 0;  // one driving thread (cuda_context.h)
 uint64_t cudnn_attention_calls() { return calls; }
 bool cudnn_attention_chosen() { return cudnn_setting.on(); }
 void set_cudnn_attention_chosen(bool chosen) { cudnn_setting.set(chosen); }
+bool cudnn_attention_deterministic() { return !accumulate_setting.on(); }
+void set_cudnn_attention_deterministic(bool deterministic) { accumulate_setting.set(!deterministic); }
 
 #ifndef STRATA_HAVE_CUDNN
 
@@ -314,7 +317,10 @@ Result<Plan> build_plan(std::unique_ptr<Graph> g, const Target& target, const De
       if (target.device != nullptr && plan.failure() == CUDNN_STATUS_EXECUTION_FAILED_CUDA_DRIVER) {
         // Without the GPU: the engine took the graph and compiled its kernels, and only loading them failed
         // (against the driver's stub). As far as a machine without the GPU can go.
-        p.how = fmt::format("engine configuration {} of {} compiled (loading it needs the GPU)", i + 1, got);
+        auto workspace = configs[static_cast<size_t>(i)].get_int64(CUDNN_ATTR_ENGINECFG_WORKSPACE_SIZE);
+        p.workspace = workspace.is_ok() ? workspace.value() : -1;
+        p.how = fmt::format("engine configuration {} of {} compiled (loading it needs the GPU), workspace {:.1f} MiB",
+                            i + 1, got, static_cast<double>(p.workspace) / (1 << 20));
         p.graph = std::move(g);
         return Result<Plan>(std::move(p));
       }
@@ -490,9 +496,9 @@ struct ShapePlans {
   Plan forward, backward;
 };
 
-using Key = std::tuple<int, int, int, int>;
+using Key = std::tuple<int, int, int, int, bool>;  // B, T, NH, hs, deterministic first
 
-ShapePlans build(const Shape& sh, const Target& target) {
+ShapePlans build(const Shape& sh, const Target& target, bool deterministic_first) {
   ShapePlans r;
   auto loaded = cudnn::load();
   if (!loaded.is_ok()) {
@@ -526,9 +532,10 @@ ShapePlans build(const Shape& sh, const Target& target) {
     r.status = fwd.status();
     return r;
   }
-  // The backward's forms in order: deterministic, then accumulating dQ; each with the mask as the pointwise
-  // chain, then (9.21 on) as one operation. The deterministic form's workspace holds dP (about B·NH·T·T bf16),
-  // so it is passed over where that is more than an eighth of the GPU's free memory.
+  // The backward's forms in order: deterministic, then accumulating dQ (or the other way round where asked);
+  // each with the mask as the pointwise chain, then (9.21 on) as one operation. The deterministic form's
+  // workspace holds dP (about B·NH·T·T bf16), so it is passed over where that is more than an eighth of the GPU's
+  // free memory.
   size_t free_bytes = SIZE_MAX;
   if (target.handle != nullptr) {
     size_t total = 0;
@@ -537,7 +544,7 @@ ShapePlans build(const Shape& sh, const Target& target) {
   std::string refusals;
   for (const bool band : {false, true}) {
     if (band && version < kUnifiedForwardVersion) break;
-    for (const bool accumulate : {false, true}) {
+    for (const bool accumulate : {!deterministic_first, deterministic_first}) {
       auto bwd = build_plan(backward_graph(sh, accumulate, band), target);
       if (bwd.is_ok() && !accumulate && static_cast<size_t>(bwd->workspace) > free_bytes / 8) {
         refusals += fmt::format("{}the deterministic form's workspace of {:.0f} MiB is over an eighth of the {:.0f} "
@@ -568,12 +575,13 @@ ShapePlans& plans_for(int B, int T, int NH, int hs) {
   // One driving thread (cuda_context.h), so no lock. Never destroyed: at exit the plans would be destroyed after
   // cuDNN itself (loaded after this was made), as CudaContext is left for the same reason.
   static auto& plans = *new std::map<Key, ShapePlans>;
-  const Key key{B, T, NH, hs};
+  const bool deterministic = cudnn_attention_deterministic();
+  const Key key{B, T, NH, hs, deterministic};
   auto it = plans.find(key);
   if (it == plans.end()) {
     ShapePlans built;
     if (auto h = cudnn::handle(); h.is_ok())
-      built = build(Shape{B, T, NH, hs}, Target{h.value(), nullptr});
+      built = build(Shape{B, T, NH, hs}, Target{h.value(), nullptr}, deterministic);
     else
       built.status = h.status();
     it = plans.emplace(key, std::move(built)).first;
@@ -641,7 +649,7 @@ bool cudnn_attention_plans_for_device(const std::string& device_json, int B, int
   auto device = cudnn::device_properties(device_json);
   ShapePlans p;
   if (device.is_ok())
-    p = build(Shape{B, T, NH, hs}, Target{nullptr, &device.value()});
+    p = build(Shape{B, T, NH, hs}, Target{nullptr, &device.value()}, cudnn_attention_deterministic());
   else
     p.status = device.status();
   if (how != nullptr)

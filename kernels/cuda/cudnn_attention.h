@@ -24,6 +24,13 @@ void set_cudnn_attention_chosen(bool chosen);  // overrides it (tests)
 // in *why (when not null). Free of Status (and so of fmt) because attention.cu includes it.
 bool cudnn_attention_runs(int B, int T, int NH, int hs, std::string* why = nullptr);
 
+// Which of cuDNN's backward forms is tried first: the deterministic one (default: the same bits every run, as the
+// rest of the backend; its workspace holds dP, B·NH·T² bf16) or, with STRATA_CUDNN_DETERMINISTIC=0, the one that
+// accumulates dQ in fp32 with atomics (the frontend's and PyTorch's default; no dP traffic). Read at the first
+// call; set_ overrides it (tests: plans are kept per shape and choice).
+bool cudnn_attention_deterministic();
+void set_cudnn_attention_deterministic(bool deterministic);
+
 // How many forwards and backwards have run on cuDNN in this process (tests).
 uint64_t cudnn_attention_calls();
 

@@ -325,6 +325,20 @@ TEST_F(CudaOpsTest, AttentionCudnn) {
       EXPECT_EQ(again.got_dqkv, r.got_dqkv) << "a second run of the deterministic backward: dqkv";
     }
   }
+  // The backward that accumulates dQ with atomics (STRATA_CUDNN_DETERMINISTIC=0) where cuDNN has it: the same
+  // checks but the bitwise one.
+  ScopedSwitch<bool> accumulating(cuda::cudnn_attention_deterministic, cuda::set_cudnn_attention_deterministic, false);
+  for (auto [B, T, C, NH, seed, range] : {std::tuple{2, 192, 256, 4, 32u, 2.6}, std::tuple{1, 128, 256, 2, 34u, 1.0}}) {
+    SCOPED_TRACE(fmt::format("cuDNN attention, accumulating dQ, B={} T={} C={} NH={}", B, T, C, NH));
+    std::string why;
+    if (!cuda::cudnn_attention_runs(B, T, NH, C / NH, &why)) {
+      ADD_FAILURE() << "cuDNN cannot run it: " << why;
+      continue;
+    }
+    const uint64_t calls = cuda::cudnn_attention_calls();
+    check_bf16_attention(run_attention(k, B, T, C, NH, seed, MatmulPrecision::kBF16, range), C, range, true);
+    EXPECT_EQ(cuda::cudnn_attention_calls(), calls + 2);
+  }
 }
 
 TEST_F(CudaOpsTest, GeluAndResidual) {

@@ -4,8 +4,8 @@
 //   try) at GPT-2's shapes and at small ones;
 // - on a GPU, its properties as cuDNN serializes them are printed on one line ("cuDNN device properties: ...");
 //   kept in tests/fixtures/cudnn/NAME.json, they let a machine without that GPU have cuDNN choose the engines
-//   and build both directions' plans for it — the step that finds whether cuDNN has a fused engine for these
-//   graphs at all. Running them needs the GPU (cuda_ops_test AttentionCudnn).
+//   and build both directions' plans for it (each backward form first) — the step that finds whether cuDNN has
+//   a fused engine for these graphs at all. Running them needs the GPU (cuda_ops_test AttentionCudnn).
 // Skips, saying why, where cuDNN cannot be loaded.
 #include <dlfcn.h>
 
@@ -84,17 +84,25 @@ TEST(CudnnAttentionGraphs, PlansForTheRecordedGpus) {
   if (recorded.empty())
     GTEST_SKIP() << "no GPU's cuDNN properties recorded in " << dir.string()
                  << " (a GPU run of PrintsTheDeviceProperties prints them)";
+  const bool deterministic = cudnn_attention_deterministic();
   for (const fs::path& path : recorded) {
     std::ifstream in(path);
     std::stringstream json;
     json << in.rdbuf();
-    for (auto [B, T, NH, hs] : kShapes) {
-      SCOPED_TRACE(fmt::format("{}: B={} T={} NH={} hs={}", path.filename().string(), B, T, NH, hs));
-      std::string how;
-      EXPECT_TRUE(cudnn_attention_plans_for_device(json.str(), B, T, NH, hs, &how)) << how;
-      std::cout << fmt::format("{} B={} T={} NH={} hs={}: {}\n", path.filename().string(), B, T, NH, hs, how);
+    for (const bool form : {true, false}) {  // the deterministic backward first, then the accumulating one first
+      set_cudnn_attention_deterministic(form);
+      for (auto [B, T, NH, hs] : kShapes) {
+        SCOPED_TRACE(fmt::format("{}: B={} T={} NH={} hs={}{}", path.filename().string(), B, T, NH, hs,
+                                 form ? "" : ", accumulating dQ"));
+        std::string how;
+        EXPECT_TRUE(cudnn_attention_plans_for_device(json.str(), B, T, NH, hs, &how)) << how;
+        EXPECT_NE(how.find(form ? "backward deterministic" : "backward accumulating"), std::string::npos)
+            << "the backward took the other form";
+        std::cout << fmt::format("{} B={} T={} NH={} hs={}: {}\n", path.filename().string(), B, T, NH, hs, how);
+      }
     }
   }
+  set_cudnn_attention_deterministic(deterministic);
 }
 
 }  // namespace
