@@ -1,15 +1,16 @@
 // cudnn_attention.cpp — causal attention through cuDNN's fused flash-attention engines (cudnn_attention.h).
 //
 // cuDNN's fused attention engines (runtime fusion: they compile the graph they are given) take operation graphs of
-// the form its frontend (cudnn-frontend) builds, so the graphs below are that form, op for op, for this one case: training, causal (top-left), no bias, dropout or
-// padding, bf16 in and out, fp32 compute, the 1/sqrt(hs) scale by value. As a frontend built against cuDNN 9.19's
-// headers lowers it: the forward is Q·Kᵀ, the scale, the causal mask (row and column indices, row ≥ column, the
-// rest −inf), the softmax as max, subtract, exp, sum, then the stats (max + ln sum: the natural log-sum-exp the
-// flash kernels save too) and the division, and P·V; the backward recomputes P from the stats and forms dV = Pᵀ·dO,
-// dP = dO·Vᵀ, dS = P∘(dP − rowsum(dO∘O))·scale, dK = dSᵀ·Q and dQ = dS·K. The frontend's deterministic form is
-// tried first (dQ written by its own product from dS, no atomic accumulation: the same bits every run, as the rest
-// of the CUDA backend; its workspace holds dP, so not where that is over an eighth of the free memory), then the
-// one accumulating dQ in fp32. On cuDNN 9.21 and later, what a frontend built against those headers sends is tried
+// the form its frontend (cudnn-frontend) builds, so the graphs below are that form, op for op, for this one case:
+// training, causal (top-left), no bias, dropout or padding, bf16 in and out, fp32 compute, the 1/sqrt(hs) scale
+// by value. As a frontend built against cuDNN 9.19's headers lowers it: the forward is Q·Kᵀ, the scale, the
+// causal mask (row and column indices, row ≥ column, the rest −inf), the softmax as max, subtract, exp, sum, then
+// the stats (max + ln sum: the natural log-sum-exp the flash kernels save too) and the division, and P·V; the
+// backward recomputes P from the stats and forms dV = Pᵀ·dO, dP = dO·Vᵀ, dS = P∘(dP − rowsum(dO∘O))·scale,
+// dK = dSᵀ·Q and dQ = dS·K. The frontend's deterministic form is tried first (dQ written by its own product from
+// dS, no atomic accumulation: the same bits every run, as the rest of the CUDA backend; its workspace holds dP, so
+// not where that is over an eighth of the free memory), then the one accumulating dQ in fp32 (first with
+// STRATA_CUDNN_DETERMINISTIC=0). On cuDNN 9.21 and later, what a frontend built against those headers sends is tried
 // where these find no engine: the forward as one fused operation (SDPA_FWD, causal through a mask subgraph), the
 // backward with its mask as one diagonal-band operation.
 //
@@ -17,9 +18,10 @@
 // elements on), Kᵀ the same tensor with its last two dimensions' sizes and strides swapped; the output and its
 // gradient (B,NH,T,hs) views of (B,T,C) rows; dq, dk, dv views of dqkv like q, k, v; the stats (B,NH,T,1) packed.
 //
-// Plans are built once per shape (B, T, NH, hs), both directions at the first ask, and kept: the engines compile
-// their kernels (NVRTC) then, not in a step. Without a GPU, cuDNN 9.19 chooses engines for both graphs for an
-// H100's recorded properties and compiles their kernels (kernels_cuda_test CudnnAttentionGraphs).
+// Plans are built once per shape (B, T, NH, hs) and backward preference, both directions at the first ask, and
+// kept: the engines compile their kernels (NVRTC) then, not in a step. Without a GPU, cuDNN 9.19 chooses engines
+// for both graphs for an H100's recorded properties and compiles their kernels (kernels_cuda_test
+// CudnnAttentionGraphs).
 #include "kernels/cuda/cudnn_attention.h"
 
 #include <cstdint>
@@ -130,7 +132,6 @@ struct Shape {
   Dims scores_t_strides() const { return {NH * T * T, T * T, 1, T}; }  // a (B,NH,T,T) view of Sᵀ
   Dims rows() const { return {B, NH, T, 1}; }
   Dims rows_strides() const { return {NH * T, T, 1, 1}; }
-  Dims scalar() const { return {1, 1, 1, 1}; }
 };
 
 // One operation graph under construction: its tensors and operations, kept alive with it, and the first failure.
@@ -155,7 +156,10 @@ class Graph {
   const Descriptor& temp(const Dims& dims, const Dims& strides, cudnnDataType_t type = CUDNN_DATA_FLOAT) {
     return tensor(next_virtual_++, dims, strides, type, /*is_virtual=*/true);
   }
-  const Descriptor& scalar(int64_t uid) { return tensor(uid, {1, 1, 1, 1}, {1, 1, 1, 1}, CUDNN_DATA_FLOAT, false, true); }
+  // An fp32 scalar passed by value (a host pointer in the variant pack).
+  const Descriptor& scalar(int64_t uid) {
+    return tensor(uid, {1, 1, 1, 1}, {1, 1, 1, 1}, CUDNN_DATA_FLOAT, /*is_virtual=*/false, /*by_value=*/true);
+  }
 
   // y = mode(x[, b[, t]]) elementwise (GEN_INDEX: y = the index along `axis`).
   void pointwise(cudnnPointwiseMode_t mode, const Descriptor& x, const Descriptor* b, const Descriptor* t,
@@ -596,8 +600,9 @@ ShapePlans& plans_for(int B, int T, int NH, int hs) {
   return it->second;
 }
 
-// Runs `plan` with the tensors `uids` at `pointers` (the scalars' by host pointer) and cuDNN's workspace after
-// `before` bytes of the caller's own (the backward's fp32 accumulator and row sums), whose pointers are filled in.
+// Runs `plan` with the tensors `uids` at `pointers` (the scalars' by host pointer). One stream-ordered scratch holds
+// `own_workspace` first (uid and bytes of each tensor the frontend would keep in its workspace: the backward's fp32
+// dQ accumulator and rows of dO·O; their pointers are added here), then cuDNN's workspace.
 void execute(const Plan& plan, std::vector<int64_t> uids, std::vector<void*> pointers,
              const std::vector<std::pair<int64_t, size_t>>& own_workspace) {
   size_t own = 0;
