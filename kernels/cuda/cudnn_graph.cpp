@@ -36,11 +36,11 @@ std::vector<std::string> candidates() {
   return paths;
 }
 
+// *out = the entry point `name`; the first one missing is named in *missing.
 template <typename F>
-bool resolve(void* lib, const char* name, F* out, std::string* missing) {
+void resolve(void* lib, const char* name, F* out, std::string* missing) {
   *out = reinterpret_cast<F>(::dlsym(lib, name));
   if (*out == nullptr && missing->empty()) *missing = name;
-  return *out != nullptr;
 }
 
 Loaded open_cudnn() {
