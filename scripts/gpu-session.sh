@@ -77,6 +77,17 @@ for path in sorted(set(found)):
         print(path, "does not load:", e)
 print(subprocess.run(["sh", "-c", "ldconfig -p | grep -i cudnn"], capture_output=True, text=True).stdout or
       "ldconfig: no cudnn")
+# The numbers cudnn_attention.cpp assumes for 9.21's fused forward and band mask (from third-party copies of newer
+# headers): what this cuDNN's own header says.
+import re
+headers = []
+for lib in sorted(set(found)):
+    headers += glob.glob(os.path.join(os.path.dirname(lib), "..", "include", "cudnn_graph*.h"))
+for header in headers[:1]:
+    print("in", os.path.realpath(header) + ":")
+    for line in open(header):
+        if re.search(r"SDPA_FWD_(SUBGRAPH|SOFTMAX|DESCRIPTOR)|DIAGONAL_BAND_MASK|OPERATION_SOFTMAX", line):
+            print(" ", line.strip())
 PY
 part 120 cuda-tests scripts/gpu-check.sh --from-bundle .gpu --out "$out/gc" --no-bench --no-ranks --pack
 # This GPU as cuDNN describes it (kernels_cuda_test CudnnAttentionGraphs prints it): committed under
