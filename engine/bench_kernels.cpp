@@ -22,6 +22,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_context.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/cudnn_attention.h"
 #endif
 
 namespace strata::engine {
@@ -369,6 +370,32 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
        [&] { k.encoder_backward(dwte.f(), dwpe.f(), dx.f(), d_tokens.i(), B, T, C, 0, V); }},
       {"adamw", 1, 28.0 * np, 0, [&] { k.adamw_update(p.f(), m.f(), v.f(), g.f(), np, hp); }},
   };
+  // The attention's other implementation side by side, where both run the shape and save the same floats (the
+  // flash kernels and cuDNN's: kernels/cuda/cudnn_attention.h), timed with STRATA_ATTENTION flipped for the call:
+  // rows with 0 calls a step, outside the step's sum.
+  namespace kc = kernels::cuda;
+  const bool cudnn_chosen = kc::cudnn_attention_chosen();
+  if (bf16 && kc::cudnn_attention_runs(B, T, NH, C / NH)) {
+    kc::set_cudnn_attention_chosen(!cudnn_chosen);
+    const bool same_floats = k.attention_saved_floats(B, T, C, NH, prec) == saved_floats;
+    kc::set_cudnn_attention_chosen(cudnn_chosen);
+    const std::string other = cudnn_chosen ? "flash" : "cuDNN";
+    auto flipped = [&](const std::function<void()>& run) {
+      return [&, run] {
+        kc::set_cudnn_attention_chosen(!cudnn_chosen);
+        run();
+        kc::set_cudnn_attention_chosen(cudnn_chosen);
+      };
+    };
+    if (same_floats) {
+      ops.push_back({"attention fwd (" + other + ")", 0, ha * 4 * NC + f * saved_att, 2 * att * (C / NH),
+                     flipped([&] { k.attention_forward(atty.f(), attn.f(), qkv.f(), B, T, C, NH, prec); })});
+      ops.push_back({"attention bwd (" + other + ")", 0, ha * 8 * NC + f * saved_att, 4 * att * (C / NH),
+                     flipped([&] {
+                       k.attention_backward(dqkv.f(), datty.f(), qkv.f(), atty.f(), attn.f(), B, T, C, NH, prec);
+                     })});
+    }
+  }
 
   double step_ms = 0, step_flops = 0;
   if (!o.json)
