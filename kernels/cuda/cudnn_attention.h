@@ -1,6 +1,6 @@
 // cudnn_attention.h — causal attention by cuDNN's fused flash-attention engines (cudnn_attention.cpp), the
-// run-time alternative to flash_attention.cu for the same cases (bf16, head sizes the flash kernels take), with
-// the same interface: q, k and v read in place from qkv (B,T,3C) in bf16, the output and its gradient (B,T,C) in
+// run-time alternative to flash_attention.cu under bf16 at any head size that is a multiple of 8 (the flash kernels
+// take 32 and 64; attention.cu's batched GEMMs the rest), with the flash kernels' interface: q, k and v read in place from qkv (B,T,3C) in bf16, the output and its gradient (B,T,C) in
 // bf16, dqkv (B,T,3C) in bf16 overwritten, and the same saved floats: the natural-log log-sum-exp of each row's
 // scaled scores, (B,NH,T) — what cuDNN calls the softmax stats, and what the flash kernels save. So either
 // direction may run on either implementation.
@@ -8,8 +8,8 @@
 // Chosen by STRATA_ATTENTION=flash|cudnn (environment, read at the first call; default flash until a GPU has
 // measured cuDNN's; anything else stops the process naming it). With cudnn chosen, the first call of each shape
 // loads cuDNN (cudnn_graph.h says where from) and builds both directions' execution plans; where that fails
-// (no cuDNN, a version or GPU without a fused engine for the shape) the flash kernels run instead, and the reason
-// is logged once per shape and kept for cudnn_attention_runs().
+// (no cuDNN, a version or GPU without a fused engine for the shape) attention.cu's other paths run instead, and the
+// reason is logged once per shape and kept for cudnn_attention_runs().
 #pragma once
 
 #include <cstdint>
