@@ -123,6 +123,9 @@ for name, b in base.items():
     n = new.get(name)
     if n is not None:
         print(f"{name:20} {b:8.3f} -> {n:8.3f}   x{b / n:5.2f}" if n > 0 else f"{name:20} {b:8.3f} -> {n:8.3f}")
+for name, n in new.items():  # rows only the new binary has (e.g. the attention's other implementation)
+    if name not in base:
+        print(f"{name:20} {'':8} -> {n:8.3f}   (new only)")
 for path in sys.argv[1:]:
     print([l.strip() for l in open(path) if l.startswith("one step")][-1:])
 PY
