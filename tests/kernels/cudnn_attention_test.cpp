@@ -29,10 +29,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// GPT-2 124M's and the 2.5B model's shapes at B=8, T=1024, small ones with ragged last tiles, and a head size of
-// 128 (the flash kernels take 32 and 64 only).
+// GPT-2 124M's and the 2.5B model's shapes at B=8, T=1024, small ones with ragged last tiles, a head size of 128
+// (the flash kernels take 32 and 64 only), and engine_gpu_train_test's (hs 16, T 37), which the GPU session also
+// trains through cuDNN.
 const std::vector<std::tuple<int, int, int, int>> kShapes = {
-    {8, 1024, 12, 64}, {8, 1024, 32, 64}, {2, 67, 2, 64}, {1, 200, 8, 32}, {2, 256, 4, 128}};
+    {8, 1024, 12, 64}, {8, 1024, 32, 64}, {2, 67, 2, 64}, {1, 200, 8, 32}, {2, 256, 4, 128}, {3, 37, 4, 16}};
 
 TEST(CudnnAttentionGraphs, FinalizeWithoutADevice) {
   if (const auto loaded = cudnn::load(); !loaded.is_ok())
