@@ -247,6 +247,7 @@ void autotune(const CudaContext& ctx, Plan& p, const Gemm& g) {
                   "{:.1f} us)",
                   g.m, g.n, g.k, best_i + 1, p.algo_count, 1e3f * best / 3, 1e3f * first / 3);
   p.algo_index = best_i;
+  ++epilogue_counts.autotuned_plans;
 }
 
 // Enqueues the GEMM; false (and nothing enqueued) only for a GELU epilogue cuBLASLt does not take here.

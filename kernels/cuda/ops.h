@@ -58,6 +58,7 @@ void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout
 struct MatmulEpilogueCounts {
   int gelu_plans = 0;
   int fallback_plans = 0;
+  int autotuned_plans = 0;  // plans whose candidates were timed (STRATA_MATMUL_AUTOTUNE, below)
 };
 MatmulEpilogueCounts matmul_epilogue_counts();
 // Whether each GEMM problem's plan times the cuBLASLt heuristic's candidates (up to 4) on its first call and keeps

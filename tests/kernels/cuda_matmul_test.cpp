@@ -284,6 +284,9 @@ TEST_F(CudaOpsTest, MatmulAutotune) {
   check_matmul(k, 192, 320, 704, MatmulPrecision::kBF16, 41, true);
   check_matmul(k, 96, 160, 224, MatmulPrecision::kF32, 42, true);
   check_matmul_gelu(k, 128, 160, 640, MatmulPrecision::kBF16, 43);
+  // Candidates were timed (only this test turns autotuning on; plans are kept for the process, so under
+  // --gtest_repeat they were timed in its first run).
+  EXPECT_GE(cuda::matmul_epilogue_counts().autotuned_plans, 1) << "no plan timed its candidates";
 }
 
 // The classifier slots (the LM head and its cross-entropy) against the reference's matmul and cross-entropy.
