@@ -500,6 +500,20 @@ struct ShapePlans {
   Plan forward, backward;
 };
 
+// The backward's forms in the order they are tried: deterministic, then accumulating dQ (or the other way round
+// where asked), each with the mask as the pointwise chain, then (cuDNN 9.21 on) as one operation.
+struct BackwardForm {
+  bool band, accumulate;
+};
+std::vector<BackwardForm> backward_forms(size_t version, bool deterministic_first) {
+  std::vector<BackwardForm> forms;
+  for (const bool band : {false, true}) {
+    if (band && version < kUnifiedForwardVersion) break;
+    for (const bool accumulate : {!deterministic_first, deterministic_first}) forms.push_back({band, accumulate});
+  }
+  return forms;
+}
+
 using Key = std::tuple<int, int, int, int, bool>;  // B, T, NH, hs, deterministic first
 
 ShapePlans build(const Shape& sh, const Target& target, bool deterministic_first) {
@@ -536,39 +550,34 @@ ShapePlans build(const Shape& sh, const Target& target, bool deterministic_first
     r.status = fwd.status();
     return r;
   }
-  // The backward's forms in order: deterministic, then accumulating dQ (or the other way round where asked);
-  // each with the mask as the pointwise chain, then (9.21 on) as one operation. The deterministic form's
-  // workspace holds dP (about B·NH·T·T bf16), so it is passed over where that is more than an eighth of the GPU's
-  // free memory.
+  // The deterministic form's workspace holds dP (about B·NH·T·T bf16), so it is passed over where that is more
+  // than an eighth of the GPU's free memory.
   size_t free_bytes = SIZE_MAX;
   if (target.handle != nullptr) {
     size_t total = 0;
     if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) free_bytes = SIZE_MAX;
   }
   std::string refusals;
-  for (const bool band : {false, true}) {
-    if (band && version < kUnifiedForwardVersion) break;
-    for (const bool accumulate : {!deterministic_first, deterministic_first}) {
-      auto bwd = build_plan(backward_graph(sh, accumulate, band), target);
-      if (bwd.is_ok() && !accumulate && static_cast<size_t>(bwd->workspace) > free_bytes / 8) {
-        refusals += fmt::format("{}the deterministic form's workspace of {:.0f} MiB is over an eighth of the {:.0f} "
-                                "MiB free",
-                                refusals.empty() ? "" : "; ", static_cast<double>(bwd->workspace) / (1 << 20),
-                                static_cast<double>(free_bytes) / (1 << 20));
-        continue;
-      }
-      if (!bwd.is_ok()) {
-        refusals += fmt::format("{}{}", refusals.empty() ? "" : "; ", bwd.status().message());
-        continue;
-      }
-      bwd->accumulates_dq = accumulate;
-      bwd->how = fmt::format("{}{}, {}", accumulate ? "accumulating dQ in fp32 (not bitwise reproducible)"
-                                                    : "deterministic",
-                             band ? ", band mask" : "", bwd->how);
-      r.forward = std::move(fwd).value();
-      r.backward = std::move(bwd).value();
-      return r;
+  for (const BackwardForm form : backward_forms(version, deterministic_first)) {
+    auto bwd = build_plan(backward_graph(sh, form.accumulate, form.band), target);
+    if (bwd.is_ok() && !form.accumulate && static_cast<size_t>(bwd->workspace) > free_bytes / 8) {
+      refusals += fmt::format("{}the deterministic form's workspace of {:.0f} MiB is over an eighth of the {:.0f} "
+                              "MiB free",
+                              refusals.empty() ? "" : "; ", static_cast<double>(bwd->workspace) / (1 << 20),
+                              static_cast<double>(free_bytes) / (1 << 20));
+      continue;
     }
+    if (!bwd.is_ok()) {
+      refusals += fmt::format("{}{}", refusals.empty() ? "" : "; ", bwd.status().message());
+      continue;
+    }
+    bwd->accumulates_dq = form.accumulate;
+    bwd->how = fmt::format("{}{}, {}", form.accumulate ? "accumulating dQ in fp32 (not bitwise reproducible)"
+                                                       : "deterministic",
+                           form.band ? ", band mask" : "", bwd->how);
+    r.forward = std::move(fwd).value();
+    r.backward = std::move(bwd).value();
+    return r;
   }
   r.status = Status::not_found("cuDNN cannot run the attention backward B={} T={} NH={} hs={}: {}", sh.B, sh.T,
                                sh.NH, sh.hs, refusals);
@@ -636,12 +645,10 @@ bool cudnn_attention_graphs_finalize(int B, int T, int NH, int hs, std::string* 
   Status st = loaded.status();
   const Shape sh{B, T, NH, hs};
   if (st.is_ok()) st = operation_graph(*forward_graph(sh), nullptr, nullptr).status();
-  const bool newer = st.is_ok() && loaded.value()->GetVersion() >= kUnifiedForwardVersion;
-  for (const bool band : {false, true})
-    for (const bool accumulate : {false, true})
-      if (st.is_ok() && (newer || !band))
-        st = operation_graph(*backward_graph(sh, accumulate, band), nullptr, nullptr).status();
-  if (st.is_ok() && newer) {
+  const size_t version = st.is_ok() ? loaded.value()->GetVersion() : 0;
+  for (const BackwardForm form : backward_forms(version, /*deterministic_first=*/true))
+    if (st.is_ok()) st = operation_graph(*backward_graph(sh, form.accumulate, form.band), nullptr, nullptr).status();
+  if (st.is_ok() && version >= kUnifiedForwardVersion) {
     auto [g, op] = unified_forward_graph(sh);
     st = operation_graph(*g, op, nullptr).status();
   }

@@ -23,6 +23,7 @@
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/cudnn_attention.h"
 #include "kernels/cuda/cudnn_graph.h"
+#include "tests/kernels/cuda_ops_test_util.h"
 
 namespace strata::kernels::cuda {
 namespace {
@@ -85,13 +86,13 @@ TEST(CudnnAttentionGraphs, PlansForTheRecordedGpus) {
   if (recorded.empty())
     GTEST_SKIP() << "no GPU's cuDNN properties recorded in " << dir.string()
                  << " (a GPU run of PrintsTheDeviceProperties prints them)";
-  const bool deterministic = cudnn_attention_deterministic();
   for (const fs::path& path : recorded) {
     std::ifstream in(path);
     std::stringstream json;
     json << in.rdbuf();
     for (const bool form : {true, false}) {  // the deterministic backward first, then the accumulating one first
-      set_cudnn_attention_deterministic(form);
+      cuda_test::ScopedSwitch<bool> deterministic(cudnn_attention_deterministic, set_cudnn_attention_deterministic,
+                                                  form);
       for (auto [B, T, NH, hs] : kShapes) {
         SCOPED_TRACE(fmt::format("{}: B={} T={} NH={} hs={}{}", path.filename().string(), B, T, NH, hs,
                                  form ? "" : ", accumulating dQ"));
@@ -103,7 +104,6 @@ TEST(CudnnAttentionGraphs, PlansForTheRecordedGpus) {
       }
     }
   }
-  set_cudnn_attention_deterministic(deterministic);
 }
 
 }  // namespace
