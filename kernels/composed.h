@@ -11,13 +11,26 @@
 
 namespace strata::kernels {
 
+// A matmul that takes its weights as fp32 only, as the Weight slots take them: the working copy is not used (the
+// reference rounds the fp32 values itself, to the same bits).
+template <auto MatmulForward>
+void f32_weight_matmul_forward(float* out, const float* inp, Weight weight, const float* bias, int N, int C, int OC,
+                               MatmulPrecision precision) {
+  MatmulForward(out, inp, weight.f32, bias, N, C, OC, precision);
+}
+template <auto MatmulBackward>
+void f32_weight_matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                                Weight weight, int N, int C, int OC, MatmulPrecision precision) {
+  MatmulBackward(dinp, dweight, dbias, dout, inp, weight.f32, N, C, OC, precision);
+}
+
 // The classifier over fp32 logits: the backend's matmul and cross-entropy.
 inline size_t composed_classifier_logits_bytes(int N, int V, MatmulPrecision /*precision*/) {
   return static_cast<size_t>(N) * static_cast<size_t>(V) * sizeof(float);
 }
 
 template <auto MatmulForward, auto CrossEntropyForward>
-void composed_classifier_forward(void* logits, float* losses, float* lse, const void* inp, const float* weight,
+void composed_classifier_forward(void* logits, float* losses, float* lse, const void* inp, Weight weight,
                                  const int32_t* targets, int N, int C, int V, int vocab_start,
                                  MatmulPrecision precision) {
   float* out = static_cast<float*>(logits);
@@ -27,7 +40,7 @@ void composed_classifier_forward(void* logits, float* losses, float* lse, const 
 
 template <auto MatmulBackward, auto CrossEntropyBackward>
 void composed_classifier_backward(float* dinp, float* dweight, void* logits, const float* lse,
-                                  const int32_t* targets, const float* dlosses, const void* inp, const float* weight,
+                                  const int32_t* targets, const float* dlosses, const void* inp, Weight weight,
                                   int N, int C, int V, int vocab_start, MatmulPrecision precision) {
   float* dlogits = static_cast<float*>(logits);  // in place
   CrossEntropyBackward(dlogits, dlogits, lse, targets, dlosses, N, V, vocab_start);
@@ -70,14 +83,14 @@ void composed_attention_backward(void* dqkv, const void* dout, const void* qkv, 
 }
 
 template <auto MatmulForward>
-void composed_matmul_forward_to_hidden(void* out, const void* inp, const float* weight, const float* bias, int N,
+void composed_matmul_forward_to_hidden(void* out, const void* inp, Weight weight, const float* bias, int N,
                                        int C, int OC, MatmulPrecision precision) {
   MatmulForward(static_cast<float*>(out), static_cast<const float*>(inp), weight, bias, N, C, OC, precision);
 }
 
 // The MLP's first linear, then its GELU.
 template <auto MatmulForward, auto GeluForward>
-void composed_matmul_gelu_forward(void* out, void* pre, const void* inp, const float* weight, const float* bias,
+void composed_matmul_gelu_forward(void* out, void* pre, const void* inp, Weight weight, const float* bias,
                                   int N, int C, int OC, MatmulPrecision precision) {
   MatmulForward(static_cast<float*>(pre), static_cast<const float*>(inp), weight, bias, N, C, OC, precision);
   GeluForward(static_cast<float*>(out), static_cast<const float*>(pre),
@@ -85,7 +98,7 @@ void composed_matmul_gelu_forward(void* out, void* pre, const void* inp, const f
 }
 
 template <auto MatmulForward>
-void composed_matmul_forward_hidden(float* out, const void* inp, const float* weight, const float* bias, int N,
+void composed_matmul_forward_hidden(float* out, const void* inp, Weight weight, const float* bias, int N,
                                     int C, int OC, MatmulPrecision precision) {
   MatmulForward(out, static_cast<const float*>(inp), weight, bias, N, C, OC, precision);
 }
@@ -94,7 +107,7 @@ void composed_matmul_forward_hidden(float* out, const void* inp, const float* we
 // (float* p, size_t n) clears n floats of the backend's memory, for the two "+=" to start from.
 template <auto MatmulBackward, auto GeluBackward, auto Zero>
 void composed_matmul_backward_gelu(void* dpre_hidden, float* dweight, float* dbias, const float* dout,
-                                   const void* inp, const void* pre, const float* weight, void* scratch_hidden,
+                                   const void* inp, const void* pre, Weight weight, void* scratch_hidden,
                                    int N, int C, int OC, MatmulPrecision precision) {
   const size_t n = static_cast<size_t>(N) * static_cast<size_t>(C);
   auto* dpre = static_cast<float*>(dpre_hidden);
@@ -108,14 +121,14 @@ void composed_matmul_backward_gelu(void* dpre_hidden, float* dweight, float* dbi
 // matmul_backward into a cleared dinp.
 template <auto MatmulBackward, auto Zero>
 void composed_matmul_backward_set(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                                  const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+                                  Weight weight, int N, int C, int OC, MatmulPrecision precision) {
   Zero(dinp, static_cast<size_t>(N) * static_cast<size_t>(C));
   MatmulBackward(dinp, dweight, dbias, dout, inp, weight, N, C, OC, precision);
 }
 
 template <auto MatmulBackwardSet>
 void composed_matmul_backward_set_hidden(float* dinp, float* dweight, float* dbias, const void* dout,
-                                         const void* inp, const float* weight, int N, int C, int OC,
+                                         const void* inp, Weight weight, int N, int C, int OC,
                                          MatmulPrecision precision) {
   MatmulBackwardSet(dinp, dweight, dbias, static_cast<const float*>(dout), static_cast<const float*>(inp), weight, N,
                     C, OC, precision);
@@ -123,7 +136,7 @@ void composed_matmul_backward_set_hidden(float* dinp, float* dweight, float* dbi
 
 template <auto MatmulBackwardSet>
 void composed_matmul_backward_hidden(void* dinp, float* dweight, float* dbias, const float* dout, const void* inp,
-                                     const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+                                     Weight weight, int N, int C, int OC, MatmulPrecision precision) {
   MatmulBackwardSet(static_cast<float*>(dinp), dweight, dbias, dout, static_cast<const float*>(inp), weight, N, C, OC,
                     precision);
 }

@@ -21,6 +21,20 @@ namespace strata::kernels {
 // Arithmetic of matmul inputs: fp32, or inputs rounded to bf16 with fp32 accumulation (AVX-512 BF16).
 enum class MatmulPrecision : uint8_t { kF32 = 0, kBF16 = 1 };
 
+// A linear's weight: its fp32 values and, where the weight's owner keeps one, their bf16 working copy (DESIGN.md's
+// 16-bit working parameters): bf16[i] == f32_to_bf16(f32[i]) (common/dtype.h) for every element, the rounding
+// every matmul slot does under kBF16. An owner that makes the copy once per change of the weights saves each
+// linear its own rounding pass, forward and backward and in every micro-batch. A backend may use it under kBF16
+// instead of rounding f32, so results are bitwise those without it; null: none kept. Implicit from a bare fp32
+// pointer, for callers that keep no copy.
+struct Weight {
+  const float* f32 = nullptr;
+  const uint16_t* bf16 = nullptr;
+
+  Weight(const float* w) : f32(w) {}  // NOLINT(google-explicit-constructor): a weight without a working copy
+  Weight(const float* w, const uint16_t* w16) : f32(w), bf16(w16) {}
+};
+
 struct AdamWParams {
   float lr = 3e-4f;
   float beta1 = 0.9f;
@@ -61,16 +75,16 @@ struct KernelSet {
                                      MatmulPrecision precision);
 
   // out (N,OC) = inp (N,C) @ weight(OC,C)^T + bias (OC); bias may be null.
-  void (*matmul_forward)(float* out, const float* inp, const float* weight, const float* bias, int N, int C,
+  void (*matmul_forward)(float* out, const float* inp, Weight weight, const float* bias, int N, int C,
                          int OC, MatmulPrecision precision);
   // dinp (N,C) += dout @ weight; dweight (OC,C) += dout^T @ inp; dbias (OC) += column sums of dout (if non-null).
   void (*matmul_backward)(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                          const float* weight, int N, int C, int OC, MatmulPrecision precision);
+                          Weight weight, int N, int C, int OC, MatmulPrecision precision);
   // matmul_backward with dinp OVERWRITTEN (dinp = dout @ weight), for a gradient this linear alone writes: the
   // caller need not zero it first (CUDA: the GEMM's beta 0, so dinp is neither cleared nor read). dweight and
   // dbias still +=.
   void (*matmul_backward_set)(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                              const float* weight, int N, int C, int OC, MatmulPrecision precision);
+                              Weight weight, int N, int C, int OC, MatmulPrecision precision);
 
   // Activations that pass only between two of the backend's own slots — every linear's input (the layernorms'
   // outputs, the attention's output, gelu(pre)), the MLP's hidden units (pre (N,F) and its gradient) and the
@@ -102,31 +116,31 @@ struct KernelSet {
   // dinp OVERWRITTEN, dweight and dbias +=.
   //
   // out hidden (N,OC) too: the QKV linear.
-  void (*matmul_forward_to_hidden)(void* out, const void* inp, const float* weight, const float* bias, int N, int C,
+  void (*matmul_forward_to_hidden)(void* out, const void* inp, Weight weight, const float* bias, int N, int C,
                                    int OC, MatmulPrecision precision);
   // inp and dinp hidden (N,C): the attention's output linear's backward (its forward is matmul_forward_hidden).
   void (*matmul_backward_hidden)(void* dinp, float* dweight, float* dbias, const float* dout, const void* inp,
-                                 const float* weight, int N, int C, int OC, MatmulPrecision precision);
+                                 Weight weight, int N, int C, int OC, MatmulPrecision precision);
   // The MLP's first linear and its GELU, fused where a backend can (CUDA under kBF16: cuBLASLt's GELU epilogue):
   // pre (N,OC) = inp (N,C) @ weight (OC,C)^T + bias (OC; may be null), out (N,OC) = gelu(pre), pre kept for the
   // backward; inp, out and pre hidden (OC = F).
-  void (*matmul_gelu_forward)(void* out, void* pre, const void* inp, const float* weight, const float* bias,
+  void (*matmul_gelu_forward)(void* out, void* pre, const void* inp, Weight weight, const float* bias,
                               int N, int C, int OC, MatmulPrecision precision);
   // The MLP's second linear and the attention's output linear: out (N,OC) fp32 (a partial sum of the residual
   // stream).
-  void (*matmul_forward_hidden)(float* out, const void* inp, const float* weight, const float* bias, int N, int C,
+  void (*matmul_forward_hidden)(float* out, const void* inp, Weight weight, const float* bias, int N, int C,
                                 int OC, MatmulPrecision precision);
   // The backward of a linear whose input was gelu(pre) (the MLP's second linear), through the GELU:
   // dpre (N,C) = gelu'(pre) * (dout @ weight) — OVERWRITTEN, not added to; dweight (OC,C) += dout^T @ inp with
   // inp = gelu(pre); dbias (OC) += column sums of dout (if non-null). dpre, inp, pre and `scratch` (which the
   // backend may use) are hidden (C = F).
   void (*matmul_backward_gelu)(void* dpre, float* dweight, float* dbias, const float* dout, const void* inp,
-                               const void* pre, const float* weight, void* scratch, int N, int C, int OC,
+                               const void* pre, Weight weight, void* scratch, int N, int C, int OC,
                                MatmulPrecision precision);
   // The MLP's first linear's and the QKV linear's backward: dout (N,OC) hidden too, dinp (N,C) fp32 (the
   // layernorm's output gradient).
   void (*matmul_backward_set_hidden)(float* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
-                                     const float* weight, int N, int C, int OC, MatmulPrecision precision);
+                                     Weight weight, int N, int C, int OC, MatmulPrecision precision);
 
   // GELU, tanh approximation (GPT-2's). out (N) = gelu(inp).
   void (*gelu_forward)(float* out, const float* inp, size_t N);
@@ -156,18 +170,22 @@ struct KernelSet {
   // backends; CUDA keeps them in bf16 under kBF16, as PyTorch's autocast does, so the fp32 logits never exist —
   // then, where targets is non-null, softmax_crossentropy_forward's losses and lse over them (V and vocab_start
   // as there: a slice of the vocabulary under tensor parallelism).
-  void (*classifier_forward)(void* logits, float* losses, float* lse, const void* inp, const float* weight,
+  void (*classifier_forward)(void* logits, float* losses, float* lse, const void* inp, Weight weight,
                              const int32_t* targets, int N, int C, int V, int vocab_start, MatmulPrecision precision);
   // softmax_crossentropy_backward with this lse into the logits, which it OVERWRITES, then matmul_backward's
   // dinp (N,C) += and dweight (V,C) +=.
   void (*classifier_backward)(float* dinp, float* dweight, void* logits, const float* lse, const int32_t* targets,
-                              const float* dlosses, const void* inp, const float* weight, int N, int C, int V,
+                              const float* dlosses, const void* inp, Weight weight, int N, int C, int V,
                               int vocab_start, MatmulPrecision precision);
   size_t (*classifier_logits_bytes)(int N, int V, MatmulPrecision precision);
 
   // AdamW over n elements: g = grads*grad_scale; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g²;
   // params -= lr * (m̂ / (sqrt(v̂) + eps) + wd * params), with m̂, v̂ bias-corrected.
   void (*adamw_update)(float* params, float* m, float* v, const float* grads, size_t n, const AdamWParams& hp);
+
+  // out (n) = the bf16 working copy of n weights (Weight): bitwise what the matmul slots round them to under
+  // kBF16. Null where a backend makes no use of working copies (the reference), so owners keep none for it.
+  void (*weights_to_bf16)(uint16_t* out, const float* in, size_t n);
 };
 
 }  // namespace strata::kernels

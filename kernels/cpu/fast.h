@@ -18,10 +18,12 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
                        const float* bias, int N, int C);
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                         const float* weight, const float* mean, const float* rstd, int N, int C);
-void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC,
+void matmul_forward(float* out, const float* inp, Weight weight, const float* bias, int N, int C, int OC,
                     MatmulPrecision precision);
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int N, int C, int OC, MatmulPrecision precision);
+                     Weight weight, int N, int C, int OC, MatmulPrecision precision);
+// out (n) = in rounded to bf16 (f32_to_bf16's bits) on every core: the working copies the matmuls above use.
+void weights_to_bf16(uint16_t* out, const float* in, size_t n);
 // fp32 arithmetic whatever the precision.
 void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH,
                        MatmulPrecision precision = MatmulPrecision::kF32);

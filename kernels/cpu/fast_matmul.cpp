@@ -246,10 +246,8 @@ void* scratch(int slot, size_t bytes) {
   return b.data();
 }
 
-// Rounds x (n) into scratch `slot` and returns it: bf16 bits if oneDNN has a bf16 kernel, else rounded f32.
-const void* rounded_input(int slot, const float* x, size_t n) {
-  const bool widen = !bf16_native();
-  void* dst = scratch(slot, n * (widen ? sizeof(float) : sizeof(uint16_t)));
+// Rounds x (n) into dst on every core: bf16 bits (`widen` false) or the rounded values as f32.
+void round_bf16(const float* x, void* dst, size_t n, bool widen) {
   static const bool avx512 = __builtin_cpu_supports("avx512f");
   constexpr size_t kChunk = size_t{1} << 16;  // 256 KiB of input per task: big enough to amortise scheduling
   tbb::parallel_for(tbb::blocked_range<size_t>(0, (n + kChunk - 1) / kChunk), [&](const auto& r) {
@@ -259,7 +257,21 @@ const void* rounded_input(int slot, const float* x, size_t n) {
     if (avx512) round_bf16_avx512(x + begin, d, end - begin, widen);
     else round_bf16_scalar(x + begin, d, end - begin, widen);
   });
+}
+
+// Rounds x (n) into scratch `slot` and returns it: bf16 bits if oneDNN has a bf16 kernel, else rounded f32.
+const void* rounded_input(int slot, const float* x, size_t n) {
+  const bool widen = !bf16_native();
+  void* dst = scratch(slot, n * (widen ? sizeof(float) : sizeof(uint16_t)));
+  round_bf16(x, dst, n, widen);
   return dst;
+}
+
+// A weight (OC*C = n) as the bf16 matmul takes it: its working copy where the owner keeps one and oneDNN runs
+// bf16 itself (bitwise what rounded_input makes), else rounded into scratch `slot`.
+const void* rounded_weight(int slot, Weight w, size_t n) {
+  if (w.bf16 != nullptr && bf16_native()) return w.bf16;
+  return rounded_input(slot, w.f32, n);
 }
 
 dt input_type(MatmulPrecision p) {
@@ -292,7 +304,7 @@ void bias_backward(float* dbias, const float* dout, int N, int OC) {
 
 namespace fast {
 
-void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC,
+void matmul_forward(float* out, const float* inp, Weight weight, const float* bias, int N, int C, int OC,
                     MatmulPrecision precision) {
   STRATA_ASSERT(N >= 0 && C >= 0 && OC >= 0);
   if (N == 0 || OC == 0) return;
@@ -302,27 +314,27 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
     return;
   }
   const void* a = inp;
-  const void* b = weight;
+  const void* b = weight.f32;
   if (precision == MatmulPrecision::kBF16) {
     a = rounded_input(0, inp, static_cast<size_t>(N) * C);
-    b = rounded_input(1, weight, static_cast<size_t>(OC) * C);
+    b = rounded_weight(1, weight, static_cast<size_t>(OC) * C);
   }
   const GemmKey k{Op::kForward, input_type(precision), N, C, OC, false, true, bias != nullptr, false};
   run_gemm(k, a, b, bias, out);
 }
 
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+                     Weight weight, int N, int C, int OC, MatmulPrecision precision) {
   STRATA_ASSERT(N >= 0 && C >= 0 && OC >= 0);
   if (dbias != nullptr && N > 0) bias_backward(dbias, dout, N, OC);
   if (N == 0 || C == 0 || OC == 0) return;  // every other "+=" adds an empty sum
   const void* g = dout;
   const void* x = inp;
-  const void* w = weight;
+  const void* w = weight.f32;
   if (precision == MatmulPrecision::kBF16) {
     g = rounded_input(0, dout, static_cast<size_t>(N) * OC);
     x = rounded_input(1, inp, static_cast<size_t>(N) * C);
-    w = rounded_input(2, weight, static_cast<size_t>(OC) * C);
+    w = rounded_weight(2, weight, static_cast<size_t>(OC) * C);
   }
   const dt t = input_type(precision);
   // dinp (N,C) += dout (N,OC) @ weight (OC,C)
@@ -330,6 +342,8 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
   // dweight (OC,C) += dout^T (OC,N) @ inp (N,C)
   run_gemm(GemmKey{Op::kBackwardWeights, t, OC, N, C, true, false, false, true}, g, x, nullptr, dweight);
 }
+
+void weights_to_bf16(uint16_t* out, const float* in, size_t n) { round_bf16(in, out, n, /*widen=*/false); }
 
 }  // namespace fast
 

@@ -10,6 +10,8 @@ namespace strata::kernels {
 
 const KernelSet& cpu_reference_kernels() {
   namespace r = cpu::ref;
+  constexpr auto matmul_forward = &f32_weight_matmul_forward<&r::matmul_forward<float>>;
+  constexpr auto matmul_backward = &f32_weight_matmul_backward<&r::matmul_backward<float>>;
   static const KernelSet k{
       "cpu-reference",
       &r::encoder_forward<float>,
@@ -17,29 +19,30 @@ const KernelSet& cpu_reference_kernels() {
       &composed_layernorm_forward<&r::layernorm_forward<float>>,
       &r::layernorm_backward<float>,
       &composed_residual_layernorm_forward<&r::residual_forward<float>, &r::layernorm_forward<float>>,
-      &r::matmul_forward<float>,
-      &r::matmul_backward<float>,
-      &composed_matmul_backward_set<&r::matmul_backward<float>, &host_zero>,
+      matmul_forward,
+      matmul_backward,
+      &composed_matmul_backward_set<matmul_backward, &host_zero>,
       &composed_hidden_bytes,
       &composed_attention_forward<&r::attention_forward<float>>,
       &composed_attention_backward<&r::attention_backward<float>>,
       &r::attention_saved_floats,
-      &composed_matmul_forward_to_hidden<&r::matmul_forward<float>>,
-      &composed_matmul_backward_hidden<&composed_matmul_backward_set<&r::matmul_backward<float>, &host_zero>>,
-      &composed_matmul_gelu_forward<&r::matmul_forward<float>, &r::gelu_forward<float>>,
-      &composed_matmul_forward_hidden<&r::matmul_forward<float>>,
-      &composed_matmul_backward_gelu<&r::matmul_backward<float>, &r::gelu_backward<float>, &host_zero>,
-      &composed_matmul_backward_set_hidden<&composed_matmul_backward_set<&r::matmul_backward<float>, &host_zero>>,
+      &composed_matmul_forward_to_hidden<matmul_forward>,
+      &composed_matmul_backward_hidden<&composed_matmul_backward_set<matmul_backward, &host_zero>>,
+      &composed_matmul_gelu_forward<matmul_forward, &r::gelu_forward<float>>,
+      &composed_matmul_forward_hidden<matmul_forward>,
+      &composed_matmul_backward_gelu<matmul_backward, &r::gelu_backward<float>, &host_zero>,
+      &composed_matmul_backward_set_hidden<&composed_matmul_backward_set<matmul_backward, &host_zero>>,
       &r::gelu_forward<float>,
       &r::gelu_backward<float>,
       &r::residual_forward<float>,
       &r::residual_backward<float>,
       &r::softmax_crossentropy_forward<float>,
       &r::softmax_crossentropy_backward<float>,
-      &composed_classifier_forward<&r::matmul_forward<float>, &r::softmax_crossentropy_forward<float>>,
-      &composed_classifier_backward<&r::matmul_backward<float>, &r::softmax_crossentropy_backward<float>>,
+      &composed_classifier_forward<matmul_forward, &r::softmax_crossentropy_forward<float>>,
+      &composed_classifier_backward<matmul_backward, &r::softmax_crossentropy_backward<float>>,
       &composed_classifier_logits_bytes,
       &r::adamw_update<float>,
+      nullptr,  // weights_to_bf16: the reference keeps no working copies
   };
   return k;
 }
@@ -76,6 +79,7 @@ const KernelSet& cpu_fast_kernels() {
       &composed_classifier_backward<&f::matmul_backward, &f::softmax_crossentropy_backward>,
       &composed_classifier_logits_bytes,
       &f::adamw_update,
+      &f::weights_to_bf16,
   };
   return k;
 }

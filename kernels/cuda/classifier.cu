@@ -91,7 +91,7 @@ size_t classifier_logits_bytes(int N, int V, MatmulPrecision precision) {
   return static_cast<size_t>(N) * static_cast<size_t>(padded_width(V)) * sizeof(uint16_t);
 }
 
-void classifier_forward(void* logits, float* losses, float* lse, const void* inp, const float* weight,
+void classifier_forward(void* logits, float* losses, float* lse, const void* inp, Weight weight,
                         const int32_t* targets, int N, int C, int V, int vocab_start, MatmulPrecision precision) {
   if (precision == MatmulPrecision::kF32) {
     composed_classifier_forward<&matmul_forward, &softmax_crossentropy_forward>(logits, losses, lse, inp, weight,
@@ -110,7 +110,7 @@ void classifier_forward(void* logits, float* losses, float* lse, const void* inp
 }
 
 void classifier_backward(float* dinp, float* dweight, void* logits, const float* lse, const int32_t* targets,
-                         const float* dlosses, const void* inp, const float* weight, int N, int C, int V,
+                         const float* dlosses, const void* inp, Weight weight, int N, int C, int V,
                          int vocab_start, MatmulPrecision precision) {
   if (precision == MatmulPrecision::kF32) {
     composed_classifier_backward<&matmul_backward, &softmax_crossentropy_backward>(

@@ -8,6 +8,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_context.h"
 #include "kernels/cuda/convert.h"
+#include "kernels/cuda/ops.h"
 
 namespace strata::kernels::cuda {
 namespace {
@@ -92,6 +93,8 @@ void f32_to_bf16_rows(uint16_t* out, size_t ld_out, const float* in, size_t ld_i
                                                                        static_cast<int>(rows), vec4);
   CUDA_CHECK_LAUNCH();
 }
+
+void weights_to_bf16(uint16_t* out, const float* in, size_t n) { f32_to_bf16(out, in, n); }
 
 void f32_to_bf16(uint16_t* out, const float* in, size_t n) {
   if (n == 0) return;

@@ -35,6 +35,7 @@ const KernelSet& cuda_kernels() {
       &c::classifier_backward,
       &c::classifier_logits_bytes,
       &c::adamw_update,
+      &c::weights_to_bf16,
   };
   return k;
 }

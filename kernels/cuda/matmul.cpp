@@ -340,6 +340,28 @@ Operand operand(const float* x, int rows, int cols, MatmulPrecision precision, b
   const void* p = s.as<void>();
   return {std::move(s), p, ld};
 }
+// A weight (rows,cols) as an operand: under kBF16 its working copy (kernels.h Weight) where the owner keeps one —
+// as it is where it already has `operand`'s layout (cols a multiple of 8, no zero rows wanted, 16-byte aligned),
+// else copied into scratch with the zero rows after it (4 bytes of traffic an element where rounding is 6) —,
+// else `operand` of the fp32 values. Bitwise the same operand either way.
+Operand weight_operand(Weight w, int rows, int cols, MatmulPrecision precision, bool pad_rows = false) {
+  if (precision == MatmulPrecision::kF32 || w.bf16 == nullptr || cols % kBf16RowAlign != 0)
+    return operand(w.f32, rows, cols, precision, pad_rows);
+  ++epilogue_counts.working_copy_operands;
+  const int prows = pad_rows ? round_up(rows, kBf16RowAlign) : rows;
+  if (prows == rows && alignment_of(w.bf16) >= 16) return {DeviceScratch(), w.bf16, cols};
+  const size_t row_bytes = static_cast<size_t>(cols) * sizeof(uint16_t);
+  DeviceScratch s(static_cast<size_t>(prows) * row_bytes);
+  const cudaStream_t stream = cuda_context().compute;
+  CUDA_CHECK(cudaMemcpyAsync(s.as<void>(), w.bf16, static_cast<size_t>(rows) * row_bytes, cudaMemcpyDeviceToDevice,
+                             stream));
+  if (prows > rows) {
+    CUDA_CHECK(cudaMemsetAsync(s.as<char>() + static_cast<size_t>(rows) * row_bytes, 0,
+                               static_cast<size_t>(prows - rows) * row_bytes, stream));
+  }
+  const void* p = s.as<void>();
+  return {std::move(s), p, cols};
+}
 cudaDataType_t ab_type(MatmulPrecision precision) {
   return precision == MatmulPrecision::kF32 ? CUDA_R_32F : CUDA_R_16BF;
 }
@@ -356,14 +378,14 @@ bool hidden_bf16(int width, MatmulPrecision precision) {
   return precision == MatmulPrecision::kBF16 && width % kBf16RowAlign == 0;
 }
 
-void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC,
+void matmul_forward(float* out, const float* inp, Weight weight, const float* bias, int N, int C, int OC,
                     MatmulPrecision precision) {
   // An output width that is not a multiple of 8 (GPT-2's vocabulary, 50257) keeps the bf16 GEMM off its fast
   // kernels: compute OC rounded up (zero weight rows) into an aligned scratch and copy the OC columns over — one
   // extra pass over the output, much less than it saves. Not with a bias, whose length must be OC.
   const bool pad = precision == MatmulPrecision::kBF16 && OC % kBf16RowAlign != 0 && bias == nullptr;
   const int m = pad ? round_up(OC, kBf16RowAlign) : OC;
-  const Operand w = operand(weight, OC, C, precision, pad);
+  const Operand w = weight_operand(weight, OC, C, precision, pad);
   const Operand x = operand(inp, N, C, precision);
   DeviceScratch padded(pad ? static_cast<size_t>(N) * m * sizeof(float) : 0);
   float* d = pad ? padded.as<float>() : out;
@@ -386,9 +408,9 @@ void dweight_gemm(float* dweight, const Operand& x, const Operand& dy, int N, in
 // (1 adds into dinp, 0 overwrites it), the padding columns meeting zero weight rows; dweight (OC,C) +=
 // dout^T @ inp, the first OC of each row.
 void backward_gemms(float* dinp, float dinp_beta, float* dweight, const Operand& dy, const Operand& x,
-                    const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+                    Weight weight, int N, int C, int OC, MatmulPrecision precision) {
   const bool bf16 = precision == MatmulPrecision::kBF16;
-  const Operand w = operand(weight, OC, C, precision, bf16);  // bf16: zero rows up to a multiple of 8
+  const Operand w = weight_operand(weight, OC, C, precision, bf16);  // bf16: zero rows up to a multiple of 8
   const cudaDataType_t t = ab_type(precision);
   // dinp^T (C,N) = W (C,OC) @ dout^T (OC,N) + beta * dinp^T, the inner dimension rounded up over the zero
   // padding in bf16.
@@ -400,7 +422,7 @@ void backward_gemms(float* dinp, float dinp_beta, float* dweight, const Operand&
 
 // From fp32 dout and inp; dbias += column sums of dout.
 void backward(float* dinp, float dinp_beta, float* dweight, float* dbias, const float* dout, const float* inp,
-              const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+              Weight weight, int N, int C, int OC, MatmulPrecision precision) {
   backward_gemms(dinp, dinp_beta, dweight, operand(dout, N, OC, precision), operand(inp, N, C, precision), weight, N,
                  C, OC, precision);
   if (dbias != nullptr) column_sums_accumulate(dbias, dout, N, OC);
@@ -427,9 +449,9 @@ DeviceScratch bias_in_bf16(const float* bias, int OC) {
 // in bf16, the bias rounded to bf16 too (D's type) — or, where `pre` is given, pre = that and out = gelu(pre),
 // both bf16: cuBLASLt's GELU_AUX_BIAS epilogue (the aux matrix takes D's type), or the GEMM into pre and the GELU
 // kernel where it declines.
-void forward_into_bf16(void* out, void* pre, const void* inp, const float* weight, const float* bias, int N, int C,
+void forward_into_bf16(void* out, void* pre, const void* inp, Weight weight, const float* bias, int N, int C,
                        int OC) {
-  const Operand w = operand(weight, OC, C, MatmulPrecision::kBF16);
+  const Operand w = weight_operand(weight, OC, C, MatmulPrecision::kBF16);
   const Operand x = hidden_operand(inp, N, C, MatmulPrecision::kBF16);
   const DeviceScratch bias16 = bias_in_bf16(bias, OC);
   // out^T (OC,N) = [gelu](W (C,OC)^T @ inp^T (C,N) + bias), in bf16.
@@ -456,9 +478,10 @@ void forward_into_bf16(void* out, void* pre, const void* inp, const float* weigh
 // given: cuBLASLt's DGELU epilogue, or the GEMM into `scratch` and the GELU kernel where it declines —;
 // dweight (OC,C) += dout^T @ inp; dbias += column sums of dout.
 void backward_into_bf16(void* dinp, float* dweight, float* dbias, const float* dout, const void* inp,
-                        const float* weight, const void* pre, void* scratch, int N, int C, int OC) {
+                        Weight weight, const void* pre, void* scratch, int N, int C, int OC) {
   const Operand dy = operand(dout, N, OC, MatmulPrecision::kBF16);  // columns padded with zeros to dy.ld
-  const Operand w = operand(weight, OC, C, MatmulPrecision::kBF16, /*pad_rows=*/true);  // zero rows up to dy.ld
+  // Zero rows up to dy.ld.
+  const Operand w = weight_operand(weight, OC, C, MatmulPrecision::kBF16, /*pad_rows=*/true);
   const int k = round_up(OC, kBf16RowAlign);
   // dinp^T (C,N) = [gelu'(pre^T) *] (W (C,k) @ dout^T (k,N)), in bf16.
   Gemm g{CUBLAS_OP_N, CUBLAS_OP_N, C, N, k, w.ptr, w.ld, dy.ptr, dy.ld, dinp, C, 0.0f, nullptr, CUDA_R_16BF};
@@ -486,12 +509,12 @@ void backward_into_bf16(void* dinp, float* dweight, float* dbias, const float* d
 }  // namespace
 
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+                     Weight weight, int N, int C, int OC, MatmulPrecision precision) {
   backward(dinp, 1.0f, dweight, dbias, dout, inp, weight, N, C, OC, precision);
 }
 
 void matmul_backward_set(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                         const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+                         Weight weight, int N, int C, int OC, MatmulPrecision precision) {
   backward(dinp, 0.0f, dweight, dbias, dout, inp, weight, N, C, OC, precision);
 }
 
@@ -499,7 +522,7 @@ size_t hidden_bytes(int N, int F, MatmulPrecision precision) {
   return static_cast<size_t>(N) * static_cast<size_t>(F) * (hidden_bf16(F, precision) ? sizeof(uint16_t) : 4);
 }
 
-void matmul_gelu_forward(void* out, void* pre, const void* inp, const float* weight, const float* bias, int N,
+void matmul_gelu_forward(void* out, void* pre, const void* inp, Weight weight, const float* bias, int N,
                          int C, int OC, MatmulPrecision precision) {
   if (!hidden_bf16(OC, precision)) {
     matmul_forward_hidden(static_cast<float*>(pre), inp, weight, bias, N, C, OC, precision);
@@ -510,7 +533,7 @@ void matmul_gelu_forward(void* out, void* pre, const void* inp, const float* wei
   forward_into_bf16(out, pre, inp, weight, bias, N, C, OC);
 }
 
-void matmul_forward_to_hidden(void* out, const void* inp, const float* weight, const float* bias, int N, int C,
+void matmul_forward_to_hidden(void* out, const void* inp, Weight weight, const float* bias, int N, int C,
                               int OC, MatmulPrecision precision) {
   if (!hidden_bf16(OC, precision)) {
     matmul_forward_hidden(static_cast<float*>(out), inp, weight, bias, N, C, OC, precision);
@@ -519,9 +542,9 @@ void matmul_forward_to_hidden(void* out, const void* inp, const float* weight, c
   forward_into_bf16(out, /*pre=*/nullptr, inp, weight, bias, N, C, OC);
 }
 
-void matmul_forward_hidden(float* out, const void* inp, const float* weight, const float* bias, int N, int C, int OC,
+void matmul_forward_hidden(float* out, const void* inp, Weight weight, const float* bias, int N, int C, int OC,
                            MatmulPrecision precision) {
-  const Operand w = operand(weight, OC, C, precision);
+  const Operand w = weight_operand(weight, OC, C, precision);
   const Operand x = hidden_operand(inp, N, C, precision);
   // out^T (OC,N) = W (C,OC)^T @ inp^T (C,N) + bias
   run_plain(
@@ -529,7 +552,7 @@ void matmul_forward_hidden(float* out, const void* inp, const float* weight, con
 }
 
 void matmul_backward_gelu(void* dpre, float* dweight, float* dbias, const float* dout, const void* inp,
-                          const void* pre, const float* weight, void* scratch, int N, int C, int OC,
+                          const void* pre, Weight weight, void* scratch, int N, int C, int OC,
                           MatmulPrecision precision) {
   if (!hidden_bf16(C, precision)) {  // the gradient of gelu(pre) into scratch, then the GELU's into dpre
     const size_t n = static_cast<size_t>(N) * static_cast<size_t>(C);
@@ -543,7 +566,7 @@ void matmul_backward_gelu(void* dpre, float* dweight, float* dbias, const float*
 }
 
 void matmul_backward_hidden(void* dinp, float* dweight, float* dbias, const float* dout, const void* inp,
-                            const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+                            Weight weight, int N, int C, int OC, MatmulPrecision precision) {
   if (!hidden_bf16(C, precision)) {
     backward(static_cast<float*>(dinp), 0.0f, dweight, dbias, dout, static_cast<const float*>(inp), weight, N, C, OC,
              precision);
@@ -553,7 +576,7 @@ void matmul_backward_hidden(void* dinp, float* dweight, float* dbias, const floa
 }
 
 void matmul_backward_set_hidden(float* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
-                                const float* weight, int N, int C, int OC, MatmulPrecision precision) {
+                                Weight weight, int N, int C, int OC, MatmulPrecision precision) {
   backward_gemms(dinp, 0.0f, dweight, hidden_operand(dout, N, OC, precision), hidden_operand(inp, N, C, precision),
                  weight, N, C, OC, precision);
   if (dbias == nullptr) return;
@@ -563,10 +586,10 @@ void matmul_backward_set_hidden(float* dinp, float* dweight, float* dbias, const
     column_sums_accumulate(dbias, static_cast<const float*>(dout), N, OC);
 }
 
-void matmul_forward_bf16_out(uint16_t* out, int ld_out, const void* inp, const float* weight, int N, int C, int OC) {
+void matmul_forward_bf16_out(uint16_t* out, int ld_out, const void* inp, Weight weight, int N, int C, int OC) {
   STRATA_ASSERT_MSG(ld_out == round_up(OC, kBf16RowAlign), "bf16 output rows must be padded to a multiple of 8");
   // Zero weight rows up to ld_out make the padding columns 0.
-  const Operand w = operand(weight, OC, C, MatmulPrecision::kBF16, /*pad_rows=*/true);
+  const Operand w = weight_operand(weight, OC, C, MatmulPrecision::kBF16, /*pad_rows=*/true);
   const Operand x = hidden_operand(inp, N, C, MatmulPrecision::kBF16);
   Gemm g{CUBLAS_OP_T, CUBLAS_OP_N, ld_out, N, C, w.ptr, w.ld, x.ptr, x.ld, out, ld_out, 0.0f, nullptr, CUDA_R_16BF};
   g.d_type = CUDA_R_16BF;
@@ -574,7 +597,7 @@ void matmul_forward_bf16_out(uint16_t* out, int ld_out, const void* inp, const f
 }
 
 void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout, int ld_dout, const void* inp,
-                               const float* weight, int N, int C, int OC) {
+                               Weight weight, int N, int C, int OC) {
   backward_gemms(dinp, 1.0f, dweight, Operand{DeviceScratch(), dout, ld_dout},
                  hidden_operand(inp, N, C, MatmulPrecision::kBF16), weight, N, C, OC, MatmulPrecision::kBF16);
 }

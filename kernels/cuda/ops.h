@@ -22,36 +22,36 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
 void residual_layernorm_forward(float* res, void* out, float* mean, float* rstd, const float* inp1,
                                 const float* inp2, const float* weight, const float* bias, int N, int C,
                                 MatmulPrecision precision);
-void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC,
+void matmul_forward(float* out, const float* inp, Weight weight, const float* bias, int N, int C, int OC,
                     MatmulPrecision precision);
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int N, int C, int OC, MatmulPrecision precision);
+                     Weight weight, int N, int C, int OC, MatmulPrecision precision);
 void matmul_backward_set(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                         const float* weight, int N, int C, int OC, MatmulPrecision precision);
+                         Weight weight, int N, int C, int OC, MatmulPrecision precision);
 // Hidden activations (kernels.h) are bf16 under kBF16 where their width is a multiple of 8 (whole 16-byte rows
 // for the tensor cores and for cuBLASLt's GELU aux matrix); fp32 otherwise. matmul.cpp.
 bool hidden_bf16(int width, MatmulPrecision precision);
 size_t hidden_bytes(int N, int width, MatmulPrecision precision);
-void matmul_forward_to_hidden(void* out, const void* inp, const float* weight, const float* bias, int N, int C,
+void matmul_forward_to_hidden(void* out, const void* inp, Weight weight, const float* bias, int N, int C,
                               int OC, MatmulPrecision precision);
 void matmul_backward_hidden(void* dinp, float* dweight, float* dbias, const float* dout, const void* inp,
-                            const float* weight, int N, int C, int OC, MatmulPrecision precision);
-void matmul_gelu_forward(void* out, void* pre, const void* inp, const float* weight, const float* bias, int N, int C,
+                            Weight weight, int N, int C, int OC, MatmulPrecision precision);
+void matmul_gelu_forward(void* out, void* pre, const void* inp, Weight weight, const float* bias, int N, int C,
                          int OC, MatmulPrecision precision);
-void matmul_forward_hidden(float* out, const void* inp, const float* weight, const float* bias, int N, int C, int OC,
+void matmul_forward_hidden(float* out, const void* inp, Weight weight, const float* bias, int N, int C, int OC,
                            MatmulPrecision precision);
 void matmul_backward_gelu(void* dpre, float* dweight, float* dbias, const float* dout, const void* inp,
-                          const void* pre, const float* weight, void* scratch, int N, int C, int OC,
+                          const void* pre, Weight weight, void* scratch, int N, int C, int OC,
                           MatmulPrecision precision);
 void matmul_backward_set_hidden(float* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
-                                const float* weight, int N, int C, int OC, MatmulPrecision precision);
+                                Weight weight, int N, int C, int OC, MatmulPrecision precision);
 // The classifier's GEMMs over bf16 logits (classifier.cu), inp hidden and the operands bf16 as under kBF16:
 // out (N,ld_out) = inp (N,C) @ weight (OC,C)^T in bf16, rows padded with zeros to ld_out (OC rounded up to a
 // multiple of 8); and its backward from such a bf16 gradient (padding columns zero): dinp (N,C) += dout @ weight,
 // dweight (OC,C) += dout^T @ inp.
-void matmul_forward_bf16_out(uint16_t* out, int ld_out, const void* inp, const float* weight, int N, int C, int OC);
+void matmul_forward_bf16_out(uint16_t* out, int ld_out, const void* inp, Weight weight, int N, int C, int OC);
 void matmul_backward_bf16_dout(float* dinp, float* dweight, const uint16_t* dout, int ld_dout, const void* inp,
-                               const float* weight, int N, int C, int OC);
+                               Weight weight, int N, int C, int OC);
 // How many distinct GEMM problems were planned with a GELU epilogue of cuBLASLt's (GELU_AUX[_BIAS], DGELU), and
 // how many of those cuBLASLt did not take (run as a GEMM and the GELU kernel instead): for tests, to tell the
 // two apart. matmul.cpp.
@@ -59,6 +59,7 @@ struct MatmulEpilogueCounts {
   int gelu_plans = 0;
   int fallback_plans = 0;
   int autotuned_plans = 0;  // plans whose candidates were timed (STRATA_MATMUL_AUTOTUNE, below)
+  int64_t working_copy_operands = 0;  // bf16 weight operands taken from a Weight's working copy (not rounded)
 };
 MatmulEpilogueCounts matmul_epilogue_counts();
 // Whether each GEMM problem's plan times the cuBLASLt heuristic's candidates (up to 4) on its first call and keeps
@@ -82,13 +83,15 @@ void softmax_crossentropy_forward(float* losses, float* lse, const float* logits
                                   int V, int vocab_start);
 void softmax_crossentropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets,
                                    const float* dlosses, int N, int V, int vocab_start);
-void classifier_forward(void* logits, float* losses, float* lse, const void* inp, const float* weight,
+void classifier_forward(void* logits, float* losses, float* lse, const void* inp, Weight weight,
                         const int32_t* targets, int N, int C, int V, int vocab_start, MatmulPrecision precision);
 void classifier_backward(float* dinp, float* dweight, void* logits, const float* lse, const int32_t* targets,
-                         const float* dlosses, const void* inp, const float* weight, int N, int C, int V,
+                         const float* dlosses, const void* inp, Weight weight, int N, int C, int V,
                          int vocab_start, MatmulPrecision precision);
 size_t classifier_logits_bytes(int N, int V, MatmulPrecision precision);
 void adamw_update(float* params, float* m, float* v, const float* grads, size_t n, const AdamWParams& hp);
+// The weights' bf16 working copies (kernels.h Weight), rounded as the matmuls round their operands. convert.cu.
+void weights_to_bf16(uint16_t* out, const float* in, size_t n);
 
 // n floats of device memory set to zero, on the compute stream. cuda_context.cpp.
 void zero_floats(float* p, size_t n);

@@ -18,6 +18,7 @@ namespace strata::testing::hidden_form {
 
 using kernels::KernelSet;
 using kernels::MatmulPrecision;
+using kernels::Weight;
 
 inline const KernelSet& fast() { return kernels::cpu_fast_kernels(); }
 
@@ -79,31 +80,31 @@ inline void attention_backward(void* dqkv, const void* dout, const void* qkv, co
   Out dq(dqkv, elems(B * T, 3 * C), in_bf16(3 * C, p));
   fast().attention_backward(dq.p, d.p, q.p, o.p, att, B, T, C, NH, p);
 }
-inline void matmul_forward_to_hidden(void* out, const void* inp, const float* weight, const float* bias, int N, int C,
+inline void matmul_forward_to_hidden(void* out, const void* inp, Weight weight, const float* bias, int N, int C,
                                      int OC, MatmulPrecision p) {
   const In x(inp, elems(N, C), in_bf16(C, p));
   Out o(out, elems(N, OC), in_bf16(OC, p));
   fast().matmul_forward_to_hidden(o.p, x.p, weight, bias, N, C, OC, p);
 }
 inline void matmul_backward_hidden(void* dinp, float* dweight, float* dbias, const float* dout, const void* inp,
-                                   const float* weight, int N, int C, int OC, MatmulPrecision p) {
+                                   Weight weight, int N, int C, int OC, MatmulPrecision p) {
   const In x(inp, elems(N, C), in_bf16(C, p));
   Out d(dinp, elems(N, C), in_bf16(C, p));
   fast().matmul_backward_hidden(d.p, dweight, dbias, dout, x.p, weight, N, C, OC, p);
 }
-inline void matmul_gelu_forward(void* out, void* pre, const void* inp, const float* weight, const float* bias, int N,
+inline void matmul_gelu_forward(void* out, void* pre, const void* inp, Weight weight, const float* bias, int N,
                                 int C, int OC, MatmulPrecision p) {
   const In x(inp, elems(N, C), in_bf16(C, p));
   Out o(out, elems(N, OC), in_bf16(OC, p)), pr(pre, elems(N, OC), in_bf16(OC, p));
   fast().matmul_gelu_forward(o.p, pr.p, x.p, weight, bias, N, C, OC, p);
 }
-inline void matmul_forward_hidden(float* out, const void* inp, const float* weight, const float* bias, int N, int C,
+inline void matmul_forward_hidden(float* out, const void* inp, Weight weight, const float* bias, int N, int C,
                                   int OC, MatmulPrecision p) {
   const In x(inp, elems(N, C), in_bf16(C, p));
   fast().matmul_forward_hidden(out, x.p, weight, bias, N, C, OC, p);
 }
 inline void matmul_backward_gelu(void* dpre, float* dweight, float* dbias, const float* dout, const void* inp,
-                                 const void* pre, const float* weight, void* /*scratch*/, int N, int C, int OC,
+                                 const void* pre, Weight weight, void* /*scratch*/, int N, int C, int OC,
                                  MatmulPrecision p) {
   const In x(inp, elems(N, C), in_bf16(C, p)), pr(pre, elems(N, C), in_bf16(C, p));
   Out d(dpre, elems(N, C), in_bf16(C, p));
@@ -111,17 +112,17 @@ inline void matmul_backward_gelu(void* dpre, float* dweight, float* dbias, const
   fast().matmul_backward_gelu(d.p, dweight, dbias, dout, x.p, pr.p, weight, scratch.data(), N, C, OC, p);
 }
 inline void matmul_backward_set_hidden(float* dinp, float* dweight, float* dbias, const void* dout, const void* inp,
-                                       const float* weight, int N, int C, int OC, MatmulPrecision p) {
+                                       Weight weight, int N, int C, int OC, MatmulPrecision p) {
   const In d(dout, elems(N, OC), in_bf16(OC, p)), x(inp, elems(N, C), in_bf16(C, p));
   fast().matmul_backward_set_hidden(dinp, dweight, dbias, d.p, x.p, weight, N, C, OC, p);
 }
-inline void classifier_forward(void* logits, float* losses, float* lse, const void* inp, const float* weight,
+inline void classifier_forward(void* logits, float* losses, float* lse, const void* inp, Weight weight,
                                const int32_t* targets, int N, int C, int V, int vocab_start, MatmulPrecision p) {
   const In x(inp, elems(N, C), in_bf16(C, p));
   fast().classifier_forward(logits, losses, lse, x.p, weight, targets, N, C, V, vocab_start, p);
 }
 inline void classifier_backward(float* dinp, float* dweight, void* logits, const float* lse, const int32_t* targets,
-                                const float* dlosses, const void* inp, const float* weight, int N, int C, int V,
+                                const float* dlosses, const void* inp, Weight weight, int N, int C, int V,
                                 int vocab_start, MatmulPrecision p) {
   const In x(inp, elems(N, C), in_bf16(C, p));
   fast().classifier_backward(dinp, dweight, logits, lse, targets, dlosses, x.p, weight, N, C, V, vocab_start, p);

@@ -289,6 +289,55 @@ TEST_F(CudaOpsTest, MatmulAutotune) {
   EXPECT_GE(cuda::matmul_epilogue_counts().autotuned_plans, 1) << "no plan timed its candidates";
 }
 
+// The weights' working copies (kernels.h Weight): a linear gives bitwise the same results from the copy
+// weights_to_bf16 makes as from its fp32 weights, and really takes the copy (a copy holding other numbers changes
+// them). The three ways it is taken: in place (OC a multiple of 8, a 16-byte aligned start), copied with zero rows
+// after it (an odd OC: the padded GEMM of the LM head and of every bf16 backward), and copied from a start 8 bytes
+// past alignment.
+TEST_F(CudaOpsTest, MatmulWorkingCopies) {
+  constexpr int N = 37, C = 64;
+  Rng rng(61);
+  const auto w = rand_vec(size_t(211) * C + 8, rng);  // room for the largest OC from 4 elements in
+  const auto inp = rand_vec(size_t(N) * C, rng), dout = rand_vec(size_t(N) * 211, rng), bias = rand_vec(211, rng);
+  Dev<float> g_w(w), g_inp(inp), g_dout(dout), g_bias(bias);
+  auto g_w16 = Dev<uint16_t>::poisoned(w.size());
+  ASSERT_NE(k.weights_to_bf16, nullptr);
+  k.weights_to_bf16(g_w16.get(), g_w.get(), w.size());
+  std::vector<uint16_t> doubled = g_w16.download();
+  for (uint16_t& h : doubled) h = f32_to_bf16(2.0f * bf16_to_f32(h));
+  Dev<uint16_t> g_wrong(doubled);
+
+  struct Case {
+    int OC;
+    size_t offset;  // elements into the weights
+    bool bias;
+  };
+  for (const Case& c : {Case{192, 0, true}, Case{211, 0, false}, Case{192, 4, true}}) {
+    SCOPED_TRACE(fmt::format("OC={} offset={} bias={}", c.OC, c.offset, c.bias));
+    const float* b = c.bias ? g_bias.get() : nullptr;
+    auto run = [&](Weight weight) {
+      auto out = Dev<float>::poisoned(size_t(N) * c.OC);
+      Dev<float> dinp(std::vector<float>(inp.size(), 0.0f)), dw(std::vector<float>(size_t(c.OC) * C, 0.0f));
+      k.matmul_forward(out.get(), g_inp.get(), weight, b, N, C, c.OC, MatmulPrecision::kBF16);
+      k.matmul_backward(dinp.get(), dw.get(), nullptr, g_dout.get(), g_inp.get(), weight, N, C, c.OC,
+                        MatmulPrecision::kBF16);
+      std::vector<float> all = out.download(), d = dinp.download();
+      all.insert(all.end(), d.begin(), d.end());
+      return all;
+    };
+    const float* w32 = g_w.get() + c.offset;
+    const auto before = cuda::matmul_epilogue_counts().working_copy_operands;
+    const std::vector<float> rounded = run(Weight(w32)), copied = run(Weight(w32, g_w16.get() + c.offset));
+    EXPECT_EQ(cuda::matmul_epilogue_counts().working_copy_operands - before, 2) << "the copy was not taken";
+    ASSERT_EQ(rounded.size(), copied.size());
+    EXPECT_EQ(std::memcmp(rounded.data(), copied.data(), rounded.size() * sizeof(float)), 0)
+        << "the working copy gave other numbers than rounding the fp32 weights";
+    const std::vector<float> wrong = run(Weight(w32, g_wrong.get() + c.offset));
+    EXPECT_NE(std::memcmp(rounded.data(), wrong.data(), rounded.size() * sizeof(float)), 0)
+        << "a copy of doubled weights changed nothing: the linears did not read it";
+  }
+}
+
 // The classifier slots (the LM head and its cross-entropy) against the reference's matmul and cross-entropy.
 // Under bf16 the reference rounds what the fused kernels keep in bf16 too — the operands, the logits and their
 // gradient, as PyTorch's autocast does — so what is left is fp32 accumulation and the odd rounding it flips.
