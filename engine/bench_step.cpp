@@ -44,6 +44,9 @@ void add_bench_step_command(CLI::App& bench, BenchStepOptions& o) {
   cmd->add_option("--threads", o.threads, "Worker threads (0: all)")->capture_default_str();
   cmd->add_option("--seed", o.seed, "Seed for weights and tokens")->capture_default_str();
   cmd->add_flag("--json", o.json, "Print one JSON object instead of text");
+  cmd->add_flag("--no-working-copies", o.no_working_copies,
+                "bf16: keep no bf16 working copies of the weights; every linear rounds its fp32 weight at each use "
+                "(the same numbers; for measuring what the copies save)");
   cmd->add_option("--offload-param", o.offload_param, "Parameters' home: none, cpu or nvme")
       ->check(CLI::IsMember({"none", "cpu", "nvme"}))
       ->capture_default_str();
@@ -119,6 +122,7 @@ int run_bench_step(const BenchStepOptions& o) {
     return 2;
   }
   GPT2& m = *model.value();
+  m.set_working_copies(!o.no_working_copies);
   if (Status st = m.init_gpt2(o.seed); !st.is_ok()) {
     std::fprintf(stderr, "strata bench step: %s\n", st.to_string().c_str());
     return 1;
@@ -170,12 +174,13 @@ int run_bench_step(const BenchStepOptions& o) {
                         {"threads", nthreads},     {"params", m.num_params()}, {"steps", o.steps},
                         {"step_ms", median * 1e3}, {"tokens_per_s", tokens / median},
                         {"gflop_per_step", gflop}, {"gflop_per_s", gflop / median}, {"loss", loss},
-                        {"device", m.device().description()}};
+                        {"device", m.device().description()}, {"working_copies", m.keeps_working_copies()}};
     std::printf("%s\n", j.dump().c_str());
   } else {
     const std::string threads = m.device().host_accessible() ? fmt::format(", {} threads", nthreads) : "";
-    std::printf("GPT-2 L=%d H=%d C=%d V=%d, B=%d T=%d x %d micro-batches, %s matmuls, %s%s, %.2fM params\n",
+    std::printf("GPT-2 L=%d H=%d C=%d V=%d, B=%d T=%d x %d micro-batches, %s matmuls%s, %s%s, %.2fM params\n",
                 o.n_layer, o.n_head, o.n_embd, o.vocab_size, B, T, o.grad_accum, o.precision.c_str(),
+                m.keeps_working_copies() ? " (bf16 working copies of the weights)" : "",
                 m.device().description().c_str(), threads.c_str(), m.num_params() / 1e6);
     std::printf("median of %d steps: %.1f ms/step, %.0f tokens/s, %.1f GFLOP/s (%.1f GFLOP/step)\n", o.steps,
                 median * 1e3, tokens / median, gflop / median, gflop);

@@ -179,6 +179,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
     if (!model.is_ok()) return fail(model.status());
     plain = std::move(model).value();
     plain->set_activation_checkpointing(ckpt, ckpt_pool.get());
+    plain->set_working_copies(!o.no_working_copies);
     if (Status st = plain->init_gpt2(o.seed); !st.is_ok()) return fail(st);
     n_params = plain->num_params();
     step_flops = plain->flops_per_step(B, T) * o.grad_accum;

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "common/check.h"
+#include "common/log.h"
 #include "common/rng.h"
 #include "common/trace.h"
 
@@ -234,7 +235,7 @@ Status GPT2::write_params(size_t u, const float* host) {
   }
   if (coordinator_ != nullptr) return coordinator_->write_params(u, host);
   STRATA_ASSERT_MSG(!offloaded_, "an offloaded model needs set_coordinator()");
-  device_->copy_to_device(units_[u].p(), host, units_[u].numel() * sizeof(float));
+  device_->copy_to_device(units_[u].p_for_update(), host, units_[u].numel() * sizeof(float));
   return Status::ok();
 }
 
@@ -312,12 +313,48 @@ Status GPT2::layernorm_backward_rows(float* dinp, float* dweight, float* dbias, 
 Result<offload::UnitView> GPT2::acquire(size_t u, offload::Pass pass) {
   if (coordinator_ != nullptr) return coordinator_->acquire(u, pass);
   STRATA_ASSERT_MSG(!offloaded_, "an offloaded model needs set_coordinator()");
-  return offload::UnitView{units_[u].p(), units_[u].g()};
+  const Unit& unit = units_[u];
+  if (pass == offload::Pass::kGradients) return offload::UnitView{unit.p(), unit.g()};
+  refresh_working_copy(u);
+  return offload::UnitView{unit.p(), unit.g(), unit.params16_current ? unit.params16.as<uint16_t>() : nullptr};
+}
+
+// One rounding pass over the unit at its first use after a change, in the compute order (the device's stream),
+// where each of its linears would round its weight at every use.
+void GPT2::refresh_working_copy(size_t u) {
+  Unit& unit = units_[u];
+  if (unit.params16_current || !keeps_working_copies() || unit.numel() == 0) return;
+  if (unit.params16.size() == 0) {
+    if (working_copies_refused_) return;  // the budget had no room for an earlier unit's: none is tried again
+    Result<kernels::DeviceBuffer> b = device_->allocate(unit.numel() * sizeof(uint16_t), "gpt2.params16 " + unit.name);
+    if (!b.is_ok()) {
+      STRATA_LOG_WARN("no room for the bf16 working copy of '{}' in the device budget ({}): the linears of it and "
+                      "of the units after it round their weights to bf16 at every use instead (the same numbers, "
+                      "more time)",
+                      unit.name, b.status().message());
+      working_copies_refused_ = true;
+      return;
+    }
+    unit.params16 = std::move(b).value();
+  }
+  k_->weights_to_bf16(unit.params16.as<uint16_t>(), unit.p(), unit.numel());
+  unit.params16_current = true;
+  ++working_copies_made_;
 }
 
 void GPT2::release(size_t u, offload::Pass pass) {
   if (coordinator_ != nullptr) coordinator_->release(u, pass);
 }
+
+namespace {
+
+// The linear weight at `w`, a tensor of `unit`'s parameters, with its working copy where the unit has one.
+kernels::Weight linear_weight(const offload::UnitView& unit, const float* w) {
+  if (unit.params16 == nullptr) return kernels::Weight(w);
+  return kernels::Weight(w, unit.params16 + (w - unit.params));
+}
+
+}  // namespace
 
 GPT2::BlockParams GPT2::block_params(int l, const float* cbase) const {
   const Unit& u = units_[1 + l];
@@ -437,11 +474,12 @@ Status GPT2::ensure_activations(int B, int T) {
 // F = 4C/t wide), and the attention output and second MLP linear its partial sums of the (B,T,C) outputs, with
 // the bias added on rank 0 only, summed over the group (sequence parallelism: the linears' inputs gathered from
 // the ranks' rows, their outputs reduce-scattered to them).
-Status GPT2::block_forward(int l, const float* params, const float* residual, int B, int T) {
+Status GPT2::block_forward(int l, const offload::UnitView& unit, const float* residual, int B, int T) {
   const int C = config_.n_embd, A = attn_width_, NH = heads_, F = mlp_width_;
   const int N = B * T, Nr = static_cast<int>(rows_here(N));
   const size_t RC = static_cast<size_t>(Nr) * C;
-  const BlockParams w = block_params(l, params);
+  const BlockParams w = block_params(l, unit.params);
+  auto weight = [&unit](const float* t) { return linear_weight(unit, t); };
   const size_t a = act_layer(l);
   void* ln1 = hidden_layer(acts_.ln1, a, Nr, C);
   float* ln1_mean = acts_.ln1_mean + a * Nr;
@@ -462,17 +500,19 @@ Status GPT2::block_forward(int l, const float* params, const float* residual, in
 
   k_->layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, w.ln1w, w.ln1b, Nr, C, precision_);
   STRATA_ASSIGN_OR_RETURN(const void* ln1_in, gather_hidden_rows(ln1, Nr, C));
-  k_->matmul_forward_to_hidden(qkv, ln1_in, w.qkvw, w.qkvb, N, C, 3 * A, precision_);
+  k_->matmul_forward_to_hidden(qkv, ln1_in, weight(w.qkvw), w.qkvb, N, C, 3 * A, precision_);
   k_->attention_forward(atty, att, qkv, B, T, A, NH, precision_);
   float* partial = partial_for(attproj);
-  k_->matmul_forward_hidden(partial, atty, w.attprojw, adds_bias ? w.attprojb : nullptr, N, A, C, precision_);
+  k_->matmul_forward_hidden(partial, atty, weight(w.attprojw), adds_bias ? w.attprojb : nullptr, N, A, C,
+                            precision_);
   STRATA_RETURN_IF_ERROR(reduce_rows(partial, attproj, RC));
   k_->residual_layernorm_forward(residual2, ln2, ln2_mean, ln2_rstd, residual, attproj, w.ln2w, w.ln2b, Nr, C,
                                  precision_);
   STRATA_ASSIGN_OR_RETURN(const void* ln2_in, gather_hidden_rows(ln2, Nr, C));
-  k_->matmul_gelu_forward(fch_gelu, fch, ln2_in, w.fcw, w.fcb, N, C, F, precision_);
+  k_->matmul_gelu_forward(fch_gelu, fch, ln2_in, weight(w.fcw), w.fcb, N, C, F, precision_);
   partial = partial_for(fcproj);
-  k_->matmul_forward_hidden(partial, fch_gelu, w.fcprojw, adds_bias ? w.fcprojb : nullptr, N, F, C, precision_);
+  k_->matmul_forward_hidden(partial, fch_gelu, weight(w.fcprojw), adds_bias ? w.fcprojb : nullptr, N, F, C,
+                            precision_);
   STRATA_RETURN_IF_ERROR(reduce_rows(partial, fcproj, RC));
   k_->residual_forward(residual3, residual2, fcproj, RC);
   return Status::ok();
@@ -589,7 +629,7 @@ Status GPT2::forward_units(int B, int T, bool with_loss) {
   const float* residual = acts_.encoded;
   for (int l = stage_.first; l < stage_.end; ++l) {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView block, acquire(1 + l, Pass::kForward));
-    const Status ran = block_forward(l, block.params, residual, B, T);
+    const Status ran = block_forward(l, block, residual, B, T);
     release(1 + l, Pass::kForward);  // also after a failure: an acquired unit can be neither evicted nor written
     STRATA_RETURN_IF_ERROR(ran);
     residual = block_output(l, RC);
@@ -606,7 +646,7 @@ Status GPT2::forward_units(int B, int T, bool with_loss) {
   // The LM head is tied to the token embedding: the embedding unit's second use (this rank's vocabulary columns).
   STRATA_ASSIGN_OR_RETURN(const void* lnf_in, gather_hidden_rows(acts_.lnf, Nr, C));
   STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kForward));
-  k_->classifier_forward(acts_.logits, acts_.losses, acts_.lse, lnf_in, emb.params,
+  k_->classifier_forward(acts_.logits, acts_.losses, acts_.lse, lnf_in, linear_weight(emb, emb.params),
                          with_loss ? acts_.targets : nullptr, N, C, static_cast<int>(vocab_.count),
                          static_cast<int>(vocab_.start), precision_);
   release(0, Pass::kForward);
@@ -624,6 +664,7 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
   const size_t RC = static_cast<size_t>(Nr) * C;
   const BlockParams w = block_params(l, unit.params);
   const BlockParams dw = block_params(l, unit.grads);
+  auto weight = [&unit](const float* t) { return linear_weight(unit, t); };
   const size_t a = act_layer(l);
   const void* ln1 = hidden_layer(acts_.ln1, a, Nr, C);
   const float* ln1_mean = acts_.ln1_mean + a * Nr;
@@ -645,12 +686,13 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
   {
     // dfch is overwritten (dfch_gelu: the kernels' scratch).
     STRATA_ASSIGN_OR_RETURN(const float* dout, gather_rows(dres, RC));
-    k_->matmul_backward_gelu(grads_.dfch, dw.fcprojw, dw.fcprojb, dout, fch_gelu, fch, w.fcprojw, grads_.dfch_gelu,
-                             N, F, C, precision_);
+    k_->matmul_backward_gelu(grads_.dfch, dw.fcprojw, dw.fcprojb, dout, fch_gelu, fch, weight(w.fcprojw),
+                             grads_.dfch_gelu, N, F, C, precision_);
   }
   {
     STRATA_ASSIGN_OR_RETURN(const void* ln2_in, gather_hidden_rows(ln2, Nr, C));
-    k_->matmul_backward_set_hidden(grads_.dln, dw.fcw, dw.fcb, grads_.dfch, ln2_in, w.fcw, N, C, F, precision_);
+    k_->matmul_backward_set_hidden(grads_.dln, dw.fcw, dw.fcb, grads_.dfch, ln2_in, weight(w.fcw), N, C, F,
+                                   precision_);
   }
   STRATA_RETURN_IF_ERROR(reduce_rows(grads_.dln, dln_rows, RC));
   STRATA_RETURN_IF_ERROR(
@@ -658,12 +700,13 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
 
   {
     STRATA_ASSIGN_OR_RETURN(const float* dout, gather_rows(dres, RC));
-    k_->matmul_backward_hidden(grads_.datty, dw.attprojw, dw.attprojb, dout, atty, w.attprojw, N, A, C, precision_);
+    k_->matmul_backward_hidden(grads_.datty, dw.attprojw, dw.attprojb, dout, atty, weight(w.attprojw), N, A, C,
+                               precision_);
   }
   k_->attention_backward(grads_.dqkv, grads_.datty, qkv, atty, att, B, T, A, NH, precision_);
   {
     STRATA_ASSIGN_OR_RETURN(const void* ln1_in, gather_hidden_rows(ln1, Nr, C));
-    k_->matmul_backward_set_hidden(grads_.dln, dw.qkvw, dw.qkvb, grads_.dqkv, ln1_in, w.qkvw, N, C, 3 * A,
+    k_->matmul_backward_set_hidden(grads_.dln, dw.qkvw, dw.qkvb, grads_.dqkv, ln1_in, weight(w.qkvw), N, C, 3 * A,
                                    precision_);
   }
   STRATA_RETURN_IF_ERROR(reduce_rows(grads_.dln, dln_rows, RC));
@@ -702,7 +745,7 @@ Status GPT2::backward_stage(const float* dy, float loss_scale) {
     STRATA_ASSIGN_OR_RETURN(offload::UnitView emb, acquire(0, Pass::kBackward));
     // In place: the logits become their gradient.
     k_->classifier_backward(grads_.dln, emb.grads, acts_.logits, acts_.lse, acts_.targets, acts_.dlosses, lnf_in,
-                            emb.params, N, C, Vr, static_cast<int>(vocab_.start), precision_);
+                            linear_weight(emb, emb.params), N, C, Vr, static_cast<int>(vocab_.start), precision_);
     release(0, Pass::kBackward);
     STRATA_RETURN_IF_ERROR(reduce_rows(grads_.dln, dln_rows, RC));  // each rank's columns' part of dlnf
   }
@@ -732,7 +775,7 @@ Status GPT2::backward_blocks(int B, int T) {
       // Recompute the block from its checkpoint (the last block's activations are still those of forward).
       if (checkpointing_ == ActivationCheckpointing::kHost && l > stage_.first)
         device_->copy_to_device(const_cast<float*>(residual), host_checkpoint(l - 1, RC), RC * sizeof(float));
-      ran = block_forward(l, block.params, residual, B, T);
+      ran = block_forward(l, block, residual, B, T);
     }
     if (ran.is_ok()) ran = block_backward(l, block, residual, grads_.dres, B, T);
     release(1 + l, Pass::kBackward);  // as in forward

@@ -85,10 +85,19 @@ std::vector<std::pair<std::string, FlatLayout>> gpt2_unit_layouts(const GPT2Conf
 struct Unit {
   std::string name;
   FlatLayout layout;
-  kernels::DeviceBuffer params;  // fp32 (layout.numel()), device memory; empty when offloaded
-  kernels::DeviceBuffer grads;   // fp32 (layout.numel()), device memory; empty when offloaded
+  kernels::DeviceBuffer params;    // fp32 (layout.numel()), device memory; empty when offloaded
+  kernels::DeviceBuffer grads;     // fp32 (layout.numel()), device memory; empty when offloaded
+  kernels::DeviceBuffer params16;  // bf16 (layout.numel()): the working copy of params (GPT2::acquire), if kept
+  // params16 holds the present params. Mutable as the buffers' contents are: a Unit is a handle, and whoever
+  // writes params through it (the optimizers take the units const) says so with p_for_update().
+  mutable bool params16_current = false;
 
-  float* p() const { return params.as<float>(); }
+  const float* p() const { return params.as<float>(); }
+  // params, to be written: the working copy is remade from them at the unit's next use.
+  float* p_for_update() const {
+    params16_current = false;
+    return params.as<float>();
+  }
   float* g() const { return grads.as<float>(); }
   size_t numel() const { return layout.numel(); }
 };
@@ -157,6 +166,22 @@ class GPT2 {
     checkpointing_ = mode;
     host_pool_ = host_pool;
   }
+
+  // Under kBF16, whether each unit keeps a bf16 working copy of its parameters in device memory (2 bytes a
+  // parameter, allocated at the unit's first use, named "gpt2.params16 <unit>"), which its linears take as their
+  // bf16 weights (kernels.h Weight): made once after each change of the parameters (an optimizer step, a load)
+  // where each linear would otherwise round its weight in every forward, backward and recompute of every
+  // micro-batch. The results are bitwise the same either way. On by default; kept only where the backend uses
+  // them (KernelSet::weights_to_bf16) and the units live in the model (not offloaded). Once a copy does not fit
+  // the device budget, no more are made (one warning), and the linears of the units without one round as before.
+  void set_working_copies(bool on) { working_copies_ = on; }
+  bool keeps_working_copies() const {
+    return working_copies_ && precision_ == kernels::MatmulPrecision::kBF16 && k_->weights_to_bf16 != nullptr &&
+           coordinator_ == nullptr && !offloaded_;
+  }
+  // How many working copies were made since the model was created (tests: that they are remade after each change,
+  // and only then).
+  uint64_t working_copies_made() const { return working_copies_made_; }
 
   // Allocates the activations for (B, T) now rather than at the first forward, so a device budget too small
   // for them fails before anything else is written (the trainer calls it before initialising the weights).
@@ -258,7 +283,7 @@ class GPT2 {
   // with_loss: the targets are on the device, and the classifier computes the losses and lse too.
   Status forward_units(int B, int T, bool with_loss);
   Status backward_blocks(int B, int T);
-  [[nodiscard]] Status block_forward(int l, const float* params, const float* residual, int B, int T);
+  [[nodiscard]] Status block_forward(int l, const offload::UnitView& unit, const float* residual, int B, int T);
   [[nodiscard]] Status block_backward(int l, const offload::UnitView& unit, const float* residual, float* dres, int B,
                                       int T);
   // Rows of the residual stream on this rank out of N = B*T (sequence parallelism: N/t).
@@ -312,6 +337,8 @@ class GPT2 {
     float *ln1w, *ln1b, *qkvw, *qkvb, *attprojw, *attprojb, *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
   };
   BlockParams block_params(int l, const float* base) const;
+  // Makes unit u's working copy current if it keeps one (set_working_copies).
+  void refresh_working_copy(size_t u);
 
   GPT2Config config_;
   std::unique_ptr<kernels::Device> owned_device_;  // set by the KernelSet overload of create()
@@ -382,6 +409,9 @@ class GPT2 {
   int slots_ = 1, slot_ = 0;
   std::vector<Activations> slot_acts_;  // one set per slot; acts_ is the current one
   ActivationCheckpointing checkpointing_ = ActivationCheckpointing::kNone;
+  bool working_copies_ = true;
+  bool working_copies_refused_ = false;  // an allocation of one failed (set_working_copies)
+  uint64_t working_copies_made_ = 0;
   offload::PinnedPool* host_pool_ = nullptr;
   offload::PinnedBuffer host_checkpoints_;  // kHost: (L-1, B, T, C) block outputs 0..L-2
   std::vector<float> host_scratch_;  // losses read back, dlosses written, on their way across

@@ -92,7 +92,7 @@ double AdamW::update(const std::vector<Unit>& units, float lr, double norm, bool
     for (const TensorSpec& s : u.layout.specs()) {
       kernels::AdamWParams hp = adamw_params(config_, lr, t_, *scale);
       hp.weight_decay = s.decay ? config_.weight_decay : 0.0f;
-      k.adamw_update(u.p() + s.offset, m(i) + s.offset, v(i) + s.offset, u.g() + s.offset, s.numel(), hp);
+      k.adamw_update(u.p_for_update() + s.offset, m(i) + s.offset, v(i) + s.offset, u.g() + s.offset, s.numel(), hp);
     }
   }
   return norm;

@@ -259,7 +259,7 @@ Result<double> PipelineAdamW::step(float lr, bool* skipped) {
     for (const TensorSpec& t : unit.layout.specs()) {
       kernels::AdamWParams hp = adamw_params(config_, lr, t_, *scale);
       hp.weight_decay = t.decay ? config_.weight_decay : 0.0f;
-      k.adamw_update(unit.p() + t.offset, m_[u].as<float>() + t.offset, v_[u].as<float>() + t.offset,
+      k.adamw_update(unit.p_for_update() + t.offset, m_[u].as<float>() + t.offset, v_[u].as<float>() + t.offset,
                      unit.g() + t.offset, t.numel(), hp);
     }
   }

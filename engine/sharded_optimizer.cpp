@@ -206,13 +206,13 @@ Result<double> ShardedAdamW::step(float lr, bool* skipped) {
     hp.weight_decay = s.weight_decay;
     const Unit& u = units[s.unit];
     const float* g = stage_ == 1 ? u.g() + s.tensor_offset + s.lo : grad_shard_.as<float>() + s.shard_offset;
-    k.adamw_update(u.p() + s.tensor_offset + s.lo, m_.as<float>() + s.shard_offset,
+    k.adamw_update(u.p_for_update() + s.tensor_offset + s.lo, m_.as<float>() + s.shard_offset,
                    v_.as<float>() + s.shard_offset, g, s.len, hp);
   }
   // Every rank's new slices to every rank. The source may be `whole` itself: each piece of this rank's slice
   // is staged in the send buffer before anything lands.
   for (const Slice& s : slices_) {
-    float* whole = units[s.unit].p() + s.tensor_offset;
+    float* whole = units[s.unit].p_for_update() + s.tensor_offset;
     STRATA_RETURN_IF_ERROR(all_gather_tensor(s, whole + s.lo, whole).with_context("parameters of " + units[s.unit].name));
   }
   return norm;

@@ -109,8 +109,10 @@ inline size_t shard_stride(size_t numel, size_t ranks) {
 }
 
 struct UnitView {
-  float* params = nullptr;  // device memory, valid until release (null for kGradients)
-  float* grads = nullptr;   // device memory holding the accumulated gradient (null for kForward)
+  const float* params = nullptr;  // device memory, valid until release (null for kGradients)
+  float* grads = nullptr;         // device memory holding the accumulated gradient (null for kForward)
+  // The bf16 working copy of params (kernels.h Weight), valid until release; null where none is kept.
+  const uint16_t* params16 = nullptr;
 };
 
 struct CoordinatorStats {  // since the last take_stats()

@@ -117,6 +117,12 @@ part 170 cudnn-attention scripts/gpu-variants.sh --strata .gpu/strata STRATA_ATT
   "STRATA_ATTENTION=cudnn STRATA_CUDNN_DETERMINISTIC=0"
 # And training steps through it against the CPU backend's (head size 16: cuDNN's, not the flash kernels').
 part 60 cudnn-train env STRATA_ATTENTION=cudnn .gpu/engine_gpu_train_test
+# The weights' bf16 working copies (on by default since 2026-11-28) against every linear rounding its own weight,
+# alternating: by arithmetic about 1.5% of GPT-2 124M's step (one rounding pass over the weights a step, where
+# the forward and the backward each made one).
+part 60 working-copies bash -c 'S=$1; shift; for i in 1 2; do for f in "" --no-working-copies; do
+  echo "round $i: ${f:-with working copies}"; "$S" bench step "$@" --steps 10 --warmup 2 $f 2>&1 | tail -2; done; done' \
+  _ "$S" "${g124[@]}"
 spares=(--grad-clip 0 --speculative-sub-groups 1000)
 part 200 mfu-2.5b-8x4-spares "$S" bench step "${g25[@]}" --batch 8 --grad-accum 4 "${spares[@]}"
 part 240 mfu-2.5b-8x8-spares "$S" bench step "${g25[@]}" --batch 8 --grad-accum 8 "${spares[@]}"

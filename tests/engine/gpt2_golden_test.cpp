@@ -77,7 +77,7 @@ class GoldenTest : public ::testing::TestWithParam<const char*> {
     ASSERT_EQ(model_->num_params(), fx_.params.size()) << "parameter count differs from the fixture's";
     size_t off = 0;  // units are in the fixture's canonical order
     for (Unit& u : model_->units()) {
-      std::memcpy(u.p(), fx_.params.data() + off, u.numel() * sizeof(float));
+      std::memcpy(u.p_for_update(), fx_.params.data() + off, u.numel() * sizeof(float));
       off += u.numel();
     }
   }

@@ -42,11 +42,12 @@ double update_distance(const TrainRun& a, const TrainRun& b) {
   return testing::update_distance(a.init, a.params, b.init, b.params);
 }
 
-TrainRun train(kernels::Device& device, MatmulPrecision precision, uint64_t seed = 5) {
+TrainRun train(kernels::Device& device, MatmulPrecision precision, uint64_t seed = 5, bool working_copies = true) {
   TrainRun r;
   auto model = GPT2::create(kConfig, device, precision);
   EXPECT_TRUE(model.is_ok()) << model.status().to_string();
   GPT2& m = *model.value();
+  m.set_working_copies(working_copies);
   EXPECT_TRUE(m.init_gpt2(seed).is_ok());
   r.init = testing::host_params(m);
   AdamWConfig ac;
@@ -111,6 +112,14 @@ TEST_F(GpuTrainTest, GpuRunsAreBitwiseReproducible) {
   const TrainRun a = train(*gpu_, MatmulPrecision::kBF16), b = train(*gpu_, MatmulPrecision::kBF16);
   EXPECT_EQ(0, std::memcmp(a.losses.data(), b.losses.data(), a.losses.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(a.params.data(), b.params.data(), a.params.size() * sizeof(float)));
+}
+
+// The units' bf16 working copies (GPT2::set_working_copies) change no bit of a GPU run (working_copy_test.cpp
+// checks the same on the CPU, and cuda_matmul_test MatmulWorkingCopies that the GEMMs take them).
+TEST_F(GpuTrainTest, WorkingCopiesTrainBitwiseAsWithout) {
+  const TrainRun with = train(*gpu_, MatmulPrecision::kBF16), without = train(*gpu_, MatmulPrecision::kBF16, 5, false);
+  EXPECT_EQ(0, std::memcmp(with.losses.data(), without.losses.data(), with.losses.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(with.params.data(), without.params.data(), with.params.size() * sizeof(float)));
 }
 
 TEST_F(GpuTrainTest, CheckpointRoundTripsThroughTheHost) {
