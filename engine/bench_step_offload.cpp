@@ -274,6 +274,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
       opt = &*plain_opt;
     }
     m.set_activation_checkpointing(ckpt, rt ? &rt->pool() : ckpt_pool.get());
+    m.set_working_copies(!o.no_working_copies);
     if (initial.empty()) {
       if (Status st = keep_initial(); !st.is_ok()) return fail(st);  // --rounds: the plain model has not stepped
     }

@@ -152,7 +152,10 @@ class GPT2 {
 
   // For an offloaded model: the coordinator of its units (built from units(), same order; it must outlive
   // the model's use).
-  void set_coordinator(offload::Coordinator* c) { coordinator_ = c; }
+  void set_coordinator(offload::Coordinator* c) {
+    coordinator_ = c;
+    if (c != nullptr) c->set_working_copies(wants_working_copies());
+  }
   // Called in backward as soon as a unit's gradient is complete for this backward (after its last release):
   // units L+1, L, ..., 1, then 0 (the tied embedding is added to last). The offloaded optimizer starts the
   // unit's update from it in the step's last micro-batch.
@@ -172,15 +175,20 @@ class GPT2 {
   // bf16 weights (kernels.h Weight): made once after each change of the parameters (an optimizer step, a load)
   // where each linear would otherwise round its weight in every forward, backward and recompute of every
   // micro-batch. The results are bitwise the same either way. On by default; kept only where the backend uses
-  // them (KernelSet::weights_to_bf16) and the units live in the model (not offloaded). Once a copy does not fit
-  // the device budget, no more are made (one warning), and the linears of the units without one round as before.
-  void set_working_copies(bool on) { working_copies_ = on; }
-  bool keeps_working_copies() const {
-    return working_copies_ && precision_ == kernels::MatmulPrecision::kBF16 && k_->weights_to_bf16 != nullptr &&
-           coordinator_ == nullptr && !offloaded_;
+  // them (KernelSet::weights_to_bf16), for the units the model holds and, with a coordinator, for the units on
+  // the device for good (Coordinator::set_working_copies: the optimizer offloaded, the parameters not). Once a
+  // copy does not fit the device budget, no more are made (one warning), and the linears of the units without
+  // one round as before.
+  void set_working_copies(bool on) {
+    working_copies_ = on;
+    if (coordinator_ != nullptr) coordinator_->set_working_copies(wants_working_copies());
   }
-  // How many working copies were made since the model was created (tests: that they are remade after each change,
-  // and only then).
+  bool keeps_working_copies() const {
+    if (!wants_working_copies()) return false;
+    return coordinator_ != nullptr ? coordinator_->working_copies() : !offloaded_;
+  }
+  // How many working copies the model made since it was created, not counting the coordinator's (tests: that
+  // they are remade after each change, and only then).
   uint64_t working_copies_made() const { return working_copies_made_; }
 
   // Allocates the activations for (B, T) now rather than at the first forward, so a device budget too small
@@ -337,6 +345,9 @@ class GPT2 {
     float *ln1w, *ln1b, *qkvw, *qkvb, *attprojw, *attprojb, *ln2w, *ln2b, *fcw, *fcb, *fcprojw, *fcprojb;
   };
   BlockParams block_params(int l, const float* base) const;
+  bool wants_working_copies() const {
+    return working_copies_ && precision_ == kernels::MatmulPrecision::kBF16 && k_->weights_to_bf16 != nullptr;
+  }
   // Makes unit u's working copy current if it keeps one (set_working_copies).
   void refresh_working_copy(size_t u);
 

@@ -84,6 +84,7 @@ nlohmann::json OffloadStepReport::to_json() const {
           {"write_backs", write_backs},
           {"retraces", retraces},
           {"norms_early", norms_early},
+          {"working_copies", working_copies},
           {"early_start", early_start},
           {"early_groups", early_groups},
           {"early_reads", early_reads},
@@ -321,6 +322,7 @@ OffloadStepReport OffloadRuntime::take_report() {
   r.write_backs = cs.write_backs;
   r.retraces = cs.retraces;
   r.norms_early = cs.norms_early;
+  r.working_copies = cs.working_copies;
   const OffloadedStepStats& os = optimizer_->last_step_stats();
   r.optimizer_s = os.update_s;
   r.grads_wait_s = os.grads_wait_s;

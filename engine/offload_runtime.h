@@ -80,6 +80,7 @@ struct OffloadStepReport {
   uint64_t fetches = 0, prefetch_hits = 0, evictions = 0, retraces = 0;
   uint64_t norms_early = 0;  // gradients whose sum of squares for the norm was taken during the backward
   uint64_t write_backs = 0;  // evicted parameters newer than their nvme home, written there first
+  uint64_t working_copies = 0;  // bf16 working copies of units' parameters made (Coordinator::set_working_copies)
   uint64_t gather_bytes = 0, reduce_bytes = 0;  // ZeRO-3: units all-gathered, gradients reduce-scattered
   double collectives_busy_s = 0;                // ZeRO-3: the coordinator's collectives (waiting for peers too)
   uint64_t early_start = 0;   // 1 when the optimizer's update started during backward (nvme)

@@ -157,6 +157,7 @@ Status Coordinator::write_params(size_t u, size_t offset, size_t n, const float*
                                     offset + n, r.info.name, r.info.numel);
   STRATA_ASSERT_MSG(r.in_use == 0, "write_params on a unit between acquire and release");
   if (!r.info.present) return Status::ok();  // another pipeline stage's
+  r.params16_current = false;  // made again from the new parameters at the next acquire
   // A device copy being assembled takes its pieces in order; any other write leaves it incomplete.
   if (r.assembling && offset != r.assembled) s.drop_partial(r);
   // Jobs may still read the home copy in host memory this overwrites (also loads into slots since evicted);
@@ -432,9 +433,15 @@ Result<UnitView> Coordinator::acquire(size_t u, Pass pass) {
       return fail(st);
     }
     view.params = r.dev_params.as<float>();
+    view.params16 = s.working_copy(r);
   }
   return view;
 }
+
+void Coordinator::set_working_copies(bool on) {
+  s_->working_copies = on && s_->device.kernels().weights_to_bf16 != nullptr;
+}
+bool Coordinator::working_copies() const { return s_->working_copies; }
 
 void Coordinator::release(size_t u, Pass pass) {
   STRATA_ASSERT(u < s_->units.size());

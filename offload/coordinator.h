@@ -127,6 +127,7 @@ struct CoordinatorStats {  // since the last take_stats()
   // the backward, not by flush_grads after it
   uint64_t norms_early = 0;
   uint64_t gather_bytes = 0, reduce_bytes = 0;  // ZeRO-3: units all-gathered, gradients reduce-scattered
+  uint64_t working_copies = 0;  // bf16 working copies made (set_working_copies)
 };
 
 class Coordinator {
@@ -179,6 +180,15 @@ class Coordinator {
   // optimizer has an update of it coming. Prefetch then leaves a unit at home on nvme alone when its next use
   // is a forward (the load would be replaced at once); its publication puts it on the device. Driving thread.
   void set_params_pending(std::function<bool(size_t unit)> fn);
+
+  // Whether the units on the device for good (param_home kDevice, one rank) keep a bf16 working copy of their
+  // parameters beside them (kernels.h Weight; UnitView::params16): made at a unit's first params acquire after
+  // write_params changed them (one rounding pass on the compute stream, after the upload), 2 bytes an element,
+  // "offload.params16 <unit>" in the device budget, allocated at that first acquire. Once one does not fit, no
+  // more are made (one warning) and acquires give none for the units without one. Off by default; ignored where
+  // the device's kernels make no copies (KernelSet::weights_to_bf16 null). Driving thread.
+  void set_working_copies(bool on);
+  bool working_copies() const;
 
   // The step protocol. begin_step() marks the start of a forward pass (a step, or one micro-batch of it).
   void begin_step();

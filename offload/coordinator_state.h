@@ -92,6 +92,10 @@ struct Coordinator::State {
     Tier home = Tier::kHost;
     // Parameters.
     kernels::DeviceBuffer dev_params;  // present: the unit is on the device (or on its way: params_ready)
+    // A persistent unit's bf16 working copy of dev_params (Coordinator::set_working_copies), and whether it
+    // holds the present ones: write_params clears that, the next acquire makes the copy again.
+    kernels::DeviceBuffer dev_params16;
+    bool params16_current = false;
     CopyTicket params_ready;
     CopyTicket params_home_read;  // the last job reading the home copy (kept across evictions)
     kernels::DeviceFence params_last_use;
@@ -164,6 +168,8 @@ struct Coordinator::State {
   // The trace.
   std::vector<Access> trace;
   bool recording = true;
+  bool working_copies = false;           // set_working_copies
+  bool working_copies_refused = false;   // an allocation of one failed: none is tried again
   bool accumulating = false;  // Coordinator::set_accumulating
   bool step_is_one_pass = true;  // Coordinator::set_step_is_one_pass
   // Queues unit u's device gradient (kDevice) home after `fence` (Coordinator::send_grads_home), so that an
@@ -690,6 +696,32 @@ struct Coordinator::State {
     }
     trace.push_back(a);
     pos = trace.size();
+  }
+
+  // r's bf16 working copy, made now if write_params changed the parameters since (after their upload, which
+  // acquire has waited for: the copy's rounding is enqueued on the compute stream behind the kernels that read
+  // the old one); null where none is kept (set_working_copies).
+  const uint16_t* working_copy(UnitRec& r) {
+    if (!working_copies || !r.persistent || r.info.numel == 0) return nullptr;
+    if (r.dev_params16.data() == nullptr) {
+      if (working_copies_refused) return nullptr;
+      auto b = device.allocate(r.info.numel * sizeof(uint16_t), "offload.params16 " + r.info.name);
+      if (!b.is_ok()) {
+        STRATA_LOG_WARN("offload: no room for the bf16 working copy of unit '{}' in the device budget ({}): the "
+                        "linears of it and of the units after it round their weights to bf16 at every use instead",
+                        r.info.name, b.status().message());
+        working_copies_refused = true;
+        return nullptr;
+      }
+      r.dev_params16 = std::move(b).value();
+      r.params16_current = false;
+    }
+    if (!r.params16_current) {
+      device.kernels().weights_to_bf16(r.dev_params16.as<uint16_t>(), r.dev_params.as<float>(), r.info.numel);
+      r.params16_current = true;
+      ++stats.working_copies;
+    }
+    return r.dev_params16.as<uint16_t>();
   }
 
   // Waits for a unit's copy, counting the wait as a stall; the error names what was waited for and the unit.

@@ -140,6 +140,42 @@ TEST_F(OffloadTrainTest, EveryPlacementIsBitwiseThePlainRun) {
   EXPECT_EQ(t["retraces"].get<double>(), 0) << "the access order of training steps does not change";
 }
 
+// Under bf16 the units on the device for good keep working copies of their parameters in the coordinator too
+// (optimizer offloaded, parameters not), made again after each publication of new parameters: bitwise the plain
+// run (whose model keeps its own copies: working_copy_test.cpp), with gradient accumulation, and with updates
+// started during the backward into spare buffers. Units the coordinator moves (parameters offloaded) keep none.
+// A copy left stale by a publication would give the next forward the old weights.
+TEST_F(OffloadTrainTest, Bf16WorkingCopiesFollowEveryPublication) {
+  const json opt_cpu = {{"device", "cpu"}};
+  const json spares = {{"device", "cpu"}, {"speculative_sub_groups", 8}};
+  auto bf16 = [&](const std::string& name, const json& zero) {
+    json j = config(name, zero, /*accum=*/2);
+    j["compute"]["matmul_precision"] = "bf16";
+    return j;
+  };
+  run("plain_bf16", bf16("plain_bf16", json()));
+  for (const auto& [name, zero] : std::vector<std::pair<std::string, json>>{
+           {"optimizer_cpu_bf16", {{"stage", 2}, {"offload_optimizer", opt_cpu}}},
+           {"optimizer_cpu_spares_bf16", {{"stage", 2}, {"offload_optimizer", spares}, {"sub_group_size", 5000}}},
+           {"params_cpu_bf16",
+            {{"stage", 3}, {"offload_param", {{"device", "cpu"}}}, {"offload_optimizer", opt_cpu},
+             {"stage3_param_persistence_threshold", 0}}}}) {
+    SCOPED_TRACE(name);
+    run(name, bf16(name, zero));
+    expect_same_run("plain_bf16", name, 6);
+    const json t = offload_totals(dir_ / (name + ".jsonl"));
+    ASSERT_TRUE(t.is_object()) << "no offload metrics";
+    if (name == "params_cpu_bf16") {
+      EXPECT_EQ(t["working_copies"].get<double>(), 0) << "units the coordinator moves keep no copies";
+    } else {
+      // 6 units, made again after each of the 6 steps' publications (and at the first forward): at least once a
+      // step each, never once per micro-batch.
+      EXPECT_GE(t["working_copies"].get<double>(), 6 * 5);
+      EXPECT_LE(t["working_copies"].get<double>(), 6 * 7);
+    }
+  }
+}
+
 // A device whose uploads are slow: the copies out of the optimizer's published buffers end long after
 // publication returns, so a staging slot the swapper reused before they ended would show up as wrong
 // parameters (with 2 slots it reuses one as soon as its sub-group is published).
