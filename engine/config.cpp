@@ -253,6 +253,7 @@ Result<RunConfig> parse_run_config(const nlohmann::json& given, const std::strin
   std::string precision = "fp32";
   STRATA_RETURN_IF_ERROR(co.get_string("matmul_precision", &precision));
   STRATA_RETURN_IF_ERROR(co.get_int("threads", &c.compute.threads));
+  STRATA_RETURN_IF_ERROR(co.get_bool("bf16_working_copies", &c.compute.bf16_working_copies));
   STRATA_RETURN_IF_ERROR(co.finish());
   if (c.compute.kernels != "fast" && c.compute.kernels != "reference") {
     return Status::invalid_argument("{}: compute.kernels must be \"fast\" or \"reference\", got \"{}\"", source,

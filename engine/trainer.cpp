@@ -150,6 +150,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> model,
                           GPT2::create(config.model, *device, config.compute.matmul_precision, offloaded, stage, tp,
                                        config.parallel.sequence_parallel));
+  model->set_working_copies(config.compute.bf16_working_copies);
   std::unique_ptr<PipelineRunner> pipeline;
   if (pp) {
     STRATA_ASSIGN_OR_RETURN(

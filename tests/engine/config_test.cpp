@@ -88,11 +88,23 @@ TEST(ConfigTest, ContextLongerThanTheModelIsRejected) {
   EXPECT_NE(c.status().message().find("block_size"), std::string::npos) << c.status().message();
 }
 
+TEST(ConfigTest, Bf16WorkingCopiesAreOnUnlessTurnedOff) {
+  auto on = parse_run_config(json::object(), "cfg.json");
+  ASSERT_TRUE(on.is_ok()) << on.status().to_string();
+  EXPECT_TRUE(on->compute.bf16_working_copies);
+  json j = json::object();
+  ASSERT_TRUE(apply_overrides(&j, {"compute.bf16_working_copies=false"}).is_ok());
+  auto off = parse_run_config(j, "cfg.json");
+  ASSERT_TRUE(off.is_ok()) << off.status().to_string();
+  EXPECT_FALSE(off->compute.bf16_working_copies);
+}
+
 TEST(ConfigTest, BadValuesAreRejectedByName) {
   for (const auto& [over, field] : std::vector<std::pair<std::string, std::string>>{
            {"model.n_head=5", "n_head"},
            {"compute.matmul_precision=\"fp8\"", "matmul_precision"},
            {"compute.kernels=\"gpu\"", "compute.kernels"},
+           {"compute.bf16_working_copies=\"no\"", "compute.bf16_working_copies"},
            {"training.beta2=1.5", "beta2"},
            {"training.batch_size=0", "batch_size"},
            {"parallel.tensor_parallel_size=0", "parallel.tensor_parallel_size"},

@@ -143,7 +143,8 @@ TEST_F(OffloadTrainTest, EveryPlacementIsBitwiseThePlainRun) {
 // Under bf16 the units on the device for good keep working copies of their parameters in the coordinator too
 // (optimizer offloaded, parameters not), made again after each publication of new parameters: bitwise the plain
 // run (whose model keeps its own copies: working_copy_test.cpp), with gradient accumulation, and with updates
-// started during the backward into spare buffers. Units the coordinator moves (parameters offloaded) keep none.
+// started during the backward into spare buffers. Units the coordinator moves (parameters offloaded) keep none,
+// nor does a run with compute.bf16_working_copies = false.
 // A copy left stale by a publication would give the next forward the old weights.
 TEST_F(OffloadTrainTest, Bf16WorkingCopiesFollowEveryPublication) {
   const json opt_cpu = {{"device", "cpu"}};
@@ -151,12 +152,14 @@ TEST_F(OffloadTrainTest, Bf16WorkingCopiesFollowEveryPublication) {
   auto bf16 = [&](const std::string& name, const json& zero) {
     json j = config(name, zero, /*accum=*/2);
     j["compute"]["matmul_precision"] = "bf16";
+    if (name == "optimizer_cpu_no_copies_bf16") j["compute"]["bf16_working_copies"] = false;
     return j;
   };
   run("plain_bf16", bf16("plain_bf16", json()));
   for (const auto& [name, zero] : std::vector<std::pair<std::string, json>>{
            {"optimizer_cpu_bf16", {{"stage", 2}, {"offload_optimizer", opt_cpu}}},
            {"optimizer_cpu_spares_bf16", {{"stage", 2}, {"offload_optimizer", spares}, {"sub_group_size", 5000}}},
+           {"optimizer_cpu_no_copies_bf16", {{"stage", 2}, {"offload_optimizer", opt_cpu}}},
            {"params_cpu_bf16",
             {{"stage", 3}, {"offload_param", {{"device", "cpu"}}}, {"offload_optimizer", opt_cpu},
              {"stage3_param_persistence_threshold", 0}}}}) {
@@ -165,8 +168,9 @@ TEST_F(OffloadTrainTest, Bf16WorkingCopiesFollowEveryPublication) {
     expect_same_run("plain_bf16", name, 6);
     const json t = offload_totals(dir_ / (name + ".jsonl"));
     ASSERT_TRUE(t.is_object()) << "no offload metrics";
-    if (name == "params_cpu_bf16") {
-      EXPECT_EQ(t["working_copies"].get<double>(), 0) << "units the coordinator moves keep no copies";
+    if (name == "params_cpu_bf16" || name == "optimizer_cpu_no_copies_bf16") {
+      EXPECT_EQ(t["working_copies"].get<double>(), 0)
+          << "units the coordinator moves keep no copies, nor does compute.bf16_working_copies = false";
     } else {
       // 6 units, made again after each of the 6 steps' publications (and at the first forward): at least once a
       // step each, never once per micro-batch.
