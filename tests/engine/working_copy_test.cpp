@@ -31,9 +31,9 @@ const GPT2Config kConfig{.n_layer = 3, .n_head = 4, .n_embd = 64, .vocab_size = 
 constexpr int kB = 3, kT = 37, kSteps = 4, kMicroBatches = 2;
 
 struct TrainRun {
-  std::vector<float> losses;       // every micro-batch's, then each step's forward without targets (as 0)
-  std::vector<float> params;       // after the last step
-  uint64_t copies_made = 0;
+  std::vector<float> losses;  // every micro-batch's
+  std::vector<float> params;  // after the last step
+  uint64_t copies_made = 0;   // GPT2::working_copies_made
   size_t units = 0;
 };
 
