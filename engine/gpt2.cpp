@@ -323,7 +323,7 @@ Result<offload::UnitView> GPT2::acquire(size_t u, offload::Pass pass) {
 // where each of its linears would round its weight at every use.
 void GPT2::refresh_working_copy(size_t u) {
   Unit& unit = units_[u];
-  if (unit.params16_current || !keeps_working_copies() || unit.numel() == 0) return;
+  if (unit.params16_current || !keeps_working_copies() || !has_linears(u) || unit.numel() == 0) return;
   if (unit.params16.size() == 0) {
     if (working_copies_refused_) return;  // the budget had no room for an earlier unit's: none is tried again
     Result<kernels::DeviceBuffer> b = device_->allocate(unit.numel() * sizeof(uint16_t), "gpt2.params16 " + unit.name);
@@ -344,6 +344,14 @@ void GPT2::refresh_working_copy(size_t u) {
 
 void GPT2::release(size_t u, offload::Pass pass) {
   if (coordinator_ != nullptr) coordinator_->release(u, pass);
+}
+
+void GPT2::tell_coordinator_working_copies() {
+  if (coordinator_ == nullptr) return;
+  std::vector<bool> units(units_.size(), false);
+  if (wants_working_copies())
+    for (size_t u = 0; u < units.size(); ++u) units[u] = has_linears(u);
+  coordinator_->set_working_copies(std::move(units));
 }
 
 namespace {

@@ -154,7 +154,7 @@ class GPT2 {
   // the model's use).
   void set_coordinator(offload::Coordinator* c) {
     coordinator_ = c;
-    if (c != nullptr) c->set_working_copies(wants_working_copies());
+    tell_coordinator_working_copies();
   }
   // Called in backward as soon as a unit's gradient is complete for this backward (after its last release):
   // units L+1, L, ..., 1, then 0 (the tied embedding is added to last). The offloaded optimizer starts the
@@ -181,7 +181,7 @@ class GPT2 {
   // one round as before.
   void set_working_copies(bool on) {
     working_copies_ = on;
-    if (coordinator_ != nullptr) coordinator_->set_working_copies(wants_working_copies());
+    tell_coordinator_working_copies();
   }
   bool keeps_working_copies() const {
     if (!wants_working_copies()) return false;
@@ -348,6 +348,13 @@ class GPT2 {
   bool wants_working_copies() const {
     return working_copies_ && precision_ == kernels::MatmulPrecision::kBF16 && k_->weights_to_bf16 != nullptr;
   }
+  // Whether this rank's linears read unit u's weights: the blocks', and the embedding's where this stage has the
+  // tied LM head (the final layernorm has none).
+  bool has_linears(size_t u) const {
+    return (u >= 1 && u <= static_cast<size_t>(config_.n_layer)) || (u == 0 && stage_.head);
+  }
+  // The coordinator keeps working copies of the units with linears, where this model wants them.
+  void tell_coordinator_working_copies();
   // Makes unit u's working copy current if it keeps one (set_working_copies).
   void refresh_working_copy(size_t u);
 

@@ -438,10 +438,14 @@ Result<UnitView> Coordinator::acquire(size_t u, Pass pass) {
   return view;
 }
 
-void Coordinator::set_working_copies(bool on) {
-  s_->working_copies = on && s_->device.kernels().weights_to_bf16 != nullptr;
+void Coordinator::set_working_copies(std::vector<bool> units) {
+  STRATA_ASSERT(units.empty() || units.size() == s_->units.size());
+  if (s_->device.kernels().weights_to_bf16 == nullptr) units.clear();
+  s_->working_copies = std::move(units);
 }
-bool Coordinator::working_copies() const { return s_->working_copies; }
+bool Coordinator::working_copies() const {
+  return std::find(s_->working_copies.begin(), s_->working_copies.end(), true) != s_->working_copies.end();
+}
 
 void Coordinator::release(size_t u, Pass pass) {
   STRATA_ASSERT(u < s_->units.size());

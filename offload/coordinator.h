@@ -187,8 +187,9 @@ class Coordinator {
   // "offload.params16 <unit>" in the device budget, allocated at that first acquire. Once one does not fit, no
   // more are made (one warning) and acquires give none for the units without one. Off by default; ignored where
   // the device's kernels make no copies (KernelSet::weights_to_bf16 null). Driving thread.
-  void set_working_copies(bool on);
-  bool working_copies() const;
+  // `units[u]`: whether unit u may keep one (empty: none does).
+  void set_working_copies(std::vector<bool> units);
+  bool working_copies() const;  // whether any unit may
 
   // The step protocol. begin_step() marks the start of a forward pass (a step, or one micro-batch of it).
   void begin_step();

@@ -168,7 +168,7 @@ struct Coordinator::State {
   // The trace.
   std::vector<Access> trace;
   bool recording = true;
-  bool working_copies = false;           // set_working_copies
+  std::vector<bool> working_copies;      // set_working_copies: per unit (empty: none)
   bool working_copies_refused = false;   // an allocation of one failed: none is tried again
   bool accumulating = false;  // Coordinator::set_accumulating
   bool step_is_one_pass = true;  // Coordinator::set_step_is_one_pass
@@ -702,7 +702,8 @@ struct Coordinator::State {
   // acquire has waited for: the copy's rounding is enqueued on the compute stream behind the kernels that read
   // the old one); null where none is kept (set_working_copies).
   const uint16_t* working_copy(UnitRec& r) {
-    if (!working_copies || !r.persistent || r.info.numel == 0) return nullptr;
+    const size_t u = static_cast<size_t>(&r - units.data());
+    if (working_copies.empty() || !working_copies[u] || !r.persistent || r.info.numel == 0) return nullptr;
     if (r.dev_params16.data() == nullptr) {
       if (working_copies_refused) return nullptr;
       auto b = device.allocate(r.info.numel * sizeof(uint16_t), "offload.params16 " + r.info.name);

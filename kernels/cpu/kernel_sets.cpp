@@ -3,6 +3,7 @@
 #include "kernels/composed.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/fast.h"
+#include "kernels/cpu/matmul_info.h"
 #include "kernels/cpu/reference.h"
 #include "kernels/cpu/reference_matmul.h"
 
@@ -79,7 +80,8 @@ const KernelSet& cpu_fast_kernels() {
       &composed_classifier_backward<&f::matmul_backward, &f::softmax_crossentropy_backward>,
       &composed_classifier_logits_bytes,
       &f::adamw_update,
-      &f::weights_to_bf16,
+      // Working copies only where the matmuls read them: oneDNN's native bf16 (else they round to fp32 values).
+      cpu::matmul_bf16_native() ? &f::weights_to_bf16 : nullptr,
   };
   return k;
 }

@@ -341,7 +341,7 @@ Operand operand(const float* x, int rows, int cols, MatmulPrecision precision, b
   return {std::move(s), p, ld};
 }
 // A weight (rows,cols) as an operand: under kBF16 its working copy (kernels.h Weight) where the owner keeps one —
-// as it is where it already has `operand`'s layout (cols a multiple of 8, no zero rows wanted, 16-byte aligned),
+// as it is where it already has `operand`'s layout (cols a multiple of 8, no zero rows wanted, aligned as scratch),
 // else copied into scratch with the zero rows after it (4 bytes of traffic an element where rounding is 6) —,
 // else `operand` of the fp32 values. Bitwise the same operand either way.
 Operand weight_operand(Weight w, int rows, int cols, MatmulPrecision precision, bool pad_rows = false) {
@@ -349,7 +349,9 @@ Operand weight_operand(Weight w, int rows, int cols, MatmulPrecision precision, 
     return operand(w.f32, rows, cols, precision, pad_rows);
   ++epilogue_counts.working_copy_operands;
   const int prows = pad_rows ? round_up(rows, kBf16RowAlign) : rows;
-  if (prows == rows && alignment_of(w.bf16) >= 16) return {DeviceScratch(), w.bf16, cols};
+  // In place only at the alignment scratch has (alignment_of's cap), so the GEMM's plan, keyed by its operands'
+  // alignments, is the one the rounded operand gets: the same algorithm, the same bits.
+  if (prows == rows && alignment_of(w.bf16) >= 256) return {DeviceScratch(), w.bf16, cols};
   const size_t row_bytes = static_cast<size_t>(cols) * sizeof(uint16_t);
   DeviceScratch s(static_cast<size_t>(prows) * row_bytes);
   const cudaStream_t stream = cuda_context().compute;

@@ -36,6 +36,7 @@ struct TrainRun {
   std::vector<float> losses;
   std::vector<float> init;    // every unit's parameters before the first step, on the host
   std::vector<float> params;  // and after the last
+  uint64_t working_copies = 0;  // GPT2::working_copies_made
 };
 
 double update_distance(const TrainRun& a, const TrainRun& b) {
@@ -69,6 +70,7 @@ TrainRun train(kernels::Device& device, MatmulPrecision precision, uint64_t seed
     opt->step(m.units(), 1e-3f);
   }
   r.params = testing::host_params(m);
+  r.working_copies = m.working_copies_made();
   return r;
 }
 
@@ -118,6 +120,8 @@ TEST_F(GpuTrainTest, GpuRunsAreBitwiseReproducible) {
 // checks the same on the CPU, and cuda_matmul_test MatmulWorkingCopies that the GEMMs take them).
 TEST_F(GpuTrainTest, WorkingCopiesTrainBitwiseAsWithout) {
   const TrainRun with = train(*gpu_, MatmulPrecision::kBF16), without = train(*gpu_, MatmulPrecision::kBF16, 5, false);
+  EXPECT_GT(with.working_copies, 0u) << "no working copy was made: the comparison below says nothing";
+  EXPECT_EQ(without.working_copies, 0u);
   EXPECT_EQ(0, std::memcmp(with.losses.data(), without.losses.data(), with.losses.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(with.params.data(), without.params.data(), with.params.size() * sizeof(float)));
 }

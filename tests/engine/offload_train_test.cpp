@@ -21,6 +21,7 @@
 #include "engine/gpt2.h"
 #include "engine/offload_runtime.h"
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cpu/matmul_info.h"
 #include "offload/pinned_pool.h"
 #include "storage/uring_engine.h"
 #include "tests/engine/trainer_fixture.h"
@@ -147,6 +148,8 @@ TEST_F(OffloadTrainTest, EveryPlacementIsBitwiseThePlainRun) {
 // nor does a run with compute.bf16_working_copies = false.
 // A copy left stale by a publication would give the next forward the old weights.
 TEST_F(OffloadTrainTest, Bf16WorkingCopiesFollowEveryPublication) {
+  if (!kernels::cpu::matmul_bf16_native())
+    GTEST_SKIP() << "oneDNN has no bf16 matmul here (no AVX-512): the fast matmuls keep no working copies";
   const json opt_cpu = {{"device", "cpu"}};
   const json spares = {{"device", "cpu"}, {"speculative_sub_groups", 8}};
   auto bf16 = [&](const std::string& name, const json& zero) {
@@ -172,10 +175,10 @@ TEST_F(OffloadTrainTest, Bf16WorkingCopiesFollowEveryPublication) {
       EXPECT_EQ(t["working_copies"].get<double>(), 0)
           << "units the coordinator moves keep no copies, nor does compute.bf16_working_copies = false";
     } else {
-      // 6 units, made again after each of the 6 steps' publications (and at the first forward): at least once a
-      // step each, never once per micro-batch.
-      EXPECT_GE(t["working_copies"].get<double>(), 6 * 5);
-      EXPECT_LE(t["working_copies"].get<double>(), 6 * 7);
+      // 5 units with linears (not the final layernorm), made again after each of the 6 steps' publications (and
+      // at the first forward): at least once a step each, never once per micro-batch.
+      EXPECT_GE(t["working_copies"].get<double>(), 5 * 5);
+      EXPECT_LE(t["working_copies"].get<double>(), 5 * 7);
     }
   }
 }
