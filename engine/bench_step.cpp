@@ -75,6 +75,11 @@ void add_bench_step_command(CLI::App& bench, BenchStepOptions& o) {
                   "(offload_optimizer.speculative_sub_groups; 12 bytes per element each)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 40))
       ->capture_default_str();
+  cmd->add_option("--offload-ratio", o.offload_ratio,
+                  "offload_optimizer.ratio: the share of the parameters whose optimizer state is offloaded; the "
+                  "model's first units hold the rest, whole on the device (0, 1]")
+      ->check(CLI::Range(1e-9, 1.0))
+      ->capture_default_str();
   cmd->add_option("--rounds", o.rounds,
                   "Offloaded step: alternate plain and offloaded steps in this many blocks, so that the machine's "
                   "drift reaches both terms (keeps both models in memory; 1: all plain steps first)")

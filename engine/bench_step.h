@@ -38,6 +38,7 @@ struct BenchStepOptions {
   float grad_clip = 1.0f;                  // global-norm clip (0: none); clipping steps redo early updates
   bool no_overlap_backward = false;        // offload_optimizer.overlap_backward = false
   int64_t speculative_sub_groups = 0;      // offload_optimizer.speculative_sub_groups (optimizer on cpu)
+  double offload_ratio = 1.0;              // offload_optimizer.ratio: the share of the optimizer state offloaded
   int rounds = 1;  // >1: plain and offloaded steps alternate in this many blocks (both models kept)
   std::string trace_path;                  // the offloaded steps' timeline, Chrome trace JSON (common/trace.h)
   // Pipeline (engine/bench_pipeline.cpp, under mpirun -np P): each rank one stage; the bubble of both

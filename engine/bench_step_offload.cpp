@@ -238,6 +238,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
   oc.offload_optimizer.nvme_path = nvme_path + "/optimizer";
   oc.offload_optimizer.overlap_backward = !o.no_overlap_backward;
   oc.offload_optimizer.speculative_sub_groups = o.speculative_sub_groups;
+  oc.offload_optimizer.ratio = o.offload_ratio;
   AdamWConfig adam;
   adam.grad_clip = o.grad_clip;
   oc.sub_group_size = o.sub_group_size;
@@ -414,6 +415,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
                         {"grad_clip", o.grad_clip},
                         {"overlap_backward", !o.no_overlap_backward},
                         {"speculative_sub_groups", o.speculative_sub_groups},
+                        {"offload_ratio", o.offload_ratio},
                         {"batch", B},
                         {"context", T},
                         {"step_ms", step_s * 1e3},
@@ -442,10 +444,11 @@ int run_bench_step_offload(const BenchStepOptions& o) {
     std::printf("%s\n", j.dump().c_str());
     return 0;
   }
-  std::printf("GPT-2 L=%d H=%d C=%d V=%d, B=%d T=%d, %.2fM params, %s; params %s, optimizer %s, checkpoints %s\n",
+  const std::string ratio_note = o.offload_ratio < 1.0 ? fmt::format(" (ratio {:g})", o.offload_ratio) : "";
+  std::printf("GPT-2 L=%d H=%d C=%d V=%d, B=%d T=%d, %.2fM params, %s; params %s, optimizer %s%s, checkpoints %s\n",
               o.n_layer, o.n_head, o.n_embd, o.vocab_size, B, T, n_params / 1e6,
               device.value()->description().c_str(), o.offload_param.c_str(), o.offload_optimizer.c_str(),
-              o.checkpointing.c_str());
+              ratio_note.c_str(), o.checkpointing.c_str());
   std::printf("offloaded step (median of %d, %d micro-batches each%s): %.1f ms, %.0f tokens/s, %.1f TFLOP/s of "
               "model FLOPs (%.1f per step)\n",
               o.steps, o.grad_accum,

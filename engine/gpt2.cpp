@@ -623,9 +623,9 @@ Status GPT2::backward_blocks(int B, int T) {
 }
 
 Status GPT2::zero_grads() {
-  if (coordinator_ != nullptr) return coordinator_->zero_grads();
+  if (coordinator_ != nullptr) STRATA_RETURN_IF_ERROR(coordinator_->zero_grads());
   for (size_t i = 0; i < units_.size(); ++i)
-    if (holds(i)) device_->zero(units_[i].g(), units_[i].numel() * sizeof(float));
+    if (holds(i) && !coordinated(i)) device_->zero(units_[i].g(), units_[i].numel() * sizeof(float));
   return Status::ok();
 }
 

@@ -45,6 +45,7 @@
 // for (B, T) at the first forward and re-allocated only when B*T grows.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -161,6 +162,13 @@ class GPT2 {
   // unit's update from it in the step's last micro-batch.
   void set_on_grads_done(std::function<void(size_t unit)> fn) { on_grads_done_ = std::move(fn); }
   offload::Coordinator* coordinator() const { return coordinator_; }
+  // An offloaded model, before set_coordinator(): the units marked stay on the device whole, their parameters
+  // and gradients in device buffers of their own (named as a model's that is not offloaded; zeros until
+  // written), outside the coordinator, which must then be told they are not present; their optimizer state
+  // stays on the device too (offload_optimizer.ratio, OffloadedAdamW). Once.
+  Status keep_on_device(const std::vector<bool>& units);
+  // Whether unit u is one keep_on_device() kept.
+  bool on_device(size_t u) const { return u < on_device_.size() && on_device_[u]; }
 
   // Before the first forward. kHost takes the checkpoints' host memory from `host_pool` (which must outlive
   // the model).
@@ -185,7 +193,8 @@ class GPT2 {
   }
   bool keeps_working_copies() const {
     if (!wants_working_copies()) return false;
-    return coordinator_ != nullptr ? coordinator_->working_copies() : !offloaded_;
+    if (coordinator_ == nullptr) return !offloaded_;
+    return coordinator_->working_copies() || std::find(on_device_.begin(), on_device_.end(), true) != on_device_.end();
   }
   // How many working copies the model made since it was created, not counting the coordinator's (tests: that
   // they are remade after each change, and only then).
@@ -378,6 +387,9 @@ class GPT2 {
   bool marks_steps_ = true;
   std::function<Status(size_t, float*)> params_source_;
   offload::Coordinator* coordinator_ = nullptr;
+  std::vector<bool> on_device_;  // keep_on_device's
+  // Whether unit u's parameters and gradients are the coordinator's (else in the unit's own buffers).
+  bool coordinated(size_t u) const { return coordinator_ != nullptr && !on_device(u); }
   std::function<void(size_t)> on_grads_done_;
 
   // Activations of the last forward, llm.c-style, per layer l where marked (L, ...). Under sequence

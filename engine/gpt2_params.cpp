@@ -87,8 +87,8 @@ Status GPT2::init_gpt2(uint64_t seed) {
 }
 
 Status GPT2::read_local_params(size_t u, float* host) const {
-  if (coordinator_ != nullptr) return coordinator_->read_params(u, host);
-  STRATA_ASSERT_MSG(!offloaded_, "an offloaded model needs set_coordinator()");
+  if (coordinated(u)) return coordinator_->read_params(u, host);
+  STRATA_ASSERT_MSG(!offloaded_ || on_device(u), "an offloaded model needs set_coordinator()");
   device_->copy_to_host(host, units_[u].p(), units_[u].numel() * sizeof(float));
   return Status::ok();
 }
@@ -114,8 +114,8 @@ Status GPT2::write_params(size_t u, const float* host) {
     slice_whole(u, host, local.data());
     host = local.data();
   }
-  if (coordinator_ != nullptr) return coordinator_->write_params(u, host);
-  STRATA_ASSERT_MSG(!offloaded_, "an offloaded model needs set_coordinator()");
+  if (coordinated(u)) return coordinator_->write_params(u, host);
+  STRATA_ASSERT_MSG(!offloaded_ || on_device(u), "an offloaded model needs set_coordinator()");
   device_->copy_to_device(units_[u].p_for_update(), host, units_[u].numel() * sizeof(float));
   return Status::ok();
 }
@@ -145,8 +145,8 @@ void GPT2::slice_whole(size_t u, const float* whole, float* local) const {
 }
 
 Result<offload::UnitView> GPT2::acquire(size_t u, offload::Pass pass) {
-  if (coordinator_ != nullptr) return coordinator_->acquire(u, pass);
-  STRATA_ASSERT_MSG(!offloaded_, "an offloaded model needs set_coordinator()");
+  if (coordinated(u)) return coordinator_->acquire(u, pass);
+  STRATA_ASSERT_MSG(!offloaded_ || on_device(u), "an offloaded model needs set_coordinator()");
   const Unit& unit = units_[u];
   if (pass == offload::Pass::kGradients) return offload::UnitView{unit.p(), unit.g()};
   refresh_working_copy(u);
@@ -157,7 +157,7 @@ Result<offload::UnitView> GPT2::acquire(size_t u, offload::Pass pass) {
 // where each of its linears would round its weight at every use.
 void GPT2::refresh_working_copy(size_t u) {
   Unit& unit = units_[u];
-  if (unit.params16_current || !keeps_working_copies() || !has_linears(u) || unit.numel() == 0) return;
+  if (unit.params16_current || !wants_working_copies() || !has_linears(u) || unit.numel() == 0) return;
   if (unit.params16.size() == 0) {
     if (working_copies_refused_) return;  // the budget had no room for an earlier unit's: none is tried again
     Result<kernels::DeviceBuffer> b = device_->allocate(unit.numel() * sizeof(uint16_t), "gpt2.params16 " + unit.name);
@@ -177,14 +177,30 @@ void GPT2::refresh_working_copy(size_t u) {
 }
 
 void GPT2::release(size_t u, offload::Pass pass) {
-  if (coordinator_ != nullptr) coordinator_->release(u, pass);
+  if (coordinated(u)) coordinator_->release(u, pass);
+}
+
+Status GPT2::keep_on_device(const std::vector<bool>& units) {
+  STRATA_ASSERT_MSG(offloaded_ && coordinator_ == nullptr && on_device_.empty(),
+                    "keep_on_device: an offloaded model, before set_coordinator, once");
+  STRATA_ASSERT(units.size() == units_.size());
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (!units[u] || !holds(u)) continue;
+    Unit& unit = units_[u];
+    const size_t bytes = unit.numel() * sizeof(float);
+    STRATA_ASSIGN_OR_RETURN(unit.params, device_->allocate(bytes, "gpt2.params " + unit.name));
+    STRATA_ASSIGN_OR_RETURN(unit.grads, device_->allocate(bytes, "gpt2.grads " + unit.name));
+    device_->zero(unit.params.data(), bytes);  // as the coordinator's parameters are, until written
+  }
+  on_device_ = units;
+  return Status::ok();
 }
 
 void GPT2::tell_coordinator_working_copies() {
   if (coordinator_ == nullptr) return;
   std::vector<bool> units(units_.size(), false);
   if (wants_working_copies())
-    for (size_t u = 0; u < units.size(); ++u) units[u] = has_linears(u);
+    for (size_t u = 0; u < units.size(); ++u) units[u] = has_linears(u) && !on_device(u);
   coordinator_->set_working_copies(std::move(units));
 }
 

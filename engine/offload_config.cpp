@@ -23,6 +23,11 @@ Status read_target(JsonSection s, bool is_param, OffloadTargetConfig* t) {
     if (t->speculative_sub_groups < 0)
       return Status::invalid_argument("{} must be >= 0, got {}", s.qualified("speculative_sub_groups"),
                                       t->speculative_sub_groups);
+    STRATA_RETURN_IF_ERROR(s.get_double("ratio", &t->ratio));
+    if (!(t->ratio > 0.0 && t->ratio <= 1.0))
+      return Status::invalid_argument("{} must be in (0, 1] (the share of the optimizer state offloaded; without "
+                                      "offload leave out offload_optimizer), got {}",
+                                      s.qualified("ratio"), t->ratio);
   }
   STRATA_RETURN_IF_ERROR(s.finish());
   const std::string where = s.qualified("device");
@@ -171,6 +176,8 @@ Status parse_offload_config(JsonSection& root, const std::string& source, Offloa
     note("zero_optimization.offload_optimizer.speculative_sub_groups", c->offload_optimizer.speculative_sub_groups,
          d.offload_optimizer.speculative_sub_groups);
   }
+  if (c->offload_optimizer.device == "none")
+    note("zero_optimization.offload_optimizer.ratio", c->offload_optimizer.ratio, d.offload_optimizer.ratio);
   note("zero_optimization.stage3_max_reuse_distance", c->stage3_max_reuse_distance, d.stage3_max_reuse_distance);
   const bool offloading = c->offload_optimizer.device != "none" || c->offload_param.device != "none";
   // Stages 1 and 2 (engine/sharded_optimizer.h) cut their collectives by the buckets; stage 0 all-reduces whole

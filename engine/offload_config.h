@@ -36,6 +36,11 @@ struct OffloadTargetConfig {
   // (overlap_backward) into buffers of their own, which replace the old state once the step is known not to clip
   // (12 bytes per element of the largest sub-group each, from the host budget). 0: updates start after backward.
   int64_t speculative_sub_groups = 0;
+  // offload_optimizer only (DeepSpeed's ZeRO-Offload++ key): the share of the parameters whose optimizer state is
+  // offloaded, in (0, 1]. The rest, the model's first units in the forward's order, stay on the device whole
+  // (parameters, gradients, Adam's moments), updated there by step() (GPT2::keep_on_device): their updates are
+  // the ones the next forward waits for first. 1: all offloaded.
+  double ratio = 1.0;
 };
 
 // offload_optimizer's defaults: DeepSpeed's, which differ from offload_param's in buffer_count.

@@ -101,6 +101,12 @@ Result<std::unique_ptr<OffloadedAdamW>> OffloadedAdamW::create(const GPT2& model
       opt->buffers_.push_back(std::move(b));
     }
   }
+  if (opt->any_on_device()) {
+    std::vector<bool> only(model.units().size());
+    for (size_t u = 0; u < only.size(); ++u) only[u] = model.on_device(u);
+    STRATA_ASSIGN_OR_RETURN(AdamW a, AdamW::create(model.units(), config, model.device(), &only));
+    opt->on_device_ = std::make_unique<AdamW>(std::move(a));
+  }
   opt->grad_store_ = grad_store;
   if (coordinator.options().grad_home == offload::Tier::kNvme) {
     if (grad_store == nullptr) return Status::invalid_argument("offload: gradients on nvme need their swap store");
@@ -145,7 +151,10 @@ Status OffloadedAdamW::sum_tied_embedding() {
 Result<double> OffloadedAdamW::global_norm() {
   const size_t U = model_->units().size();
   std::vector<double> per(U);
-  for (size_t u = 0; u < U; ++u) per[u] = coordinator_->grad_sum_squares(u);
+  for (size_t u = 0; u < U; ++u) {
+    per[u] = model_->on_device(u) ? unit_norm_share(model_->norm_shares(), u, model_->units()[u], model_->device())
+                                  : coordinator_->grad_sum_squares(u);
+  }
   // Doubles travel as pairs of fp32 words (bits copied, never converted), and every rank adds them in the
   // same order, so every rank takes the same decision.
   if (coordinator_->sharded())  // each unit's shards, added in rank order
@@ -177,6 +186,16 @@ Result<double> OffloadedAdamW::step_sharded(float lr, bool* skipped) {
   STRATA_RETURN_IF_ERROR(finish());
   coordinator_->drop_device_params();
   return norm;
+}
+
+bool OffloadedAdamW::any_on_device() const {
+  for (size_t u = 0; u < model_->units().size(); ++u)
+    if (model_->on_device(u)) return true;
+  return false;
+}
+
+void OffloadedAdamW::update_on_device(const kernels::AdamWParams& hp) {
+  if (on_device_) on_device_->apply(hp);
 }
 
 void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculative, bool gated) {
@@ -292,7 +311,7 @@ Status OffloadedAdamW::begin_last_backward(float lr) {
 }
 
 void OffloadedAdamW::grads_done(size_t unit) {
-  if (!handoff_ || unit >= fed_.size() || fed_[unit]) return;
+  if (!handoff_ || unit >= fed_.size() || fed_[unit] || model_->on_device(unit)) return;
   // Still only on the device (the trace expected more of this backward to add to it): not final yet; step()
   // feeds it after flush_grads.
   if (coordinator_->residency(unit, offload::StateClass::kGrads).dirty) return;
@@ -389,6 +408,7 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
       return worker.with_context("the optimizer's updates during backward (resume from a checkpoint)");
     }
     if (confirmed) {
+      update_on_device(hp);
       ++t_;
       speculate_next_ = true;
       return norm;  // what the worker delivers is published from the next forward's hook on
@@ -408,11 +428,13 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
       STRATA_RETURN_IF_ERROR(cancel_gated());
       return norm;
     }
+    update_on_device(hp);
     ++t_;
     open_gate(hp, grads_wait_s);  // its first sub-groups are read already
     return norm;
   }
   if (!finite) return norm;
+  update_on_device(hp);
   ++t_;
   start_update(hp, /*speculative=*/false);
   std::lock_guard lock(handoff_->mu);

@@ -25,6 +25,13 @@
 // otherwise. Once the spares are in use, or step() is taking the norm, the update waits for step() and the
 // sub-groups after that are updated in place.
 //
+// Units kept on the device (offload_optimizer.ratio; GPT2::keep_on_device): the model's first units, whose
+// parameters and gradients are the model's own device buffers, outside the coordinator. Their Adam moments are on
+// the device too (an AdamW over just them), their share of the norm is taken there (added in unit order with
+// the others', so the norm is the same bits), and step() updates them on the device's stream, with the same
+// parameters as the others' update, before it returns; checkpoints read and write them as a plain AdamW's
+// (state_view is empty, load_state declines). Their updates are the ones the next forward waits for first.
+//
 // Threading: the training thread drives it; the update runs on a worker thread (its arithmetic on TBB, NVMe
 // I/O on the swap store's engine); every call into the Coordinator stays on the training thread, and new
 // parameters are published there (before each unit's use, from the Coordinator's before-use hook).
@@ -213,6 +220,10 @@ class OffloadedAdamW final : public Optimizer {
   Status run_host_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads, bool keep_old);
   // On the worker, speculative: the smallest spare buffer that holds `floats` (SIZE_MAX: none), taken.
   size_t take_spare(size_t floats);
+  // The model's units kept on the device (GPT2::keep_on_device, offload_optimizer.ratio): whether there are any,
+  // and their update, on the device's stream, where step() starts the others'.
+  bool any_on_device() const;
+  void update_on_device(const kernels::AdamWParams& hp);
   // Gives the spares back to the pool, with a warning naming `why` they are of no use (no update in flight).
   void release_spares(const char* why);
   Result<size_t> take_next(bool wait);                // on the worker: the next fed sub-group
@@ -242,6 +253,7 @@ class OffloadedAdamW final : public Optimizer {
   std::vector<StateBuffer> buffers_;  // kHost: every sub-group's state and the spares
   std::vector<size_t> spares_;        // kHost: buffers no sub-group uses (the worker's while an update runs)
   std::unique_ptr<offload::OptimizerSwapper> swapper_;  // kNvme
+  std::unique_ptr<AdamW> on_device_;                    // the moments of the model's units kept on the device
   SwapStore* grad_store_ = nullptr;                      // gradients on nvme
   offload::PinnedBuffer grad_scratch_;                   // kHost with gradients on nvme: one sub-group's
   int t_ = 0;

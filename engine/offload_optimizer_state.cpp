@@ -31,7 +31,7 @@ Status OffloadedAdamW::fill_groups(size_t unit, const StateFill& fill, bool publ
 }
 
 Status OffloadedAdamW::load_unit(size_t unit, const float* m, const float* v) {
-  if (!model_->holds(unit)) return Status::ok();  // another pipeline stage's
+  if (!model_->holds(unit) || model_->on_device(unit)) return Status::ok();  // another stage's, or not ours
   const offload::ShardRange sh = coordinator_->shard(unit);
   std::vector<float> params(sh.len);
   STRATA_RETURN_IF_ERROR(coordinator_->read_shard(unit, params.data()));
@@ -54,17 +54,20 @@ OffloadedAdamW::~OffloadedAdamW() { (void)finish(); }
 
 Status OffloadedAdamW::adopt_params() {
   STRATA_RETURN_IF_ERROR(finish());
+  if (on_device_) STRATA_RETURN_IF_ERROR(on_device_->adopt_params());
   for (size_t u = 0; u < model_->units().size(); ++u) STRATA_RETURN_IF_ERROR(load_unit(u, nullptr, nullptr));
   return Status::ok();
 }
 
 Status OffloadedAdamW::write_moments(size_t unit, const float* m, const float* v) {
   STRATA_RETURN_IF_ERROR(finish());
+  if (model_->on_device(unit)) return on_device_->write_moments(unit, m, v);
   return load_unit(unit, m, v);
 }
 
 Status OffloadedAdamW::read_moments(size_t unit, float* m, float* v) {
   STRATA_RETURN_IF_ERROR(finish());
+  if (model_->on_device(unit)) return on_device_->read_moments(unit, m, v);
   if (!model_->holds(unit)) {  // the first stage, writing a checkpoint: from the stage that has it
     if (pp_ == nullptr) return Status::internal("offload: unit {} is not here and there is no pipeline", unit);
     return pipeline_recv_moments(plan_, *pp_, unit, model_->units()[unit].numel(), m, v);
@@ -85,7 +88,8 @@ Status OffloadedAdamW::read_moments(size_t unit, float* m, float* v) {
 
 Result<std::span<const float>> OffloadedAdamW::state_view(size_t unit, int k, size_t offset) {
   STRATA_ASSERT(k >= 0 && k < 3);
-  if (!model_->holds(unit) || coordinator_->sharded()) return std::span<const float>();
+  // Another stage's, a shard, or on the device (read_params and read_moments bring those).
+  if (!model_->holds(unit) || coordinator_->sharded() || model_->on_device(unit)) return std::span<const float>();
   STRATA_RETURN_IF_ERROR(finish());
   for (size_t i = 0; i < groups_.size(); ++i) {
     const Group& g = groups_[i];
@@ -103,7 +107,8 @@ Result<std::span<const float>> OffloadedAdamW::state_view(size_t unit, int k, si
 }
 
 Result<bool> OffloadedAdamW::load_state(size_t unit, const StateFill& fill) {
-  if (!model_->holds(unit)) return true;  // another pipeline stage's
+  if (!model_->holds(unit)) return true;      // another pipeline stage's
+  if (model_->on_device(unit)) return false;  // write_params and write_moments
   STRATA_RETURN_IF_ERROR(finish());
   // ZeRO-3 over ranks: the groups cover this rank's shard, so only its part of the unit is asked for (and kept
   // by write_params); nothing here is collective.

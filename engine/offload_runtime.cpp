@@ -109,6 +109,22 @@ std::string OffloadStepReport::summary() const {
 
 OffloadRuntime::~OffloadRuntime() = default;
 
+std::vector<bool> units_kept_on_device(const GPT2& model, double ratio) {
+  const std::vector<Unit>& units = model.units();
+  std::vector<bool> kept(units.size(), false);
+  size_t total = 0;
+  for (size_t u = 0; u < units.size(); ++u) total += model.holds(u) ? units[u].numel() : 0;
+  const double room = (1.0 - ratio) * static_cast<double>(total);
+  size_t taken = 0;
+  for (size_t u = 0; u < units.size(); ++u) {  // the forward's order: the embedding, the blocks, ln_f
+    if (!model.holds(u)) continue;
+    if (static_cast<double>(taken + units[u].numel()) > room) break;
+    taken += units[u].numel();
+    kept[u] = true;
+  }
+  return kept;
+}
+
 Result<std::pair<EngineOptions, IoQueueOptions>> nvme_io_options(const AioConfig& aio) {
   if (aio.block_size < 4096 || aio.block_size % 4096 != 0 || aio.block_size > (int64_t{1} << 30) ||
       aio.queue_depth < 1 || aio.queue_depth > 4096 || aio.intra_op_parallelism < 1 || aio.intra_op_parallelism > 64)
@@ -167,6 +183,34 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   }
   std::unique_ptr<OffloadRuntime> rt(new OffloadRuntime());
   rt->device_ = &device;
+  std::string kept_note;
+  if (const double ratio = config.offload_optimizer.ratio; ratio < 1.0) {
+    const char* unsupported = (dp != nullptr && dp->size() > 1) ? "data parallelism"
+                              : (pp != nullptr && pp->size() > 1) ? "pipeline parallelism"
+                              : model.tensor_parallel()           ? "tensor parallelism"
+                                                                  : nullptr;
+    if (unsupported != nullptr)
+      return Status(StatusCode::kUnimplemented,
+                    fmt::format("zero_optimization.offload_optimizer.ratio = {} is not supported under {} yet (leave "
+                                "it out, or at 1)",
+                                ratio, unsupported));
+    const std::vector<bool> kept = units_kept_on_device(model, ratio);
+    size_t n = 0, elements = 0;
+    for (size_t u = 0; u < kept.size(); ++u) {
+      n += kept[u];
+      elements += kept[u] ? model.units()[u].numel() : 0;
+    }
+    if (n == 0) {
+      STRATA_LOG_WARN("zero_optimization.offload_optimizer.ratio = {}: even the first unit ('{}', {} elements) is "
+                      "over the {:.0f} elements left to the device, so all the optimizer state is offloaded",
+                      ratio, model.units()[0].name, model.units()[0].numel(),
+                      (1.0 - ratio) * static_cast<double>(model.num_params()));
+    } else {
+      STRATA_RETURN_IF_ERROR(model.keep_on_device(kept).with_context("zero_optimization.offload_optimizer.ratio"));
+      kept_note = fmt::format("; the first {} units ({:.1f}% of the parameters) whole on the device", n,
+                              100.0 * static_cast<double>(elements) / static_cast<double>(model.num_params()));
+    }
+  }
   // The sub-group size: optimizer state and nvme parameter chunks share it, so an optimizer sub-group's new
   // parameters are whole chunks. `total`: bytes of one fp32 state class (parameters, gradients, ...) on this
   // rank: under ZeRO-3 its shards (each at most the coordinator's padded stride), which is what its stores and
@@ -175,7 +219,7 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   const size_t ranks = zero3 ? static_cast<size_t>(dp->size()) : 1;
   size_t largest_key = 0, total = 0;
   for (size_t i = 0; i < model.units().size(); ++i) {
-    if (!model.holds(i)) continue;  // another pipeline stage's
+    if (!model.holds(i) || model.on_device(i)) continue;  // another pipeline stage's, or not offloaded
     const size_t held = offload::shard_stride(model.units()[i].numel(), ranks);
     largest_key = std::max(largest_key, std::min(group, held) * sizeof(float));
     total += held * sizeof(float);
@@ -190,7 +234,8 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   rt->placements_ = fmt::format("{}parameters on {}, optimizer state on {}, gradients to {}",
                                 zero3 ? fmt::format("ZeRO-3 over {} ranks: shards of ", dp->size()) : "",
                                 offload::tier_name(param_tier), offload::tier_name(opt_tier),
-                                offload::tier_name(grad_tier));
+                                offload::tier_name(grad_tier)) +
+                    kept_note;
   if (zero3) {
     size_t small = 0;
     for (const Unit& u : model.units()) small += u.numel() <= static_cast<size_t>(config.stage3_param_persistence_threshold);
@@ -270,7 +315,7 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   std::vector<offload::CoordinatorUnit> units;
   const NormShares& shares = model.norm_shares();
   for (size_t i = 0; i < model.units().size(); ++i) {
-    units.push_back({model.units()[i].name, model.units()[i].numel(), model.holds(i),
+    units.push_back({model.units()[i].name, model.units()[i].numel(), model.holds(i) && !model.on_device(i),
                      shares.active() ? shares.excluded[i] : Ranges{}});
   }
   offload::CoordinatorOptions co;

@@ -22,6 +22,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -91,6 +92,12 @@ struct OffloadStepReport {
   nlohmann::json to_json() const;
   std::string summary() const;  // "dev 12.0M host 1.2G nvme 3.4G | stall 3 ms opt 40 ms"
 };
+
+// offload_optimizer.ratio's choice: the longest run of the model's first units (the embedding, then the blocks in
+// order, then ln_f) holding at most (1 - ratio) of the parameters; those stay whole on the device
+// (GPT2::keep_on_device). The first units, as their updates are what the next forward waits for first: the
+// backward makes their gradients final last, and the forward needs them first.
+std::vector<bool> units_kept_on_device(const GPT2& model, double ratio);
 
 class OffloadRuntime {
  public:

@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "common/check.h"
+
 namespace strata::engine {
 
 float clip_scale(double norm, float clip) {
@@ -35,16 +37,20 @@ double lr_at(int step, double lr, double min_lr, int warmup, int max_steps) {
   return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(M_PI * progress));
 }
 
-Result<AdamW> AdamW::create(const std::vector<Unit>& units, const AdamWConfig& config, kernels::Device& device) {
+Result<AdamW> AdamW::create(const std::vector<Unit>& units, const AdamWConfig& config, kernels::Device& device,
+                            const std::vector<bool>* only) {
+  STRATA_ASSERT(only == nullptr || only->size() == units.size());
   AdamW opt;
   opt.config_ = config;
   opt.device_ = &device;
   opt.units_ = &units;
-  for (const Unit& u : units) {
-    STRATA_ASSIGN_OR_RETURN(kernels::DeviceBuffer m, device.allocate(u.numel() * sizeof(float), "adamw.m " + u.name));
-    STRATA_ASSIGN_OR_RETURN(kernels::DeviceBuffer v, device.allocate(u.numel() * sizeof(float), "adamw.v " + u.name));
-    opt.m_.push_back(std::move(m));
-    opt.v_.push_back(std::move(v));
+  for (size_t i = 0; i < units.size(); ++i) {
+    const Unit& u = units[i];
+    opt.m_.emplace_back();
+    opt.v_.emplace_back();
+    if (only != nullptr && !(*only)[i]) continue;
+    STRATA_ASSIGN_OR_RETURN(opt.m_.back(), device.allocate(u.numel() * sizeof(float), "adamw.m " + u.name));
+    STRATA_ASSIGN_OR_RETURN(opt.v_.back(), device.allocate(u.numel() * sizeof(float), "adamw.v " + u.name));
   }
   return opt;
 }
@@ -83,23 +89,29 @@ Result<double> AdamW::step(float lr, bool* skipped) {
 }
 
 double AdamW::update(const std::vector<Unit>& units, float lr, double norm, bool* skipped) {
-  const kernels::KernelSet& k = device_->kernels();
   const std::optional<float> scale = step_scale(norm, config_.grad_clip, skipped);
   if (!scale) return norm;
   ++t_;
+  apply_to(units, adamw_params(config_, lr, t_, *scale));
+  return norm;
+}
+
+void AdamW::apply_to(const std::vector<Unit>& units, const kernels::AdamWParams& step) const {
+  const kernels::KernelSet& k = device_->kernels();
   for (size_t i = 0; i < units.size(); ++i) {
+    if (!has_moments(i)) continue;
     const Unit& u = units[i];
     for (const TensorSpec& s : u.layout.specs()) {
-      kernels::AdamWParams hp = adamw_params(config_, lr, t_, *scale);
+      kernels::AdamWParams hp = step;
       hp.weight_decay = s.decay ? config_.weight_decay : 0.0f;
       k.adamw_update(u.p_for_update() + s.offset, m(i) + s.offset, v(i) + s.offset, u.g() + s.offset, s.numel(), hp);
     }
   }
-  return norm;
 }
 
 Status AdamW::adopt_params() {
   for (size_t i = 0; i < m_.size(); ++i) {
+    if (!has_moments(i)) continue;
     device_->zero(m(i), m_[i].size());
     device_->zero(v(i), v_[i].size());
   }
@@ -107,12 +119,14 @@ Status AdamW::adopt_params() {
 }
 
 Status AdamW::read_moments(size_t unit, float* m_host, float* v_host) {
+  if (!has_moments(unit)) return Status::internal("adamw: unit {} has no moments here", unit);
   device_->copy_to_host(m_host, m(unit), m_[unit].size());
   device_->copy_to_host(v_host, v(unit), v_[unit].size());
   return Status::ok();
 }
 
 Status AdamW::write_moments(size_t unit, const float* m_host, const float* v_host) {
+  if (!has_moments(unit)) return Status::internal("adamw: unit {} has no moments here", unit);
   device_->copy_to_device(m(unit), m_host, m_[unit].size());
   device_->copy_to_device(v(unit), v_host, v_[unit].size());
   return Status::ok();

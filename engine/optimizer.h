@@ -142,8 +142,10 @@ class Optimizer {
 class AdamW final : public Optimizer {
  public:
   // Moments for `units`, zeroed, on `device` (the units' device, which must outlive the optimizer). The units
-  // must outlive it too: the Optimizer interface updates them.
-  static Result<AdamW> create(const std::vector<Unit>& units, const AdamWConfig& config, kernels::Device& device);
+  // must outlive it too: the Optimizer interface updates them. With `only`, just the units it marks have moments
+  // (and are updated; their buffers are named "adamw.m <unit>" and "adamw.v <unit>" either way).
+  static Result<AdamW> create(const std::vector<Unit>& units, const AdamWConfig& config, kernels::Device& device,
+                              const std::vector<bool>* only = nullptr);
 
   // Global L2 norm of all gradients: each unit's sum of squares in double from zero, added in unit order
   // (independent of threading, and the same bits as the offloaded optimizer's).
@@ -153,6 +155,12 @@ class AdamW final : public Optimizer {
   // scale = clip / (norm + 1e-6) when that is < 1). Returns the pre-clip norm. A non-finite norm skips the
   // update (nothing changes, step count included) and is reported through *skipped.
   double step(const std::vector<Unit>& units, float lr, bool* skipped = nullptr);
+
+  // One update of the units with moments, with the step's parameters as given (hp.step counts from 1, hp.grad_scale
+  // is the clip scale, hp.weight_decay is ignored: it is per tensor), where the caller took the norm and keeps the
+  // step count (OffloadedAdamW's units on the device). In the device's stream order.
+  void apply(const kernels::AdamWParams& hp) const { apply_to(*units_, hp); }
+  bool has_moments(size_t i) const { return m_[i].size() > 0; }
 
   // Tensor parallelism: the norm is the group's sum of the ranks' shares (`shares` must outlive the optimizer).
   void set_norm_shares(const NormShares* shares) { shares_ = shares; }
@@ -175,6 +183,7 @@ class AdamW final : public Optimizer {
   const std::vector<Unit>* units_ = nullptr;
   // The update of step(), given the norm.
   double update(const std::vector<Unit>& units, float lr, double norm, bool* skipped);
+  void apply_to(const std::vector<Unit>& units, const kernels::AdamWParams& hp) const;
 
   std::vector<kernels::DeviceBuffer> m_, v_;
   const NormShares* shares_ = nullptr;

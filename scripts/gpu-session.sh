@@ -124,7 +124,16 @@ part 60 working-copies bash -c 'S=$1; shift; for i in 1 2; do for f in "" --no-w
   echo "round $i: ${f:-with working copies}"; "$S" bench step "$@" --steps 10 --warmup 2 $f 2>&1 | tail -2; done; done' \
   _ "$S" "${g124[@]}"
 spares=(--grad-clip 0 --speculative-sub-groups 1000)
+# offload_optimizer.ratio (2026-11-28): the first units' optimizer state kept on the device, so the updates the
+# next forward waits for first (the embedding's, 31% of GPT-2 124M) run as CUDA kernels; GPT-2 124M with the
+# optimizer in host memory and spares, all offloaded against 0.6 (54.3 ms a step all offloaded on 2026-11-28).
+part 60 ratio-124m bash -c 'S=$1; shift; for r in 1 0.6; do echo "offload ratio $r"
+  "$S" bench step "$@" --offload-optimizer cpu --grad-clip 0 --speculative-sub-groups 1000 --offload-ratio $r \
+    --steps 6 --warmup 2 2>&1 | tail -6; done' _ "$S" "${g124[@]}"
 part 200 mfu-2.5b-8x4-spares "$S" bench step "${g25[@]}" --batch 8 --grad-accum 4 "${spares[@]}"
+# The same with the first 30% of the parameters' optimizer state on the device: about the share of the CPU Adam
+# (494 ms on 2026-11-24) that the last backward cannot hide.
+part 200 mfu-2.5b-8x4-ratio "$S" bench step "${g25[@]}" --batch 8 --grad-accum 4 "${spares[@]}" --offload-ratio 0.7
 part 240 mfu-2.5b-8x8-spares "$S" bench step "${g25[@]}" --batch 8 --grad-accum 8 "${spares[@]}"
 # Where the 2.5B model's compute goes (31.5% of the GEMM rate at B=2 on 2026-11-24, against the 40% to reach):
 # its layers' kernels at B=8 without offload, 4 layers of them (ncu times every kernel one at a time).
