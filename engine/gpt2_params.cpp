@@ -191,6 +191,7 @@ Status GPT2::keep_on_device(const std::vector<bool>& units) {
     STRATA_ASSIGN_OR_RETURN(unit.params, device_->allocate(bytes, "gpt2.params " + unit.name));
     STRATA_ASSIGN_OR_RETURN(unit.grads, device_->allocate(bytes, "gpt2.grads " + unit.name));
     device_->zero(unit.params.data(), bytes);  // as the coordinator's parameters are, until written
+    device_->zero(unit.grads.data(), bytes);
   }
   on_device_ = units;
   return Status::ok();

@@ -131,6 +131,8 @@ Result<std::unique_ptr<OffloadedAdamW>> OffloadedAdamW::create(const GPT2& model
 }
 
 Status OffloadedAdamW::set_pipeline(const PipelinePlan& plan, comm::Communicator& pp) {
+  STRATA_ASSERT_MSG(pp.size() == 1 || !any_on_device(),
+                    "units kept on the device under pipeline parallelism (offload_optimizer.ratio)");
   plan_ = plan;
   pp_ = &pp;
   release_spares("pipeline parallelism");
@@ -235,6 +237,8 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
 }
 
 Status OffloadedAdamW::set_gradient_reducer(comm::Communicator* group) {
+  STRATA_ASSERT_MSG(group == nullptr || group->size() == 1 || !any_on_device(),
+                    "units kept on the device under data parallelism (offload_optimizer.ratio)");
   reducer_ = group;
   if (group != nullptr) {
     // The gradients are summed over the ranks at home before the norm, which takes it from the sums.
@@ -348,7 +352,7 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   if (reducer_ != nullptr) {  // the step's gradient is the sum over the data-parallel ranks
     std::vector<size_t> held;  // another pipeline stage's units are not ours
     for (size_t u = 0; u < model_->units().size(); ++u)
-      if (model_->holds(u)) held.push_back(u);
+      if (model_->holds(u) && !model_->on_device(u)) held.push_back(u);  // (kept ones: on one rank only)
     if (coordinator_->options().grad_home == offload::Tier::kNvme) {
       STRATA_RETURN_IF_ERROR(coordinator_->sum_grads_over(held, *reducer_));  // summed where they lie
     } else {
@@ -428,15 +432,15 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
       STRATA_RETURN_IF_ERROR(cancel_gated());
       return norm;
     }
-    update_on_device(hp);
     ++t_;
-    open_gate(hp, grads_wait_s);  // its first sub-groups are read already
+    open_gate(hp, grads_wait_s);
+    update_on_device(hp);  // after the CPU worker has what it needs (on the CPU backend this runs here)  // its first sub-groups are read already
     return norm;
   }
   if (!finite) return norm;
-  update_on_device(hp);
   ++t_;
   start_update(hp, /*speculative=*/false);
+  update_on_device(hp);  // after the CPU worker has started (on the CPU backend this runs here)
   std::lock_guard lock(handoff_->mu);
   handoff_->grads_wait_s = grads_wait_s;
   return norm;

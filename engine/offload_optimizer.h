@@ -30,7 +30,7 @@
 // the device too (an AdamW over just them), their share of the norm is taken there (added in unit order with
 // the others', so the norm is the same bits), and step() updates them on the device's stream, with the same
 // parameters as the others' update, before it returns; checkpoints read and write them as a plain AdamW's
-// (state_view is empty, load_state declines). Their updates are the ones the next forward waits for first.
+// (state_view is empty; load_state fills their device buffers). Their updates are the ones the next forward waits for first.
 //
 // Threading: the training thread drives it; the update runs on a worker thread (its arithmetic on TBB, NVMe
 // I/O on the swap store's engine); every call into the Coordinator stays on the training thread, and new
@@ -224,6 +224,9 @@ class OffloadedAdamW final : public Optimizer {
   // and their update, on the device's stream, where step() starts the others'.
   bool any_on_device() const;
   void update_on_device(const kernels::AdamWParams& hp);
+  // load_state of a unit kept on the device: its weights and moments from `fill` a piece at a time into its device
+  // buffers (so that a load takes every unit through load_state, and none through adopt_params after it).
+  Result<bool> load_on_device(size_t unit, const StateFill& fill);
   // Gives the spares back to the pool, with a warning naming `why` they are of no use (no update in flight).
   void release_spares(const char* why);
   Result<size_t> take_next(bool wait);                // on the worker: the next fed sub-group

@@ -106,9 +106,26 @@ Result<std::span<const float>> OffloadedAdamW::state_view(size_t unit, int k, si
                                   model_->units()[unit].name, model_->units()[unit].numel());
 }
 
+Result<bool> OffloadedAdamW::load_on_device(size_t unit, const StateFill& fill) {
+  STRATA_RETURN_IF_ERROR(finish());
+  const Unit& u = model_->units()[unit];
+  kernels::Device& device = model_->device();
+  float* dst[3] = {u.p_for_update(), on_device_->m(unit), on_device_->v(unit)};
+  constexpr size_t kPiece = size_t{1} << 20;  // elements staged at once
+  std::vector<float> staging(std::min(kPiece, u.numel()));
+  for (size_t offset = 0; offset < u.numel(); offset += kPiece) {
+    const size_t n = std::min(kPiece, u.numel() - offset);
+    for (int k = 0; k < 3; ++k) {
+      STRATA_RETURN_IF_ERROR(fill(k, offset, {staging.data(), n}));
+      device.copy_to_device(dst[k] + offset, staging.data(), n * sizeof(float));
+    }
+  }
+  return true;
+}
+
 Result<bool> OffloadedAdamW::load_state(size_t unit, const StateFill& fill) {
   if (!model_->holds(unit)) return true;      // another pipeline stage's
-  if (model_->on_device(unit)) return false;  // write_params and write_moments
+  if (model_->on_device(unit)) return load_on_device(unit, fill);
   STRATA_RETURN_IF_ERROR(finish());
   // ZeRO-3 over ranks: the groups cover this rank's shard, so only its part of the unit is asked for (and kept
   // by write_params); nothing here is collective.

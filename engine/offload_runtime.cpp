@@ -122,6 +122,12 @@ std::vector<bool> units_kept_on_device(const GPT2& model, double ratio) {
     taken += units[u].numel();
     kept[u] = true;
   }
+  // At least the last unit stays offloaded (a ratio so small that (1 - ratio) rounds to 1).
+  for (size_t u = units.size(); u-- > 0;) {
+    if (!model.holds(u)) continue;
+    kept[u] = false;
+    break;
+  }
   return kept;
 }
 
@@ -184,7 +190,7 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   std::unique_ptr<OffloadRuntime> rt(new OffloadRuntime());
   rt->device_ = &device;
   std::string kept_note;
-  if (const double ratio = config.offload_optimizer.ratio; ratio < 1.0) {
+  if (const double ratio = config.offload_optimizer.ratio; ratio < 1.0 && config.offload_optimizer.device != "none") {
     const char* unsupported = (dp != nullptr && dp->size() > 1) ? "data parallelism"
                               : (pp != nullptr && pp->size() > 1) ? "pipeline parallelism"
                               : model.tensor_parallel()           ? "tensor parallelism"
@@ -207,7 +213,8 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
                       (1.0 - ratio) * static_cast<double>(model.num_params()));
     } else {
       STRATA_RETURN_IF_ERROR(model.keep_on_device(kept).with_context("zero_optimization.offload_optimizer.ratio"));
-      kept_note = fmt::format("; the first {} units ({:.1f}% of the parameters) whole on the device", n,
+      kept_note = fmt::format("; the first {} units ('{}' to '{}', {:.1f}% of the parameters) whole on the device", n,
+                              model.units()[0].name, model.units()[n - 1].name,
                               100.0 * static_cast<double>(elements) / static_cast<double>(model.num_params()));
     }
   }

@@ -44,6 +44,7 @@ Result<AdamW> AdamW::create(const std::vector<Unit>& units, const AdamWConfig& c
   opt.config_ = config;
   opt.device_ = &device;
   opt.units_ = &units;
+  opt.masked_ = only != nullptr;
   for (size_t i = 0; i < units.size(); ++i) {
     const Unit& u = units[i];
     opt.m_.emplace_back();
@@ -69,6 +70,7 @@ double unit_norm_share(const NormShares& shares, size_t u, const Unit& unit, ker
 }
 
 double AdamW::step(const std::vector<Unit>& units, float lr, bool* skipped) {
+  STRATA_ASSERT_MSG(!masked_, "AdamW::step over some units only: its owner takes the norm and calls apply()");
   return update(units, lr, grad_norm(units, *device_), skipped);
 }
 

@@ -187,6 +187,7 @@ class AdamW final : public Optimizer {
 
   std::vector<kernels::DeviceBuffer> m_, v_;
   const NormShares* shares_ = nullptr;
+  bool masked_ = false;  // created with `only`: apply() alone
   int t_ = 0;
 };
 

@@ -356,6 +356,9 @@ TEST_F(OffloadTrainTest, ASkippedStepUndoesTheUpdatesStartedInBackward) {
       {"nvme", {{"device", "nvme"}}, 0.0},
       {"nvme", {{"device", "nvme"}}, 1e-6},
       {"cpu_spares", {{"device", "cpu"}, {"speculative_sub_groups", 1000}}, 0.0},
+      // The first units kept on the device (offload_optimizer.ratio): not updated on a skipped step either.
+      {"nvme_ratio", {{"device", "nvme"}, {"ratio", 0.6}}, 1e-6},
+      {"cpu_spares_ratio", {{"device", "cpu"}, {"speculative_sub_groups", 1000}, {"ratio", 0.6}}, 0.0},
   };
   for (const Variant& variant : variants) {
   const double clip = variant.clip;
@@ -633,6 +636,9 @@ TEST_F(OffloadTrainTest, UnitsKeptOnTheDeviceByRatioTrainAsThePlainRun) {
       {"ratio_nvme",
        {{"stage", 2}, {"offload_optimizer", {{"device", "nvme"}, {"ratio", 0.3}}}, {"sub_group_size", 5000}}, 1,
        false, kEmbedding + 2 * kBlock},
+      {"ratio_nvme_clip",  // clipping: after a clipped step the update reads ahead, gated
+       {{"stage", 2}, {"offload_optimizer", {{"device", "nvme"}, {"ratio", 0.6}}}, {"sub_group_size", 5000}}, 2,
+       true, kEmbedding + kBlock},
       {"ratio_params_cpu_spares",
        {{"stage", 3},
         {"offload_param", {{"device", "cpu"}}},
@@ -659,17 +665,25 @@ TEST_F(OffloadTrainTest, UnitsKeptOnTheDeviceByRatioTrainAsThePlainRun) {
     EXPECT_EQ(t["d2h_bytes"].get<double>(), 6 * sends * 4 * (kAll - v.kept));
     if (v.clip) {
       EXPECT_GT(t["early_start"].get<double>(), 0) << "no update started during the backward";
+      if (v.zero.dump().find("nvme") != std::string::npos) {
+        EXPECT_GT(t["early_reads"].get<double>(), 0) << "no gated update (reads ahead after a clipped step)";
+      }
     }
   }
-  const Variant& p = variants[1];
-  json first = config("resumed", p.zero);
-  first["training"]["max_steps"] = 3;
-  run("resumed_part1", first);
-  run("resumed", config("resumed", p.zero), (dir_ / "resumed").string());
-  for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
-    EXPECT_TRUE(file_bytes(dir_ / "ratio_nvme" / "step_000006" / f) ==
-                file_bytes(dir_ / "resumed" / "step_000006" / f))
-        << f;
+  // Resumed: at the same ratio, and from a run that offloaded everything (the checkpoint does not depend on it).
+  for (const auto& [name, before, after] :
+       {std::tuple{"resumed", variants[1].zero, variants[1].zero},
+        std::tuple{"resumed_ratio_changed", json{{"stage", 2}, {"offload_optimizer", {{"device", "cpu"}}}},
+                   variants[0].zero}}) {
+    SCOPED_TRACE(name);
+    json first = config(name, before);
+    first["training"]["max_steps"] = 3;
+    run(std::string(name) + "_part1", first);
+    run(name, config(name, after), (dir_ / name).string());
+    for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
+      EXPECT_TRUE(file_bytes(dir_ / "plain" / "step_000006" / f) == file_bytes(dir_ / name / "step_000006" / f))
+          << f;
+    }
   }
 }
 
@@ -695,6 +709,7 @@ TEST_F(OffloadTrainTest, TheRatioTakesTheLongestRunOfFirstUnitsThatFits) {
   EXPECT_EQ(kept(0.6), (std::vector<int>{0, 1}));
   EXPECT_EQ(kept(0.3), (std::vector<int>{0, 1, 2}));
   EXPECT_EQ(kept(1e-9), (std::vector<int>{0, 1, 2, 3, 4})) << "all but ln_f's 64 of 54496";
+  EXPECT_EQ(kept(1e-300), (std::vector<int>{0, 1, 2, 3, 4})) << "1 - ratio is 1: the last unit stays offloaded";
 }
 
 TEST_F(OffloadTrainTest, ARatioOutsideZeroToOneIsRefusedByName) {
