@@ -153,14 +153,16 @@ Status OffloadedAdamW::sum_tied_embedding() {
 Result<double> OffloadedAdamW::global_norm() {
   const size_t U = model_->units().size();
   std::vector<double> per(U);
-  for (size_t u = 0; u < U; ++u) {
-    per[u] = model_->on_device(u) ? unit_norm_share(model_->norm_shares(), u, model_->units()[u], model_->device())
-                                  : coordinator_->grad_sum_squares(u);
-  }
+  for (size_t u = 0; u < U; ++u) per[u] = model_->on_device(u) ? 0.0 : coordinator_->grad_sum_squares(u);
   // Doubles travel as pairs of fp32 words (bits copied, never converted), and every rank adds them in the
   // same order, so every rank takes the same decision.
   if (coordinator_->sharded())  // each unit's shards, added in rank order
     STRATA_RETURN_IF_ERROR(sum_in_rank_order(*reducer_, &per, "gradient norm"));
+  // The units kept on the device: whole on every rank, their gradients summed over the ranks already.
+  for (size_t u = 0; u < U; ++u) {
+    if (model_->on_device(u))
+      per[u] = unit_norm_share(model_->norm_shares(), u, model_->units()[u], model_->device());
+  }
   // Tensor parallelism: each rank's share of each unit (the coordinator leaves replicated tensors out on all
   // ranks but the first), added in rank order; pipeline: each unit's from the stage that owns it.
   return whole_model_norm(plan_, pp_, model_->norm_shares(), std::move(per));
@@ -171,6 +173,7 @@ Result<double> OffloadedAdamW::step_sharded(float lr, bool* skipped) {
   STRATA_RETURN_IF_ERROR(finish());
   Timer wait;
   STRATA_RETURN_IF_ERROR(coordinator_->flush_grads());  // every reduce-scatter has landed in the shards
+  STRATA_RETURN_IF_ERROR(sum_kept_grads());
   STRATA_RETURN_IF_ERROR(sum_tied_embedding());
   const double grads_wait_s = wait.seconds();
   STRATA_ASSIGN_OR_RETURN(const double norm, global_norm());
@@ -181,6 +184,7 @@ Result<double> OffloadedAdamW::step_sharded(float lr, bool* skipped) {
   // The update completes here: the gathered copies of every unit are stale once any rank's shard changed,
   // and the next forward gathers the new ones.
   start_update(adamw_params(config_, lr, t_, *scale), /*speculative=*/false);
+  update_on_device(adamw_params(config_, lr, t_, *scale));
   {
     std::lock_guard lock(handoff_->mu);
     handoff_->grads_wait_s = grads_wait_s;
@@ -194,6 +198,17 @@ bool OffloadedAdamW::any_on_device() const {
   for (size_t u = 0; u < model_->units().size(); ++u)
     if (model_->on_device(u)) return true;
   return false;
+}
+
+Status OffloadedAdamW::sum_kept_grads() {
+  if (reducer_ == nullptr) return Status::ok();
+  for (size_t u = 0; u < model_->units().size(); ++u) {  // in unit order on every rank
+    if (!model_->on_device(u)) continue;
+    float* g = model_->units()[u].g();
+    STRATA_RETURN_IF_ERROR(reducer_->all_reduce(g, g, model_->units()[u].numel(), DType::kF32, comm::ReduceOp::kSum)
+                               .with_context("gradients of " + model_->units()[u].name + " (kept on the device)"));
+  }
+  return Status::ok();
 }
 
 void OffloadedAdamW::update_on_device(const kernels::AdamWParams& hp) {
@@ -237,8 +252,6 @@ void OffloadedAdamW::start_update(const kernels::AdamWParams& hp, bool speculati
 }
 
 Status OffloadedAdamW::set_gradient_reducer(comm::Communicator* group) {
-  STRATA_ASSERT_MSG(group == nullptr || group->size() == 1 || !any_on_device(),
-                    "units kept on the device under data parallelism (offload_optimizer.ratio)");
   reducer_ = group;
   if (group != nullptr) {
     // The gradients are summed over the ranks at home before the norm, which takes it from the sums.
@@ -352,7 +365,7 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
   if (reducer_ != nullptr) {  // the step's gradient is the sum over the data-parallel ranks
     std::vector<size_t> held;  // another pipeline stage's units are not ours
     for (size_t u = 0; u < model_->units().size(); ++u)
-      if (model_->holds(u) && !model_->on_device(u)) held.push_back(u);  // (kept ones: on one rank only)
+      if (model_->holds(u) && !model_->on_device(u)) held.push_back(u);  // (kept ones: sum_kept_grads)
     if (coordinator_->options().grad_home == offload::Tier::kNvme) {
       STRATA_RETURN_IF_ERROR(coordinator_->sum_grads_over(held, *reducer_));  // summed where they lie
     } else {
@@ -363,6 +376,7 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
                 .with_context("gradients of " + model_->units()[u].name));
       }
     }
+    STRATA_RETURN_IF_ERROR(sum_kept_grads());
   }
   STRATA_RETURN_IF_ERROR(sum_tied_embedding());
   const double grads_wait_s = wait.seconds();

@@ -28,7 +28,8 @@
 // Units kept on the device (offload_optimizer.ratio; GPT2::keep_on_device): the model's first units, whose
 // parameters and gradients are the model's own device buffers, outside the coordinator. Their Adam moments are on
 // the device too (an AdamW over just them), their share of the norm is taken there (added in unit order with
-// the others', so the norm is the same bits), and step() updates them on the device's stream, with the same
+// the others', so the norm is the same bits; under data parallelism, ZeRO-3 included, every rank keeps them
+// whole and sums their gradients over the ranks in device memory first), and step() updates them on the device's stream, with the same
 // parameters as the others' update, before it returns; checkpoints read and write them as a plain AdamW's
 // (state_view is empty; load_state fills their device buffers). Their updates are the ones the next forward waits for first.
 //
@@ -224,6 +225,9 @@ class OffloadedAdamW final : public Optimizer {
   // and their update, on the device's stream, where step() starts the others'.
   bool any_on_device() const;
   void update_on_device(const kernels::AdamWParams& hp);
+  // Data parallelism: each kept unit's gradient summed over the ranks in device memory (every rank keeps it whole
+  // and updates it alike).
+  Status sum_kept_grads();
   // load_state of a unit kept on the device: its weights and moments from `fill` a piece at a time into its device
   // buffers (so that a load takes every unit through load_state, and none through adopt_params after it).
   Result<bool> load_on_device(size_t unit, const StateFill& fill);

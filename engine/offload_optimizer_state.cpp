@@ -134,7 +134,7 @@ Result<bool> OffloadedAdamW::load_state(size_t unit, const StateFill& fill) {
 }
 
 bool OffloadedAdamW::gathers_pieces(size_t unit) const {
-  if (model_->tensor_parallel()) return false;
+  if (model_->tensor_parallel() || model_->on_device(unit)) return false;
   if (!model_->holds(unit)) return stages_send_pieces() && pp_->rank() == 0;
   return coordinator_->sharded() && reducer_ != nullptr;
 }

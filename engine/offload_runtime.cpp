@@ -191,8 +191,7 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   rt->device_ = &device;
   std::string kept_note;
   if (const double ratio = config.offload_optimizer.ratio; ratio < 1.0 && config.offload_optimizer.device != "none") {
-    const char* unsupported = (dp != nullptr && dp->size() > 1) ? "data parallelism"
-                              : (pp != nullptr && pp->size() > 1) ? "pipeline parallelism"
+    const char* unsupported = (pp != nullptr && pp->size() > 1) ? "pipeline parallelism"
                               : model.tensor_parallel()           ? "tensor parallelism"
                                                                   : nullptr;
     if (unsupported != nullptr)

@@ -132,6 +132,9 @@ TEST_F(DataParallelTest, OffloadedOptimizerOverTwoRanksIsBitwiseThePlainDataPara
       {{{"stage", 0}, {"offload_optimizer", nvme_optimizer}, {"sub_group_size", 3000}}, json()},
       // Gradients on nvme: summed over the ranks where they lie (read, all-reduced, written back).
       {{{"stage", 0}, {"offload_optimizer", nvme_optimizer}, {"sub_group_size", 3000}}, grads_nvme},
+      // The embedding and h.0 kept whole on the device (offload_optimizer.ratio): their gradients summed over the
+      // ranks there, in the same order.
+      {{{"stage", 0}, {"offload_optimizer", {{"device", "cpu"}, {"ratio", 0.4}}}}, json()},
   };
   for (size_t i = 0; i < std::size(placements); ++i) {
     const std::string name = fmt::format("offload{}", i);
@@ -142,7 +145,7 @@ TEST_F(DataParallelTest, OffloadedOptimizerOverTwoRanksIsBitwiseThePlainDataPara
     ASSERT_TRUE(trained.is_ok()) << name << ": " << trained.status().to_string();
   }
   if (w.value()->rank() == 0) {
-    for (const char* name : {"offload1", "offload2", "offload3"}) {
+    for (const char* name : {"offload1", "offload2", "offload3", "offload4"}) {
       EXPECT_EQ(losses(dir_ / "offload0.jsonl"), losses(dir_ / (std::string(name) + ".jsonl"))) << name;
       for (const char* f : {"model.safetensors", "optimizer.safetensors"})
         EXPECT_TRUE(file_bytes(dir_ / "offload0" / "step_000006" / f) == file_bytes(dir_ / name / "step_000006" / f))
@@ -205,6 +208,10 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
   const fs::path& shared = shared_dir.path;
   json nvme = zero3_on_nvme(dir_ / "swap");
   nvme["stage3_prefetch_bucket_size"] = 20000;
+  const json z3_ratio = {{"stage", 3},
+                         {"offload_param", {{"device", "cpu"}}},
+                         {"offload_optimizer", {{"device", "cpu"}, {"ratio", 0.4}}},
+                         {"stage3_param_persistence_threshold", 0}};
   struct Run {
     std::string name;
     json zero;
@@ -231,6 +238,11 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
        }(), 1, 6, ""},
       {"z3resumed", nvme, 1, 3, ""},
       {"z3resumed", nvme, 1, 6, "z3resumed"},
+      // The embedding and h.0 kept whole on every rank's device (offload_optimizer.ratio), their gradients summed
+      // over the ranks there; straight and resumed (their state saved from rank 0's device, loaded on each).
+      {"z3ratio", z3_ratio, 2, 6, ""},
+      {"z3ratio_resumed", z3_ratio, 2, 3, ""},
+      {"z3ratio_resumed", z3_ratio, 2, 6, "z3ratio_resumed"},
       // Activation checkpoints in host memory: backward gathers (evicted) units again to recompute blocks from
       // them, 3 blocks so the middle one is.
       {"z3l3", nvme, 1, 6, "", json::object(), 3},
@@ -292,6 +304,7 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
     check("z0", "z3host");
     check("z0", "z3nvme");
     check("z0acc", "z3acc");
+    check("z0acc", "z3ratio");
     check("z0", "z2offload");  // ZeRO-Offload: stage 2 with the optimizer offloaded runs sharded as stage 3
     // Not bitwise stage 0: the checks above would pass for an unsharded run too, so the norms must differ
     // somewhere (they are summed per rank's shard, then over the ranks).
@@ -299,6 +312,9 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
     for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
       EXPECT_TRUE(file_bytes(shared / "z3nvme" / "step_000006" / f) == file_bytes(shared / "z3resumed" / "step_000006" / f))
           << "stage 3 resumed vs straight: " << f;
+      EXPECT_TRUE(file_bytes(shared / "z3ratio" / "step_000006" / f) ==
+                  file_bytes(shared / "z3ratio_resumed" / "step_000006" / f))
+          << "stage 3 with units kept on the device, resumed vs straight: " << f;
       EXPECT_TRUE(file_bytes(shared / "z3nvme" / "step_000006" / f) == file_bytes(shared / "z3persist" / "step_000006" / f))
           << "stage 3 with resident small units vs without: " << f;
       EXPECT_TRUE(file_bytes(shared / "z3l3" / "step_000006" / f) == file_bytes(shared / "z3l3ckhost" / "step_000006" / f))
