@@ -170,7 +170,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
   // offloaded model runs, and its steps alternate with the offloaded ones in blocks.
   std::vector<double> compute, compute_cpu;
   size_t n_params = 0;
-  double step_flops = 0;
+  double step_flops = 0, palm_flops = 0;
   const int rounds = std::max(1, std::min(o.rounds, o.steps));
   std::unique_ptr<GPT2> plain;
   Timer setup;
@@ -183,6 +183,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
     if (Status st = plain->init_gpt2(o.seed); !st.is_ok()) return fail(st);
     n_params = plain->num_params();
     step_flops = plain->flops_per_step(B, T) * o.grad_accum;
+    palm_flops = plain->palm_flops_per_step(B, T) * o.grad_accum;
   }
   STRATA_LOG_INFO("bench step: {} parameters built and initialised on the device in {:.1f} s", n_params, setup.seconds());
   auto plain_step = [&](bool measured) -> Status {
@@ -425,6 +426,7 @@ int run_bench_step_offload(const BenchStepOptions& o) {
                         {"model_tflop_per_s", model_tflops},
                         {"gemm_tflop_per_s", gemm_tflops},
                         {"mfu", gemm_tflops > 0 ? model_tflops / gemm_tflops : 0.0},
+                        {"mfu_palm", gemm_tflops > 0 ? palm_flops / step_s / 1e12 / gemm_tflops : 0.0},
                         {"compute_ms", compute_s * 1e3},
                         {"disk_ms", disk_s * 1e3},
                         {"optimizer_bound_ms", adam_s.value() * 1e3},
@@ -455,8 +457,10 @@ int run_bench_step_offload(const BenchStepOptions& o) {
               rounds > 1 ? fmt::format("; alternated with the plain steps in {} rounds", rounds).c_str() : "",
               step_s * 1e3, tokens / step_s, model_tflops, step_flops / 1e12);
   if (gemm_tflops > 0)
-    std::printf("  model FLOPs utilisation: %.1f / %.0f TFLOP/s (the measured %s GEMM rate) = %.0f%%\n", model_tflops,
-                gemm_tflops, o.precision.c_str(), 100.0 * model_tflops / gemm_tflops);
+    std::printf("  model FLOPs utilisation: %.1f / %.0f TFLOP/s (the measured %s GEMM rate) = %.1f%% (%.1f%% by PaLM's "
+                "count, 6N + 12LCT a token, as nanoGPT and Megatron-LM report it)\n",
+                model_tflops, gemm_tflops, o.precision.c_str(), 100.0 * model_tflops / gemm_tflops,
+                100.0 * palm_flops / step_s / 1e12 / gemm_tflops);
   std::printf("  breakdown: stall %.1f ms, optimizer %.1f ms (of which waiting for gradients %.1f; the next forward "
               "waited %.1f for it), h2d %.1f MB (%.1f ms busy), d2h %.1f MB (%.1f ms), nvme read %.1f MB + write %.1f "
               "MB (%.1f ms busy)\n",

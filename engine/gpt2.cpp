@@ -639,4 +639,10 @@ double GPT2::flops_per_step(int B, int T) const {
   return 3.0 * tokens * (matmul + attention);  // backward is twice the forward
 }
 
+double GPT2::palm_flops_per_step(int B, int T) const {
+  const double C = config_.n_embd, L = config_.n_layer;
+  const double n = static_cast<double>(whole_num_params()) - static_cast<double>(config_.block_size) * C;
+  return static_cast<double>(B) * T * (6.0 * n + 12.0 * L * C * T);
+}
+
 }  // namespace strata::engine

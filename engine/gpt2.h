@@ -287,8 +287,12 @@ class GPT2 {
   }
   const kernels::KernelSet& kernels() const { return *k_; }
   kernels::Device& device() const { return *device_; }
-  // FLOPs of one forward+backward over B*T tokens (matmuls and attention; the rest is memory-bound).
+  // FLOPs of one forward+backward over B*T tokens (matmuls and attention; the rest is memory-bound), counting
+  // causal attention's products as executed (each query against (T+1)/2 keys on average).
   double flops_per_step(int B, int T) const;
+  // The same by PaLM's count (appendix B), which nanoGPT and Megatron-LM report utilisation by: 6N + 12·L·C·T a
+  // token, N the parameters but the position embedding, attention counted as if every query saw all T keys.
+  double palm_flops_per_step(int B, int T) const;
 
  private:
   GPT2(const GPT2Config& config, kernels::Device& device, kernels::MatmulPrecision precision)

@@ -140,5 +140,25 @@ TEST_P(GoldenTest, TenAdamWStepsMatchPyTorch) {
 INSTANTIATE_TEST_SUITE_P(Kernels, GoldenTest, ::testing::Values("reference", "fast"),
                          [](const auto& info) { return std::string(info.param); });
 
+// The model FLOPs a step, both counts, at GPT-2 124M's shape: products as executed (causal attention over
+// (T+1)/2 keys on average) and PaLM's 6N + 12LHQT, which nanoGPT prints for this model (N = 123.65M without the
+// position embedding: 855.2 MFLOP a token at T = 1024).
+TEST(ModelFlopsTest, Gpt2SmallBothCounts) {
+  GPT2Config c;
+  c.n_layer = 12;
+  c.n_head = 12;
+  c.n_embd = 768;
+  c.vocab_size = 50257;
+  c.block_size = 1024;
+  auto device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
+  ASSERT_OK_AND_ASSIGN(auto model, GPT2::create(c, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true));
+  ASSERT_EQ(model->whole_num_params(), size_t{124439808});
+  const double tokens = 8.0 * 1024;
+  EXPECT_DOUBLE_EQ(model->palm_flops_per_step(8, 1024) / tokens, 6.0 * 123653376 + 12.0 * 12 * 768 * 1024);
+  // Executed: 3 x (the matmuls 2(12C² L + CV) + causal attention 2·2·C·(T+1)/2 L).
+  EXPECT_DOUBLE_EQ(model->flops_per_step(8, 1024) / tokens,
+                   3.0 * (2.0 * (12.0 * 768 * 768 * 12 + 768.0 * 50257) + 2.0 * 768 * 1025 * 12));
+}
+
 }  // namespace
 }  // namespace strata::engine
