@@ -447,8 +447,8 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
       return norm;
     }
     ++t_;
-    open_gate(hp, grads_wait_s);
-    update_on_device(hp);  // after the CPU worker has what it needs (on the CPU backend this runs here)  // its first sub-groups are read already
+    open_gate(hp, grads_wait_s);  // its first sub-groups are read already
+    update_on_device(hp);         // after the CPU worker has what it needs (on the CPU backend this runs here)
     return norm;
   }
   if (!finite) return norm;
