@@ -110,16 +110,17 @@ std::string OffloadStepReport::summary() const {
 OffloadRuntime::~OffloadRuntime() = default;
 
 std::vector<bool> units_kept_on_device(const GPT2& model, double ratio) {
+  // By the whole units' sizes, so that every rank of a tensor-parallel group keeps the same units.
   const std::vector<Unit>& units = model.units();
   std::vector<bool> kept(units.size(), false);
   size_t total = 0;
-  for (size_t u = 0; u < units.size(); ++u) total += model.holds(u) ? units[u].numel() : 0;
+  for (size_t u = 0; u < units.size(); ++u) total += model.holds(u) ? model.whole_layout(u).numel() : 0;
   const double room = (1.0 - ratio) * static_cast<double>(total);
   size_t taken = 0;
   for (size_t u = 0; u < units.size(); ++u) {  // the forward's order: the embedding, the blocks, ln_f
     if (!model.holds(u)) continue;
-    if (static_cast<double>(taken + units[u].numel()) > room) break;
-    taken += units[u].numel();
+    if (static_cast<double>(taken + model.whole_layout(u).numel()) > room) break;
+    taken += model.whole_layout(u).numel();
     kept[u] = true;
   }
   // At least the last unit stays offloaded (a ratio so small that (1 - ratio) rounds to 1).
@@ -191,30 +192,27 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   rt->device_ = &device;
   std::string kept_note;
   if (const double ratio = config.offload_optimizer.ratio; ratio < 1.0 && config.offload_optimizer.device != "none") {
-    const char* unsupported = (pp != nullptr && pp->size() > 1) ? "pipeline parallelism"
-                              : model.tensor_parallel()           ? "tensor parallelism"
-                                                                  : nullptr;
-    if (unsupported != nullptr)
+    if (pp != nullptr && pp->size() > 1)
       return Status(StatusCode::kUnimplemented,
-                    fmt::format("zero_optimization.offload_optimizer.ratio = {} is not supported under {} yet (leave "
-                                "it out, or at 1)",
-                                ratio, unsupported));
+                    fmt::format("zero_optimization.offload_optimizer.ratio = {} is not supported under pipeline "
+                                "parallelism yet (leave it out, or at 1)",
+                                ratio));
     const std::vector<bool> kept = units_kept_on_device(model, ratio);
     size_t n = 0, elements = 0;
     for (size_t u = 0; u < kept.size(); ++u) {
       n += kept[u];
-      elements += kept[u] ? model.units()[u].numel() : 0;
+      elements += kept[u] ? model.whole_layout(u).numel() : 0;
     }
     if (n == 0) {
       STRATA_LOG_WARN("zero_optimization.offload_optimizer.ratio = {}: even the first unit ('{}', {} elements) is "
                       "over the {:.0f} elements left to the device, so all the optimizer state is offloaded",
-                      ratio, model.units()[0].name, model.units()[0].numel(),
-                      (1.0 - ratio) * static_cast<double>(model.num_params()));
+                      ratio, model.units()[0].name, model.whole_layout(0).numel(),
+                      (1.0 - ratio) * static_cast<double>(model.whole_num_params()));
     } else {
       STRATA_RETURN_IF_ERROR(model.keep_on_device(kept).with_context("zero_optimization.offload_optimizer.ratio"));
       kept_note = fmt::format("; the first {} units ('{}' to '{}', {:.1f}% of the parameters) whole on the device", n,
                               model.units()[0].name, model.units()[n - 1].name,
-                              100.0 * static_cast<double>(elements) / static_cast<double>(model.num_params()));
+                              100.0 * static_cast<double>(elements) / static_cast<double>(model.whole_num_params()));
     }
   }
   // The sub-group size: optimizer state and nvme parameter chunks share it, so an optimizer sub-group's new

@@ -122,6 +122,12 @@ TEST_F(TensorParallelTest, TwoRanksMatchOneProcess) {
       {"tp2sp", 2, 1, 6, false, json::object(), json::object(), true},
       {"tp2spckhost", 2, 1, 6, false, json::object(), {{"enabled", true}, {"cpu_checkpointing", true}}, true},
       {"tp2spoffload", 2, 1, 6, false, offload, json::object(), true},
+      // The embedding and h.0 kept whole on the device (offload_optimizer.ratio), each rank its slices.
+      {"tp2ratio", 2, 1, 6, false, [&] {
+         json z = offload;
+         z["offload_optimizer"]["ratio"] = 0.4;
+         return z;
+       }()},
   };
   run_all(world, shared, runs, 2, 2);
   if (world.rank() == 0) {
@@ -133,11 +139,13 @@ TEST_F(TensorParallelTest, TwoRanksMatchOneProcess) {
     EXPECT_EQ(losses(dir_ / "tp2sp.jsonl"), losses(dir_ / "tp2spoffload.jsonl"));
     // The same arithmetic: bitwise equal.
     EXPECT_EQ(losses(dir_ / "tp2.jsonl"), losses(dir_ / "tp2offload.jsonl"));
+    EXPECT_EQ(losses(dir_ / "tp2.jsonl"), losses(dir_ / "tp2ratio.jsonl"));
     EXPECT_EQ(losses(dir_ / "tp2.jsonl"), losses(dir_ / "tp2ckhost.jsonl"));
     for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
       const std::vector<char> straight = file_bytes(shared / "tp2" / "step_000006" / f);
       EXPECT_TRUE(straight == file_bytes(shared / "tp2resumed" / "step_000006" / f)) << "resumed vs straight: " << f;
       EXPECT_TRUE(straight == file_bytes(shared / "tp2ckhost" / "step_000006" / f)) << "host activation checkpoints: " << f;
+      EXPECT_TRUE(straight == file_bytes(shared / "tp2ratio" / "step_000006" / f)) << "units kept on the device: " << f;
       EXPECT_TRUE(file_bytes(shared / "tp2sp" / "step_000006" / f) ==
                   file_bytes(shared / "tp2spckhost" / "step_000006" / f))
           << "sequence parallelism with host activation checkpoints: " << f;
