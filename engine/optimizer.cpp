@@ -45,6 +45,7 @@ Result<AdamW> AdamW::create(const std::vector<Unit>& units, const AdamWConfig& c
   opt.device_ = &device;
   opt.units_ = &units;
   opt.masked_ = only != nullptr;
+  if (only != nullptr) opt.with_moments_ = *only;
   for (size_t i = 0; i < units.size(); ++i) {
     const Unit& u = units[i];
     opt.m_.emplace_back();

@@ -160,7 +160,7 @@ class AdamW final : public Optimizer {
   // is the clip scale, hp.weight_decay is ignored: it is per tensor), where the caller took the norm and keeps the
   // step count (OffloadedAdamW's units on the device). In the device's stream order.
   void apply(const kernels::AdamWParams& hp) const { apply_to(*units_, hp); }
-  bool has_moments(size_t i) const { return m_[i].size() > 0; }
+  bool has_moments(size_t i) const { return !masked_ || with_moments_[i]; }
 
   // Tensor parallelism: the norm is the group's sum of the ranks' shares (`shares` must outlive the optimizer).
   void set_norm_shares(const NormShares* shares) { shares_ = shares; }
@@ -187,7 +187,8 @@ class AdamW final : public Optimizer {
 
   std::vector<kernels::DeviceBuffer> m_, v_;
   const NormShares* shares_ = nullptr;
-  bool masked_ = false;  // created with `only`: apply() alone
+  bool masked_ = false;              // created with `only`: apply() alone
+  std::vector<bool> with_moments_;   // masked_: `only`
   int t_ = 0;
 };
 
