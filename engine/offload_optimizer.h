@@ -31,7 +31,7 @@
 // the others', so the norm is the same bits; under data parallelism, ZeRO-3 included, every rank keeps them
 // whole and sums their gradients over the ranks in device memory first), and step() updates them on the device's stream, with the same
 // parameters as the others' update, before it returns; checkpoints read and write them as a plain AdamW's
-// (state_view is empty; load_state fills their device buffers). Their updates are the ones the next forward waits for first.
+// (state_view copies them out a piece at a time; load_state fills their device buffers). Their updates are the ones the next forward waits for first.
 //
 // Threading: the training thread drives it; the update runs on a worker thread (its arithmetic on TBB, NVMe
 // I/O on the swap store's engine); every call into the Coordinator stays on the training thread, and new
@@ -136,9 +136,9 @@ class OffloadedAdamW final : public Optimizer {
   Status adopt_params() override;
   Status read_moments(size_t unit, float* m, float* v) override;
   Status write_moments(size_t unit, const float* m, const float* v) override;
-  // A sub-group's state in its host buffer, or read from NVMe into the swapper's first staging slot; empty for
-  // a unit sharded over ranks or held by another pipeline stage (gather_piece, or under tensor parallelism
-  // read_params and read_moments, bring those).
+  // A sub-group's state in its host buffer, or read from NVMe into the swapper's first staging slot (a unit kept
+  // on the device: a piece copied out of it); empty for a unit sharded over ranks or held by another pipeline
+  // stage (gather_piece, or under tensor parallelism read_params and read_moments, bring those).
   Result<std::span<const float>> state_view(size_t unit, int k, size_t offset) override;
   Result<bool> load_state(size_t unit, const StateFill& fill) override;
   // Without tensor parallelism: under ZeRO-3 over ranks, every unit the stage holds, a piece of the owner's
@@ -231,6 +231,9 @@ class OffloadedAdamW final : public Optimizer {
   // load_state of a unit kept on the device: its weights and moments from `fill` a piece at a time into its device
   // buffers (so that a load takes every unit through load_state, and none through adopt_params after it).
   Result<bool> load_on_device(size_t unit, const StateFill& fill);
+  // state_view of a unit kept on the device: a piece of at most kMaxStatePiece elements copied to host memory
+  // (device_view_), so a checkpoint holds no kept unit whole outside the host budget.
+  Result<std::span<const float>> view_on_device(size_t unit, int k, size_t offset);
   // Gives the spares back to the pool, with a warning naming `why` they are of no use (no update in flight).
   void release_spares(const char* why);
   Result<size_t> take_next(bool wait);                // on the worker: the next fed sub-group
@@ -261,6 +264,7 @@ class OffloadedAdamW final : public Optimizer {
   std::vector<size_t> spares_;        // kHost: buffers no sub-group uses (the worker's while an update runs)
   std::unique_ptr<offload::OptimizerSwapper> swapper_;  // kNvme
   std::unique_ptr<AdamW> on_device_;                    // the moments of the model's units kept on the device
+  std::vector<float> device_view_;                      // view_on_device's piece
   SwapStore* grad_store_ = nullptr;                      // gradients on nvme
   offload::PinnedBuffer grad_scratch_;                   // kHost with gradients on nvme: one sub-group's
   int t_ = 0;

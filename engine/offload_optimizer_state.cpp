@@ -88,8 +88,9 @@ Status OffloadedAdamW::read_moments(size_t unit, float* m, float* v) {
 
 Result<std::span<const float>> OffloadedAdamW::state_view(size_t unit, int k, size_t offset) {
   STRATA_ASSERT(k >= 0 && k < 3);
-  // Another stage's, a shard, or on the device (read_params and read_moments bring those).
-  if (!model_->holds(unit) || coordinator_->sharded() || model_->on_device(unit)) return std::span<const float>();
+  if (model_->on_device(unit) && model_->holds(unit)) return view_on_device(unit, k, offset);
+  // Another stage's, or a shard (gather_piece, or read_params and read_moments, bring those).
+  if (!model_->holds(unit) || coordinator_->sharded()) return std::span<const float>();
   STRATA_RETURN_IF_ERROR(finish());
   for (size_t i = 0; i < groups_.size(); ++i) {
     const Group& g = groups_[i];
@@ -104,6 +105,18 @@ Result<std::span<const float>> OffloadedAdamW::state_view(size_t unit, int k, si
   }
   return Status::invalid_argument("offload: element {} is outside unit '{}' ({} elements)", offset,
                                   model_->units()[unit].name, model_->units()[unit].numel());
+}
+
+Result<std::span<const float>> OffloadedAdamW::view_on_device(size_t unit, int k, size_t offset) {
+  STRATA_RETURN_IF_ERROR(finish());
+  const Unit& u = model_->units()[unit];
+  if (offset >= u.numel())
+    return Status::invalid_argument("offload: element {} is outside unit '{}' ({} elements)", offset, u.name, u.numel());
+  const float* src = k == 0 ? u.p() : k == 1 ? on_device_->m(unit) : on_device_->v(unit);
+  const size_t n = std::min(kMaxStatePiece, u.numel() - offset);
+  device_view_.resize(n);
+  model_->device().copy_to_host(device_view_.data(), src + offset, n * sizeof(float));
+  return std::span<const float>(device_view_);
 }
 
 Result<bool> OffloadedAdamW::load_on_device(size_t unit, const StateFill& fill) {
