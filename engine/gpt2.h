@@ -167,8 +167,9 @@ class GPT2 {
   // written), outside the coordinator, which must then be told they are not present; their optimizer state
   // stays on the device too (offload_optimizer.ratio, OffloadedAdamW). Once.
   Status keep_on_device(const std::vector<bool>& units);
-  // Whether unit u is one keep_on_device() kept.
+  // Whether unit u is one keep_on_device() kept, and whether any is.
   bool on_device(size_t u) const { return u < on_device_.size() && on_device_[u]; }
+  bool any_on_device() const { return std::find(on_device_.begin(), on_device_.end(), true) != on_device_.end(); }
 
   // Before the first forward. kHost takes the checkpoints' host memory from `host_pool` (which must outlive
   // the model).
@@ -194,7 +195,7 @@ class GPT2 {
   bool keeps_working_copies() const {
     if (!wants_working_copies()) return false;
     if (coordinator_ == nullptr) return !offloaded_;
-    return coordinator_->working_copies() || std::find(on_device_.begin(), on_device_.end(), true) != on_device_.end();
+    return coordinator_->working_copies() || any_on_device();
   }
   // How many working copies the model made since it was created, not counting the coordinator's (tests: that
   // they are remade after each change, and only then).

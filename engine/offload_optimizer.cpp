@@ -101,7 +101,7 @@ Result<std::unique_ptr<OffloadedAdamW>> OffloadedAdamW::create(const GPT2& model
       opt->buffers_.push_back(std::move(b));
     }
   }
-  if (opt->any_on_device()) {
+  if (model.any_on_device()) {
     std::vector<bool> only(model.units().size());
     for (size_t u = 0; u < only.size(); ++u) only[u] = model.on_device(u);
     STRATA_ASSIGN_OR_RETURN(AdamW a, AdamW::create(model.units(), config, model.device(), &only));
@@ -131,7 +131,7 @@ Result<std::unique_ptr<OffloadedAdamW>> OffloadedAdamW::create(const GPT2& model
 }
 
 Status OffloadedAdamW::set_pipeline(const PipelinePlan& plan, comm::Communicator& pp) {
-  STRATA_ASSERT_MSG(pp.size() == 1 || !any_on_device(),
+  STRATA_ASSERT_MSG(pp.size() == 1 || !model_->any_on_device(),
                     "units kept on the device under pipeline parallelism (offload_optimizer.ratio)");
   plan_ = plan;
   pp_ = &pp;
@@ -183,8 +183,9 @@ Result<double> OffloadedAdamW::step_sharded(float lr, bool* skipped) {
   ++t_;
   // The update completes here: the gathered copies of every unit are stale once any rank's shard changed,
   // and the next forward gathers the new ones.
-  start_update(adamw_params(config_, lr, t_, *scale), /*speculative=*/false);
-  update_on_device(adamw_params(config_, lr, t_, *scale));
+  const kernels::AdamWParams hp = adamw_params(config_, lr, t_, *scale);
+  start_update(hp, /*speculative=*/false);
+  update_on_device(hp);
   {
     std::lock_guard lock(handoff_->mu);
     handoff_->grads_wait_s = grads_wait_s;
@@ -192,12 +193,6 @@ Result<double> OffloadedAdamW::step_sharded(float lr, bool* skipped) {
   STRATA_RETURN_IF_ERROR(finish());
   coordinator_->drop_device_params();
   return norm;
-}
-
-bool OffloadedAdamW::any_on_device() const {
-  for (size_t u = 0; u < model_->units().size(); ++u)
-    if (model_->on_device(u)) return true;
-  return false;
 }
 
 Status OffloadedAdamW::sum_kept_grads() {

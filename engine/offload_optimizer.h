@@ -221,9 +221,8 @@ class OffloadedAdamW final : public Optimizer {
   Status run_host_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads, bool keep_old);
   // On the worker, speculative: the smallest spare buffer that holds `floats` (SIZE_MAX: none), taken.
   size_t take_spare(size_t floats);
-  // The model's units kept on the device (GPT2::keep_on_device, offload_optimizer.ratio): whether there are any,
-  // and their update, on the device's stream, where step() starts the others'.
-  bool any_on_device() const;
+  // The update of the model's units kept on the device (GPT2::keep_on_device, offload_optimizer.ratio), on the
+  // device's stream, where step() starts the others'.
   void update_on_device(const kernels::AdamWParams& hp);
   // Data parallelism: each kept unit's gradient summed over the ranks in device memory (every rank keeps it whole
   // and updates it alike).
