@@ -106,8 +106,10 @@ void random_batch(int B, int T, int vocab_size, uint64_t seed, std::vector<int32
 
 int run_bench_step(const BenchStepOptions& o) {
   if (o.offload_ratio < 1.0 && o.offload_optimizer == "none") {
-    std::fprintf(stderr, "strata bench step: --offload-ratio %g needs --offload-optimizer cpu or nvme (it is the share of "
-                 "the optimizer state offloaded)\n", o.offload_ratio);
+    std::fprintf(stderr,
+                 "strata bench step: --offload-ratio %g needs --offload-optimizer cpu or nvme (it is the share of "
+                 "the optimizer state offloaded)\n",
+                 o.offload_ratio);
     return 2;
   }
   if (o.pipeline) return run_bench_pipeline(o);

@@ -26,12 +26,13 @@
 // sub-groups after that are updated in place.
 //
 // Units kept on the device (offload_optimizer.ratio; GPT2::keep_on_device): the model's first units, whose
-// parameters and gradients are the model's own device buffers, outside the coordinator. Their Adam moments are on
-// the device too (an AdamW over just them), their share of the norm is taken there (added in unit order with
-// the others', so the norm is the same bits; under data parallelism, ZeRO-3 included, every rank keeps them
-// whole and sums their gradients over the ranks in device memory first), and step() updates them on the device's stream, with the same
-// parameters as the others' update, before it returns; checkpoints read and write them as a plain AdamW's
-// (state_view copies them out a piece at a time; load_state fills their device buffers). Their updates are the ones the next forward waits for first.
+// updates are the ones the next forward waits for first. Their parameters and gradients are the model's own
+// device buffers, outside the coordinator, and their Adam moments are on the device too (an AdamW over just them).
+// Their share of the norm is taken there, added in unit order with the others', so the norm is the same bits;
+// under data parallelism, ZeRO-3 included, every rank keeps them whole and sums their gradients over the ranks in
+// device memory first. step() updates them on the device's stream, with the same parameters as the others'
+// update, before it returns. Checkpoints read and write them as a plain AdamW's (state_view copies them out a
+// piece at a time; load_state fills their device buffers).
 //
 // Threading: the training thread drives it; the update runs on a worker thread (its arithmetic on TBB, NVMe
 // I/O on the swap store's engine); every call into the Coordinator stays on the training thread, and new

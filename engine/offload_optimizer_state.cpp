@@ -9,6 +9,13 @@
 #include "engine/offload_optimizer.h"
 
 namespace strata::engine {
+namespace {
+
+Status outside_unit(const Unit& u, size_t offset) {
+  return Status::invalid_argument("offload: element {} is outside unit '{}' ({} elements)", offset, u.name, u.numel());
+}
+
+}  // namespace
 
 Status OffloadedAdamW::fill_groups(size_t unit, const StateFill& fill, bool publish) {
   for (size_t i = 0; i < groups_.size(); ++i) {
@@ -103,15 +110,13 @@ Result<std::span<const float>> OffloadedAdamW::state_view(size_t unit, int k, si
     }
     return std::span<const float>(state + (offset - g.offset), g.offset + g.spec.numel - offset);
   }
-  return Status::invalid_argument("offload: element {} is outside unit '{}' ({} elements)", offset,
-                                  model_->units()[unit].name, model_->units()[unit].numel());
+  return outside_unit(model_->units()[unit], offset);
 }
 
 Result<std::span<const float>> OffloadedAdamW::view_on_device(size_t unit, int k, size_t offset) {
   STRATA_RETURN_IF_ERROR(finish());
   const Unit& u = model_->units()[unit];
-  if (offset >= u.numel())
-    return Status::invalid_argument("offload: element {} is outside unit '{}' ({} elements)", offset, u.name, u.numel());
+  if (offset >= u.numel()) return outside_unit(u, offset);
   const float* src = k == 0 ? u.p() : k == 1 ? on_device_->m(unit) : on_device_->v(unit);
   const size_t n = std::min(kMaxStatePiece, u.numel() - offset);
   device_view_.resize(n);
@@ -161,8 +166,7 @@ Result<Optimizer::StatePiece> OffloadedAdamW::gather_piece(size_t unit, int k, s
   if (!model_->holds(unit)) return pipeline_recv_piece(plan_, *pp_, unit, k, offset, max_len, buffer);
   const std::string& name = model_->units()[unit].name;
   const size_t numel = model_->units()[unit].numel(), stride = coordinator_->shard(unit).stride;
-  if (offset >= numel)
-    return Status::invalid_argument("offload: element {} is outside unit '{}' ({} elements)", offset, name, numel);
+  if (offset >= numel) return outside_unit(model_->units()[unit], offset);
   const int owner = static_cast<int>(offset / stride), me = reducer_->rank();
   const size_t local = offset - static_cast<size_t>(owner) * stride;  // in the owner's shard
   // The group's rank q holds shard q (the coordinator's shards are cut over a copy of the same group).

@@ -11,6 +11,14 @@
 #include "kernels/cpu/fast.h"
 
 namespace strata::engine {
+namespace {
+
+// A failed step after some sub-groups' new parameters were published: the run must restart from a checkpoint.
+Status must_resume(const Status& st, int step) {
+  return st.with_context("optimizer step " + std::to_string(step) + " (resume from a checkpoint)");
+}
+
+}  // namespace
 
 Result<size_t> OffloadedAdamW::take_next(bool wait) {
   constexpr size_t kEnd = offload::OptimizerSwapper::kEnd, kNotYet = offload::OptimizerSwapper::kNotYet;
@@ -127,13 +135,11 @@ Status OffloadedAdamW::run_update(const kernels::AdamWParams& hp, const std::vec
       }
       // Confirmed, some sub-groups' new parameters are published already: like any failed step, the run must
       // restart from a checkpoint. Unconfirmed, step() restores them (abandon_speculation).
-      if (confirmed)
-        return st.with_context("optimizer step " + std::to_string(hp.step) + " (resume from a checkpoint)");
-      return st;
+      return confirmed ? must_resume(st, hp.step) : st;
     }
     // A failed step leaves some sub-groups updated (OptimizerSwapper's contract): the run must restart from a
     // checkpoint, which the error says.
-    if (!st.is_ok()) return st.with_context("optimizer step " + std::to_string(hp.step) + " (resume from a checkpoint)");
+    if (!st.is_ok()) return must_resume(st, hp.step);
     return Status::ok();
   }
   return run_host_update(hp, grads, keep_old);
@@ -234,8 +240,7 @@ Status OffloadedAdamW::run_host_update(const kernels::AdamWParams& hp, const std
   }
   // Confirmed (or never speculative), some sub-groups are updated and published already: like any failed step,
   // the run must restart from a checkpoint.
-  if (!status.is_ok() && confirmed)
-    return status.with_context("optimizer step " + std::to_string(hp.step) + " (resume from a checkpoint)");
+  if (!status.is_ok() && confirmed) return must_resume(status, hp.step);
   return status;
 }
 

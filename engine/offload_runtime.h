@@ -95,8 +95,8 @@ struct OffloadStepReport {
 
 // offload_optimizer.ratio's choice: the longest run of the model's first units (the embedding, then the blocks in
 // order, then ln_f) holding at most (1 - ratio) of the parameters; those stay whole on the device
-// (GPT2::keep_on_device); the last unit is always offloaded. The first units, as their updates are what the next forward waits for first: the
-// backward makes their gradients final last, and the forward needs them first.
+// (GPT2::keep_on_device); the last unit is always offloaded. The first units, as their updates are what the next
+// forward waits for first: the backward makes their gradients final last, and the forward needs them first.
 std::vector<bool> units_kept_on_device(const GPT2& model, double ratio);
 
 class OffloadRuntime {
