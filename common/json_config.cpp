@@ -1,5 +1,7 @@
 #include "common/json_config.h"
 
+#include "common/json_parse.h"
+
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -13,11 +15,7 @@ Result<nlohmann::json> read_json_file(const std::string& path) {
   if (!in) return Status::not_found("cannot open config file {}: {}", path, std::strerror(errno));
   std::stringstream ss;
   ss << in.rdbuf();
-  try {
-    return nlohmann::json::parse(ss.str());
-  } catch (const nlohmann::json::exception& e) {  // a syntax error, or a number past a double's range (1e400)
-    return Status::invalid_argument("{}: not valid JSON: {}", path, e.what());
-  }
+  return parse_json(ss.str(), path);
 }
 
 JsonSection::JsonSection(const nlohmann::json* obj, std::string source, std::string path)
@@ -37,7 +35,7 @@ const nlohmann::json* JsonSection::find(const char* key) {
 
 Status JsonSection::type_error(const char* key, const char* expected) const {
   return Status::invalid_argument("{}: {} must be {}, got {}", source_, qualified(key), expected,
-                                  obj_->at(key).dump());
+                                  json_excerpt(obj_->at(key)));
 }
 
 Status JsonSection::get_int(const char* key, int64_t* out) {
@@ -125,7 +123,7 @@ Status JsonSection::finish() const {
   if (obj_ == nullptr) return Status::ok();
   if (!obj_->is_object()) {
     return Status::invalid_argument("{}: {} must be an object, got {}", source_, path_.empty() ? "the config" : path_,
-                                    obj_->dump());
+                                    json_excerpt(*obj_));
   }
   for (auto it = obj_->begin(); it != obj_->end(); ++it) {
     if (known_.count(it.key())) continue;

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "common/json_config.h"
+#include "common/json_parse.h"
 
 namespace strata::engine {
 
@@ -15,12 +16,9 @@ Status apply_overrides(nlohmann::json* j, const std::vector<std::string>& overri
       return Status::invalid_argument("override '{}' must look like section.key=value", o);
     const std::string key = o.substr(0, eq);
     const std::string text = o.substr(eq + 1);
-    nlohmann::json value;
-    try {
-      value = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::exception&) {
-      value = text;  // a bare string such as runs/demo (or 1e400, which the field's type check then names)
-    }
+    Result<nlohmann::json> parsed = parse_json(text, "--set");
+    // Else a bare string such as runs/demo (or 1e400, which the field's type check then names).
+    nlohmann::json value = parsed.is_ok() ? std::move(parsed).value() : nlohmann::json(text);
     nlohmann::json* node = j;
     size_t start = 0;
     while (true) {
@@ -59,7 +57,7 @@ Status apply_deepspeed_keys(nlohmann::json* j, const std::string& source) {
     if (!s.is_object()) return Status::ok();  // the parser names a section that is not an object
     if (s.contains(key) && s[key] != value)
       return Status::invalid_argument("{}: {} and {}.{} = {} say different things; keep one", source, from, sec, key,
-                                      s[key].dump());
+                                      json_excerpt(s[key]));
     s[key] = value;
     return Status::ok();
   };
@@ -70,7 +68,7 @@ Status apply_deepspeed_keys(nlohmann::json* j, const std::string& source) {
     const nlohmann::json value = (*j)[from];
     j->erase(from);
     if (is_auto(value)) return Status::ok();
-    return place(fmt::format("{} = {}", from, value.dump()), value, sec, key);
+    return place(fmt::format("{} = {}", from, json_excerpt(value)), value, sec, key);
   };
   STRATA_RETURN_IF_ERROR(take("train_micro_batch_size_per_gpu", "training", "batch_size"));
   STRATA_RETURN_IF_ERROR(take("gradient_accumulation_steps", "training", "grad_accum_steps"));
@@ -87,7 +85,7 @@ Status apply_deepspeed_keys(nlohmann::json* j, const std::string& source) {
     if (is_auto(enabled)) continue;
     if (!enabled.is_boolean())
       return Status::invalid_argument("{}: {}.enabled must be true, false or \"auto\", got {}", source, dtype,
-                                      enabled.dump());
+                                      json_excerpt(enabled));
     if (!enabled.get<bool>()) continue;  // its other settings (loss_scale, ...) do not matter then
     for (const auto& [k, _] : v.items()) {
       if (k != "enabled")
@@ -119,7 +117,7 @@ Status apply_deepspeed_keys(nlohmann::json* j, const std::string& source) {
     const nlohmann::json p = o.value("params", nlohmann::json::object());
     if (!p.is_object()) return Status::invalid_argument("{}: optimizer.params must be an object", source);
     for (const auto& [k, v] : p.items()) {
-      const std::string from = fmt::format("optimizer.params.{} = {}", k, v.dump());
+      const std::string from = fmt::format("optimizer.params.{} = {}", k, json_excerpt(v));
       if (is_auto(v)) continue;
       if (k == "lr") {
         STRATA_RETURN_IF_ERROR(place(from, v, "training", "lr"));
@@ -205,6 +203,7 @@ Result<RunConfig> parse_run_config(const nlohmann::json& given, const std::strin
   STRATA_RETURN_IF_ERROR(tr.get_bool("overwrite_checkpoints", &t.overwrite_checkpoints));
   STRATA_RETURN_IF_ERROR(tr.get_int("log_every", &t.log_every));
   STRATA_RETURN_IF_ERROR(tr.get_string("init_from", &t.init_from));
+  STRATA_RETURN_IF_ERROR(tr.get_bool("init_from_allow_non_finite", &t.init_from_allow_non_finite));
   STRATA_RETURN_IF_ERROR(tr.get_int("global_batch_size", &t.global_batch_size));
   STRATA_RETURN_IF_ERROR(tr.finish());
 
@@ -220,6 +219,9 @@ Result<RunConfig> parse_run_config(const nlohmann::json& given, const std::strin
   if (t.grad_accum_steps <= 0) return bad("grad_accum_steps", "must be positive");
   if (t.max_steps < 0) return bad("max_steps", "must be >= 0");
   if (!(t.lr >= 0)) return bad("lr", "must be >= 0");
+  // The optimizer runs in float: 1e308 would be inf there, and train to NaN.
+  if (!(t.lr <= std::numeric_limits<float>::max()))
+    return bad("lr", fmt::format("({}) is past a float's range; the optimizer computes in float", t.lr));
   if (t.lr_schedule == "constant") {
     if (!std::isnan(t.min_lr))
       return bad("min_lr", fmt::format("({}) has no meaning with training.lr_schedule \"constant\"", t.min_lr));

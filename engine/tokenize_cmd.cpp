@@ -19,6 +19,7 @@
 #include <tbb/global_control.h>
 #include <tbb/parallel_for.h>
 
+#include "common/json_parse.h"
 #include "common/timer.h"
 #include "engine/tokenizer.h"
 #include "storage/token_shard.h"
@@ -74,36 +75,63 @@ Status json_document(const nlohmann::json& v, const std::string& field, const st
                                   v.type_name(), field);
 }
 
+// The offset of the first byte that is not part of UTF-8 text (a NUL, a byte no UTF-8 sequence has, a sequence
+// cut short or overlong), or npos.
+size_t first_non_text_byte(std::string_view s) {
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c == 0) return i;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t n = 0;  // the sequence's length, by its lead byte
+    if (c >= 0xc2 && c <= 0xdf) n = 2;
+    else if (c >= 0xe0 && c <= 0xef) n = 3;
+    else if (c >= 0xf0 && c <= 0xf4) n = 4;
+    if (n == 0 || i + n > s.size()) return i;
+    for (size_t k = 1; k < n; ++k)
+      if ((static_cast<unsigned char>(s[i + k]) & 0xc0) != 0x80) return i;
+    const auto c1 = static_cast<unsigned char>(s[i + 1]);
+    if ((c == 0xe0 && c1 < 0xa0) || (c == 0xed && c1 > 0x9f) || (c == 0xf0 && c1 < 0x90) || (c == 0xf4 && c1 > 0x8f))
+      return i;  // overlong, a surrogate, or past U+10FFFF
+    i += n;
+  }
+  return std::string_view::npos;
+}
+
 // Reads one input file's documents (see tokenize_cmd.h for the forms).
 Status read_documents(const fs::path& path, const std::string& field, std::vector<std::string>* docs) {
   STRATA_ASSIGN_OR_RETURN(std::string text, read_whole_file(path.string()));
   const std::string ext = path.extension().string();
   const std::string name = path.string();
-  try {
-    if (ext == ".json") {
-      const nlohmann::json j = nlohmann::json::parse(text);
-      if (!j.is_array()) return json_document(j, field, name, docs);
-      for (size_t i = 0; i < j.size(); ++i)
-        STRATA_RETURN_IF_ERROR(json_document(j[i], field, fmt::format("{}: element {}", name, i), docs));
-      return Status::ok();
+  // A corpus may be any size: only the depth is bounded.
+  const JsonLimits limits{.max_bytes = SIZE_MAX, .max_depth = JsonLimits{}.max_depth};
+  if (ext == ".json") {
+    STRATA_ASSIGN_OR_RETURN(const nlohmann::json j, parse_json(text, name, StatusCode::kInvalidArgument, limits));
+    if (!j.is_array()) return json_document(j, field, name, docs);
+    for (size_t i = 0; i < j.size(); ++i)
+      STRATA_RETURN_IF_ERROR(json_document(j[i], field, fmt::format("{}: element {}", name, i), docs));
+    return Status::ok();
+  }
+  if (ext == ".jsonl") {
+    std::istringstream lines(text);
+    std::string line;
+    for (size_t no = 1; std::getline(lines, line); ++no) {
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      // Each line parses alone: its own line number.
+      STRATA_ASSIGN_OR_RETURN(const nlohmann::json j,
+                              parse_json(line, fmt::format("{}:{}", name, no), StatusCode::kInvalidArgument, limits));
+      STRATA_RETURN_IF_ERROR(json_document(j, field, fmt::format("{}:{}", name, no), docs));
     }
-    if (ext == ".jsonl") {
-      std::istringstream lines(text);
-      std::string line;
-      for (size_t no = 1; std::getline(lines, line); ++no) {
-        if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-        nlohmann::json j;
-        try {
-          j = nlohmann::json::parse(line);
-        } catch (const nlohmann::json::exception& e) {  // each line parses alone: its own line number
-          return Status::invalid_argument("{}:{}: not valid JSON: {}", name, no, e.what());
-        }
-        STRATA_RETURN_IF_ERROR(json_document(j, field, fmt::format("{}:{}", name, no), docs));
-      }
-      return Status::ok();
-    }
-  } catch (const nlohmann::json::exception& e) {
-    return Status::invalid_argument("{}: not valid JSON: {}", name, e.what());
+    return Status::ok();
+  }
+  // A text file, or what is meant as one: a binary (an ELF file, random bytes) would tokenize into shards of
+  // noise without a word.
+  if (const size_t bad = first_non_text_byte(text); bad != std::string::npos) {
+    return Status::invalid_argument("{}: byte {} (0x{:02x}) is not UTF-8 text: is it a binary file? (tokenize reads "
+                                    "text, .json and .jsonl)",
+                                    name, bad, static_cast<unsigned char>(text[bad]));
   }
   docs->push_back(std::move(text));
   return Status::ok();
@@ -267,6 +295,11 @@ Result<TokenizeSummary> tokenize_corpus(const TokenizeOptions& o) {
     if (batch_bytes >= kBatchBytes) STRATA_RETURN_IF_ERROR(run_batch());
   }
   STRATA_RETURN_IF_ERROR(run_batch());
+  if (summary.text_bytes == 0) {
+    return Status::invalid_argument("{} input file(s) hold no text: nothing to tokenize (an empty file, or "
+                                    "/dev/null?)",
+                                    files.size());
+  }
 
   nlohmann::json manifest = {
       {"tokenizer", "gpt2"},

@@ -15,6 +15,7 @@
 #include <tbb/enumerable_thread_specific.h>
 
 #include "common/check.h"
+#include "common/json_parse.h"
 
 namespace strata::engine {
 namespace {
@@ -259,12 +260,7 @@ Result<Tokenizer> Tokenizer::load(const std::string& encoder_json_path, const st
 
   // encoder.json: token (in the byte alphabet) -> id; the ids must be exactly 0..n-1.
   STRATA_ASSIGN_OR_RETURN(std::string enc_text, read_text_file(encoder_json_path, "encoder.json"));
-  nlohmann::json enc;
-  try {
-    enc = nlohmann::json::parse(enc_text);
-  } catch (const nlohmann::json::exception& e) {
-    return Status::corruption("{}: not valid JSON: {}", encoder_json_path, e.what());
-  }
+  STRATA_ASSIGN_OR_RETURN(const nlohmann::json enc, parse_json(enc_text, encoder_json_path, StatusCode::kCorruption));
   if (!enc.is_object() || enc.empty())
     return Status::corruption("{}: want a non-empty JSON object of token -> id", encoder_json_path);
   const size_t vocab = enc.size();
@@ -276,7 +272,7 @@ Result<Tokenizer> Tokenizer::load(const std::string& encoder_json_path, const st
   for (auto it = enc.begin(); it != enc.end(); ++it) {
     if (!it->is_number_unsigned() || it->get<uint64_t>() >= vocab)
       return Status::corruption("{}: token '{}' has id {}, want an integer in [0, {})", encoder_json_path,
-                                abbreviate(it.key()), it->dump(), vocab);
+                                abbreviate(it.key()), json_excerpt(*it), vocab);
     const auto id = it->get<int32_t>();
     if (seen[static_cast<size_t>(id)])
       return Status::corruption("{}: id {} is used twice (again by token '{}')", encoder_json_path, id, abbreviate(it.key()));

@@ -131,6 +131,28 @@ TEST_F(TokenizeCmdTest, BadJsonNamesFileAndElement) {
   EXPECT_EQ(tokenize_corpus(opts_).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Random bytes, an ELF binary, an empty file and /dev/null made shards with exit 0 at 82c4702: each is refused,
+// naming the file and, for a binary, the first byte that is not text. Real UTF-8 (any script) is text.
+TEST_F(TokenizeCmdTest, BinaryAndEmptyInputsAreRefused) {
+  auto refused = [&](const std::string& path, const std::string& words) {
+    opts_.inputs = {path};
+    auto r = tokenize_corpus(opts_);
+    ASSERT_FALSE(r.is_ok()) << path << " was tokenized";
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().to_string();
+    EXPECT_NE(r.status().message().find(words), std::string::npos) << r.status().message();
+  };
+  refused(input("elf.txt", std::string("\x7f" "ELF\x02\x01\x01\0\0\0", 10)), "elf.txt: byte 7 (0x00)");
+  std::string noise(4096, '\0');
+  for (size_t i = 0; i < noise.size(); ++i) noise[i] = static_cast<char>((i * 2654435761u) >> 13);
+  refused(input("noise.bin", noise), "noise.bin: byte");
+  refused(input("cut.txt", "ok \xe2\x82"), "cut.txt: byte 3 (0xe2)");
+  refused(input("empty.txt", ""), "hold no text");
+  refused("/dev/null", "hold no text");
+  opts_.inputs = {input("utf8.txt", "caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac \xf0\x9f\x99\x82\n")};
+  auto r = tokenize_corpus(opts_);
+  EXPECT_TRUE(r.is_ok()) << r.status().to_string();
+}
+
 TEST_F(TokenizeCmdTest, ShardsSplitDocumentsAndStaleShardsGo) {
   opts_.inputs = {input("a.txt", "abcdefgh"), input("b.txt", "ijklmnop")};  // 18 tokens with EOTs
   opts_.val_fraction = 0;
