@@ -13,7 +13,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <atomic>
 #include <map>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -41,9 +43,18 @@ struct SafetensorsTensor {
   std::function<Result<std::span<const std::byte>>(size_t offset)> view = nullptr;
 };
 
+// Every file Strata writes carries XXH3-64 checksums in its metadata, under kSafetensorsChecksumKey: one of the
+// header (every header byte but the value's own) and one per chunk of kSafetensorsChecksumChunk bytes of each
+// tensor, counted from the tensor's start, in data-offset order. The value reads
+//   "v1 chunk=16777216 header=<16 hex digits> data=<16 hex digits>,<16 hex digits>,..."
+// Other readers (Hugging Face's safetensors, PEFT) see one more string in the metadata and ignore it.
+inline constexpr const char* kSafetensorsChecksumKey = "strata.xxh3";
+inline constexpr size_t kSafetensorsChecksumChunk = size_t{16} << 20;
+
 // Writes `tensors` (data laid out in the order given) and `metadata` to `path` via "<path>.tmp", fsync and
-// rename. InvalidArgument for an empty, duplicate or reserved ("__metadata__") name or a negative dimension;
-// IOError naming the file otherwise.
+// rename, with the checksums above (hashed as the bytes go out; the header is rewritten with them before the
+// file is synced). InvalidArgument for an empty, duplicate or reserved ("__metadata__") name, a negative
+// dimension or the checksum's metadata key; IOError naming the file otherwise.
 Status write_safetensors(const std::string& path, std::span<const SafetensorsTensor> tensors,
                          const std::map<std::string, std::string>& metadata = {});
 
@@ -72,9 +83,10 @@ void release_mapped_pages(const void* data, size_t bytes);
 class SafetensorsFile {
  public:
   // Maps and validates `path`. NotFound if it is missing; Corruption naming the file (and the tensor) for a
-  // header length past the end of the file, bad JSON, a malformed entry, offsets out of range, overlapping or
-  // leaving gaps, or a shape whose size disagrees with its offsets; Unimplemented for a dtype other than
-  // F32/BF16/F16.
+  // header length past the end of the file, bad JSON (nested past 8 deep, a key twice), a malformed entry,
+  // offsets out of range, overlapping or leaving gaps, a shape whose size disagrees with its offsets, or a
+  // header that fails its checksum; Unimplemented for a dtype other than F32/BF16/F16. The data's checksums
+  // are checked as it is read (verify).
   static Result<SafetensorsFile> open(const std::string& path);
 
   SafetensorsFile(SafetensorsFile&& o) noexcept;
@@ -83,10 +95,20 @@ class SafetensorsFile {
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
   ~SafetensorsFile();
 
+  // Whether the file carries Strata's checksums (every file Strata writes; not other projects' files).
+  bool checksummed() const { return chunk_bytes_ != 0; }
+  // Checks bytes [lo, hi) of tensor `e` (one of tensors()) against their checksums, each chunk once for the
+  // life of the file (the chunks those bytes touch are hashed whole): Corruption naming the file, the tensor,
+  // its bytes and their file offset on a mismatch. Ok for a file without checksums. read_into and read_range
+  // call it; code that reads SafetensorsEntry::data itself must too. Thread-safe.
+  Status verify(const SafetensorsEntry& e, size_t lo, size_t hi) const;
+  // Every tensor's every chunk, each tensor's pages released after: `strata export` of a file it copies whole.
+  Status verify_all() const;
+
   // nullptr if there is no tensor of that name.
   const SafetensorsEntry* find(std::string_view name) const;
   // The tensor's bytes, after checking it exists with exactly this dtype and shape; NotFound or
-  // InvalidArgument naming the file, the tensor, and what was wanted and found.
+  // InvalidArgument naming the file, the tensor, and what was wanted and found. Not yet verified.
   Result<std::span<const std::byte>> expect(std::string_view name, DType dtype, std::span<const int64_t> shape) const;
   // expect(), copied to dst (the tensor's size), and its pages released from the resident set.
   Status read_into(std::string_view name, DType dtype, std::span<const int64_t> shape, void* dst) const;
@@ -103,6 +125,8 @@ class SafetensorsFile {
  private:
   SafetensorsFile() = default;
   void unmap();
+  Status read_checksums(std::string_view header, const std::string& value);
+  const std::byte* base() const { return static_cast<const std::byte*>(map_); }
 
   std::string path_;
   void* map_ = nullptr;  // the whole file, PROT_READ
@@ -110,6 +134,12 @@ class SafetensorsFile {
   std::vector<SafetensorsEntry> entries_;
   std::map<std::string, size_t, std::less<>> by_name_;  // name -> index in entries_
   std::map<std::string, std::string> metadata_;
+  // The checksums, when the file has them (chunk_bytes_ 0 when not): each tensor's chunks from
+  // first_chunk_[i] on in chunk_hash_, and which have been checked.
+  size_t chunk_bytes_ = 0;
+  std::vector<uint64_t> chunk_hash_;
+  std::vector<size_t> first_chunk_;
+  std::unique_ptr<std::atomic<bool>[]> verified_;
 };
 
 }  // namespace strata

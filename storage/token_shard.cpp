@@ -52,6 +52,20 @@ Status write_all(int fd, const std::byte* p, size_t n, const std::string& path, 
   return Status::ok();
 }
 
+// Writes exactly `n` bytes at `offset`, over bytes written before; retries short writes and EINTR.
+Status pwrite_all(int fd, const std::byte* p, size_t n, size_t offset, const std::string& path) {
+  size_t done = 0;
+  while (done < n) {
+    ssize_t r = ::pwrite(fd, p + done, n - done, static_cast<off_t>(offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0)
+      return Status::io_error("{}: rewrite at offset {} failed: {}", path, offset + done,
+                              r < 0 ? std::strerror(errno) : "nothing written");
+    done += static_cast<size_t>(r);
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 Status fsync_parent_dir(const std::string& path) {
@@ -72,6 +86,11 @@ Status write_file_atomic(const std::string& path, std::span<const std::span<cons
 }
 
 Status write_file_atomic(const std::string& path, const std::function<Status(const AppendFn&)>& produce) {
+  return write_file_atomic(path, [&](const AppendFn& append, const OverwriteFn&) { return produce(append); });
+}
+
+Status write_file_atomic(const std::string& path,
+                         const std::function<Status(const AppendFn&, const OverwriteFn&)>& produce) {
   const std::string tmp = path + ".tmp";
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Status::io_error("{}: cannot create: {}", tmp, std::strerror(errno));
@@ -81,11 +100,18 @@ Status write_file_atomic(const std::string& path, const std::function<Status(con
     return st;
   };
   size_t written = 0;
-  Status produced = produce([&](std::span<const std::byte> part) -> Status {
+  auto append = [&](std::span<const std::byte> part) -> Status {
     STRATA_RETURN_IF_ERROR(write_all(fd, part.data(), part.size(), tmp, written));
     written += part.size();
     return Status::ok();
-  });
+  };
+  auto overwrite = [&](size_t offset, std::span<const std::byte> part) -> Status {
+    if (offset > written || part.size() > written - offset)
+      return Status::invalid_argument("{}: rewriting bytes [{}, {}) of the {} written", tmp, offset,
+                                      offset + part.size(), written);
+    return pwrite_all(fd, part.data(), part.size(), offset, tmp);
+  };
+  Status produced = produce(append, overwrite);
   if (!produced.is_ok()) return fail(produced);
   if (::fsync(fd) != 0) return fail(Status::io_error("{}: fsync failed: {}", tmp, std::strerror(errno)));
   // close() can report a deferred write error (NFS, quota): it must be checked before the rename.

@@ -66,6 +66,11 @@ Status write_file_atomic(const std::string& path, std::span<const std::span<cons
 // The same with the bytes produced as they are written: produce(append) calls append(piece) in order.
 using AppendFn = std::function<Status(std::span<const std::byte>)>;
 Status write_file_atomic(const std::string& path, const std::function<Status(const AppendFn&)>& produce);
+// And with bytes already appended rewritten in place before the file is synced: overwrite(offset, bytes), inside
+// what was appended (InvalidArgument otherwise). A header that holds the checksums of what follows it.
+using OverwriteFn = std::function<Status(size_t offset, std::span<const std::byte>)>;
+Status write_file_atomic(const std::string& path,
+                         const std::function<Status(const AppendFn&, const OverwriteFn&)>& produce);
 // write_file_atomic of one text (a JSON file, a name).
 Status write_text_atomic(const std::string& path, std::string_view text);
 // The whole file's bytes. NotFound naming it when it cannot be opened, IOError when reading fails.

@@ -365,3 +365,149 @@ TEST_F(SafetensorsTest, ProducedTensorsAreWrittenAsTheyAreReachedAndTheirErrorsR
 
 }  // namespace
 }  // namespace strata
+
+namespace strata {
+namespace {
+
+// Hostile headers, each found by hand or by fuzzing a checkpoint's file at 82c4702, where each crashed the
+// process: now a Corruption naming the file.
+TEST_F(SafetensorsTest, AHeaderNested200000DeepIsACorruptionNotASegfault) {
+  const std::string h = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":)" + std::string(200000, '[') +
+                        std::string(200000, ']') + "}}";
+  expect_error(SafetensorsFile::open(write_raw("deep.safetensors", h, 4)).status(), StatusCode::kCorruption,
+               {"deep.safetensors", "nested more than 8 deep"});
+}
+
+TEST_F(SafetensorsTest, ANumberPastADoublesRangeIsACorruptionNotAnAbort) {
+  const std::string h = R"({"a":{"dtype":"F32","shape":[1e400],"data_offsets":[0,4]}})";
+  expect_error(SafetensorsFile::open(write_raw("inf.safetensors", h, 4)).status(), StatusCode::kCorruption,
+               {"inf.safetensors", "not valid JSON"});
+}
+
+TEST_F(SafetensorsTest, DuplicateTensorNamesAreRefused) {
+  const std::string h = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                        R"("a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})";
+  expect_error(SafetensorsFile::open(write_raw("dup.safetensors", h, 8)).status(), StatusCode::kCorruption,
+               {"dup.safetensors", "key 'a' appears twice"});
+}
+
+TEST_F(SafetensorsTest, BytesAfterTheHeaderJsonAreRefused) {
+  const std::string h = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}   xyz)";
+  expect_error(SafetensorsFile::open(write_raw("after.safetensors", h, 4)).status(), StatusCode::kCorruption,
+               {"after.safetensors", "not valid JSON"});
+  // Spaces (the writer's padding) are fine.
+  EXPECT_TRUE(SafetensorsFile::open(write_raw("pad.safetensors", R"({"a":{"dtype":"F32","shape":[1],)"
+                                                                  R"("data_offsets":[0,4]}}     )",
+                                              4))
+                  .is_ok());
+}
+
+// A tensor of two and a bit chunks, written in odd-sized pieces (hashed as a stream), and a small one.
+class SafetensorsChecksumTest : public SafetensorsTest {
+ protected:
+  void SetUp() override {
+    SafetensorsTest::SetUp();
+    big_.resize(kSafetensorsChecksumChunk / 4 * 2 + 12345);
+    Rng rng(7);
+    for (float& x : big_) x = static_cast<float>(rng.normal());
+    const std::vector<SafetensorsTensor> tensors = {
+        {"small", DType::kF32, {3}, small_, {}},
+        {"big", DType::kF32, {static_cast<int64_t>(big_.size())}, nullptr, {},
+         [this](size_t offset) -> Result<std::span<const std::byte>> {
+           const auto all = std::as_bytes(std::span<const float>(big_));
+           return all.subspan(offset, std::min<size_t>(all.size() - offset, 3'000'017));
+         }},
+    };
+    ASSERT_TRUE(write_safetensors(path("c.safetensors"), tensors, {{"format", "pt"}}).is_ok());
+  }
+  // The file with bit `bit` of byte `at` flipped, as a new file.
+  std::string flipped(size_t at, int bit) {
+    const std::string p = path("flipped.safetensors");
+    fs::copy_file(path("c.safetensors"), p, fs::copy_options::overwrite_existing);
+    std::fstream f(p, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(at));
+    char c = 0;
+    f.get(c);
+    c = static_cast<char>(c ^ (1 << bit));
+    f.seekp(static_cast<std::streamoff>(at));
+    f.put(c);
+    return p;
+  }
+  // Reads every tensor whole; the first error.
+  Status read_all(const std::string& p) {
+    STRATA_ASSIGN_OR_RETURN(SafetensorsFile f, SafetensorsFile::open(p));
+    std::vector<float> out(big_.size());
+    for (const SafetensorsEntry& e : f.tensors())
+      STRATA_RETURN_IF_ERROR(f.read_into(e.name, DType::kF32, e.shape, out.data()));
+    return Status::ok();
+  }
+  const float small_[3] = {1.5f, -2.0f, 0.25f};
+  std::vector<float> big_;
+};
+
+TEST_F(SafetensorsChecksumTest, StrataFilesCarryChecksumsThatReadBack) {
+  ASSERT_OK_AND_ASSIGN(SafetensorsFile f, SafetensorsFile::open(path("c.safetensors")));
+  EXPECT_TRUE(f.checksummed());
+  EXPECT_EQ(f.metadata().at("format"), "pt");  // the caller's metadata is kept beside the checksums
+  EXPECT_TRUE(f.metadata().at(kSafetensorsChecksumKey).starts_with("v1 chunk=16777216 header="));
+  ASSERT_OK(f.verify_all());
+  std::vector<float> out(big_.size());
+  ASSERT_OK(f.read_into("big", DType::kF32, f.find("big")->shape, out.data()));
+  EXPECT_EQ(out, big_);
+  // Files from elsewhere have none, and read as before.
+  ASSERT_OK_AND_ASSIGN(SafetensorsFile raw, SafetensorsFile::open(write_raw(
+                                                "raw.safetensors", R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 4)));
+  EXPECT_FALSE(raw.checksummed());
+  ASSERT_OK(raw.verify_all());
+}
+
+// One flipped bit anywhere in the file is refused, naming the file, and in the data the tensor and offset.
+TEST_F(SafetensorsChecksumTest, OneFlippedBitAnywhereIsACorruption) {
+  uint64_t header_len = 0;
+  {
+    std::ifstream in(path("c.safetensors"), std::ios::binary);
+    in.read(reinterpret_cast<char*>(&header_len), 8);
+  }
+  const size_t data0 = 8 + header_len, big0 = data0 + 12;
+  struct Case {
+    size_t at;
+    std::vector<std::string> words;
+  };
+  const std::string header = [&] {
+    std::ifstream in(path("c.safetensors"), std::ios::binary);
+    std::string h(8 + header_len, '\0');
+    in.read(h.data(), static_cast<std::streamsize>(h.size()));
+    return h;
+  }();
+  const std::vector<Case> cases = {
+      {header.find("\"format\"") + 2, {"fails its XXH3 checksum"}},  // the caller's metadata
+      {header.find("\"shape\"") + 9, {}},                            // a shape: the layout check or the checksum
+      {header.find("header=") + 9, {"checksum"}},  // the stored header hash: another, or no longer hex
+      {header.find("data=") + 7, {"checksum"}},    // a stored data hash
+      {header.size() - 1, {}},                                        // the padding, or the closing brace
+      {data0 + 5, {"'small'", fmt::format("file offset {}", data0)}},
+      {big0 + 100, {"'big'", "bytes [0, 16777216)"}},
+      {big0 + kSafetensorsChecksumChunk + 7, {"'big'", "bytes [16777216, 33554432)"}},
+      {big0 + big_.size() * 4 - 1, {"'big'", fmt::format("bytes [33554432, {})", big_.size() * 4)}},
+  };
+  for (const Case& c : cases) {
+    for (int bit : {0, 6}) {
+      SCOPED_TRACE(fmt::format("byte {} bit {}", c.at, bit));
+      const Status st = read_all(flipped(c.at, bit));
+      ASSERT_FALSE(st.is_ok());
+      EXPECT_TRUE(st.code() == StatusCode::kCorruption || st.code() == StatusCode::kUnimplemented) << st.to_string();
+      EXPECT_NE(st.message().find("flipped.safetensors"), std::string::npos) << st.message();
+      for (const std::string& w : c.words) EXPECT_NE(st.message().find(w), std::string::npos) << st.message();
+    }
+  }
+}
+
+TEST_F(SafetensorsChecksumTest, TheChecksumKeyIsTheWritersOwn) {
+  const float x = 1;
+  const std::vector<SafetensorsTensor> t = {{"a", DType::kF32, {1}, &x, {}}};
+  expect_error(write_safetensors(path("k.safetensors"), t, {{kSafetensorsChecksumKey, "v1"}}),
+               StatusCode::kInvalidArgument, {"k.safetensors", "strata.xxh3", "writer's own"});
+}
+
+}  // namespace
+}  // namespace strata
