@@ -79,4 +79,13 @@ void f16_to_f32_n(const uint16_t* src, float* dst, size_t n) {
   for (size_t i = 0; i < n; ++i) dst[i] = f16_to_f32(src[i]);
 }
 
+size_t first_non_finite(const float* src, size_t n) {
+  uint32_t any = 0;
+  for (size_t i = 0; i < n; ++i) any |= (std::bit_cast<uint32_t>(src[i]) & 0x7f800000u) == 0x7f800000u;
+  if (any == 0) return n;
+  size_t i = 0;
+  while ((std::bit_cast<uint32_t>(src[i]) & 0x7f800000u) != 0x7f800000u) ++i;
+  return i;
+}
+
 }  // namespace strata

@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/dtype.h"
+#include "common/json_parse.h"
 #include "common/log.h"
 #include "engine/checkpoint.h"
 #include "engine/tokenizer.h"
@@ -170,17 +171,20 @@ class SafetensorsWeights final : public WeightsFile {
     return Status::ok();
   }
 
-  Status read(const TensorSpec& spec, float* dst) const override { return read_range(spec, 0, spec.numel(), dst); }
+  bool checksummed() const override { return file_.checksummed(); }
 
-  Status read_range(const TensorSpec& spec, size_t offset, size_t n, float* dst) const override {
+ protected:
+  Status read_stored(const TensorSpec& spec, size_t offset, size_t n, float* dst) const override {
     STRATA_ASSIGN_OR_RETURN(const SafetensorsEntry* e, entry(spec));
     STRATA_RETURN_IF_ERROR(check_range(spec, offset, n));
     const size_t esize = dtype_size(e->dtype);
     if (format_ != WeightsFormat::kHuggingFace || !hf_transposed(spec.name)) {
+      STRATA_RETURN_IF_ERROR(file_.verify(*e, offset * esize, (offset + n) * esize));
       to_f32(e->dtype, e->data + offset * esize, dst, n);
       release_mapped_pages(e->data + offset * esize, n * esize);  // read once: need not stay resident
       return Status::ok();
     }
+    STRATA_RETURN_IF_ERROR(file_.verify(*e, 0, e->nbytes()));  // a transposed range touches all of it
     if (offset == 0 && n == spec.numel()) {  // the whole tensor: transposed in cache-sized tiles
       std::vector<float> stored(n);
       to_f32(e->dtype, e->data, stored.data(), n);
@@ -249,27 +253,44 @@ class SafetensorsWeights final : public WeightsFile {
     config_.n_layer = count_blocks(file_, prefix_);
     config_.n_head = 0;
     if (format_ == WeightsFormat::kStrata) {
+      // The metadata names the config (model_metadata); each size it gives must be a number, and the shapes'.
       const auto& md = file_.metadata();
-      if (auto it = md.find("n_head"); it != md.end()) {
+      const std::pair<const char*, int*> sizes[] = {{"n_layer", &config_.n_layer},   {"n_embd", &config_.n_embd},
+                                                    {"vocab_size", &config_.vocab_size},
+                                                    {"block_size", &config_.block_size}, {"n_head", &config_.n_head}};
+      for (const auto& [key, have] : sizes) {
+        auto it = md.find(key);
+        if (it == md.end()) continue;
         int v = 0;
         const auto [p, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), v);
-        if (ec == std::errc() && p == it->second.data() + it->second.size()) config_.n_head = v;
+        if (ec != std::errc() || p != it->second.data() + it->second.size() || v <= 0) {
+          return Status::corruption("{}: __metadata__ {} is '{:.40}', not a positive integer", path_, key, it->second);
+        }
+        if (std::string_view(key) == "n_head") {
+          if (config_.n_embd % v != 0)
+            return Status::corruption("{}: __metadata__ n_head {} does not divide the width {}", path_, v,
+                                      config_.n_embd);
+          config_.n_head = v;
+        } else if (v != *have) {
+          return Status::corruption("{}: __metadata__ says {} {}, but its tensors hold {}: the file contradicts itself",
+                                    path_, key, v, *have);
+        }
       }
       return Status::ok();
     }
     const fs::path beside = fs::path(path_).parent_path() / "config.json";
     std::error_code ec;
     if (!fs::exists(beside, ec)) return Status::ok();
-    std::ifstream in(beside);
-    const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.is_object())
+    STRATA_ASSIGN_OR_RETURN(const std::string text, read_whole_file(beside.string()));
+    STRATA_ASSIGN_OR_RETURN(const nlohmann::json j, parse_json(text, beside.string()));
+    if (!j.is_object())
       return Status::invalid_argument("{}: not a JSON object (the model's config beside {})", beside.string(), path_);
     auto field = [&](const char* key, int have) -> Status {
       auto it = j.find(key);
       if (it == j.end() || !it->is_number_integer()) return Status::ok();
-      if (have != 0 && it->get<int>() != have) {
+      if (have != 0 && it->get<int64_t>() != have) {
         return Status::invalid_argument("{} says {} = {}, but {} holds {}: they are not the same model",
-                                        beside.string(), key, it->get<int>(), path_, have);
+                                        beside.string(), key, json_excerpt(*it), path_, have);
       }
       return Status::ok();
     };
@@ -277,13 +298,20 @@ class SafetensorsWeights final : public WeightsFile {
     STRATA_RETURN_IF_ERROR(field("n_embd", config_.n_embd));
     STRATA_RETURN_IF_ERROR(field("vocab_size", config_.vocab_size));
     STRATA_RETURN_IF_ERROR(field("n_positions", config_.block_size));
-    if (auto it = j.find("n_head"); it != j.end() && it->is_number_integer()) config_.n_head = it->get<int>();
+    if (auto it = j.find("n_head"); it != j.end() && it->is_number_integer()) {
+      if (it->get<int64_t>() <= 0 || it->get<int64_t>() > config_.n_embd)
+        return Status::invalid_argument("{}: n_head = {} does not divide a width of {}", beside.string(),
+                                        json_excerpt(*it), config_.n_embd);
+      config_.n_head = it->get<int>();
+    }
     return Status::ok();
   }
 
   // Hugging Face files from save_pretrained may keep the tied head; Strata's is wte itself.
   Status check_tied_head(const SafetensorsEntry& head) const {
     const SafetensorsEntry* wte = file_.find(file_name("wte"));
+    STRATA_RETURN_IF_ERROR(file_.verify(head, 0, head.nbytes()));
+    STRATA_RETURN_IF_ERROR(file_.verify(*wte, 0, wte->nbytes()));
     const bool same = head.shape == wte->shape && head.dtype == wte->dtype && head.nbytes() == wte->nbytes() &&
                       std::memcmp(head.data, wte->data, head.nbytes()) == 0;
     release_mapped_pages(head.data, head.nbytes());
@@ -381,10 +409,10 @@ class LlmcWeights final : public WeightsFile {
   }
 
   Status check(const GPT2Config& want) const override { return check_sizes(want); }
+  bool checksummed() const override { return false; }
 
-  Status read(const TensorSpec& spec, float* dst) const override { return read_range(spec, 0, spec.numel(), dst); }
-
-  Status read_range(const TensorSpec& spec, size_t offset, size_t n, float* dst) const override {
+ protected:
+  Status read_stored(const TensorSpec& spec, size_t offset, size_t n, float* dst) const override {
     STRATA_ASSIGN_OR_RETURN(auto place, llmc_place(spec.name));
     const auto [i, block] = place;
     const std::array<size_t, 16> sizes = llmc_sizes(config_, padded_vocab_);
@@ -540,7 +568,27 @@ Result<WeightsFormat> parse_weights_format(const std::string& name) {
                                   name);
 }
 
-Result<std::unique_ptr<WeightsFile>> WeightsFile::open(const std::string& path) {
+// The file at `path` in whichever format its content says.
+static Result<std::unique_ptr<WeightsFile>> open_any(const std::string& path);
+
+Result<std::unique_ptr<WeightsFile>> WeightsFile::open(const std::string& path, const WeightsOpenOptions& options) {
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> w, open_any(path));
+  w->allow_non_finite_ = options.allow_non_finite;
+  return w;
+}
+
+Status WeightsFile::read_range(const TensorSpec& spec, size_t offset, size_t n, float* dst) const {
+  STRATA_RETURN_IF_ERROR(read_stored(spec, offset, n, dst));
+  if (checksummed() || allow_non_finite_) return Status::ok();
+  const size_t i = first_non_finite(dst, n);
+  if (i == n) return Status::ok();
+  return Status::corruption("{}: tensor '{}' element {} is {}: the file holds non-finite weights, which train to NaN "
+                            "(it has no checksums to tell damage from what its writer meant; "
+                            "--allow-non-finite, or training.init_from_allow_non_finite, loads them anyway)",
+                            path_, spec.name, offset + i, dst[i]);
+}
+
+static Result<std::unique_ptr<WeightsFile>> open_any(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ENOENT) return Status::not_found("{}: no such file", path);
@@ -619,12 +667,13 @@ Result<std::string> weights_path(const std::string& path) {
   return file;
 }
 
-Status export_weights(const std::string& from, WeightsFormat format, const std::string& out, DType dtype) {
+Status export_weights(const std::string& from, WeightsFormat format, const std::string& out, DType dtype,
+                      const WeightsOpenOptions& options) {
   if (dtype != DType::kF32 && (dtype != DType::kBF16 || format == WeightsFormat::kStrata)) {
     return Status::invalid_argument("export as {}: {} files are written in fp32{}", dtype_name(dtype),
                                     weights_format_name(format), format == WeightsFormat::kStrata ? "" : " or bf16");
   }
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> src, WeightsFile::open(from));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> src, WeightsFile::open(from, options));
   const GPT2Config& c = src->config();
   if (c.n_head == 0) {
     return Status::invalid_argument(

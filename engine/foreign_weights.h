@@ -35,13 +35,20 @@ enum class WeightsFormat { kStrata, kHuggingFace, kLlmc };
 const char* weights_format_name(WeightsFormat f);
 Result<WeightsFormat> parse_weights_format(const std::string& name);
 
+struct WeightsOpenOptions {
+  // Files without Strata's checksums (other projects', and ours from before them) are checked for finite
+  // values as they are read instead; this loads NaN and inf as they are.
+  bool allow_non_finite = false;
+};
+
 class WeightsFile {
  public:
   // Opens `path` and tells its format from its content (llm.c's magic number, else safetensors with our
   // names or Hugging Face's). NotFound for a missing file; InvalidArgument naming the file and what it holds
   // for safetensors that are not a GPT-2's, or an llm.c version Strata does not read; Corruption for a
-  // malformed file, for one that is neither format (saying so), and for sizes past what Strata reads.
-  static Result<std::unique_ptr<WeightsFile>> open(const std::string& path);
+  // malformed file, for one that is neither format (saying so), for sizes past what Strata reads, and for
+  // metadata that contradicts the tensors.
+  static Result<std::unique_ptr<WeightsFile>> open(const std::string& path, const WeightsOpenOptions& options = {});
   virtual ~WeightsFile() = default;
 
   WeightsFormat format() const { return format_; }
@@ -55,19 +62,26 @@ class WeightsFile {
   // except a tied head's, which it compares.
   virtual Status check(const GPT2Config& want) const = 0;
   // The tensor Strata names spec.name (a spec of gpt2_unit_layouts(config())), as fp32 in Strata's orientation.
-  virtual Status read(const TensorSpec& spec, float* dst) const = 0;
+  Status read(const TensorSpec& spec, float* dst) const { return read_range(spec, 0, spec.numel(), dst); }
   // Elements [offset, offset + n) of that tensor (row-major, in Strata's orientation) into dst[0..n): a tensor
   // read in pieces, each piece's pages released as it is read (InvalidArgument for a range past its end).
-  virtual Status read_range(const TensorSpec& spec, size_t offset, size_t n, float* dst) const = 0;
+  // Corruption naming the file, the tensor and the bytes when they fail their checksum; in a file without
+  // checksums, naming the element when it is not finite (unless the options allow it).
+  Status read_range(const TensorSpec& spec, size_t offset, size_t n, float* dst) const;
+  // Whether the file's bytes are checked against checksums as they are read (Strata's files).
+  virtual bool checksummed() const = 0;
 
  protected:
   WeightsFile(WeightsFormat format, std::string path) : format_(format), path_(std::move(path)) {}
+  // read_range without the finite check.
+  virtual Status read_stored(const TensorSpec& spec, size_t offset, size_t n, float* dst) const = 0;
   Status check_sizes(const GPT2Config& want) const;  // the config fields the file knows against `want`
   Status check_range(const TensorSpec& spec, size_t offset, size_t n) const;  // [offset, offset + n) inside it
 
   WeightsFormat format_;
   std::string path_;
   GPT2Config config_;
+  bool allow_non_finite_ = false;
 };
 
 // `path` itself, or for a folder (a checkpoint's step folder) its model.safetensors; NotFound when it has none.
@@ -80,7 +94,7 @@ Result<std::string> weights_path(const std::string& path);
 // kStrata, the file `out` (fp32 only). `dtype` F32 or BF16 (rounded to nearest even). Each file is written
 // atomically (storage/token_shard.h's write_file_atomic).
 Status export_weights(const std::string& from, WeightsFormat format, const std::string& out,
-                      DType dtype = DType::kF32);
+                      DType dtype = DType::kF32, const WeightsOpenOptions& options = {});
 
 // Puts a GPT-2 tokenizer beside a Hugging Face model exported to `dir`, as transformers names its files:
 // encoder.json as vocab.json, vocab.bpe as merges.txt (the same formats), and a tokenizer_config.json, so that

@@ -57,6 +57,7 @@ void default_omp_wait_policy(int argc, char** argv) {
 struct ExportArgs {
   std::string from, format, out, dtype = "f32";
   std::string encoder, vocab;  // the tokenizer put beside an hf export
+  bool allow_non_finite = false;
 };
 
 // `strata export`: a model.safetensors (or a checkpoint folder's), Hugging Face's GPT-2 or an llm.c file, written
@@ -71,7 +72,8 @@ int run_export(const ExportArgs& a) {
   auto format = strata::engine::parse_weights_format(a.format);
   if (!format.is_ok()) return fail(format.status());
   const strata::DType dtype = a.dtype == "bf16" ? strata::DType::kBF16 : strata::DType::kF32;
-  if (const strata::Status st = strata::engine::export_weights(*from, *format, a.out, dtype); !st.is_ok())
+  if (const strata::Status st = strata::engine::export_weights(*from, *format, a.out, dtype, {a.allow_non_finite});
+      !st.is_ok())
     return fail(st);
   fmt::print("wrote {} ({} layout) from {}\n", a.out, a.format, *from);
   if (*format != strata::engine::WeightsFormat::kHuggingFace) return 0;
@@ -278,6 +280,8 @@ int main(int argc, char** argv) {
   exp->add_option("--dtype", ea.dtype, "f32, or bf16 for hf and llmc (llm.c's version 5, its GPU trainer's default)")
       ->check(CLI::IsMember({"f32", "bf16"}))
       ->capture_default_str();
+  exp->add_flag("--allow-non-finite", ea.allow_non_finite,
+                "Copy NaN and inf weights of a file without Strata's checksums instead of refusing it");
 
   strata::engine::SampleOptions so;
   CLI::App* sample = strata::engine::add_sample_command(app, so);
