@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 
 #include "common/check.h"
+#include "common/json_parse.h"
 #include "common/log.h"
 #include "engine/foreign_weights.h"
 #include "storage/safetensors.h"
@@ -155,17 +156,26 @@ using PieceFn = std::function<Result<std::span<const float>>(size_t unit, int wh
 
 // Every tensor of every unit named `prefix + spec.name`, produced from `piece` as it is written, piece by
 // piece. With two prefixes (Adam's m and v) a unit's m tensors are followed by its v tensors (`which` 0, 1).
+// A value that is not finite fails the write, naming the tensor and element: a file of that state would
+// train to NaN from any resume, and would replace good checkpoints as the newest.
 std::vector<SafetensorsTensor> tensors_of(const GPT2& model, const std::vector<std::string>& prefixes, PieceFn piece) {
   std::vector<SafetensorsTensor> out;
   for (size_t i = 0; i < model.units().size(); ++i) {
     for (size_t k = 0; k < prefixes.size(); ++k) {
       for (const TensorSpec& s : model.whole_layout(i).specs()) {
         SafetensorsTensor t{prefixes[k] + s.name, DType::kF32, s.shape, nullptr, {}};
-        t.view = [piece, i, k, offset = s.offset, n = s.numel()](size_t byte) -> Result<std::span<const std::byte>> {
+        t.view = [piece, i, k, name = t.name, offset = s.offset,
+                  n = s.numel()](size_t byte) -> Result<std::span<const std::byte>> {
           STRATA_ASSERT(byte % sizeof(float) == 0);  // every piece handed over is whole floats
           const size_t at = byte / sizeof(float);
           STRATA_ASSIGN_OR_RETURN(std::span<const float> got, piece(i, static_cast<int>(k), offset + at));
-          return std::as_bytes(got.first(std::min(got.size(), n - at)));
+          got = got.first(std::min(got.size(), n - at));
+          if (const size_t bad = first_non_finite(got.data(), got.size()); bad != got.size()) {
+            return Status::invalid_argument("tensor '{}' element {} is {}: the training state is not finite, so it "
+                                            "is not saved",
+                                            name, at + bad, got[bad]);
+          }
+          return std::as_bytes(got);
         };
         out.push_back(std::move(t));
       }
@@ -217,9 +227,10 @@ Status save_model(const GPT2& model, const std::string& path) {
 namespace {
 
 // A weights file that holds exactly `model`'s tensors (every one checked before anything is written).
-Result<std::unique_ptr<WeightsFile>> open_weights(const GPT2& model, const std::string& path_or_folder) {
+Result<std::unique_ptr<WeightsFile>> open_weights(const GPT2& model, const std::string& path_or_folder,
+                                                  const WeightsOpenOptions& options = {}) {
   STRATA_ASSIGN_OR_RETURN(const std::string path, weights_path(path_or_folder));
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> file, WeightsFile::open(path));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> file, WeightsFile::open(path, options));
   STRATA_RETURN_IF_ERROR(file->check(model.config()));
   if (file->format() != WeightsFormat::kStrata)
     STRATA_LOG_INFO("reading {} ({} weights)", path, weights_format_name(file->format()));
@@ -298,8 +309,8 @@ Status load_model(GPT2& model, const std::string& path_or_folder) {
   return Status::ok();
 }
 
-Status load_model(GPT2& model, Optimizer& opt, const std::string& path_or_folder) {
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> file, open_weights(model, path_or_folder));
+Status load_model(GPT2& model, Optimizer& opt, const std::string& path_or_folder, const WeightsOpenOptions& options) {
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> file, open_weights(model, path_or_folder, options));
   auto fill = [&](size_t u, int k, size_t offset, std::span<float> dst) {
     return k == 0 ? read_weights(model, *file, u, offset, dst) : zeros(dst);
   };
@@ -397,7 +408,14 @@ void prune_checkpoints(const std::string& checkpoint_dir, const std::string& wri
   }
   std::sort(others.begin(), others.end());
   const size_t kept = static_cast<size_t>(keep) - 1;
-  for (size_t i = 0; i + kept < others.size(); ++i) fs::remove_all(others[i].second, ec);
+  for (size_t i = 0; i + kept < others.size(); ++i) {
+    // Renamed first, in one step, to a name the next save removes: a kill during the removal leaves no
+    // half-deleted folder under a checkpoint's name.
+    const fs::path& p = others[i].second;
+    const fs::path doomed = p.parent_path() / (p.filename().string() + ".pruned.tmp");
+    fs::rename(p, doomed, ec);
+    fs::remove_all(ec ? p : doomed, ec);
+  }
 }
 
 // `dir`, or where replace_dir's fallback moved it aside ("<dir>.tmp.old") when a save of the same step was
@@ -533,6 +551,15 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
   remove_unfinished_saves(checkpoint_dir);
   fs::create_directories(tmp_dir, ec);
   if (ec) return Status::io_error("cannot create checkpoint folder {}: {}", tmp_dir.string(), ec.message());
+  // A save that fails (a full disk, a state that is not finite) leaves nothing of itself behind.
+  struct RemoveOnFailure {
+    const fs::path& dir;
+    bool done = false;
+    ~RemoveOnFailure() {
+      std::error_code ignored;
+      if (!done) fs::remove_all(dir, ignored);
+    }
+  } cleanup{tmp_dir};
 
   STRATA_RETURN_IF_ERROR(opt.finish());  // the parameters and moments of the last step, complete
   StatePieces pieces(model, opt);
@@ -546,24 +573,12 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
   STRATA_RETURN_IF_ERROR(write_safetensors((tmp_dir / "optimizer.safetensors").string(), moments,
                                            {{"adam_steps", std::to_string(opt.steps_taken())}}));
   STRATA_RETURN_IF_ERROR(pieces.end());
-  nlohmann::json js = {
-      {"format", "strata-checkpoint"},
-      {"version", 1},
-      {"step", state.step},
-      {"adam_steps", opt.steps_taken()},
-      {"train_position",
-       {{"shard", state.train_pos.shard}, {"offset", state.train_pos.offset}, {"epoch", state.train_pos.epoch}}},
-      {"config", state.config},
-  };
-  if (!state.train_shards.empty()) {
-    nlohmann::json shards = nlohmann::json::array();
-    for (const ShardRecord& r : state.train_shards) shards.push_back({{"file", r.file}, {"tokens", r.tokens}});
-    js["train_shards"] = std::move(shards);
-  }
-  STRATA_RETURN_IF_ERROR(write_text_atomic((tmp_dir / "state.json").string(), js.dump(2) + "\n"));
+  STRATA_RETURN_IF_ERROR(
+      write_text_atomic((tmp_dir / "state.json").string(), train_state_json(state, opt.steps_taken())));
 
   // In place; a checkpoint of the same step already there (a signal right after a periodic save, or an earlier
   // run's) ends up in tmp_dir, and goes only once `latest` names the new one.
+  cleanup.done = true;  // from here tmp_dir may hold the earlier checkpoint of this step
   STRATA_RETURN_IF_ERROR(replace_dir(tmp_dir, final_dir));
   STRATA_RETURN_IF_ERROR(fsync_parent_dir(final_dir.string()));
   STRATA_RETURN_IF_ERROR(write_text_atomic((fs::path(checkpoint_dir) / "latest").string(), name + "\n"));
@@ -634,34 +649,26 @@ Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimiz
   if (!fs::exists(dir / "state.json", ec)) {
     return Status::not_found("{} is not a checkpoint (no state.json, and no 'latest' file naming one)", path);
   }
-  std::ifstream in(dir / "state.json");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  nlohmann::json js;
-  try {
-    js = nlohmann::json::parse(ss.str());
-  } catch (const nlohmann::json::exception& e) {
-    return Status::corruption("{}: not valid JSON: {}", (dir / "state.json").string(), e.what());
-  }
-  TrainState st;
-  int adam_steps = 0;
-  try {
-    st.step = js.at("step").get<int>();
-    adam_steps = js.at("adam_steps").get<int>();
-    const auto& p = js.at("train_position");
-    st.train_pos.shard = p.at("shard").get<size_t>();
-    st.train_pos.offset = p.at("offset").get<size_t>();
-    st.train_pos.epoch = p.at("epoch").get<uint64_t>();
-    st.config = js.value("config", nlohmann::json::object());
-    for (const auto& r : js.value("train_shards", nlohmann::json::array()))
-      st.train_shards.push_back({r.at("file").get<std::string>(), r.at("tokens").get<uint64_t>()});
-  } catch (const nlohmann::json::exception& e) {
-    return Status::corruption("{}: missing or malformed field: {}", (dir / "state.json").string(), e.what());
+  const std::string state_path = (dir / "state.json").string();
+  STRATA_ASSIGN_OR_RETURN(const std::string state_text, read_whole_file(state_path));
+  STRATA_ASSIGN_OR_RETURN(const nlohmann::json js, parse_json(state_text, state_path, StatusCode::kCorruption));
+  int64_t adam_steps = 0;
+  STRATA_ASSIGN_OR_RETURN(TrainState st, parse_train_state(state_text, state_path, &adam_steps));
+  // The step against the folder it was saved in (moved aside or not) and the optimizer file's count.
+  std::string folder = dir.filename().string();
+  if (folder.ends_with(".tmp.old")) folder.resize(folder.size() - 8);
+  if (const int64_t named = checkpoint_step(folder); named >= 0 && named != st.step) {
+    return Status::corruption("{}: step {}, but it is in the folder of step {}: the files are not one checkpoint",
+                              state_path, st.step, named);
   }
   if (check) STRATA_RETURN_IF_ERROR(check(st));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> weights,
                           open_weights(model, (dir / "model.safetensors").string()));
   STRATA_ASSIGN_OR_RETURN(SafetensorsFile f, SafetensorsFile::open((dir / "optimizer.safetensors").string()));
+  if (auto it = f.metadata().find("adam_steps"); it != f.metadata().end() && it->second != std::to_string(adam_steps)) {
+    return Status::corruption("{}: adam_steps is {}, but {} says {}: the files are not one checkpoint", state_path,
+                              adam_steps, f.path(), it->second);
+  }
   static constexpr const char* kMoments[] = {"m.", "v."};
   for (size_t i = 0; i < model.units().size(); ++i) {  // every tensor before anything is written
     for (const TensorSpec& s : model.whole_layout(i).specs()) {
@@ -677,7 +684,7 @@ Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimiz
     });
   };
   STRATA_RETURN_IF_ERROR(load_units(model, opt, fill, /*moments=*/true));
-  opt.set_steps_taken(adam_steps);
+  opt.set_steps_taken(static_cast<int>(adam_steps));
   return st;
 }
 

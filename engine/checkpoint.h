@@ -19,26 +19,13 @@
 #include <nlohmann/json.hpp>
 
 #include "common/status.h"
+#include "engine/checkpoint_state.h"
 #include "engine/dataloader.h"
+#include "engine/foreign_weights.h"
 #include "engine/gpt2.h"
 #include "engine/optimizer.h"
 
 namespace strata::engine {
-
-// One shard of a data source as a checkpoint records it: enough to tell whether a resumed run reads the same
-// tokens from the position the checkpoint counts in.
-struct ShardRecord {
-  std::string file;     // the file's name without its folder (data moved elsewhere is still the same data)
-  uint64_t tokens = 0;  // its token count
-  bool operator==(const ShardRecord&) const = default;
-};
-
-struct TrainState {
-  int step = 0;  // optimizer steps completed
-  DataLoader::Position train_pos;
-  std::vector<ShardRecord> train_shards;  // data.train's shards; empty in checkpoints from before they were kept
-  nlohmann::json config;  // the effective config of the run that wrote it
-};
 
 // The shards a loader reads, as a checkpoint records them.
 std::vector<ShardRecord> shard_records(const DataLoader& loader);
@@ -73,7 +60,8 @@ Status load_model(GPT2& model, const std::string& path_or_folder);
 // weights too and its moments zero (what load_model then opt.adopt_params() gives), a sub-group at a time
 // straight from the file where the optimizer keeps its state offloaded (Optimizer::load_state), so that
 // a large model's units are never held whole outside the host budget.
-Status load_model(GPT2& model, Optimizer& opt, const std::string& path_or_folder);
+Status load_model(GPT2& model, Optimizer& opt, const std::string& path_or_folder,
+                  const WeightsOpenOptions& options = {});
 // GPT-2's initial weights (GPT2::init_gpt2's, the same bits) into a model and its optimizer likewise.
 Status init_model(GPT2& model, Optimizer& opt, uint64_t seed);
 

@@ -49,6 +49,8 @@ struct TrainingConfig {
   bool overwrite_checkpoints = false;
   int log_every = 1;
   std::string init_from;  // a model.safetensors to start from (fine-tuning); empty: GPT-2 init from seed
+  // init_from of a file without Strata's checksums (other projects') loads NaN and inf instead of refusing them.
+  bool init_from_allow_non_finite = false;
   // Sequences per optimizer step over every data-parallel rank (DeepSpeed's train_batch_size): when set, it must
   // equal batch_size x grad_accum_steps x the data-parallel size, checked at start. 0: not checked.
   int global_batch_size = 0;

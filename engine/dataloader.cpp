@@ -76,6 +76,10 @@ Status DataLoader::seek(const Position& pos) {
     return Status::invalid_argument("{}: resume position names shard {} but only {} shards match", what_, pos.shard,
                                     paths_.size());
   }
+  if (pos.offset > sizes_[pos.shard]) {
+    return Status::invalid_argument("{}: resume position is token {} of {}, which has {}", what_, pos.offset,
+                                    paths_[pos.shard], sizes_[pos.shard]);
+  }
   pos_ = pos;
   return Status::ok();
 }

@@ -9,24 +9,6 @@ namespace strata::engine {
 
 using kernels::MatmulPrecision;
 
-Status GPT2Config::validate() const {
-  auto positive = [](const char* name, int v) -> Status {
-    if (v <= 0) return Status::invalid_argument("model.{} must be a positive integer, got {}", name, v);
-    return Status::ok();
-  };
-  STRATA_RETURN_IF_ERROR(positive("n_layer", n_layer));
-  STRATA_RETURN_IF_ERROR(positive("n_head", n_head));
-  STRATA_RETURN_IF_ERROR(positive("n_embd", n_embd));
-  STRATA_RETURN_IF_ERROR(positive("vocab_size", vocab_size));
-  STRATA_RETURN_IF_ERROR(positive("block_size", block_size));
-  if (n_embd % n_head != 0)
-    return Status::invalid_argument("model.n_embd ({}) must be divisible by model.n_head ({})", n_embd, n_head);
-  if (vocab_size > 65536)
-    return Status::invalid_argument("model.vocab_size ({}) must be <= 65536: token shards store uint16 ids",
-                                    vocab_size);
-  return Status::ok();
-}
-
 std::vector<std::pair<std::string, FlatLayout>> gpt2_unit_layouts(const GPT2Config& config) {
   const int64_t C = config.n_embd, V = config.vocab_size, maxT = config.block_size;
   std::vector<std::pair<std::string, FlatLayout>> units;

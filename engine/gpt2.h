@@ -74,7 +74,13 @@ struct GPT2Config {
   int vocab_size = 50257;
   int block_size = 256;  // longest context the position embedding covers
 
-  Status validate() const;  // names the offending field
+  // Names the offending field: sizes that are not positive, do not divide, or pass the bounds below (checked
+  // before anything is allocated or looped over, so 10^6 layers is an error at once, not a hang).
+  Status validate() const;
+  static constexpr int kMaxLayers = 4096;           // the largest published models have ~130
+  static constexpr int kMaxWidth = 1 << 17;         // 131072; Llama 3 405B's is 16384
+  static constexpr int kMaxPositions = 1 << 22;     // 4M tokens of context
+  static constexpr int64_t kMaxParams = int64_t{1} << 42;  // 4.4 trillion
 };
 
 // The units' names and whole layouts (the tensors' canonical names, shapes and order) for `config`: what

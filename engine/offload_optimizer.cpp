@@ -415,7 +415,7 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
     }
     if (!worker.is_ok()) {
       STRATA_RETURN_IF_ERROR(abandon_speculation(/*restore=*/true));
-      return worker.with_context("the optimizer's updates during backward (resume from a checkpoint)");
+      return worker.with_context("the optimizer's updates during backward (their state is half updated: the run stops)");
     }
     if (confirmed) {
       update_on_device(hp);

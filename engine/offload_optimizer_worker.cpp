@@ -13,9 +13,10 @@
 namespace strata::engine {
 namespace {
 
-// A failed step after some sub-groups' new parameters were published: the run must restart from a checkpoint.
+// A failed step after some sub-groups' new parameters were published: the run cannot go on from this state (the
+// trainer says where it can resume from, if anywhere).
 Status must_resume(const Status& st, int step) {
-  return st.with_context("optimizer step " + std::to_string(step) + " (resume from a checkpoint)");
+  return st.with_context("optimizer step " + std::to_string(step) + " (its state is half updated: the run stops)");
 }
 
 }  // namespace

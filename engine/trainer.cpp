@@ -214,7 +214,8 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     offload::PinnedPool* pool = offload_stack ? &offload_stack->pool() : nullptr;
     if (acfg.cpu_checkpointing && pool == nullptr) {
       STRATA_ASSIGN_OR_RETURN(checkpoint_pool, offload::PinnedPool::create(offload::PinnedPoolOptions{
-                                                   .budget_bytes = config.offload.host_memory_limit, .lock = false}));
+                                                   .budget_bytes = config.offload.host_memory_limit, .lock = false,
+                                                   .budget_name = "memory.host_memory_limit"}));
       pool = checkpoint_pool.get();
       register_pool_buffers(*pool, *device);
     }
@@ -253,7 +254,8 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     if (!tc.init_from.empty())
       STRATA_LOG_WARN("training.init_from ({}) is not used: the run resumed with the checkpoint's weights", tc.init_from);
   } else if (!tc.init_from.empty()) {
-    STRATA_RETURN_IF_ERROR(load_model(*model, *opt, tc.init_from).with_context("training.init_from"));
+    STRATA_RETURN_IF_ERROR(load_model(*model, *opt, tc.init_from, {tc.init_from_allow_non_finite})
+                               .with_context("training.init_from"));
     STRATA_LOG_INFO("initialised weights from {}", tc.init_from);
   } else {
     STRATA_RETURN_IF_ERROR(init_model(*model, *opt, static_cast<uint64_t>(tc.seed)));
@@ -378,13 +380,23 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
 
   Timer run_timer;
   const int first_step = state.step;
-  int skipped_in_a_row = 0;
+  // Steps in a row whose loss or gradient norm was not finite. Their state is never checkpointed: a run that
+  // stays non-finite stops with an error, and `latest` keeps naming the last good checkpoint.
+  int non_finite_in_a_row = 0;
+  constexpr int kMaxNonFiniteSteps = 10;
+  const std::string last_good = fmt::format("`latest` in {} still names the last checkpoint before them",
+                                            tc.checkpoint_dir);
   for (; state.step < tc.max_steps; ++state.step) {
     trace::Span step_span("step", state.step + 1);
     // Every rank stops at the same step (the checkpoint is collective), whichever saw the signal first.
     float stop = static_cast<float>(g_stop_signal);
     for (comm::Communicator* group : {dp, pp, tp}) {
       if (group != nullptr) STRATA_RETURN_IF_ERROR(group->all_reduce(&stop, &stop, 1, DType::kF32, comm::ReduceOp::kMax));
+    }
+    if (stop != 0 && non_finite_in_a_row > 0) {
+      return Status(StatusCode::kInternal,
+                    fmt::format("interrupted by signal {} after {} non-finite step(s), whose state is not saved: {}",
+                                int(stop), non_finite_in_a_row, last_good));
     }
     if (stop != 0) {
       STRATA_LOG_WARN("signal {} received: saving a checkpoint at step {} and stopping", int(stop), state.step);
@@ -447,21 +459,31 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     const float loss = static_cast<float>(loss_sum / micro_batches);
     bool skipped = false;
     std::optional<trace::Span> step_call(std::in_place, "optimizer step()");
-    STRATA_ASSIGN_OR_RETURN(const double norm, opt->step(static_cast<float>(lr), &skipped));
+    Result<double> stepped = opt->step(static_cast<float>(lr), &skipped);
+    if (!stepped.is_ok()) {
+      // Where the run can go on from, if anywhere: a checkpoint this run or an earlier one wrote.
+      std::error_code ec;
+      const bool saved = std::filesystem::exists(std::filesystem::path(tc.checkpoint_dir) / "latest", ec);
+      return stepped.status().with_context(
+          saved ? fmt::format("step {} (resume with --resume {})", state.step + 1, tc.checkpoint_dir)
+                : fmt::format("step {} (no checkpoint was written yet: the run starts over)", state.step + 1));
+    }
+    const double norm = *stepped;
     step_call.reset();
     if (state.step == first_step) STRATA_LOG_INFO("{} memory: {}", device->name(), device->memory_report());
     std::optional<OffloadStepReport> report;
     if (offload_stack) report = offload_stack->take_report();
-    if (skipped) {
-      STRATA_LOG_WARN("step {}: gradient norm is {}; update skipped", state.step + 1, norm);
-      if (++skipped_in_a_row >= 10) {
-        state.step += 1;  // this step is done (skipped), and the data position is after it
-        STRATA_RETURN_IF_ERROR(checkpoint_together());
-        return Status::internal("10 steps in a row had non-finite gradients (last loss {}); stopped, checkpoint {}",
-                                loss, summary.checkpoint);
+    if (skipped || !std::isfinite(loss)) {
+      if (skipped) STRATA_LOG_WARN("step {}: loss {}, gradient norm {}; update skipped", state.step + 1, loss, norm);
+      else STRATA_LOG_WARN("step {}: loss {}: not finite", state.step + 1, loss);
+      if (++non_finite_in_a_row >= kMaxNonFiniteSteps) {
+        return Status::invalid_argument("steps {} to {}: {} steps in a row had a non-finite loss or gradient norm "
+                                        "(last loss {}, norm {}); stopped without a checkpoint of their state: {}",
+                                        state.step + 2 - kMaxNonFiniteSteps, state.step + 1, kMaxNonFiniteSteps, loss,
+                                        norm, last_good);
       }
     } else {
-      skipped_in_a_row = 0;
+      non_finite_in_a_row = 0;
     }
     const double step_s = step_timer.seconds();
     const double tok_s = tokens_per_step / step_s;
@@ -495,12 +517,20 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
       std::fprintf(metrics.get(), "%s\n", m.dump().c_str());
       std::fflush(metrics.get());
     }
-    if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0 && done != tc.max_steps) {
+    if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0 && done != tc.max_steps &&
+        non_finite_in_a_row > 0) {
+      STRATA_LOG_WARN("step {}: no checkpoint, after {} non-finite step(s)", done, non_finite_in_a_row);
+    } else if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0 && done != tc.max_steps) {
       state.step = done;
       STRATA_RETURN_IF_ERROR(checkpoint_together());
       if (options.progress) STRATA_LOG_INFO("checkpoint: {}", summary.checkpoint);
       state.step = done - 1;
     }
+  }
+  if (non_finite_in_a_row > 0) {
+    return Status::invalid_argument("the run ended on {} step(s) with a non-finite loss or gradient norm (last loss "
+                                    "{}); no checkpoint of their state was written: {}",
+                                    non_finite_in_a_row, summary.last_loss, last_good);
   }
   if (summary.steps > 0 || options.resume.empty()) {
     STRATA_RETURN_IF_ERROR(checkpoint_together());

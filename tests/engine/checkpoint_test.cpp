@@ -9,6 +9,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,6 +29,7 @@ namespace strata::engine {
 namespace {
 
 namespace fs = std::filesystem;
+using ::strata::testing::expect_error;
 
 const GPT2Config kConfig{.n_layer = 1, .n_head = 2, .n_embd = 32, .vocab_size = 67, .block_size = 16};
 
@@ -249,6 +252,69 @@ TEST_F(CheckpointTest, TheDataShardsTravelWithTheCheckpointAndACheckSeesThemBefo
   EXPECT_EQ(seen.train_pos.epoch, 2u);
   EXPECT_EQ(seen.config, st.config);
   EXPECT_EQ(params_of(**other), before) << "nothing is loaded once the check refuses";
+}
+
+// One flipped bit in any file of a checkpoint refuses the resume, naming the file: the tensors' chunks and the
+// headers by their checksums, state.json by its own.
+TEST_F(CheckpointTest, OneFlippedBitInEachCheckpointFileRefusesTheResume) {
+  train_step();
+  save(1, 0);
+  const fs::path step = fs::path(dir_) / "step_000001";
+  for (const char* file : {"model.safetensors", "optimizer.safetensors", "state.json"}) {
+    const std::string bytes = [&] {
+      std::ifstream in(step / file, std::ios::binary);
+      return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    }();
+    // Positions spread over the file: its header (or the JSON) and its data.
+    for (size_t k = 1; k <= 7; ++k) {
+      const size_t at = bytes.size() * k / 8;
+      std::string bad = bytes;
+      bad[at] = static_cast<char>(bad[at] ^ 0x10);
+      std::ofstream(step / file, std::ios::binary | std::ios::trunc) << bad;
+      auto r = load_fresh();
+      EXPECT_FALSE(r.is_ok()) << file << ": a flip at byte " << at << " of " << bytes.size() << " was read";
+      if (!r.is_ok()) {
+        EXPECT_NE(r.status().message().find(file), std::string::npos) << file << " byte " << at << ": "
+                                                                       << r.status().to_string();
+      }
+    }
+    std::ofstream(step / file, std::ios::binary | std::ios::trunc) << bytes;
+  }
+  ASSERT_TRUE(load_fresh().is_ok());
+}
+
+// A state.json moved beside another step's tensors is not theirs.
+TEST_F(CheckpointTest, AStateOfAnotherStepBesideTheWeightsIsRefused) {
+  train_step();
+  save(25, 0);
+  train_step();
+  save(38, 0);
+  fs::copy_file(fs::path(dir_) / "step_000025" / "state.json", fs::path(dir_) / "step_000038" / "state.json",
+                fs::copy_options::overwrite_existing);
+  auto r = load_fresh();
+  ASSERT_FALSE(r.is_ok());
+  expect_error(r.status(), StatusCode::kCorruption, {"step_000038", "step 25", "folder of step 38"});
+}
+
+// A model whose weights are not finite is not saved: the save fails naming the tensor, and `latest` keeps
+// naming the last good checkpoint, which stays whole.
+TEST_F(CheckpointTest, ANonFiniteStateIsNotSavedAndLatestStays) {
+  train_step();
+  save(1, 0);
+  const std::vector<float> good = params_of(*model_);
+  std::vector<float> p(model_->whole_layout(1).numel());
+  ASSERT_OK(model_->read_params(1, p.data()));
+  p[3] = std::numeric_limits<float>::quiet_NaN();
+  ASSERT_OK(model_->write_params(1, p.data()));
+  TrainState state;
+  state.step = 2;
+  auto saved = save_checkpoint(dir_, *model_, *opt_, state, 0);
+  ASSERT_FALSE(saved.is_ok());
+  expect_error(saved.status(), StatusCode::kInvalidArgument, {"h.0.ln_1.weight", "element 3", "not finite"});
+  EXPECT_EQ(latest(), "step_000001");
+  EXPECT_FALSE(has("step_000002"));
+  EXPECT_FALSE(has("step_000002.tmp"));
+  expect_loads(1, good);
 }
 
 TEST(ResumeShardTest, FindsTheCheckpointsShardOrRefusesOtherData) {

@@ -359,3 +359,30 @@ TEST(ConfigTest, BadOffloadValuesAreRejectedByName) {
 
 }  // namespace
 }  // namespace strata::engine
+
+namespace strata::engine {
+namespace {
+
+// n_layer 10^6 hung in plan_pipeline, 10^9 was an uncaught bad_alloc and 10^5 failed after 24 s and 11.5 GB
+// (82c4702): sizes past a sane bound are refused as the config is read, naming the key.
+TEST(ConfigTest, ModelSizesPastTheBoundsAreRefusedAtOnce) {
+  auto refused = [](const json& j, const std::string& needle) {
+    auto c = parse_run_config(j, "big.json");
+    ASSERT_FALSE(c.is_ok()) << j.dump();
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << c.status().to_string();
+    EXPECT_NE(c.status().message().find(needle), std::string::npos) << c.status().message();
+  };
+  refused({{"model", {{"n_layer", 1000000}}}}, "model.n_layer is 1000000, past the 4096");
+  refused({{"model", {{"n_layer", 1000000000}}}}, "model.n_layer is 1000000000");
+  refused({{"model", {{"n_embd", 1000000000}}}}, "model.n_embd is 1000000000");
+  refused({{"model", {{"block_size", 100000000}}}}, "model.block_size is 100000000");
+  refused({{"model", {{"n_layer", 4096}, {"n_embd", 65536}, {"n_head", 64}}}}, "parameters, past the");
+  refused({{"model", {{"vocab_size", 70000}}}}, "uint16");
+  // lr 1e308 trained to NaN and exited 0: the optimizer computes in float.
+  refused({{"training", {{"lr", 1e308}}}}, "training.lr");
+  // Within the bounds: a 4096-layer model is a config, not an error.
+  EXPECT_TRUE(parse_run_config({{"model", {{"n_layer", 4096}, {"n_embd", 64}, {"n_head", 2}}}}, "ok.json").is_ok());
+}
+
+}  // namespace
+}  // namespace strata::engine

@@ -4,9 +4,12 @@
 // 256-int header, 16 tensors stacked over the blocks, wte padded) — not by the code under test — and a model
 // loaded from each must hold bitwise the weights they were made from (bf16 ones: those weights rounded). Export
 // goes back out to each layout and in again bitwise. Bad input is refused naming the file, tensor or key.
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -409,6 +412,84 @@ TEST_F(ForeignWeightsTest, TheTokenizerGoesBesideAHuggingFaceExportUnderTransfor
   // Not the model's tokenizer: refused, naming both sizes.
   const Status st = export_hf_tokenizer(encoder, merges, (dir_ / "hf").string(), kConfig);
   EXPECT_NE(st.to_string().find("has 257 tokens, the model 50"), std::string::npos) << st.to_string();
+}
+
+}  // namespace
+}  // namespace strata::engine
+
+namespace strata::engine {
+namespace {
+
+// `path` rewritten without Strata's checksums and with `edit` applied to its header: a file as another project
+// (or Strata before them) writes it.
+void rewrite_header(const std::string& path, void (*edit)(nlohmann::json&)) {
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  uint64_t len = 0;
+  std::memcpy(&len, bytes.data(), 8);
+  nlohmann::json h = nlohmann::json::parse(bytes.substr(8, len));
+  h["__metadata__"].erase(kSafetensorsChecksumKey);
+  edit(h);
+  std::string text = h.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  const uint64_t n = text.size();
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(&n), 8);
+  out << text << bytes.substr(8 + len);
+}
+
+// Files without checksums are checked for finite values instead (they trained to NaN and exited 0 at 82c4702),
+// naming the file, the tensor and the element, unless the options allow them.
+TEST_F(ForeignWeightsTest, NonFiniteWeightsInFilesWithoutChecksumsAreRefusedUnlessAllowed) {
+  const std::string llmc = write_llmc(3, 64);
+  {
+    std::fstream f(llmc, std::ios::in | std::ios::out | std::ios::binary);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    f.seekp(1024 + 5 * 4);  // wte element 5
+    f.write(reinterpret_cast<const char*>(&nan), 4);
+  }
+  auto m = make_model(1);
+  ASSERT_TRUE(m.is_ok());
+  const Status st = load_model(**m, llmc);
+  ASSERT_FALSE(st.is_ok());
+  ::strata::testing::expect_error(st, StatusCode::kCorruption, {"model.bin", "'wte' element 5 is nan", "allow-non-finite"});
+  ASSERT_OK_AND_ASSIGN(auto allowed, WeightsFile::open(llmc, {.allow_non_finite = true}));
+  std::vector<float> wte(spec("wte").numel());
+  ASSERT_OK(allowed->read(spec("wte"), wte.data()));
+  EXPECT_TRUE(std::isnan(wte[5]));
+
+  const std::string hf = write_hf("", DType::kF32, false);
+  rewrite_header(hf, [](nlohmann::json&) {});
+  {
+    std::fstream f(hf, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-4, std::ios::end);  // the last tensor's last element
+    const float inf = std::numeric_limits<float>::infinity();
+    f.write(reinterpret_cast<const char*>(&inf), 4);
+  }
+  ASSERT_OK_AND_ASSIGN(auto file, WeightsFile::open(hf));
+  EXPECT_FALSE(file->checksummed());
+  auto m2 = make_model(1);
+  const Status inf_st = load_model(**m2, hf);
+  ASSERT_FALSE(inf_st.is_ok());
+  ::strata::testing::expect_error(inf_st, StatusCode::kCorruption, {"model.safetensors", "is inf"});
+}
+
+// Our own metadata names the config: a size that contradicts the tensors (n_layer "5" beside 2 blocks) or is not
+// a number is a Corruption.
+TEST_F(ForeignWeightsTest, MetadataThatContradictsTheTensorsIsRefused) {
+  ASSERT_OK_AND_ASSIGN(auto model, make_model(3));
+  const std::string ours = (dir_ / "ours.safetensors").string();
+  ASSERT_OK(save_model(*model, ours));
+  ASSERT_OK_AND_ASSIGN(auto checked, WeightsFile::open(ours));
+  EXPECT_TRUE(checked->checksummed());
+  rewrite_header(ours, [](nlohmann::json& h) { h["__metadata__"]["n_layer"] = "5"; });
+  auto r = WeightsFile::open(ours);
+  ASSERT_FALSE(r.is_ok());
+  ::strata::testing::expect_error(r.status(), StatusCode::kCorruption, {"ours.safetensors", "n_layer 5", "hold 2"});
+  rewrite_header(ours, [](nlohmann::json& h) { h["__metadata__"]["n_layer"] = "2"; h["__metadata__"]["n_head"] = "x"; });
+  auto r2 = WeightsFile::open(ours);
+  ASSERT_FALSE(r2.is_ok());
+  ::strata::testing::expect_error(r2.status(), StatusCode::kCorruption, {"n_head is 'x'"});
 }
 
 }  // namespace

@@ -258,7 +258,9 @@ TEST_F(OffloadTrainTest, UpdatesStartedInBackwardAreKeptOrRedoneExactly) {
 
 // A step whose norm is not finite is skipped: the updates it started during backward are rolled back and the
 // parameters they published are put back, so the run is still bitwise the plain run (which skips the same
-// steps). The huge learning rate makes the second step's gradients overflow. With a clip every step, the
+// steps): the same losses and norms every step, and both end in the same error, without a checkpoint of the
+// skipped steps' state (their last, step 1's, bitwise the same). The huge learning rate makes the second
+// step's gradients overflow. With a clip every step, the
 // skipped step had only read ahead (gated), and is stopped before it changes anything. The optimizer in host
 // memory, with spare buffers for its early updates, drops them (it does not read ahead: no clip only).
 TEST_F(OffloadTrainTest, ASkippedStepUndoesTheUpdatesStartedInBackward) {
@@ -286,7 +288,10 @@ TEST_F(OffloadTrainTest, ASkippedStepUndoesTheUpdatesStartedInBackward) {
     j["training"]["warmup_steps"] = 0;
     j["training"]["val_every"] = 0;
     j["training"]["overwrite_checkpoints"] = true;  // the same folders for every variant
-    run(name, j);
+    j["training"]["checkpoint_every"] = 1;
+    auto r = train(j, "", (dir_ / (name + ".jsonl")).string());
+    ASSERT_FALSE(r.is_ok()) << name << ": a run ending on skipped steps succeeded";
+    ::strata::testing::expect_error(r.status(), StatusCode::kInvalidArgument, {"ended on 3 step(s)"});
   };
   diverging("plain_skip", json());
   diverging("offload_skip", {{"stage", 3}, {"offload_param", {{"device", "cpu"}}},
@@ -303,10 +308,23 @@ TEST_F(OffloadTrainTest, ASkippedStepUndoesTheUpdatesStartedInBackward) {
   // step, every skipped step read ahead.
   EXPECT_EQ(skipped_early, clip > 0 ? 3 : 1) << "skipped steps that had started their update (or reads) early";
   for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
-    const auto a = file_bytes(dir_ / "plain_skip" / "step_000004" / f);
+    const auto a = file_bytes(dir_ / "plain_skip" / "step_000001" / f);
     EXPECT_FALSE(a.empty());
-    EXPECT_TRUE(a == file_bytes(dir_ / "offload_skip" / "step_000004" / f)) << f;
+    EXPECT_TRUE(a == file_bytes(dir_ / "offload_skip" / "step_000001" / f)) << f;
+    EXPECT_FALSE(fs::exists(dir_ / "offload_skip" / "step_000002")) << "a checkpoint after a skipped step";
   }
+  auto steps = [&](const char* name) {
+    std::vector<std::string> out;
+    std::ifstream rows(dir_ / (std::string(name) + ".jsonl"));
+    for (std::string line; std::getline(rows, line);) {
+      const json m = json::parse(line);
+      out.push_back(fmt::format("loss {} norm {} skipped {}", m.at("loss").dump(), m.at("grad_norm").dump(),
+                                m.value("skipped", false)));
+    }
+    return out;
+  };
+  EXPECT_EQ(steps("plain_skip"), steps("offload_skip"));
+  EXPECT_EQ(steps("plain_skip").size(), 4u);
   }
 }
 

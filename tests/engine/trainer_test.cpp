@@ -6,6 +6,7 @@
 #include <fstream>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "common/rng.h"
@@ -14,9 +15,12 @@
 #include "storage/safetensors.h"
 #include "storage/token_shard.h"
 #include "tests/engine/trainer_fixture.h"
+#include "tests/test_util.h"
 
 namespace strata::engine {
 namespace {
+
+using ::strata::testing::expect_error;
 
 TEST_F(TrainerTest, LossFallsAndRunsAreBitwiseDeterministic) {
   auto a = train(base_config("a"), "", (dir_ / "metrics.jsonl").string());
@@ -144,22 +148,38 @@ TEST_F(TrainerTest, AResumeFollowsItsShardOrRefusesOtherData) {
   EXPECT_FALSE(fs::exists(dir_ / "other_run" / "step_000006"));
 }
 
-// A run whose gradients stay non-finite stops after 10 skipped steps with a checkpoint whose step counts the
-// skipped steps the data position is past (it was one behind: a resume re-read a batch, and the save could
-// replace a periodic checkpoint of that step with a later position).
-TEST_F(TrainerTest, TenNonFiniteStepsStopWithACheckpointAtTheirDataPosition) {
-  json j = base_config("blown");
-  j["training"]["lr"] = 1e38;  // the first update makes the weights non-finite
-  j["training"]["max_steps"] = 30;
-  j["training"]["val_every"] = 0;
-  auto r = train(j);
+// A run that goes non-finite never succeeds silently: after 10 steps in a row of non-finite loss or gradients
+// it stops with an error, and it writes no checkpoint of that state, so `latest` still names the last good
+// one, whose files are untouched. A run that ends on non-finite steps fails the same way.
+TEST_F(TrainerTest, ARunThatStaysNonFiniteStopsAndLatestKeepsTheLastGoodCheckpoint) {
+  json good = base_config("blown");
+  ASSERT_TRUE(train(good).is_ok());
+  const fs::path ck = dir_ / "blown";
+  const std::vector<char> weights = file_bytes(ck / "step_000006" / "model.safetensors");
+  json blown = base_config("blown");
+  blown["training"]["lr"] = 1e38;  // the first update makes the weights overflow the next forward
+  blown["training"]["max_steps"] = 30;
+  blown["training"]["checkpoint_every"] = 4;
+  blown["training"]["val_every"] = 0;
+  auto r = train(blown, (ck / "step_000006").string());
   ASSERT_FALSE(r.is_ok());
-  EXPECT_NE(r.status().message().find("10 steps in a row"), std::string::npos) << r.status().to_string();
-  std::ifstream in(dir_ / "blown" / "step_000011" / "state.json");
-  ASSERT_TRUE(in) << "the checkpoint after the first step and 10 skipped ones";
-  const json state = json::parse(in);
-  EXPECT_EQ(state.at("step").get<int>(), 11);
-  EXPECT_EQ(state.at("train_position").at("offset").get<int>(), 11 * 2 * 16);
+  expect_error(r.status(), StatusCode::kInvalidArgument, {"10 steps in a row", "without a checkpoint", "latest"});
+  auto latest = [&] {
+    std::ifstream in(ck / "latest");
+    std::string name;
+    in >> name;
+    return name;
+  };
+  // Step 7 trained (its loss finite); the steps after it did not, so the periodic save at 8 was not made.
+  EXPECT_EQ(latest(), "step_000006");
+  for (int s = 7; s <= 30; ++s) EXPECT_FALSE(fs::exists(ck / fmt::format("step_{:06d}", s))) << s;
+  EXPECT_EQ(file_bytes(ck / "step_000006" / "model.safetensors"), weights);
+
+  blown["training"]["max_steps"] = 9;  // ends on 2 non-finite steps
+  auto ended = train(blown, (ck / "step_000006").string());
+  ASSERT_FALSE(ended.is_ok());
+  expect_error(ended.status(), StatusCode::kInvalidArgument, {"ended on 2 step(s)", "no checkpoint"});
+  EXPECT_EQ(latest(), "step_000006");
 }
 
 TEST_F(TrainerTest, GradientAccumulationMatchesOneLargeBatch) {
