@@ -311,6 +311,7 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
 
   offload::PinnedPoolOptions po;
   po.budget_bytes = config.host_memory_limit;
+  po.budget_name = "memory.host_memory_limit";
   po.lock = config.offload_param.pin_memory || config.offload_optimizer.pin_memory;
   STRATA_ASSIGN_OR_RETURN(rt->pool_, offload::PinnedPool::create(po));
   register_pool_buffers(*rt->pool_, device, rt->io_engine_.get());

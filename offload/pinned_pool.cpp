@@ -193,9 +193,15 @@ PinnedPool::AutoBudget PinnedPool::auto_budget(bool lock) {
 // --- the pool -------------------------------------------------------------------------------------------------
 
 Result<std::unique_ptr<PinnedPool>> PinnedPool::create(const PinnedPoolOptions& options) {
-  AutoBudget b{options.budget_bytes, "PinnedPoolOptions.budget_bytes"};
-  if (b.bytes == 0) b = auto_budget(options.lock);
+  AutoBudget b{options.budget_bytes, options.budget_name};
   const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  // A budget the machine cannot hold would only fail later, under memory pressure, far from the setting.
+  const uint64_t physical = uint64_t(::sysconf(_SC_PHYS_PAGES)) * page;
+  if (b.bytes > physical) {
+    return Status::invalid_argument("{} is {}, more than this machine's {} of memory", options.budget_name,
+                                    bytes_str(b.bytes), bytes_str(physical));
+  }
+  if (b.bytes == 0) b = auto_budget(options.lock);
   if (b.bytes < page) return Status::out_of_memory("pinned pool: budget {} is below one page: {}", b.bytes, b.source);
   STRATA_LOG_INFO("pinned pool: budget {} from {}{}", bytes_str(b.bytes), b.source, options.lock ? "" : ", not locked");
   const auto memlock = memlock_limit();

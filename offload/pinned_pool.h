@@ -32,8 +32,10 @@
 namespace strata::offload {
 
 struct PinnedPoolOptions {
-  size_t budget_bytes = 0;  // 0: automatic (auto_budget())
+  size_t budget_bytes = 0;  // 0: automatic (auto_budget()); more than the machine's memory is refused
   bool lock = true;         // mlock the pages, so they stay resident and can be DMA'd from
+  // Where budget_bytes came from, as errors name it: the config key ("memory.host_memory_limit").
+  std::string budget_name = "PinnedPoolOptions.budget_bytes";
 };
 
 class PinnedPool;
