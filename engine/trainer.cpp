@@ -517,10 +517,10 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
       std::fprintf(metrics.get(), "%s\n", m.dump().c_str());
       std::fflush(metrics.get());
     }
-    if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0 && done != tc.max_steps &&
-        non_finite_in_a_row > 0) {
+    const bool checkpoint_due = tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0 && done != tc.max_steps;
+    if (checkpoint_due && non_finite_in_a_row > 0) {
       STRATA_LOG_WARN("step {}: no checkpoint, after {} non-finite step(s)", done, non_finite_in_a_row);
-    } else if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0 && done != tc.max_steps) {
+    } else if (checkpoint_due) {
       state.step = done;
       STRATA_RETURN_IF_ERROR(checkpoint_together());
       if (options.progress) STRATA_LOG_INFO("checkpoint: {}", summary.checkpoint);
