@@ -148,6 +148,59 @@ Result<std::pair<EngineOptions, IoQueueOptions>> nvme_io_options(const AioConfig
   return std::pair{e, q};
 }
 
+Result<OffloadSizing> size_offload(const OffloadConfig& config, const GPT2& model, const std::vector<bool>& offloaded,
+                                   size_t ranks) {
+  OffloadSizing z;
+  z.ranks = ranks;
+  z.opt_tier = tier_of(config.offload_optimizer.device);
+  z.param_tier = tier_of(config.offload_param.device);
+  if (ranks > 1) {  // ZeRO-3: the shards live in host memory unless placed on nvme
+    if (z.opt_tier == offload::Tier::kDevice) z.opt_tier = offload::Tier::kHost;
+    if (z.param_tier == offload::Tier::kDevice) z.param_tier = offload::Tier::kHost;
+  }
+  if (z.opt_tier == offload::Tier::kDevice) {
+    return Status::invalid_argument(
+        "zero_optimization.offload_param.device = {} needs zero_optimization.offload_optimizer.device = cpu or nvme: "
+        "the fp32 master weights would otherwise stay on the device",
+        config.offload_param.device);
+  }
+  // The sub-group size: optimizer state and nvme parameter chunks share it, so an optimizer sub-group's new
+  // parameters are whole chunks. Under ZeRO-3 a unit's state here is its shard (at most the coordinator's padded
+  // stride), which is what its stores and host memory hold.
+  z.group = static_cast<size_t>((config.sub_group_size + 1023) / 1024 * 1024);
+  for (size_t i = 0; i < model.units().size(); ++i) {
+    if (!offloaded[i]) continue;
+    const size_t held = offload::shard_stride(model.units()[i].numel(), ranks);
+    z.largest_key = std::max<uint64_t>(z.largest_key, std::min(z.group, held) * sizeof(float));
+    z.state_bytes += held * sizeof(float);
+  }
+  const bool have_nvme = z.param_tier == offload::Tier::kNvme || z.opt_tier == offload::Tier::kNvme;
+  z.grad_tier = config.gradients == "nvme" || (config.gradients == "auto" && have_nvme && config.host_memory_limit > 0 &&
+                                               z.state_bytes > config.host_memory_limit / 2)
+                    ? offload::Tier::kNvme
+                    : offload::Tier::kHost;
+  z.file_bytes =
+      (std::max<uint64_t>(z.largest_key + 4096, std::min<uint64_t>(uint64_t{1} << 30, 2 * 3 * z.state_bytes)) + 4095) /
+      4096 * 4096;
+  // Gradients share the optimizer's store when it is on nvme (its swap pipeline reads them), else the
+  // parameters'.
+  const std::string& grad_path =
+      z.opt_tier == offload::Tier::kNvme ? config.offload_optimizer.nvme_path : config.offload_param.nvme_path;
+  auto place = [&](const std::string& path, uint64_t classes) {
+    z.nvme_state_bytes[path] += classes * z.state_bytes;
+    z.nvme_max_bytes[path] += 2 * classes * z.state_bytes;
+  };
+  if (z.param_tier == offload::Tier::kNvme) place(config.offload_param.nvme_path, 1);
+  if (z.opt_tier == offload::Tier::kNvme) place(config.offload_optimizer.nvme_path, 3);  // master weights, m, v
+  if (z.grad_tier == offload::Tier::kNvme) place(grad_path, 1);
+  return z;
+}
+
+uint32_t OffloadSizing::files(const std::string& path) const {
+  const uint64_t bytes = nvme_max_bytes.at(path);
+  return static_cast<uint32_t>((bytes + file_bytes - 4096 - 1) / (file_bytes - 4096) + 1);
+}
+
 Status OffloadRuntime::open_store(const std::string& path, uint64_t file_bytes, uint32_t max_files,
                                   const AioConfig& aio) {
   if (!io_engine_) {
@@ -176,18 +229,6 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
     STRATA_LOG_INFO("zero_optimization.stage {} with offload_optimizer over {} ranks: each rank offloads its shard of "
                     "the optimizer state, with the parameters sharded as in stage 3",
                     config.stage, dp->size());
-  offload::Tier opt_tier = tier_of(config.offload_optimizer.device);
-  offload::Tier param_tier = tier_of(config.offload_param.device);
-  if (zero3) {  // the shards live in host memory unless placed on nvme
-    if (opt_tier == offload::Tier::kDevice) opt_tier = offload::Tier::kHost;
-    if (param_tier == offload::Tier::kDevice) param_tier = offload::Tier::kHost;
-  }
-  if (opt_tier == offload::Tier::kDevice) {
-    return Status::invalid_argument(
-        "zero_optimization.offload_param.device = {} needs zero_optimization.offload_optimizer.device = cpu or nvme: "
-        "the fp32 master weights would otherwise stay on the device",
-        config.offload_param.device);
-  }
   std::unique_ptr<OffloadRuntime> rt(new OffloadRuntime());
   rt->device_ = &device;
   std::string kept_note;
@@ -215,26 +256,12 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
                               100.0 * static_cast<double>(elements) / static_cast<double>(model.whole_num_params()));
     }
   }
-  // The sub-group size: optimizer state and nvme parameter chunks share it, so an optimizer sub-group's new
-  // parameters are whole chunks. `total`: bytes of one fp32 state class (parameters, gradients, ...) on this
-  // rank: under ZeRO-3 its shards (each at most the coordinator's padded stride), which is what its stores and
-  // host memory hold.
-  const size_t group = static_cast<size_t>((config.sub_group_size + 1023) / 1024 * 1024);
-  const size_t ranks = zero3 ? static_cast<size_t>(dp->size()) : 1;
-  size_t largest_key = 0, total = 0;
-  for (size_t i = 0; i < model.units().size(); ++i) {
-    if (!model.holds(i) || model.on_device(i)) continue;  // another pipeline stage's, or not offloaded
-    const size_t held = offload::shard_stride(model.units()[i].numel(), ranks);
-    largest_key = std::max(largest_key, std::min(group, held) * sizeof(float));
-    total += held * sizeof(float);
-  }
-  const bool have_nvme = param_tier == offload::Tier::kNvme || opt_tier == offload::Tier::kNvme;
-  const offload::Tier grad_tier =
-      config.gradients == "nvme" ||
-              (config.gradients == "auto" && have_nvme && config.host_memory_limit > 0 &&
-               total > config.host_memory_limit / 2)
-          ? offload::Tier::kNvme
-          : offload::Tier::kHost;
+  std::vector<bool> offloaded(model.units().size());
+  for (size_t u = 0; u < offloaded.size(); ++u) offloaded[u] = model.holds(u) && !model.on_device(u);
+  STRATA_ASSIGN_OR_RETURN(const OffloadSizing sizing,
+                          size_offload(config, model, offloaded, zero3 ? static_cast<size_t>(dp->size()) : 1));
+  const offload::Tier param_tier = sizing.param_tier, opt_tier = sizing.opt_tier, grad_tier = sizing.grad_tier;
+  const size_t group = sizing.group;
   rt->placements_ = fmt::format("{}parameters on {}, optimizer state on {}, gradients to {}",
                                 zero3 ? fmt::format("ZeRO-3 over {} ranks: shards of ", dp->size()) : "",
                                 offload::tier_name(param_tier), offload::tier_name(opt_tier),
@@ -285,22 +312,12 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
     }
   }
 
-  // One file size that holds the largest key; files are preallocated, so no bigger than the state needs.
-  const uint64_t file_bytes =
-      (std::max<uint64_t>(largest_key + 4096, std::min<uint64_t>(uint64_t{1} << 30, 2 * 3 * total)) + 4095) / 4096 *
-      4096;
-  // One store per folder, sized for what goes there: two versions of every key can coexist (copy-on-write).
-  // Gradients share the optimizer's store when it is on nvme (its swap pipeline reads them), else the
-  // parameters'.
+  // One store per folder, sized for what goes there (size_offload).
   const std::string& grad_path =
       opt_tier == offload::Tier::kNvme ? config.offload_optimizer.nvme_path : config.offload_param.nvme_path;
-  std::map<std::string, uint64_t> need;
-  if (param_tier == offload::Tier::kNvme) need[config.offload_param.nvme_path] += 2 * total;
-  if (opt_tier == offload::Tier::kNvme) need[config.offload_optimizer.nvme_path] += 2 * 3 * total;
-  if (grad_tier == offload::Tier::kNvme) need[grad_path] += 2 * total;
-  for (const auto& [path, bytes] : need) {
-    const uint64_t files = (bytes + file_bytes - 4096 - 1) / (file_bytes - 4096) + 1;
-    STRATA_RETURN_IF_ERROR(rt->open_store(path, file_bytes, static_cast<uint32_t>(files), config.aio)
+  for (const auto& store : sizing.nvme_max_bytes) {
+    const std::string& path = store.first;
+    STRATA_RETURN_IF_ERROR(rt->open_store(path, sizing.file_bytes, sizing.files(path), config.aio)
                                .with_context("zero_optimization nvme_path " + path));
   }
   SwapStore* param_store =

@@ -99,6 +99,27 @@ struct OffloadStepReport {
 // forward waits for first: the backward makes their gradients final last, and the forward needs them first.
 std::vector<bool> units_kept_on_device(const GPT2& model, double ratio);
 
+// The offload stack's placements and sizes on this rank, from the configuration and the units it offloads:
+// what OffloadRuntime::create builds, and what the memory check before any allocation counts
+// (engine/memory_plan.h). `offloaded[u]`: unit u is this rank's (its pipeline stage's) and not kept whole on the
+// device. `ranks`: the data-parallel ranks ZeRO-3 shards over (1: none).
+struct OffloadSizing {
+  offload::Tier param_tier = offload::Tier::kDevice, opt_tier = offload::Tier::kHost,
+                grad_tier = offload::Tier::kHost;
+  size_t ranks = 1;
+  size_t group = 0;             // zero_optimization.sub_group_size, rounded up to 1024 elements
+  uint64_t state_bytes = 0;     // one fp32 class (parameters, gradients, ...) of the offloaded units: their shards
+  uint64_t largest_key = 0;     // the largest swap key: a sub-group, or a smaller unit's shard
+  uint64_t file_bytes = 0;      // each swap file (preallocated, so no bigger than the state needs)
+  // By nvme_path: the most the store there grows to (two versions of every key can coexist, copy-on-write), and
+  // the bytes one version of its state takes: the least the disk must hold.
+  std::map<std::string, uint64_t> nvme_max_bytes, nvme_state_bytes;
+  uint32_t files(const std::string& path) const;  // the store's file limit
+};
+// InvalidArgument: offload_param without offload_optimizer.
+Result<OffloadSizing> size_offload(const OffloadConfig& config, const GPT2& model, const std::vector<bool>& offloaded,
+                                   size_t ranks);
+
 class OffloadRuntime {
  public:
   // Builds the stack for `model` (created offloaded, on `device`) and attaches the coordinator to it. The
