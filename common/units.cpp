@@ -1,6 +1,9 @@
 #include "common/units.h"
 
 #include <cmath>
+#include <iterator>
+
+#include <fmt/format.h>
 
 namespace strata {
 
@@ -26,6 +29,20 @@ uint64_t parse_bytes(const std::string& text) {
     default: return 0;
   }
   return v > (UINT64_MAX >> shift) ? 0 : v << shift;
+}
+
+std::string format_bytes(uint64_t bytes) {
+  if (bytes < 1024) return fmt::format("{} B", bytes);
+  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = static_cast<double>(bytes) / 1024;
+  size_t unit = 0;
+  while (v >= 999.95 && unit + 1 < std::size(kUnits)) {
+    v /= 1024;
+    ++unit;
+  }
+  return v >= 99.95 ? fmt::format("{:.0f} {}", v, kUnits[unit])
+         : v >= 9.995 ? fmt::format("{:.1f} {}", v, kUnits[unit])
+                      : fmt::format("{:.2f} {}", v, kUnits[unit]);
 }
 
 uint64_t parse_count(const std::string& text) {

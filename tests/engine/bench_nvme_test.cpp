@@ -32,6 +32,18 @@ TEST(ParseBytesTest, UnitsAndMalformedText) {
   for (const char* bad : {"", "G", "1X", "1MM", "-1", "one", "99999999999999999999", "20000000T"}) EXPECT_EQ(parse_bytes(bad), 0u) << bad;
 }
 
+TEST(FormatBytesTest, ThreeSignificantDigitsInTheLargestUnitBelow1000) {
+  EXPECT_EQ(format_bytes(0), "0 B");
+  EXPECT_EQ(format_bytes(812), "812 B");
+  EXPECT_EQ(format_bytes(1024), "1.00 KiB");
+  EXPECT_EQ(format_bytes(12800), "12.5 KiB");
+  EXPECT_EQ(format_bytes(uint64_t{256} << 10), "256 KiB");
+  EXPECT_EQ(format_bytes(uint64_t{1023} << 10), "1.00 MiB");  // 1023 KiB rounds up into the next unit
+  EXPECT_EQ(format_bytes(uint64_t{768} << 30), "768 GiB");
+  EXPECT_EQ(format_bytes(uint64_t{15} << 40), "15.0 TiB");
+  EXPECT_EQ(format_bytes(UINT64_MAX), "16.0 EiB");
+}
+
 class BenchNvmeTest : public ::testing::Test {
  protected:
   void SetUp() override {
