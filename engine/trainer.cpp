@@ -18,6 +18,7 @@
 #include "engine/checkpoint.h"
 #include "engine/dataloader.h"
 #include "engine/gpt2.h"
+#include "engine/memory_plan.h"
 #include "engine/offload_runtime.h"
 #include "engine/optimizer.h"
 #include "engine/pipeline.h"
@@ -147,6 +148,22 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   std::unique_ptr<offload::PinnedPool> checkpoint_pool;
   const PipelinePlan plan = plan_pipeline(config.model, T, pp_size);
   const PipelineStage stage = pp ? plan.stages[static_cast<size_t>(pp_rank)] : PipelineStage{};
+  {
+    // Before anything large is allocated: the state this rank's placements put on each tier, counted on the
+    // model's units as this rank holds them (created offloaded, so with nothing allocated), against the budgets.
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> shape,
+                            GPT2::create(config.model, *device, config.compute.matmul_precision, true, stage, tp,
+                                         config.parallel.sequence_parallel));
+    MemoryPlacement placement;
+    placement.offloaded = offloaded;
+    placement.zero3_ranks = zero3 ? static_cast<size_t>(dp_size) : 1;
+    if (dp && !zero3 && (config.offload.stage == 1 || config.offload.stage == 2))
+      placement.zero12_ranks = static_cast<size_t>(dp_size);
+    auto memory = plan_memory(*shape, config.offload, placement);
+    if (!memory.is_ok()) return memory.status().with_context(config.source);
+    const Status fits = check_memory_fits(*memory, measure_memory_budgets(*memory, config.offload, *device), config.offload);
+    if (!fits.is_ok()) return fits.with_context(config.source);
+  }
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> model,
                           GPT2::create(config.model, *device, config.compute.matmul_precision, offloaded, stage, tp,
                                        config.parallel.sequence_parallel));

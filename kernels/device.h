@@ -99,6 +99,9 @@ class Device {
   // The hard budget of allocate() in bytes (memory.device_memory_limit); 0, the default, is what the hardware
   // has. The kernels' own transient scratch (CUDA's stream-ordered pool) is outside it.
   void set_memory_limit(uint64_t bytes) { ledger_->limit = bytes; }
+  // What the hardware could give allocate() now (CUDA: cudaMemGetInfo's free bytes); 0 when the backend cannot
+  // tell, as for a host-accessible device, whose memory is the host's (offload::memory_headroom).
+  virtual uint64_t free_memory() const { return 0; }
   uint64_t memory_limit() const { return ledger_->limit; }
   uint64_t live_bytes() const;
   uint64_t peak_bytes() const;

@@ -155,20 +155,24 @@ std::optional<uint64_t> read_cgroup_headroom(const std::string& root, std::strin
   return std::nullopt;
 }
 
-PinnedPool::AutoBudget compute_auto_budget(const BudgetInputs& in) {
-  std::optional<uint64_t> base;
-  std::string why;
+PinnedPool::AutoBudget memory_headroom(const BudgetInputs& in) {
+  PinnedPool::AutoBudget h;
   if (in.mem_available) {
-    base = *in.mem_available;
-    why = fmt::format("MemAvailable {}", bytes_str(*in.mem_available));
+    h.bytes = *in.mem_available;
+    h.source = fmt::format("MemAvailable {}", bytes_str(*in.mem_available));
   }
-  if (in.cgroup_headroom && (!base || *in.cgroup_headroom < *base)) {
-    base = *in.cgroup_headroom;
-    why = fmt::format("cgroup headroom {} ({})", bytes_str(*in.cgroup_headroom), in.cgroup_where);
+  if (in.cgroup_headroom && (!in.mem_available || *in.cgroup_headroom < *in.mem_available)) {
+    h.bytes = *in.cgroup_headroom;
+    h.source = fmt::format("cgroup headroom {} ({})", bytes_str(*in.cgroup_headroom), in.cgroup_where);
   }
-  if (!base) return {0, "no MemAvailable in /proc/meminfo and no cgroup limit to derive a budget from"};
-  uint64_t budget = *base / 5 * 4;
-  std::string source = fmt::format("80% of {}", why);
+  return h;
+}
+
+PinnedPool::AutoBudget compute_auto_budget(const BudgetInputs& in) {
+  const PinnedPool::AutoBudget base = memory_headroom(in);
+  if (base.source.empty()) return {0, "no MemAvailable in /proc/meminfo and no cgroup limit to derive a budget from"};
+  uint64_t budget = base.bytes / 5 * 4;
+  std::string source = fmt::format("80% of {}", base.source);
   if (in.lock && !in.cap_ipc_lock && in.memlock_limit && *in.memlock_limit < budget) {
     budget = *in.memlock_limit;
     source = fmt::format("RLIMIT_MEMLOCK {} (no CAP_IPC_LOCK; {} would allow more)", bytes_str(budget), source);
@@ -177,7 +181,7 @@ PinnedPool::AutoBudget compute_auto_budget(const BudgetInputs& in) {
   return {static_cast<size_t>(budget), std::move(source)};
 }
 
-PinnedPool::AutoBudget PinnedPool::auto_budget(bool lock) {
+BudgetInputs read_budget_inputs(bool lock) {
   BudgetInputs in;
   in.page_size = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
   in.mem_available = parse_meminfo_available(read_text("/proc/meminfo").value_or(""));
@@ -187,8 +191,10 @@ PinnedPool::AutoBudget PinnedPool::auto_budget(bool lock) {
   in.lock = lock;
   in.cap_ipc_lock = parse_cap_ipc_lock(read_text("/proc/self/status").value_or(""));
   in.memlock_limit = memlock_limit();
-  return compute_auto_budget(in);
+  return in;
 }
+
+PinnedPool::AutoBudget PinnedPool::auto_budget(bool lock) { return compute_auto_budget(read_budget_inputs(lock)); }
 
 // --- the pool -------------------------------------------------------------------------------------------------
 

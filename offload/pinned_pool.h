@@ -194,5 +194,10 @@ struct BudgetInputs {
 // 80% of min(MemAvailable, cgroup headroom), capped by RLIMIT_MEMLOCK when locking without CAP_IPC_LOCK,
 // rounded down to pages.
 PinnedPool::AutoBudget compute_auto_budget(const BudgetInputs& in);
+// min(MemAvailable, cgroup headroom) and which of them it is ("MemAvailable 22.9 GiB"); bytes 0 when neither is
+// known.
+PinnedPool::AutoBudget memory_headroom(const BudgetInputs& in);
+// This process's inputs now (/proc/meminfo, its cgroup, its capabilities and RLIMIT_MEMLOCK).
+BudgetInputs read_budget_inputs(bool lock);
 
 }  // namespace strata::offload

@@ -33,6 +33,15 @@ class CudaDevice final : public Device {
   std::string description() const override { return "cuda (" + cuda_device_description() + ")"; }
   const KernelSet& kernels() const override { return cuda_kernels(); }
   bool host_accessible() const override { return false; }
+  uint64_t free_memory() const override {
+    bind();
+    size_t free_bytes = 0, total = 0;
+    if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return free_bytes;
+  }
 
   Result<DeviceBuffer> allocate_impl(size_t bytes, const std::string& purpose) override {
     bind();
