@@ -45,7 +45,8 @@ void add(std::vector<MemoryPlan::Item>& items, const std::string& what, uint64_t
 std::string holders(std::vector<MemoryPlan::Item> items) {
   std::stable_sort(items.begin(), items.end(), [](const auto& a, const auto& b) { return a.bytes > b.bytes; });
   std::string out;
-  for (const MemoryPlan::Item& i : items) out += fmt::format("{}{} {}", out.empty() ? "" : ", ", i.what, format_bytes(i.bytes));
+  for (const MemoryPlan::Item& i : items)
+    out += fmt::format("{}{} {}", out.empty() ? "" : ", ", i.what, format_bytes(i.bytes));
   return out;
 }
 
@@ -204,14 +205,16 @@ Status check_memory_fits(const MemoryPlan& plan, const MemoryBudgets& budgets, c
   if (!plan.host.empty() && budgets.host > 0 && host > budgets.host) {
     return Status::out_of_memory("the model's offloaded state needs at least {} of host memory ({}) but {} is {}: {}, "
                                  "or raise memory.host_memory_limit",
-                                 format_bytes(host), holders(plan.host), budgets.host_source, format_bytes(budgets.host), to_nvme);
+                                 format_bytes(host), holders(plan.host), budgets.host_source, format_bytes(budgets.host),
+                                 to_nvme);
   }
   if (budgets.shared > 0 && device + host > budgets.shared) {
     std::vector<MemoryPlan::Item> all = plan.device;
     for (const MemoryPlan::Item& i : plan.host) all.push_back(i);
     return Status::out_of_memory("the model's state needs at least {} of this machine's memory ({}) but it has {} free "
                                  "({}): {}",
-                                 format_bytes(device + host), holders(all), format_bytes(budgets.shared), budgets.shared_source,
+                                 format_bytes(device + host), holders(all), format_bytes(budgets.shared),
+                                 budgets.shared_source,
                                  offloaded ? to_nvme : "offload it to nvme: zero_optimization.offload_optimizer.device "
                                                        "and offload_param.device = \"nvme\" with an nvme_path");
   }

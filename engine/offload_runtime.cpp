@@ -175,8 +175,8 @@ Result<OffloadSizing> size_offload(const OffloadConfig& config, const GPT2& mode
     z.state_bytes += held * sizeof(float);
   }
   const bool have_nvme = z.param_tier == offload::Tier::kNvme || z.opt_tier == offload::Tier::kNvme;
-  z.grad_tier = config.gradients == "nvme" || (config.gradients == "auto" && have_nvme && config.host_memory_limit > 0 &&
-                                               z.state_bytes > config.host_memory_limit / 2)
+  const bool grads_over_half = config.host_memory_limit > 0 && z.state_bytes > config.host_memory_limit / 2;
+  z.grad_tier = config.gradients == "nvme" || (config.gradients == "auto" && have_nvme && grads_over_half)
                     ? offload::Tier::kNvme
                     : offload::Tier::kHost;
   z.file_bytes =

@@ -161,7 +161,8 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
       placement.zero12_ranks = static_cast<size_t>(dp_size);
     auto memory = plan_memory(*shape, config.offload, placement);
     if (!memory.is_ok()) return memory.status().with_context(config.source);
-    const Status fits = check_memory_fits(*memory, measure_memory_budgets(*memory, config.offload, *device), config.offload);
+    const MemoryBudgets budgets = measure_memory_budgets(*memory, config.offload, *device);
+    const Status fits = check_memory_fits(*memory, budgets, config.offload);
     if (!fits.is_ok()) return fits.with_context(config.source);
   }
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> model,

@@ -130,7 +130,8 @@ TEST(MemoryPlanCheck, EachTierOverItsBudgetIsRefusedNamingTheKeyAndTheLargestHol
   refused(b, {"device memory", "memory.device_memory_limit", "offload.persistent 3.00 MiB", "persistence_threshold"});
   b = fits;
   b.host = (28 << 20) - 1;
-  refused(b, {"host memory", "memory.host_memory_limit", "offload.optimizer 24.0 MiB, offload.params 4.00 MiB", "\"nvme\""});
+  refused(b,
+          {"host memory", "memory.host_memory_limit", "offload.optimizer 24.0 MiB, offload.params 4.00 MiB", "\"nvme\""});
   b = fits;
   b.shared = (32 << 20) - 1;
   b.shared_source = "MemAvailable 31.9 MiB";
