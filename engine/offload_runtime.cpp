@@ -182,9 +182,7 @@ Result<OffloadSizing> size_offload(const OffloadConfig& config, const GPT2& mode
   z.file_bytes =
       (std::max<uint64_t>(z.largest_key + 4096, std::min<uint64_t>(uint64_t{1} << 30, 2 * 3 * z.state_bytes)) + 4095) /
       4096 * 4096;
-  // Gradients share the optimizer's store when it is on nvme (its swap pipeline reads them), else the
-  // parameters'.
-  const std::string& grad_path =
+  z.grad_path =
       z.opt_tier == offload::Tier::kNvme ? config.offload_optimizer.nvme_path : config.offload_param.nvme_path;
   auto place = [&](const std::string& path, uint64_t classes) {
     z.nvme_state_bytes[path] += classes * z.state_bytes;
@@ -192,7 +190,7 @@ Result<OffloadSizing> size_offload(const OffloadConfig& config, const GPT2& mode
   };
   if (z.param_tier == offload::Tier::kNvme) place(config.offload_param.nvme_path, 1);
   if (z.opt_tier == offload::Tier::kNvme) place(config.offload_optimizer.nvme_path, 3);  // master weights, m, v
-  if (z.grad_tier == offload::Tier::kNvme) place(grad_path, 1);
+  if (z.grad_tier == offload::Tier::kNvme) place(z.grad_path, 1);
   return z;
 }
 
@@ -313,8 +311,6 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
   }
 
   // One store per folder, sized for what goes there (size_offload).
-  const std::string& grad_path =
-      opt_tier == offload::Tier::kNvme ? config.offload_optimizer.nvme_path : config.offload_param.nvme_path;
   for (const auto& store : sizing.nvme_max_bytes) {
     const std::string& path = store.first;
     STRATA_RETURN_IF_ERROR(rt->open_store(path, sizing.file_bytes, sizing.files(path), config.aio)
@@ -324,7 +320,7 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
       param_tier == offload::Tier::kNvme ? rt->stores_.at(config.offload_param.nvme_path).get() : nullptr;
   SwapStore* opt_store =
       opt_tier == offload::Tier::kNvme ? rt->stores_.at(config.offload_optimizer.nvme_path).get() : nullptr;
-  SwapStore* grad_store = grad_tier == offload::Tier::kNvme ? rt->stores_.at(grad_path).get() : nullptr;
+  SwapStore* grad_store = grad_tier == offload::Tier::kNvme ? rt->stores_.at(sizing.grad_path).get() : nullptr;
 
   offload::PinnedPoolOptions po;
   po.budget_bytes = config.host_memory_limit;

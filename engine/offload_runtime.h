@@ -111,6 +111,9 @@ struct OffloadSizing {
   uint64_t state_bytes = 0;     // one fp32 class (parameters, gradients, ...) of the offloaded units: their shards
   uint64_t largest_key = 0;     // the largest swap key: a sub-group, or a smaller unit's shard
   uint64_t file_bytes = 0;      // each swap file (preallocated, so no bigger than the state needs)
+  // The gradients' store with grad_tier nvme: the optimizer's when it is on nvme (its swap pipeline reads them),
+  // else the parameters'.
+  std::string grad_path;
   // By nvme_path: the most the store there grows to (two versions of every key can coexist, copy-on-write), and
   // the bytes one version of its state takes: the least the disk must hold.
   std::map<std::string, uint64_t> nvme_max_bytes, nvme_state_bytes;
