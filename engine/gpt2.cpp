@@ -9,37 +9,6 @@ namespace strata::engine {
 
 using kernels::MatmulPrecision;
 
-std::vector<std::pair<std::string, FlatLayout>> gpt2_unit_layouts(const GPT2Config& config) {
-  const int64_t C = config.n_embd, V = config.vocab_size, maxT = config.block_size;
-  std::vector<std::pair<std::string, FlatLayout>> units;
-  FlatLayout emb;
-  emb.add("wte", {V, C});
-  emb.add("wpe", {maxT, C});
-  units.emplace_back("wte", std::move(emb));
-  for (int l = 0; l < config.n_layer; ++l) {
-    const std::string h = "h." + std::to_string(l) + ".";
-    FlatLayout b;
-    b.add(h + "ln_1.weight", {C});
-    b.add(h + "ln_1.bias", {C});
-    b.add(h + "attn.c_attn.weight", {3 * C, C});
-    b.add(h + "attn.c_attn.bias", {3 * C});
-    b.add(h + "attn.c_proj.weight", {C, C});
-    b.add(h + "attn.c_proj.bias", {C});
-    b.add(h + "ln_2.weight", {C});
-    b.add(h + "ln_2.bias", {C});
-    b.add(h + "mlp.c_fc.weight", {4 * C, C});
-    b.add(h + "mlp.c_fc.bias", {4 * C});
-    b.add(h + "mlp.c_proj.weight", {C, 4 * C});
-    b.add(h + "mlp.c_proj.bias", {C});
-    units.emplace_back("h." + std::to_string(l), std::move(b));
-  }
-  FlatLayout lnf;
-  lnf.add("ln_f.weight", {C});
-  lnf.add("ln_f.bias", {C});
-  units.emplace_back("ln_f", std::move(lnf));
-  return units;
-}
-
 Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, const kernels::KernelSet& cpu_kernels,
                                            MatmulPrecision precision) {
   std::unique_ptr<kernels::Device> device = kernels::make_cpu_device(cpu_kernels);
