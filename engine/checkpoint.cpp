@@ -298,8 +298,8 @@ Status zeros(std::span<float> dst) {
 
 }  // namespace
 
-Status load_model(GPT2& model, const std::string& path_or_folder) {
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> file, open_weights(model, path_or_folder));
+Status load_model(GPT2& model, const std::string& path_or_folder, const WeightsOpenOptions& options) {
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> file, open_weights(model, path_or_folder, options));
   std::vector<float> unit;
   for (size_t i = 0; i < model.units().size(); ++i) {
     unit.resize(model.whole_layout(i).numel());

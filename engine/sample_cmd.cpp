@@ -98,6 +98,8 @@ CLI::App* add_sample_command(CLI::App& app, SampleOptions& o) {
   cmd->add_option("--seed", o.params.seed, "Seed of the draws")->capture_default_str();
   cmd->add_option("--encoder", o.encoder_path, "GPT-2 encoder.json")->capture_default_str();
   cmd->add_option("--vocab", o.vocab_path, "GPT-2 vocab.bpe")->capture_default_str();
+  cmd->add_flag("--allow-non-finite", o.allow_non_finite,
+                "Load NaN and inf from a weights file without checksums (Hugging Face's, llm.c's) instead of refusing it");
   return cmd;
 }
 
@@ -128,7 +130,7 @@ int run_sample(const SampleOptions& o) {
   }
   auto model = GPT2::create(config, *kernels::find_kernel_set("fast"), kernels::MatmulPrecision::kF32);
   if (!model.is_ok()) return fail(model.status().with_context(path));
-  if (const Status st = load_model(**model, path); !st.is_ok()) return fail(st);
+  if (const Status st = load_model(**model, path, {o.allow_non_finite}); !st.is_ok()) return fail(st);
 
   std::vector<int32_t> ids = tokenizer->encode(o.prompt);
   if (ids.empty()) ids.push_back(tokenizer->eot_token());

@@ -1,17 +1,26 @@
 // sample_test.cpp — `strata sample`'s generation loop against the model's own logits, recomputed here for every
 // generated position over the window the sampler should have used (the last block_size tokens): greedy takes
 // each step's most likely token, top-k draws stay among the k most likely, and the draws depend on the seed
-// alone. The context runs past block_size, so the window slides.
+// alone. The context runs past block_size, so the window slides. And `strata sample` itself on a file without
+// checksums that holds a NaN.
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
+#include <filesystem>
+#include <fstream>
+#include <limits>
 #include <memory>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "engine/checkpoint.h"
+#include "engine/foreign_weights.h"
 #include "engine/gpt2.h"
 #include "engine/sample_cmd.h"
 #include "kernels/cpu/cpu_kernels.h"
+#include "tests/engine/tiny_gpt2_files.h"
 #include "tests/test_util.h"
 
 namespace strata::engine {
@@ -94,6 +103,51 @@ TEST_F(SampleTest, BadContextOrParametersAreRefused) {
   p.temperature = -1;
   std::vector<int32_t> ids = {1};
   EXPECT_FALSE(sample_tokens(*model_, p, &ids).is_ok());
+}
+
+// An llm.c file (no checksums) with a NaN in a position row the sample never reaches: refused by name, as
+// training.init_from and export refuse it, and sampled to the end with --allow-non-finite.
+TEST(SampleCommandTest, NonFiniteWeightsAreRefusedUnlessAllowed) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("strata_sample_cmd_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  // The tiny tokenizer has 257 tokens; llm.c pads the vocabulary to 384 rows.
+  const GPT2Config c{.n_layer = 1, .n_head = 2, .n_embd = 16, .vocab_size = 260, .block_size = 8};
+  ASSERT_OK_AND_ASSIGN(auto model, GPT2::create(c, *kernels::find_kernel_set("fast"), kernels::MatmulPrecision::kF32));
+  ASSERT_OK(model->init_gpt2(3));
+  ASSERT_OK(save_model(*model, (dir / "model.safetensors").string()));
+  const std::string bin = (dir / "model.bin").string();
+  ASSERT_OK(export_weights((dir / "model.safetensors").string(), WeightsFormat::kLlmc, bin));
+  {
+    std::fstream f(bin, std::ios::in | std::ios::out | std::ios::binary);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    f.seekp(1024 + (384 + 7) * 16 * 4);  // wpe row 7: the last position, past this sample's 2 + 3 tokens
+    f.write(reinterpret_cast<const char*>(&nan), 4);
+  }
+  SampleOptions o;
+  o.model = bin;
+  o.prompt = "ab";
+  o.encoder_path = ::strata::testing::write_tiny_encoder(dir);
+  o.vocab_path = ::strata::testing::write_text_file(dir / "vocab.bpe", "#version: 0.2\n");
+  o.params.tokens = 3;
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  const int refused = run_sample(o);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  ::testing::internal::GetCapturedStdout();
+  EXPECT_EQ(refused, 1);
+  EXPECT_NE(err.find("'wpe' element 112 is nan"), std::string::npos) << err;
+  EXPECT_NE(err.find("--allow-non-finite"), std::string::npos) << err;
+  o.allow_non_finite = true;
+  ::testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  const int allowed = run_sample(o);
+  const std::string allowed_err = ::testing::internal::GetCapturedStderr();
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  EXPECT_EQ(allowed, 0) << allowed_err;
+  EXPECT_TRUE(out.starts_with("ab")) << out;
+  fs::remove_all(dir);
 }
 
 // A token may end inside a character: the printed text holds it back until it is whole.
