@@ -431,6 +431,8 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
     // The step's micro-batches: every rank reads all of them (so the data position stays the same everywhere)
     // and computes every dp_size-th.
     const int micro_batches = tc.grad_accum_steps * dp_size;
+    const float grad_scale = (options.gradient_factor ? options.gradient_factor(state.step + 1) : 1.0f) /
+                             static_cast<float>(micro_batches);
     if (pipeline) {  // this rank's micro-batches, then the schedule over them
       xs.resize(static_cast<size_t>(tc.grad_accum_steps) * B * T);
       ys.resize(xs.size());
@@ -445,7 +447,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
         tgt.push_back(yi);
       }
       STRATA_ASSIGN_OR_RETURN(const PipelineStepStats ps,
-                              pipeline->run(in, tgt, 1.0f / static_cast<float>(micro_batches)));
+                              pipeline->run(in, tgt, grad_scale));
       float l = static_cast<float>(ps.loss_sum);  // the last stage's; zero elsewhere
       STRATA_RETURN_IF_ERROR(pp->all_reduce(&l, &l, 1, DType::kF32, comm::ReduceOp::kSum));
       loss_sum = l;
@@ -461,7 +463,7 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
       } else {
         STRATA_RETURN_IF_ERROR(opt->begin_accumulating_backward());
       }
-      STRATA_RETURN_IF_ERROR(model->backward(1.0f / static_cast<float>(micro_batches)));
+      STRATA_RETURN_IF_ERROR(model->backward(grad_scale));
     }
     if (dp) {  // sum the gradients (stage 0; sharded and offloaded optimizers reduce their own) and the losses
       for (size_t i = 0; !sharded_opt && !offload_stack && i < model->units().size(); ++i) {

@@ -6,6 +6,7 @@
 // calling thread; the kernels use the TBB arena (compute.threads caps it).
 #pragma once
 
+#include <functional>
 #include <string>
 
 #include "comm/communicator.h"
@@ -41,6 +42,9 @@ struct TrainOptions {
   kernels::Device* device = nullptr;
   // Makes each group's device plane instead of NCCL (tests: MPI posing as NCCL on a device posing as a GPU).
   DevicePlaneFactory device_plane;
+  // Tests: a factor on step `step`'s gradients (steps count from 1), on top of 1 / micro-batches; infinity
+  // makes that step's gradients non-finite, so it is skipped after its backward has begun the update. Empty: 1.
+  std::function<float(int step)> gradient_factor;
 };
 
 struct TrainSummary {

@@ -66,6 +66,7 @@ class TrainerTest : public ::testing::Test {
     o.tensor_parallel = tensor_parallel;
     o.device = device_;
     o.device_plane = device_plane_;
+    o.gradient_factor = gradient_factor_;
     return run_training(c.value(), o);
   }
   // Loss and grad_norm of every training step, in order, from a metrics file.
@@ -96,6 +97,7 @@ class TrainerTest : public ::testing::Test {
   fs::path dir_;
   kernels::Device* device_ = nullptr;  // train() trains on this device when set (else compute.device's)
   DevicePlaneFactory device_plane_;    // and makes the groups' device planes with this when set
+  std::function<float(int)> gradient_factor_;  // TrainOptions::gradient_factor of train()'s runs
 };
 
 }  // namespace strata::engine
