@@ -99,7 +99,8 @@ CLI::App* add_sample_command(CLI::App& app, SampleOptions& o) {
   cmd->add_option("--encoder", o.encoder_path, "GPT-2 encoder.json")->capture_default_str();
   cmd->add_option("--vocab", o.vocab_path, "GPT-2 vocab.bpe")->capture_default_str();
   cmd->add_flag("--allow-non-finite", o.allow_non_finite,
-                "Load NaN and inf from a weights file without checksums (Hugging Face's, llm.c's) instead of refusing it");
+                "Load NaN and inf from a weights file without checksums (Hugging Face's, llm.c's) instead of "
+                "refusing it");
   return cmd;
 }
 
