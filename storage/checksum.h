@@ -1,4 +1,4 @@
-// checksum.h — XXH3-64, the checksum of every swap store chunk (SWAP_FORMAT.md), at the speed of the
+// checksum.h — XXH3-64, the checksum of every swap store chunk (docs/formats/swap.md), at the speed of the
 // machine's vectors.
 //
 // Debian's libxxhash is built for baseline x86-64 (SSE2): about 16 GB/s on one core of the CI machine, and the

@@ -1,6 +1,6 @@
 // swap_store.h — the NVMe tier's swap space: named extents of any size in a few preallocated, locked files per
 // rank, every extent checksummed (XXH3-64 per chunk) and verified on every read. The layout is in
-// storage/SWAP_FORMAT.md.
+// docs/formats/swap.md.
 //
 // Owns: its swap files (created lazily up to max_files, removed on destruction, stale ones of dead processes
 // removed at open), a 4 KiB-granular best-fit extent allocator with coalescing, the key index with each
@@ -43,7 +43,7 @@ constexpr uint64_t kSwapBlock = 4096;          // header size, extent alignment 
 constexpr char kSwapMagic[8] = {'S', 'T', 'R', 'A', 'T', 'A', 'S', 'W'};
 constexpr uint32_t kSwapVersion = 1;
 
-// The first 4 KiB of every swap file (SWAP_FORMAT.md), little-endian; then zeros, and at byte 4088 the XXH3-64
+// The first 4 KiB of every swap file (docs/formats/swap.md), little-endian; then zeros, and at byte 4088 the XXH3-64
 // (seed 0) of bytes [0, 4088). Written when the file is made, for people and tools; the store never reads it.
 struct SwapFileHeader {
   char magic[8];  // kSwapMagic
