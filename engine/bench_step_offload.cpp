@@ -1,4 +1,4 @@
-// `strata bench step --offload-…`: the offloaded training step against the bound DESIGN.md sets for it,
+// `strata bench step --offload-…`: the offloaded training step against the bound docs/architecture.md sets for it,
 // max(compute, NVMe traffic / disk bandwidth, optimizer time), every term measured in the same run: the same
 // model's forward+backward kept on the device, the step's NVMe byte mix pushed through a swap store in the
 // same folder, and the CPU Adam pass over the same parameters in memory.

@@ -1,6 +1,6 @@
 // gpt2.h — the GPT-2 model as units over flat buffers, with forward and backward through a KernelSet.
 //
-// Units (DESIGN.md "data model"): "wte" (the token embedding wte (V,C) and position embedding wpe (maxT,C)),
+// Units (docs/architecture.md "Data model"): "wte" (the token embedding wte (V,C) and position embedding wpe (maxT,C)),
 // "h.0" … "h.{L-1}" (one per transformer block), and "ln_f" (the final layernorm). The LM head is tied to wte,
 // so the embedding unit is used twice per step. Each unit's parameters live in one flat fp32 buffer in a
 // canonical order (the order of scripts/make_gpt2_fixture.py); its gradients live in a second buffer of the

@@ -1,7 +1,7 @@
 // tensor_parallel.h — how Megatron-LM's tensor parallelism (parallel.tensor_parallel_size) cuts GPT-2's units
 // over the ranks of a tensor-parallel group, and the arithmetic on those slices.
 //
-// Each rank's unit buffer holds its slices only (DESIGN.md "data model"), laid out like the whole unit (same
+// Each rank's unit buffer holds its slices only (docs/architecture.md "Data model"), laid out like the whole unit (same
 // tensor names, same order, smaller shapes), so the offload coordinator, ZeRO sharding and the optimizers see
 // an ordinary unit. Per tensor (Megatron's column- and row-parallel linears):
 //  - attn.c_attn (QKV, column-parallel): rank r takes heads [r*NH/t, (r+1)*NH/t) of each of q, k and v, weight

@@ -21,12 +21,12 @@ namespace strata::kernels {
 // Arithmetic of matmul inputs: fp32, or inputs rounded to bf16 with fp32 accumulation (AVX-512 BF16).
 enum class MatmulPrecision : uint8_t { kF32 = 0, kBF16 = 1 };
 
-// A linear's weight: its fp32 values and, where the weight's owner keeps one, their bf16 working copy (DESIGN.md's
-// 16-bit working parameters): bf16[i] == f32_to_bf16(f32[i]) (common/dtype.h) for every element, the rounding
-// every matmul slot does under kBF16. An owner that makes the copy once per change of the weights saves each
-// linear its own rounding pass, forward and backward and in every micro-batch. A backend may use it under kBF16
-// instead of rounding f32, so results are bitwise those without it; null: none kept. Implicit from a bare fp32
-// pointer, for callers that keep no copy.
+// A linear's weight: its fp32 values and, where the weight's owner keeps one, their bf16 working copy
+// (docs/architecture.md, "16-bit working parameters"): bf16[i] == f32_to_bf16(f32[i]) (common/dtype.h) for every
+// element, the rounding every matmul slot does under kBF16. An owner that makes the copy once per change of the
+// weights saves each linear its own rounding pass, forward and backward and in every micro-batch. A backend may
+// use it under kBF16 instead of rounding f32, so results are bitwise those without it; null: none kept. Implicit
+// from a bare fp32 pointer, for callers that keep no copy.
 struct Weight {
   const float* f32 = nullptr;
   const uint16_t* bf16 = nullptr;

@@ -15,7 +15,7 @@ inline const char* tier_name(Tier t) {
   return "?";
 }
 
-// The training state of one unit, per DESIGN.md's data model.
+// The training state of one unit, per docs/architecture.md's "Data model".
 enum class StateClass : uint8_t { kParams, kGrads, kMaster, kMomentM, kMomentV };
 
 // Where one state class of one unit lives: its home tier, and which tiers hold a valid copy right now (a copy
