@@ -31,9 +31,9 @@
 namespace {
 
 // oneDNN's matmuls run on OpenMP threads (Debian's libdnnl uses libgomp), which by default spin after every
-// parallel region, and that spinning takes the cores from what runs between matmuls: the TBB kernels, the AdamW
-// pass, and the offload's copies, checksums and CPU Adam. Waiting passively measured 3-7% faster plain steps and
-// less CPU time per offloaded step on the 2-core CI machine (README, "Overlap"). libgomp reads its settings once,
+// parallel region, and that spinning takes the cores from what runs between matmuls: the TBB kernels, the AdamW pass,
+// and the offload's copies, checksums and CPU Adam. Waiting passively measured 3-7% faster plain steps and less CPU
+// time per offloaded step on the 2-core CI machine (docs/benchmarks.md, "make demo"). libgomp reads its settings once,
 // when it is loaded, before main() runs (and an executable's pre-init function cannot set them either: libc
 // resets the environment after it), so `train` and `bench` start themselves again with the setting; the other
 // commands run no matmul. A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT stays as it is. Under valgrind (which

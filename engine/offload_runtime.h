@@ -54,15 +54,15 @@ inline constexpr uint64_t kNvmeWriteBytesInFlight = uint64_t{8} << 20;
 // value out of range).
 Result<std::pair<EngineOptions, IoQueueOptions>> nvme_io_options(const AioConfig& aio);
 
-// Registers every buffer of the pool, as it is mapped, with `device` (Device::register_host) and with `io` (the
-// NVMe tier's engine, IoEngine::add_buffer), and unregisters it from both before it is unmapped. The device
-// copies to or from nearly all of them (the parameters' and gradients' homes and staging, host activation
-// checkpoints, and the optimizer's master weights and swap slots, which the update publishes from); without it
-// a GPU stages every copy through a bounce buffer (measured on an H100: 7.6 GB/s host-to-device instead of 49).
-// The NVMe tier reads into and writes from them, and registered the kernel does not pin their pages again for
-// every transfer (on the CI machine 75 ms of system time per GiB written; see README). A failed registration
-// says so once (a warning for the device, a note for the engine) and leaves that buffer working unregistered.
-// Nothing to do for a host-accessible device without an engine. Both must outlive the pool's buffers.
+// Registers every buffer of the pool, as it is mapped, with `device` (Device::register_host) and with `io` (the NVMe
+// tier's engine, IoEngine::add_buffer), and unregisters it from both before it is unmapped. The device copies to or
+// from nearly all of them (the parameters' and gradients' homes and staging, host activation checkpoints, and the
+// optimizer's master weights and swap slots, which the update publishes from); without it a GPU stages every copy
+// through a bounce buffer (measured on an H100: 7.6 GB/s host-to-device instead of 49). The NVMe tier reads into and
+// writes from them, and registered the kernel does not pin their pages again for every transfer (on the CI machine 75
+// ms of system time per GiB written; docs/benchmarks.md, "bench nvme"). A failed registration says so once (a warning
+// for the device, a note for the engine) and leaves that buffer working unregistered. Nothing to do for a
+// host-accessible device without an engine. Both must outlive the pool's buffers.
 void register_pool_buffers(offload::PinnedPool& pool, kernels::Device& device, IoEngine* io = nullptr);
 
 // What one step moved and where its time went, for the progress line, the metrics file and bench step.

@@ -62,8 +62,8 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
                                : nullptr;
   const int tp_rank = tp ? tp->rank() : 0;
   const bool leader = dp_rank == 0 && pp_rank == 0 && tp_rank == 0;  // prints, writes metrics and checkpoints
-  // The configured sizes must be the groups this process was given (mpirun starts them: README "Several
-  // processes").
+  // The configured sizes must be the groups this process was given (mpirun starts them:
+  // docs/parallelism.md).
   const std::pair<int, comm::Communicator*> sizes[] = {{config.parallel.tensor_parallel_size, tp},
                                                        {config.parallel.pipeline_parallel_size, pp}};
   for (const auto& [want, group] : sizes) {

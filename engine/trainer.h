@@ -21,13 +21,12 @@ struct TrainOptions {
   std::string resume;        // checkpoint (step dir or checkpoint_dir) to continue from (empty: fresh)
   bool progress = true;      // the per-step progress line on stdout
   // Data parallelism: each rank of this group runs its share of every step's micro-batches — of the step's
-  // data_parallel size x grad_accum_steps micro-batches, rank r takes every r-th — and the gradients are
-  // summed over the group (ZeRO stage 0: all-reduced, every rank takes the same step; 1 and 2: the moments
-  // sharded; 3, and 1 or 2 with offload: every unit sharded through the offload stack, README "Several
-  // processes"), so every rank keeps the same weights. Rank 0 alone prints, writes metrics and checkpoints
-  // (the others take part where the state is sharded). Null or a group of one: this process alone. On the GPU
-  // the collectives on device buffers go over NCCL or are staged through host memory
-  // (parallel.distributed_backend; engine/staged_communicator.h).
+  // data_parallel size x grad_accum_steps micro-batches, rank r takes every r-th — and the gradients are summed over
+  // the group (ZeRO stage 0: all-reduced, every rank takes the same step; 1 and 2: the moments sharded; 3, and 1 or 2
+  // with offload: every unit sharded through the offload stack, docs/parallelism.md), so every rank keeps the same
+  // weights. Rank 0 alone prints, writes metrics and checkpoints (the others take part where the state is sharded).
+  // Null or a group of one: this process alone. On the GPU the collectives on device buffers go over NCCL or are staged
+  // through host memory (parallel.distributed_backend; engine/staged_communicator.h).
   comm::Communicator* data_parallel = nullptr;
   // Pipeline parallelism (parallel.pipeline_parallel_size = its size): this rank runs stage pipeline->rank()
   // of the model on parallel.pipeline_schedule (engine/pipeline.h), each data-parallel rank's micro-batches
