@@ -1,7 +1,7 @@
 // communicator.h — the collectives and point-to-point messages the parallel logic (ZeRO, tensor and pipeline
 // parallelism) is written against, once, whatever carries them: MPI on host buffers (comm/mpi_communicator.h:
 // the CPU backend's data plane and every backend's bootstrap; on the GPU, staged through host memory by
-// engine/staged_communicator.h) or NCCL on device buffers (comm/nccl_communicator.h).
+// comm/staged_communicator.h) or NCCL on device buffers (comm/nccl_communicator.h).
 //
 // Every call is collective over the communicator's ranks (send/recv: over the pair) and blocks until its
 // buffers may be reused. Reductions are over fp32 only (the host data plane reduces gradients in fp32); data

@@ -12,7 +12,7 @@
 #include "comm/mpi_communicator.h"
 #include "common/timer.h"
 #include "common/units.h"
-#include "engine/staged_communicator.h"
+#include "comm/staged_communicator.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/device.h"
 
@@ -73,8 +73,8 @@ Status sweep(const BenchCommOptions& o, const std::vector<std::string>& ops, uin
   std::string carrier = "MPI (host buffers, fp32)", over = "mpi";
   if (o.device == "cuda") {
     STRATA_ASSIGN_OR_RETURN(device, kernels::make_device("cuda", kernels::cpu_fast_kernels()));
-    STRATA_ASSIGN_OR_RETURN(group, device_collectives(group, *device, o.backend, {}, &on_device));
-    const bool nccl = dynamic_cast<StagedCommunicator&>(*group).has_device_plane();
+    STRATA_ASSIGN_OR_RETURN(group, comm::device_collectives(group, *device, o.backend, {}, &on_device));
+    const bool nccl = dynamic_cast<comm::StagedCommunicator&>(*group).has_device_plane();
     carrier = nccl ? "NCCL (GPU buffers, fp32)" : "MPI (GPU buffers staged through host memory, fp32)";
     over = nccl ? "nccl" : "mpi_staged";
   }

@@ -14,7 +14,7 @@
 #include "engine/bench_step.h"
 #include "engine/gpt2.h"
 #include "engine/pipeline.h"
-#include "engine/staged_communicator.h"
+#include "comm/staged_communicator.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/thread_limit.h"
 
@@ -44,7 +44,7 @@ Result<StageTimes> time_schedule(const BenchStepOptions& o, const GPT2Config& mc
   // The stages exchange device memory: on a GPU over NCCL or staged through host memory, as in training.
   std::unique_ptr<comm::Communicator> on_device;
   STRATA_ASSIGN_OR_RETURN(comm::Communicator* const exchange,
-                          device_collectives(&pp, *device, "auto", {}, &on_device));
+                          comm::device_collectives(&pp, *device, "auto", {}, &on_device));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<PipelineRunner> runner,
                           PipelineRunner::create(*model, *exchange, schedule, m, B, T));
   std::vector<std::vector<int32_t>> xs(static_cast<size_t>(m)), ys(static_cast<size_t>(m));

@@ -72,7 +72,7 @@ struct ParallelConfig {
   std::string pipeline_schedule = "1f1b";  // "1f1b" (Megatron-LM's) or "gpipe"
   // Megatron-LM's sequence parallelism for the layernorm regions (with tensor_parallel_size > 1; engine/gpt2.h).
   bool sequence_parallel = false;
-  // What carries the groups' collectives on the GPU's buffers (engine/staged_communicator.h): "nccl", "mpi"
+  // What carries the groups' collectives on the GPU's buffers (comm/staged_communicator.h): "nccl", "mpi"
   // (staged through host memory), or "auto": NCCL unless this build lacks it or ranks of a group share a GPU.
   std::string distributed_backend = "auto";
 };

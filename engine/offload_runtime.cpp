@@ -8,7 +8,7 @@
 
 #include "comm/mpi_communicator.h"
 #include "common/log.h"
-#include "engine/staged_communicator.h"
+#include "comm/staged_communicator.h"
 
 namespace strata::engine {
 namespace {
@@ -283,7 +283,7 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
     // kernels wait on the GPU for their peers, and two communicators driven from two threads at once can
     // deadlock when the ranks launch their calls in different orders (NCCL's documentation): with tensor or
     // pipeline parallelism, whose groups this thread drives meanwhile, the shard group stays off NCCL.
-    auto* staged_dp = dynamic_cast<StagedCommunicator*>(dp);
+    auto* staged_dp = dynamic_cast<comm::StagedCommunicator*>(dp);
     const bool nccl_shards = staged_dp != nullptr && pp == nullptr && !model.tensor_parallel();
     if (staged_dp != nullptr) {
       STRATA_ASSIGN_OR_RETURN(rt->shard_group_, staged_dp->split(0, dp->rank(), "dp.zero3", nccl_shards));
@@ -294,7 +294,7 @@ Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConf
     } else {
       STRATA_ASSIGN_OR_RETURN(rt->shard_group_, dp->split(0, dp->rank(), "dp.zero3"));
     }
-    if (auto* staged = dynamic_cast<StagedCommunicator*>(rt->shard_group_.get())) {
+    if (auto* staged = dynamic_cast<comm::StagedCommunicator*>(rt->shard_group_.get())) {
       // The coordinator fences every call (the slot's last use before a gather, backward's gradients before a
       // reduce-scatter), so they need not wait for the compute stream to drain, which would keep prefetches
       // from overlapping the kernels.

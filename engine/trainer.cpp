@@ -23,7 +23,7 @@
 #include "engine/optimizer.h"
 #include "engine/pipeline.h"
 #include "engine/sharded_optimizer.h"
-#include "engine/staged_communicator.h"
+#include "comm/staged_communicator.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/thread_limit.h"
 
@@ -133,12 +133,12 @@ Result<TrainSummary> run_training(const RunConfig& config, const TrainOptions& o
   kernels::Device* const device = options.device != nullptr ? options.device : own_device.get();
   device->set_memory_limit(config.offload.device_memory_limit);
   // On a device the host cannot address, the groups' collectives on device buffers go over NCCL, or are staged
-  // through host memory (engine/staged_communicator.h); host buffers (the losses, norms, checkpoints) go over
+  // through host memory (comm/staged_communicator.h); host buffers (the losses, norms, checkpoints) go over
   // MPI. Every rank sets up its groups in the same order (each is collective over its own ranks).
   std::unique_ptr<comm::Communicator> device_groups[3];
   int g = 0;
   for (comm::Communicator** group : {&dp, &pp, &tp}) {
-    STRATA_ASSIGN_OR_RETURN(*group, device_collectives(*group, *device, config.parallel.distributed_backend,
+    STRATA_ASSIGN_OR_RETURN(*group, comm::device_collectives(*group, *device, config.parallel.distributed_backend,
                                                        options.device_plane, &device_groups[g++]));
   }
   const bool offloaded = offload_enabled(config.offload) || zero3;

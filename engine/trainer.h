@@ -12,7 +12,7 @@
 #include "comm/communicator.h"
 #include "common/status.h"
 #include "engine/config.h"
-#include "engine/staged_communicator.h"
+#include "comm/staged_communicator.h"
 
 namespace strata::engine {
 
@@ -26,7 +26,7 @@ struct TrainOptions {
   // with offload: every unit sharded through the offload stack, docs/parallelism.md), so every rank keeps the same
   // weights. Rank 0 alone prints, writes metrics and checkpoints (the others take part where the state is sharded).
   // Null or a group of one: this process alone. On the GPU the collectives on device buffers go over NCCL or are staged
-  // through host memory (parallel.distributed_backend; engine/staged_communicator.h).
+  // through host memory (parallel.distributed_backend; comm/staged_communicator.h).
   comm::Communicator* data_parallel = nullptr;
   // Pipeline parallelism (parallel.pipeline_parallel_size = its size): this rank runs stage pipeline->rank()
   // of the model on parallel.pipeline_schedule (engine/pipeline.h), each data-parallel rank's micro-batches
@@ -40,7 +40,7 @@ struct TrainOptions {
   // cannot address). Must outlive the call.
   kernels::Device* device = nullptr;
   // Makes each group's device plane instead of NCCL (tests: MPI posing as NCCL on a device posing as a GPU).
-  DevicePlaneFactory device_plane;
+  comm::DevicePlaneFactory device_plane;
   // Tests: a factor on step `step`'s gradients (steps count from 1), on top of 1 / micro-batches; infinity
   // makes that step's gradients non-finite, so it is skipped after its backward has begun the update. Empty: 1.
   std::function<float(int step)> gradient_factor;

@@ -109,7 +109,7 @@ class Device {
   // purpose's text up to its first space (so "gpt2.params h.3" counts as "gpt2.params").
   std::string memory_report() const;
   // Whether [p, p + bytes) lies within one live buffer from allocate() (bytes 0: whether p does). What code
-  // that is handed a pointer uses to tell this device's memory from the host's (engine/staged_communicator.h).
+  // that is handed a pointer uses to tell this device's memory from the host's (comm/staged_communicator.h).
   bool owns(const void* p, size_t bytes) const;
   // In order with the kernels: dst[0..bytes) = 0.
   virtual void zero(void* dst, size_t bytes) = 0;

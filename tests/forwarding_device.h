@@ -37,7 +37,7 @@ class ForwardingDevice : public kernels::Device {
 };
 
 // The CPU device posing as one whose memory the host cannot address (a GPU's), so that what stages device
-// memory through the host (engine/staged_communicator.h) runs in CPU-only CI; counts the bytes its copy
+// memory through the host (comm/staged_communicator.h) runs in CPU-only CI; counts the bytes its copy
 // streams move.
 class UnaddressableDevice : public ForwardingDevice {
  public:

@@ -1,5 +1,5 @@
 // nccl_plane_test.cpp — the groups' collectives on the GPU with NCCL as the device plane
-// (engine/staged_communicator.h), as a world of one on one GPU: device_collectives() takes NCCL for "auto" and
+// (comm/staged_communicator.h), as a world of one on one GPU: device_collectives() takes NCCL for "auto" and
 // "nccl", a call with any buffer in the CUDA device's memory goes over it (host buffers of such a call copied
 // through device staging), one on host buffers alone over the host communicator, and every result is the
 // collective's definition. What one GPU can check: the routing, NCCL's stream after the compute stream's
@@ -14,7 +14,7 @@
 
 #include <gtest/gtest.h>
 
-#include "engine/staged_communicator.h"
+#include "comm/staged_communicator.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cuda/cuda_context.h"
 #include "kernels/device.h"
@@ -47,9 +47,9 @@ class NcclPlaneTest : public ::testing::Test {
 
 TEST_F(NcclPlaneTest, DeviceBuffersGoOverNcclAndHostBuffersOverTheHost) {
   std::unique_ptr<comm::Communicator> owned;
-  auto group = device_collectives(&self_, *device_, "nccl", {}, &owned);
+  auto group = comm::device_collectives(&self_, *device_, "nccl", {}, &owned);
   ASSERT_TRUE(group.is_ok()) << group.status().to_string();
-  auto& staged = dynamic_cast<StagedCommunicator&>(*group.value());
+  auto& staged = dynamic_cast<comm::StagedCommunicator&>(*group.value());
   ASSERT_TRUE(staged.has_device_plane()) << "NCCL for \"nccl\"";
 
   const size_t n = 1 << 20;
@@ -95,7 +95,7 @@ TEST_F(NcclPlaneTest, DeviceBuffersGoOverNcclAndHostBuffersOverTheHost) {
   // A split has NCCL too.
   auto part = staged.split(0, 0, "part");
   ASSERT_TRUE(part.is_ok()) << part.status().to_string();
-  auto& p = dynamic_cast<StagedCommunicator&>(*part.value());
+  auto& p = dynamic_cast<comm::StagedCommunicator&>(*part.value());
   ASSERT_TRUE(p.has_device_plane());
   ASSERT_TRUE(p.all_reduce(s.data(), d.data(), n, DType::kF32, comm::ReduceOp::kMax).is_ok());
   EXPECT_EQ(to_host(d, n), x);
@@ -104,13 +104,13 @@ TEST_F(NcclPlaneTest, DeviceBuffersGoOverNcclAndHostBuffersOverTheHost) {
 
 TEST_F(NcclPlaneTest, MpiStagesEverythingAndAutoTakesNccl) {
   std::unique_ptr<comm::Communicator> owned;
-  auto mpi = device_collectives(&self_, *device_, "mpi", {}, &owned);
+  auto mpi = comm::device_collectives(&self_, *device_, "mpi", {}, &owned);
   ASSERT_TRUE(mpi.is_ok()) << mpi.status().to_string();
-  EXPECT_FALSE(dynamic_cast<StagedCommunicator&>(*mpi.value()).has_device_plane());
+  EXPECT_FALSE(dynamic_cast<comm::StagedCommunicator&>(*mpi.value()).has_device_plane());
   std::unique_ptr<comm::Communicator> owned2;
-  auto automatic = device_collectives(&self_, *device_, "auto", {}, &owned2);
+  auto automatic = comm::device_collectives(&self_, *device_, "auto", {}, &owned2);
   ASSERT_TRUE(automatic.is_ok()) << automatic.status().to_string();
-  EXPECT_TRUE(dynamic_cast<StagedCommunicator&>(*automatic.value()).has_device_plane())
+  EXPECT_TRUE(dynamic_cast<comm::StagedCommunicator&>(*automatic.value()).has_device_plane())
       << "one rank on its own GPU: NCCL";
 }
 

@@ -1,5 +1,5 @@
 // staged_train_test.cpp — run by CTest under `mpiexec -np 2`: the collectives of a device the host cannot
-// address, staged through host memory over MPI (engine/staged_communicator.h), on the CPU device posing as such
+// address, staged through host memory over MPI (comm/staged_communicator.h), on the CPU device posing as such
 // a device (tests/forwarding_device.h). Staging only moves bytes, so every call gives bitwise what the MPI
 // communicator gives on host buffers, and every parallel mode trains bitwise as on the plain CPU device.
 #include <atomic>
@@ -11,7 +11,7 @@
 
 #include "comm/grid.h"
 #include "comm/mpi_communicator.h"
-#include "engine/staged_communicator.h"
+#include "comm/staged_communicator.h"
 #include "tests/comm/multi_rank_helpers.h"
 #include "tests/engine/trainer_fixture.h"
 #include "tests/forwarding_device.h"
@@ -64,7 +64,7 @@ class Checked final : public comm::Communicator {
   // call one rank makes on this plane and another on the host plane never meets (the test times out instead of
   // passing), checked to take device memory alone, to reduce fp32 alone, and matching messages in order per
   // peer whatever their tags, as NCCL does.
-  static DevicePlaneFactory device_plane(const kernels::Device& device, std::atomic<size_t>* calls) {
+  static comm::DevicePlaneFactory device_plane(const kernels::Device& device, std::atomic<size_t>* calls) {
     return [&device, calls](comm::Communicator& group) -> Result<std::unique_ptr<comm::Communicator>> {
       comm::Communicator& mpi = *dynamic_cast<Checked&>(group).inner_;
       STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> part,
@@ -142,7 +142,7 @@ TEST(StagedCommunicator, EveryCallOnDeviceBuffersGivesTheHostCallsBits) {
   ASSERT_EQ(world->size(), 2) << "run under mpiexec -np 2 (CTest does)";
   UnaddressableDevice dev;
   Checked checked(*world, dev);
-  StagedCommunicator staged(checked, dev);
+  comm::StagedCommunicator staged(checked, dev);
   const int r = world->rank(), R = world->size();
   const size_t n = 1000;
   const std::vector<float> x = input(r, n);
@@ -223,7 +223,7 @@ TEST(StagedCommunicator, EveryCallOnDeviceBuffersGivesTheHostCallsBits) {
   auto s = on_device(dev, x), d = on_device(dev, std::vector<float>(n));
   ASSERT_TRUE(half.value()->all_reduce(s.data(), d.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
   EXPECT_EQ(to_host(dev, d, n), want);
-  EXPECT_GT(static_cast<StagedCommunicator&>(*half.value()).bytes_up(), 0u);
+  EXPECT_GT(static_cast<comm::StagedCommunicator&>(*half.value()).bytes_up(), 0u);
   // A range that starts in a device buffer and runs past its end is an error (every rank, before any call),
   // not host memory for MPI to read.
   const Status past = staged.all_reduce(s.data(), s.data(), n + 1, DType::kF32, comm::ReduceOp::kSum);
@@ -243,7 +243,7 @@ TEST(StagedCommunicator, CallsOnDeviceBuffersGoOverTheDevicePlane) {
   std::atomic<size_t> calls{0};
   auto plane = Checked::device_plane(dev, &calls)(checked);
   ASSERT_TRUE(plane.is_ok()) << plane.status().to_string();
-  StagedCommunicator staged(checked, dev, std::move(plane).value());
+  comm::StagedCommunicator staged(checked, dev, std::move(plane).value());
   ASSERT_TRUE(staged.has_device_plane());
   const int r = world->rank(), R = world->size();
   const size_t n = 1000;
@@ -309,7 +309,7 @@ TEST(StagedCommunicator, CallsOnDeviceBuffersGoOverTheDevicePlane) {
   // A split has a plane of its own.
   auto half = staged.split(0, r, "both");
   ASSERT_TRUE(half.is_ok()) << half.status().to_string();
-  auto& part = static_cast<StagedCommunicator&>(*half.value());
+  auto& part = static_cast<comm::StagedCommunicator&>(*half.value());
   ASSERT_TRUE(part.has_device_plane());
   auto s2 = on_device(dev, x);
   ASSERT_TRUE(part.all_reduce(s2.data(), d.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
@@ -320,12 +320,12 @@ TEST(StagedCommunicator, CallsOnDeviceBuffersGoOverTheDevicePlane) {
 
 // Two ranks share a GPU when their host and bus agree, or their UUIDs do (containers that name one host twice).
 TEST(DeviceCollectives, SameGpuByHostAndBusOrByUuid) {
-  EXPECT_TRUE(same_gpu("h1/0000:1B:00.0 GPU-aa", "h1/0000:1B:00.0 GPU-aa"));
-  EXPECT_TRUE(same_gpu("h1/0000:1B:00.0 GPU-aa", "h2/0000:1B:00.0 GPU-aa")) << "one GPU, two host names";
-  EXPECT_TRUE(same_gpu("h1/0000:1B:00.0 GPU-aa", "h1/0000:1B:00.0 GPU-bb")) << "MIG instances of one GPU";
-  EXPECT_FALSE(same_gpu("h1/0000:1B:00.0 GPU-aa", "h1/0000:1C:00.0 GPU-bb"));
-  EXPECT_FALSE(same_gpu("h1/0000:1B:00.0 GPU-aa", "h2/0000:1B:00.0 GPU-bb")) << "same slot, two machines";
-  EXPECT_FALSE(same_gpu("", "")) << "unknown places are nobody's";
+  EXPECT_TRUE(comm::same_gpu("h1/0000:1B:00.0 GPU-aa", "h1/0000:1B:00.0 GPU-aa"));
+  EXPECT_TRUE(comm::same_gpu("h1/0000:1B:00.0 GPU-aa", "h2/0000:1B:00.0 GPU-aa")) << "one GPU, two host names";
+  EXPECT_TRUE(comm::same_gpu("h1/0000:1B:00.0 GPU-aa", "h1/0000:1B:00.0 GPU-bb")) << "MIG instances of one GPU";
+  EXPECT_FALSE(comm::same_gpu("h1/0000:1B:00.0 GPU-aa", "h1/0000:1C:00.0 GPU-bb"));
+  EXPECT_FALSE(comm::same_gpu("h1/0000:1B:00.0 GPU-aa", "h2/0000:1B:00.0 GPU-bb")) << "same slot, two machines";
+  EXPECT_FALSE(comm::same_gpu("", "")) << "unknown places are nobody's";
 }
 
 // A device plane that starts on rank 0 and fails on rank 1 (the split is collective, so both make it first):
@@ -337,8 +337,8 @@ TEST(DeviceCollectives, APlaneThatFailsOnOneRankIsDroppedOnEvery) {
   ASSERT_EQ(world->size(), 2) << "run under mpiexec -np 2 (CTest does)";
   UnaddressableDevice dev;
   std::atomic<size_t> calls{0};
-  const DevicePlaneFactory posing = Checked::device_plane(dev, &calls);
-  const DevicePlaneFactory fails_on_rank_1 =
+  const comm::DevicePlaneFactory posing = Checked::device_plane(dev, &calls);
+  const comm::DevicePlaneFactory fails_on_rank_1 =
       [&posing](comm::Communicator& group) -> Result<std::unique_ptr<comm::Communicator>> {
     STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> plane, posing(group));
     if (group.rank() == 1) return Status::internal("posing NCCL: no usable network on rank 1");
@@ -352,9 +352,9 @@ TEST(DeviceCollectives, APlaneThatFailsOnOneRankIsDroppedOnEvery) {
   {
     Checked checked(*world, dev);
     std::unique_ptr<comm::Communicator> owned;
-    auto staged = device_collectives(&checked, dev, "auto", fails_on_rank_1, &owned);
+    auto staged = comm::device_collectives(&checked, dev, "auto", fails_on_rank_1, &owned);
     ASSERT_TRUE(staged.is_ok()) << staged.status().to_string();
-    auto& s = dynamic_cast<StagedCommunicator&>(*staged.value());
+    auto& s = dynamic_cast<comm::StagedCommunicator&>(*staged.value());
     EXPECT_FALSE(s.has_device_plane());
     auto on = on_device(dev, x), out = on_device(dev, std::vector<float>(n));
     ASSERT_TRUE(s.all_reduce(on.data(), out.data(), n, DType::kF32, comm::ReduceOp::kSum).is_ok());
@@ -364,7 +364,7 @@ TEST(DeviceCollectives, APlaneThatFailsOnOneRankIsDroppedOnEvery) {
   {
     Checked checked(*world, dev);
     std::unique_ptr<comm::Communicator> owned;
-    auto staged = device_collectives(&checked, dev, "nccl", fails_on_rank_1, &owned);
+    auto staged = comm::device_collectives(&checked, dev, "nccl", fails_on_rank_1, &owned);
     ASSERT_FALSE(staged.is_ok());
     const std::string message = staged.status().to_string();
     EXPECT_NE(message.find("parallel.distributed_backend \"nccl\""), std::string::npos) << message;

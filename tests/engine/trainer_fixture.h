@@ -96,7 +96,7 @@ class TrainerTest : public ::testing::Test {
   }
   fs::path dir_;
   kernels::Device* device_ = nullptr;  // train() trains on this device when set (else compute.device's)
-  DevicePlaneFactory device_plane_;    // and makes the groups' device planes with this when set
+  comm::DevicePlaneFactory device_plane_;    // and makes the groups' device planes with this when set
   std::function<float(int)> gradient_factor_;  // TrainOptions::gradient_factor of train()'s runs
 };
 

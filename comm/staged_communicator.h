@@ -35,27 +35,27 @@
 #include "common/aligned.h"
 #include "kernels/device.h"
 
-namespace strata::engine {
+namespace strata::comm {
 
-class StagedCommunicator final : public comm::Communicator {
+class StagedCommunicator final : public Communicator {
  public:
   // `host` carries the calls (borrowed: it must outlive this; or owned); `device`, which must outlive this
   // too, owns the device buffers. `device_plane`, when given, is the same ranks in the same order on a
   // communicator that takes the device's buffers (NCCL), and carries every call with a buffer there.
-  StagedCommunicator(comm::Communicator& host, kernels::Device& device,
-                     std::unique_ptr<comm::Communicator> device_plane = nullptr)
+  StagedCommunicator(Communicator& host, kernels::Device& device,
+                     std::unique_ptr<Communicator> device_plane = nullptr)
       : host_(&host), plane_(std::move(device_plane)), device_(device) {}
-  StagedCommunicator(std::unique_ptr<comm::Communicator> host, kernels::Device& device,
-                     std::unique_ptr<comm::Communicator> device_plane = nullptr)
+  StagedCommunicator(std::unique_ptr<Communicator> host, kernels::Device& device,
+                     std::unique_ptr<Communicator> device_plane = nullptr)
       : owned_(std::move(host)), host_(owned_.get()), plane_(std::move(device_plane)), device_(device) {}
   ~StagedCommunicator() override;
 
   int rank() const override { return host_->rank(); }
   int size() const override { return host_->size(); }
   const std::string& name() const override { return host_->name(); }
-  Status all_reduce(const void* send, void* recv, size_t count, DType dtype, comm::ReduceOp op) override;
+  Status all_reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) override;
   Status all_gather(const void* send, void* recv, size_t count, DType dtype) override;
-  Status reduce_scatter(const void* send, void* recv, size_t count, DType dtype, comm::ReduceOp op) override;
+  Status reduce_scatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) override;
   Status broadcast(void* buf, size_t count, DType dtype, int root) override;
   Status send(const void* buf, size_t count, DType dtype, int peer, int tag) override;
   Status recv(void* buf, size_t count, DType dtype, int peer, int tag) override;
@@ -63,14 +63,14 @@ class StagedCommunicator final : public comm::Communicator {
                    DType dtype, int tag) override;
   Status barrier() override { return host_->barrier(); }
   // The split of the host communicator (and of the device plane), staged through this device too.
-  Result<std::unique_ptr<comm::Communicator>> split(int color, int key, const std::string& name) override;
+  Result<std::unique_ptr<Communicator>> split(int color, int key, const std::string& name) override;
   double timeout() const override { return host_->timeout(); }
   void set_timeout(double seconds) override {  // both planes: a call may go over either
     host_->set_timeout(seconds);
     if (plane_) plane_->set_timeout(seconds);
   }
   // The same, with or without a device plane (without: its calls on device buffers staged through host memory).
-  Result<std::unique_ptr<comm::Communicator>> split(int color, int key, const std::string& name,
+  Result<std::unique_ptr<Communicator>> split(int color, int key, const std::string& name,
                                                     bool with_device_plane);
 
   // The caller waits, before each call, for the kernels that wrote what it sends and those that read what it
@@ -113,9 +113,9 @@ class StagedCommunicator final : public comm::Communicator {
   void down(void* host, const void* dev, size_t bytes);
   void up(void* dev, const void* host, size_t bytes);
 
-  std::unique_ptr<comm::Communicator> owned_;
-  comm::Communicator* host_;
-  std::unique_ptr<comm::Communicator> plane_;
+  std::unique_ptr<Communicator> owned_;
+  Communicator* host_;
+  std::unique_ptr<Communicator> plane_;
   kernels::Device& device_;
   AlignedBuffer stage_[2];
   bool registered_[2] = {false, false};
@@ -124,12 +124,12 @@ class StagedCommunicator final : public comm::Communicator {
   bool caller_fenced_ = false;
 };
 
-// Whether two GPU places ("host/PCI bus id GPU-uuid", comm::NcclCommunicator::device_place) are one GPU: the same
+// Whether two GPU places ("host/PCI bus id GPU-uuid", NcclCommunicator::device_place) are one GPU: the same
 // host and bus, or the same UUID. Empty places (CUDA could not say) are nobody's.
 bool same_gpu(const std::string& a, const std::string& b);
 
 // A group's device plane: the same ranks, in the same order, on a communicator that takes the device's buffers.
-using DevicePlaneFactory = std::function<Result<std::unique_ptr<comm::Communicator>>(comm::Communicator& group)>;
+using DevicePlaneFactory = std::function<Result<std::unique_ptr<Communicator>>(Communicator& group)>;
 
 // How the groups' collectives travel on `device` (parallel.distributed_backend): `group` itself when the device's
 // memory is the host's (nothing to stage); else a StagedCommunicator over `group`, with a device plane unless
@@ -139,8 +139,8 @@ using DevicePlaneFactory = std::function<Result<std::unique_ptr<comm::Communicat
 // (a warning says why) and "nccl" fails on every rank of the group (ranks of other groups learn of it from the
 // caller: the command aborts the job). Collective over `group` (the ranks compare their GPUs and agree on the
 // plane). Null stays null; `owned` keeps the wrapper alive.
-Result<comm::Communicator*> device_collectives(comm::Communicator* group, kernels::Device& device,
+Result<Communicator*> device_collectives(Communicator* group, kernels::Device& device,
                                                const std::string& backend, const DevicePlaneFactory& make_plane,
-                                               std::unique_ptr<comm::Communicator>* owned);
+                                               std::unique_ptr<Communicator>* owned);
 
-}  // namespace strata::engine
+}  // namespace strata::comm

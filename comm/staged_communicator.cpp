@@ -1,4 +1,4 @@
-#include "engine/staged_communicator.h"
+#include "comm/staged_communicator.h"
 
 #include <algorithm>
 #include <string>
@@ -11,7 +11,7 @@
 #include "comm/nccl_communicator.h"
 #endif
 
-namespace strata::engine {
+namespace strata::comm {
 namespace {
 
 constexpr size_t kPage = 4096;  // page-aligned, so registration pins exactly the staging memory
@@ -111,7 +111,7 @@ void StagedCommunicator::up(void* dev, const void* host, size_t bytes) {
   bytes_up_ += bytes;
 }
 
-Status StagedCommunicator::all_reduce(const void* send, void* recv, size_t count, DType dtype, comm::ReduceOp op) {
+Status StagedCommunicator::all_reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op) {
   const size_t n = count * dtype_size(dtype);
   STRATA_ASSIGN_OR_RETURN(const bool sd, on_device(send, n));
   STRATA_ASSIGN_OR_RETURN(const bool rd, on_device(recv, n));
@@ -165,7 +165,7 @@ Status StagedCommunicator::all_gather(const void* send, void* recv, size_t count
 }
 
 Status StagedCommunicator::reduce_scatter(const void* send, void* recv, size_t count, DType dtype,
-                                          comm::ReduceOp op) {
+                                          ReduceOp op) {
   const size_t n = count * dtype_size(dtype), all = n * static_cast<size_t>(size());
   STRATA_ASSIGN_OR_RETURN(const bool sd, on_device(send, all));
   STRATA_ASSIGN_OR_RETURN(const bool rd, on_device(recv, n));
@@ -245,21 +245,21 @@ Status StagedCommunicator::send_recv(const void* send, size_t send_count, int de
   return Status::ok();
 }
 
-Result<std::unique_ptr<comm::Communicator>> StagedCommunicator::split(int color, int key, const std::string& name) {
+Result<std::unique_ptr<Communicator>> StagedCommunicator::split(int color, int key, const std::string& name) {
   return split(color, key, name, true);
 }
 
-Result<std::unique_ptr<comm::Communicator>> StagedCommunicator::split(int color, int key, const std::string& name,
+Result<std::unique_ptr<Communicator>> StagedCommunicator::split(int color, int key, const std::string& name,
                                                                       bool with_device_plane) {
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> part, host_->split(color, key, name));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> part, host_->split(color, key, name));
   if (part == nullptr) return part;
-  std::unique_ptr<comm::Communicator> plane;
+  std::unique_ptr<Communicator> plane;
   if (plane_ != nullptr && with_device_plane) {
     STRATA_ASSIGN_OR_RETURN(plane, plane_->split(color, key, name));
   }
   auto staged = std::make_unique<StagedCommunicator>(std::move(part), device_, std::move(plane));
   staged->set_caller_fenced(caller_fenced_);
-  return std::unique_ptr<comm::Communicator>(std::move(staged));
+  return std::unique_ptr<Communicator>(std::move(staged));
 }
 
 namespace {
@@ -269,7 +269,7 @@ namespace {
 std::string device_place(kernels::Device& device) {
 #if STRATA_HAVE_NCCL
   device.synchronize();  // binds this thread to the device's GPU, whose bus id the NCCL side reads
-  return comm::NcclCommunicator::device_place();
+  return NcclCommunicator::device_place();
 #else
   (void)device;
   return {};
@@ -278,7 +278,7 @@ std::string device_place(kernels::Device& device) {
 
 // The ranks of `group` that share a GPU with an earlier rank: "ranks 0 and 2 share host/0000:1b:00.0 GPU-...;
 // ...", or empty. Collective (every rank sees every rank's place, so every rank decides alike).
-Result<std::string> shared_gpus(comm::Communicator& group, kernels::Device& device) {
+Result<std::string> shared_gpus(Communicator& group, kernels::Device& device) {
   constexpr size_t kPlace = 512;  // bytes per rank, zero-padded (a host name may be 255)
   std::string mine = device_place(device);
   mine.resize(kPlace - 1, '\0');
@@ -302,12 +302,12 @@ Result<std::string> shared_gpus(comm::Communicator& group, kernels::Device& devi
 // one rank alone: a device or network it cannot use), so that no rank sends over a plane a peer lacks; then a
 // plane made here is dropped where another rank failed. Under "auto" the group goes on without a plane (its
 // device buffers staged over MPI), saying why; under "nccl" every rank fails, naming the group and the error.
-Result<std::unique_ptr<comm::Communicator>> agree_on_plane(comm::Communicator& group,
-                                                           Result<std::unique_ptr<comm::Communicator>> made,
+Result<std::unique_ptr<Communicator>> agree_on_plane(Communicator& group,
+                                                           Result<std::unique_ptr<Communicator>> made,
                                                            const std::string& backend, std::string* why_not) {
   const float failed_here = made.is_ok() ? 0.0f : 1.0f;
   float failed = 0.0f;
-  STRATA_RETURN_IF_ERROR(group.all_reduce(&failed_here, &failed, 1, DType::kF32, comm::ReduceOp::kMax)
+  STRATA_RETURN_IF_ERROR(group.all_reduce(&failed_here, &failed, 1, DType::kF32, ReduceOp::kMax)
                              .with_context(fmt::format("group '{}' agreeing on its device plane", group.name())));
   if (failed == 0.0f) return std::move(made).value();
   const std::string what = made.is_ok() ? fmt::format("the device plane (NCCL) of group '{}' failed to start on "
@@ -322,7 +322,7 @@ Result<std::unique_ptr<comm::Communicator>> agree_on_plane(comm::Communicator& g
   STRATA_LOG_WARN("group '{}': no device plane, so its device buffers go through host memory over MPI (slower): {}",
                   group.name(), what);
   *why_not = fmt::format("the device plane failed to start: {}", what);
-  return std::unique_ptr<comm::Communicator>();
+  return std::unique_ptr<Communicator>();
 }
 
 }  // namespace
@@ -334,15 +334,15 @@ bool same_gpu(const std::string& a, const std::string& b) {
   return a.compare(0, sa, b, 0, sb) == 0 || a.compare(sa, std::string::npos, b, sb, std::string::npos) == 0;
 }
 
-Result<comm::Communicator*> device_collectives(comm::Communicator* group, kernels::Device& device,
+Result<Communicator*> device_collectives(Communicator* group, kernels::Device& device,
                                                const std::string& backend, const DevicePlaneFactory& make_plane,
-                                               std::unique_ptr<comm::Communicator>* owned) {
+                                               std::unique_ptr<Communicator>* owned) {
   if (group != nullptr && device.host_accessible() && backend == "nccl")
     STRATA_LOG_WARN("parallel.distributed_backend \"nccl\": the {} device's memory is the host's, so MPI carries "
                     "group '{}'",
                     device.name(), group->name());
   if (group == nullptr || device.host_accessible()) return group;
-  std::unique_ptr<comm::Communicator> plane;
+  std::unique_ptr<Communicator> plane;
   std::string why_not;  // why the device's buffers are staged through host memory
   if (backend == "mpi") {
     why_not = "parallel.distributed_backend is \"mpi\"";
@@ -354,9 +354,9 @@ Result<comm::Communicator*> device_collectives(comm::Communicator* group, kernel
 #if STRATA_HAVE_NCCL
     STRATA_ASSIGN_OR_RETURN(const std::string shared, shared_gpus(*group, device));
     if (shared.empty()) {
-      auto start_nccl = [&]() -> Result<std::unique_ptr<comm::Communicator>> {  // its errors name the group
-        STRATA_ASSIGN_OR_RETURN(auto nccl, comm::NcclCommunicator::create(*group, group->name()));
-        return std::unique_ptr<comm::Communicator>(std::move(nccl));
+      auto start_nccl = [&]() -> Result<std::unique_ptr<Communicator>> {  // its errors name the group
+        STRATA_ASSIGN_OR_RETURN(auto nccl, NcclCommunicator::create(*group, group->name()));
+        return std::unique_ptr<Communicator>(std::move(nccl));
       };
       STRATA_ASSIGN_OR_RETURN(plane, agree_on_plane(*group, start_nccl(), backend, &why_not));
     } else {
@@ -382,4 +382,4 @@ Result<comm::Communicator*> device_collectives(comm::Communicator* group, kernel
   return owned->get();
 }
 
-}  // namespace strata::engine
+}  // namespace strata::comm
