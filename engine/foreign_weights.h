@@ -96,11 +96,4 @@ Result<std::string> weights_path(const std::string& path);
 Status export_weights(const std::string& from, WeightsFormat format, const std::string& out,
                       DType dtype = DType::kF32, const WeightsOpenOptions& options = {});
 
-// Puts a GPT-2 tokenizer beside a Hugging Face model exported to `dir`, as transformers names its files:
-// encoder.json as vocab.json, vocab.bpe as merges.txt (the same formats), and a tokenizer_config.json, so that
-// AutoTokenizer loads from the folder too. First checks that the files load (engine/tokenizer.h) and that their
-// vocabulary is the model's `c.vocab_size` (InvalidArgument naming both otherwise).
-Status export_hf_tokenizer(const std::string& encoder_json, const std::string& vocab_bpe, const std::string& dir,
-                           const GPT2Config& c);
-
 }  // namespace strata::engine

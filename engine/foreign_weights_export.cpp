@@ -1,5 +1,5 @@
 // foreign_weights_export.cpp — `strata export` (engine/foreign_weights.h): a WeightsFile written in llm.c's,
-// Hugging Face's or our layout, and the GPT-2 tokenizer beside a Hugging Face model.
+// Hugging Face's or our layout.
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -14,7 +14,6 @@
 #include "engine/checkpoint.h"
 #include "engine/foreign_formats.h"
 #include "engine/foreign_weights.h"
-#include "engine/tokenizer.h"
 #include "storage/safetensors.h"
 #include "storage/token_shard.h"
 
@@ -166,29 +165,6 @@ Status export_weights(const std::string& from, WeightsFormat format, const std::
     }
   }
   return Status::internal("weights format {}", static_cast<int>(format));
-}
-
-Status export_hf_tokenizer(const std::string& encoder_json, const std::string& vocab_bpe, const std::string& dir,
-                           const GPT2Config& c) {
-  STRATA_ASSIGN_OR_RETURN(Tokenizer tokenizer, Tokenizer::load(encoder_json, vocab_bpe));
-  if (tokenizer.vocab_size() != c.vocab_size) {
-    return Status::invalid_argument("the tokenizer ({}) has {} tokens, the model {}: not the model's tokenizer",
-                                    encoder_json, tokenizer.vocab_size(), c.vocab_size);
-  }
-  auto copy = [&](const std::string& from, const std::string& name) -> Status {
-    STRATA_ASSIGN_OR_RETURN(const std::string bytes, read_whole_file(from));
-    return write_text_atomic((fs::path(dir) / name).string(), bytes);
-  };
-  STRATA_RETURN_IF_ERROR(copy(encoder_json, "vocab.json"));
-  STRATA_RETURN_IF_ERROR(copy(vocab_bpe, "merges.txt"));
-  const std::string eot(tokenizer.token_bytes(tokenizer.eot_token()));
-  const nlohmann::json config = {{"tokenizer_class", "GPT2Tokenizer"},
-                                 {"model_max_length", c.block_size},
-                                 {"bos_token", eot},
-                                 {"eos_token", eot},
-                                 {"unk_token", eot},
-                                 {"add_prefix_space", false}};
-  return write_text_atomic((fs::path(dir) / "tokenizer_config.json").string(), config.dump(2) + "\n");
 }
 
 }  // namespace strata::engine

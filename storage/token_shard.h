@@ -6,7 +6,7 @@
 // The file is exactly 1024 + 2n bytes. open() checks that, and that every token is below the vocabulary size,
 // so a loader can index an embedding table without a bounds check. Writes go to "<path>.tmp", are fsynced and
 // renamed over <path>: a crash leaves the old file or the new one, never half a shard.
-// Not here: batching and shuffling (the engine's data loader), tokenizing (engine/tokenizer.h).
+// Not here: batching and shuffling (the engine's data loader), tokenizing (engine/text/tokenizer.h).
 // Threading: a TokenShard is immutable once opened; any number of threads may read it.
 #pragma once
 

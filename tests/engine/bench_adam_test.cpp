@@ -10,7 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/units.h"
-#include "engine/bench_adam.h"
+#include "engine/cli/bench_adam.h"
 
 namespace strata::engine {
 namespace {

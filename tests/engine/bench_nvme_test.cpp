@@ -2,7 +2,7 @@
 // small real runs whose --json lines carry every field the issue names, move the bytes asked for, and leave
 // nothing behind in the directory.
 #include "common/units.h"
-#include "engine/bench_nvme.h"
+#include "engine/cli/bench_nvme.h"
 
 #include <unistd.h>
 

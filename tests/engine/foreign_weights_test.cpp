@@ -23,6 +23,7 @@
 #include "engine/checkpoint.h"
 #include "engine/foreign_weights.h"
 #include "engine/gpt2.h"
+#include "engine/text/tokenizer.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/device.h"
 #include "storage/safetensors.h"
@@ -398,7 +399,7 @@ TEST_F(ForeignWeightsTest, TheTokenizerGoesBesideAHuggingFaceExportUnderTransfor
   ASSERT_OK_AND_ASSIGN(auto model, make_model(3, c));
   ASSERT_OK(save_model(*model, (dir_ / "ours.safetensors").string()));
   ASSERT_OK(export_weights((dir_ / "ours.safetensors").string(), WeightsFormat::kHuggingFace, (dir_ / "hf").string()));
-  ASSERT_OK(export_hf_tokenizer(encoder, merges, (dir_ / "hf").string(), c));
+  ASSERT_OK(export_hf_tokenizer(encoder, merges, (dir_ / "hf").string(), c.vocab_size, c.block_size));
   auto bytes = [](const fs::path& p) {
     std::ifstream in(p, std::ios::binary);
     return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -410,7 +411,8 @@ TEST_F(ForeignWeightsTest, TheTokenizerGoesBesideAHuggingFaceExportUnderTransfor
   EXPECT_EQ(t.at("eos_token"), "<|endoftext|>");
   EXPECT_EQ(t.at("model_max_length"), c.block_size);
   // Not the model's tokenizer: refused, naming both sizes.
-  const Status st = export_hf_tokenizer(encoder, merges, (dir_ / "hf").string(), kConfig);
+  const Status st = export_hf_tokenizer(encoder, merges, (dir_ / "hf").string(), kConfig.vocab_size,
+                                        kConfig.block_size);
   EXPECT_NE(st.to_string().find("has 257 tokens, the model 50"), std::string::npos) << st.to_string();
 }
 

@@ -18,7 +18,7 @@
 #include "engine/checkpoint.h"
 #include "engine/foreign_weights.h"
 #include "engine/gpt2.h"
-#include "engine/sample_cmd.h"
+#include "engine/cli/sample_cmd.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "tests/engine/tiny_gpt2_files.h"
 #include "tests/test_util.h"

@@ -1,7 +1,7 @@
 // `strata tokenize` on a miniature tokenizer (every byte one token, EOT = 256), so the expected shards can be
 // written down: input forms and order, EOT before each document, the validation rule, shard splitting, stale
 // shard removal, the manifest, errors, and the CLI11 flags.
-#include "engine/tokenize_cmd.h"
+#include "engine/cli/tokenize_cmd.h"
 
 #include <unistd.h>
 

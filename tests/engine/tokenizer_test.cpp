@@ -4,7 +4,7 @@
 //
 // The GPT-2 files and the corpus come from the cache that scripts/fetch_data.sh fills ($STRATA_CACHE, else
 // <source>/.cache); tests that need them skip, saying so, when it is empty.
-#include "engine/tokenizer.h"
+#include "engine/text/tokenizer.h"
 
 #include <unistd.h>
 

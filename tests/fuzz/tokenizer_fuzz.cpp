@@ -1,4 +1,4 @@
-// tokenizer_fuzz.cpp — GPT-2's encoder.json and vocab.bpe as Tokenizer::load reads them (engine/tokenizer.h),
+// tokenizer_fuzz.cpp — GPT-2's encoder.json and vocab.bpe as Tokenizer::load reads them (engine/text/tokenizer.h),
 // and text through what loads. The input is encoder.json, a NUL byte, then vocab.bpe (no NUL: vocab.bpe is
 // empty). Every pair either loads or is refused with a Status; a loaded tokenizer encodes the input itself and
 // decodes it back byte for byte, as the header promises for every byte string.
@@ -7,7 +7,7 @@
 #include <string_view>
 
 #include "common/check.h"
-#include "engine/tokenizer.h"
+#include "engine/text/tokenizer.h"
 #include "tests/fuzz/fuzz_input.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

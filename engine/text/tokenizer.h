@@ -57,4 +57,11 @@ class Tokenizer {
   std::unique_ptr<Impl> impl_;
 };
 
+// Puts a GPT-2 tokenizer beside a Hugging Face model exported to `dir`, as transformers names its files:
+// encoder.json as vocab.json, vocab.bpe as merges.txt (the same formats), and a tokenizer_config.json
+// (model_max_length `max_length`), so that AutoTokenizer loads from the folder too. First checks that the files
+// load and that their vocabulary is the model's `vocab_size` (InvalidArgument naming both otherwise).
+Status export_hf_tokenizer(const std::string& encoder_json, const std::string& vocab_bpe, const std::string& dir,
+                           int vocab_size, int max_length);
+
 }  // namespace strata::engine

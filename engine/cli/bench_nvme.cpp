@@ -1,4 +1,4 @@
-#include "engine/bench_nvme.h"
+#include "engine/cli/bench_nvme.h"
 
 #include <fcntl.h>
 #include <unistd.h>

@@ -1,4 +1,4 @@
-#include "engine/bench_step.h"
+#include "engine/cli/bench_step.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,4 +1,4 @@
-// `strata bench step --pipeline` (engine/bench_step.h): the pipeline schedules' bubble, measured, against
+// `strata bench step --pipeline` (engine/cli/bench_step.h): the pipeline schedules' bubble, measured, against
 // (p - 1) / (m + p - 1).
 #include <algorithm>
 #include <cstdio>
@@ -11,7 +11,7 @@
 
 #include "comm/mpi_communicator.h"
 #include "common/timer.h"
-#include "engine/bench_step.h"
+#include "engine/cli/bench_step.h"
 #include "engine/gpt2.h"
 #include "engine/pipeline.h"
 #include "comm/staged_communicator.h"

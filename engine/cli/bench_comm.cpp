@@ -1,4 +1,4 @@
-#include "engine/bench_comm.h"
+#include "engine/cli/bench_comm.h"
 
 #include <algorithm>
 #include <cstdio>

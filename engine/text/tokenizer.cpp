@@ -1,4 +1,4 @@
-#include "engine/tokenizer.h"
+#include "engine/text/tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>

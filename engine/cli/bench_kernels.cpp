@@ -1,4 +1,4 @@
-#include "engine/bench_kernels.h"
+#include "engine/cli/bench_kernels.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,4 +1,4 @@
-#include "engine/bench_adam.h"
+#include "engine/cli/bench_adam.h"
 
 #include <algorithm>
 #include <cmath>

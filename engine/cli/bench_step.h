@@ -26,7 +26,7 @@ struct BenchStepOptions {
   uint64_t seed = 1;
   bool json = false;
   bool no_working_copies = false;  // bf16: the linears round their fp32 weights at each use (GPT2::set_working_copies)
-  // Offload (engine/bench_step_offload.cpp): any of these set runs the offloaded step against its bound.
+  // Offload (engine/cli/bench_step_offload.cpp): any of these set runs the offloaded step against its bound.
   std::string offload_param = "none";      // none | cpu | nvme
   std::string offload_optimizer = "none";  // none | cpu | nvme
   std::string nvme_path;                   // default: a temporary folder under $TMPDIR, removed afterwards
@@ -41,7 +41,7 @@ struct BenchStepOptions {
   double offload_ratio = 1.0;              // offload_optimizer.ratio: the share of the optimizer state offloaded
   int rounds = 1;  // >1: plain and offloaded steps alternate in this many blocks (both models kept)
   std::string trace_path;                  // the offloaded steps' timeline, Chrome trace JSON (common/trace.h)
-  // Pipeline (engine/bench_pipeline.cpp, under mpirun -np P): each rank one stage; the bubble of both
+  // Pipeline (engine/cli/bench_pipeline.cpp, under mpirun -np P): each rank one stage; the bubble of both
   // schedules for each micro-batch count (comma-separated; --batch is the micro-batch size).
   bool pipeline = false;
   std::string micro_batches = "1,2,4,8";

@@ -17,15 +17,16 @@
 #include "comm/mpi_communicator.h"
 #include "common/trace.h"
 
-#include "engine/bench_adam.h"
-#include "engine/bench_comm.h"
-#include "engine/bench_kernels.h"
-#include "engine/bench_nvme.h"
-#include "engine/bench_step.h"
+#include "engine/cli/bench_adam.h"
+#include "engine/cli/bench_comm.h"
+#include "engine/cli/bench_kernels.h"
+#include "engine/cli/bench_nvme.h"
+#include "engine/cli/bench_step.h"
+#include "engine/cli/sample_cmd.h"
+#include "engine/cli/tokenize_cmd.h"
 #include "engine/config.h"
 #include "engine/foreign_weights.h"
-#include "engine/sample_cmd.h"
-#include "engine/tokenize_cmd.h"
+#include "engine/text/tokenizer.h"
 #include "engine/trainer.h"
 
 namespace {
@@ -85,8 +86,10 @@ int run_export(const ExportArgs& a) {
     return 0;
   }
   auto file = strata::engine::WeightsFile::open(*from);
-  const strata::Status st =
-      file.is_ok() ? strata::engine::export_hf_tokenizer(a.encoder, a.vocab, a.out, (*file)->config()) : file.status();
+  const strata::Status st = file.is_ok() ? strata::engine::export_hf_tokenizer(a.encoder, a.vocab, a.out,
+                                                                              (*file)->config().vocab_size,
+                                                                              (*file)->config().block_size)
+                                          : file.status();
   if (!st.is_ok()) return fail(st.with_context("the tokenizer beside the model"));
   fmt::print("with the tokenizer of {} (vocab.json, merges.txt, tokenizer_config.json)\n", a.encoder);
   return 0;

@@ -1,4 +1,4 @@
-#include "engine/tokenize_cmd.h"
+#include "engine/cli/tokenize_cmd.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -21,7 +21,7 @@
 
 #include "common/json_parse.h"
 #include "common/timer.h"
-#include "engine/tokenizer.h"
+#include "engine/text/tokenizer.h"
 #include "storage/token_shard.h"
 
 namespace strata::engine {

@@ -1,4 +1,4 @@
-#include "engine/sample_cmd.h"
+#include "engine/cli/sample_cmd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,8 +11,8 @@
 #include "common/rng.h"
 #include "engine/checkpoint.h"
 #include "engine/foreign_weights.h"
-#include "engine/tokenize_cmd.h"
-#include "engine/tokenizer.h"
+#include "engine/cli/tokenize_cmd.h"
+#include "engine/text/tokenizer.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/device.h"
 
