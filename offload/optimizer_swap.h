@@ -39,6 +39,9 @@
 
 namespace strata::offload {
 
+// The largest sub-group (zero_optimization.sub_group_size, elements): 2^40.
+constexpr int64_t kMaxSubGroupSize = int64_t{1} << 40;
+
 // A run of a sub-group that shares its weight decay (GPT-2 decays 2-D weights only).
 struct OptimizerSegment {
   size_t offset = 0, numel = 0;  // elements, within the sub-group

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The PyTorch side of `strata bench step`: times training steps (forward, backward, AdamW) of the same GPT-2 on
 random tokens, on the CPU or (--device cuda) a GPU, and prints one JSON line with tokens_per_s, step_ms and gflop_per_s (FLOPs counted as
-Strata counts them, engine/gpt2.cpp flops_per_step)."""
+Strata counts them, engine/model/gpt2/gpt2.cpp flops_per_step)."""
 import argparse
 import json
 import os

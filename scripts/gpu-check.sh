@@ -192,7 +192,7 @@ if [[ $bench == 1 ]] && in_budget "bench step"; then
 fi
 
 # Several ranks sharing the GPU (NCCL refuses two ranks on one device, so parallel.distributed_backend "auto"
-# stages their collectives on device buffers through host memory over MPI: engine/staged_communicator.h): data
+# stages their collectives on device buffers through host memory over MPI: comm/staged_communicator.h): data
 # parallelism with ZeRO 0-3, tensor and pipeline parallelism (ZeRO-3 also with every shard on NVMe), each against
 # the single process on the same GPU with the same global batch. The same sums in another association: the
 # losses agree to about 1e-5 relative, not bitwise.

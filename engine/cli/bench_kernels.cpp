@@ -17,7 +17,7 @@
 
 #include "common/rng.h"
 #include "common/timer.h"
-#include "engine/offload_runtime.h"
+#include "engine/train/offload_runtime.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_context.h"

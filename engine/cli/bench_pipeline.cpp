@@ -10,11 +10,11 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/mpi_communicator.h"
+#include "comm/staged_communicator.h"
 #include "common/timer.h"
 #include "engine/cli/bench_step.h"
-#include "engine/gpt2.h"
-#include "engine/pipeline.h"
-#include "comm/staged_communicator.h"
+#include "engine/model/gpt2/gpt2.h"
+#include "engine/parallel/pipeline.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/thread_limit.h"
 

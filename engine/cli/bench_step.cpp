@@ -12,8 +12,8 @@
 
 #include "common/rng.h"
 #include "common/timer.h"
-#include "engine/gpt2.h"
-#include "engine/optimizer.h"
+#include "engine/model/gpt2/gpt2.h"
+#include "engine/optim/optimizer.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/thread_limit.h"
 

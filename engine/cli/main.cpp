@@ -17,6 +17,7 @@
 #include "comm/mpi_communicator.h"
 #include "common/trace.h"
 
+#include "engine/checkpoint/foreign_weights.h"
 #include "engine/cli/bench_adam.h"
 #include "engine/cli/bench_comm.h"
 #include "engine/cli/bench_kernels.h"
@@ -24,10 +25,9 @@
 #include "engine/cli/bench_step.h"
 #include "engine/cli/sample_cmd.h"
 #include "engine/cli/tokenize_cmd.h"
-#include "engine/config.h"
-#include "engine/foreign_weights.h"
 #include "engine/text/tokenizer.h"
-#include "engine/trainer.h"
+#include "engine/train/config.h"
+#include "engine/train/trainer.h"
 
 namespace {
 

@@ -9,8 +9,8 @@
 #include <fmt/format.h>
 
 #include "common/rng.h"
-#include "engine/checkpoint.h"
-#include "engine/foreign_weights.h"
+#include "engine/checkpoint/checkpoint.h"
+#include "engine/checkpoint/foreign_weights.h"
 #include "engine/cli/tokenize_cmd.h"
 #include "engine/text/tokenizer.h"
 #include "kernels/cpu/cpu_kernels.h"

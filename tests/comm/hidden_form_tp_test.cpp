@@ -14,8 +14,8 @@
 
 #include "comm/mpi_communicator.h"
 #include "common/rng.h"
-#include "engine/gpt2.h"
-#include "engine/optimizer.h"
+#include "engine/model/gpt2/gpt2.h"
+#include "engine/optim/optimizer.h"
 #include "kernels/device.h"
 #include "tests/engine/hidden_form_backend.h"
 #include "tests/test_util.h"

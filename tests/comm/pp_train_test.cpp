@@ -1,4 +1,4 @@
-// pp_train_test.cpp — run by CTest under `mpiexec -np 4`: pipeline parallelism (engine/pipeline.h) on the CPU
+// pp_train_test.cpp — run by CTest under `mpiexec -np 4`: pipeline parallelism (engine/parallel/pipeline.h) on the CPU
 // backend against one process accumulating the same micro-batches.
 //
 // Each stage accumulates its units' gradients over the micro-batches in the single process's order, so every

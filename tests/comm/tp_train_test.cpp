@@ -1,4 +1,4 @@
-// tp_train_test.cpp — run by CTest under mpiexec: tensor parallelism (engine/tensor_parallel.h) on the CPU
+// tp_train_test.cpp — run by CTest under mpiexec: tensor parallelism (engine/model/unit_split.h) on the CPU
 // backend against one process training the same micro-batches, alone on 2 ranks and as TP=2 x PP=2 x DP=2 on 8.
 //
 // Tensor parallelism changes the association of sums, not the arithmetic: the row-parallel linears add two

@@ -15,9 +15,10 @@
 #include <gtest/gtest.h>
 
 #include "comm/mpi_communicator.h"
-#include "engine/checkpoint.h"
-#include "engine/offload_runtime.h"
-#include "engine/pipeline.h"
+#include "engine/checkpoint/checkpoint.h"
+#include "engine/checkpoint/pipeline_checkpoint.h"
+#include "engine/parallel/pipeline.h"
+#include "engine/train/offload_runtime.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "storage/safetensors.h"
 #include "tests/engine/trainer_fixture.h"

@@ -1,4 +1,4 @@
-// checkpoint_state_test.cpp — state.json read as a schema (engine/checkpoint_state.h): each value that a
+// checkpoint_state_test.cpp — state.json read as a schema (engine/checkpoint/checkpoint_state.h): each value that a
 // hand-edited or damaged file held at 82c4702, and that was believed then (an assertion, a step truncated to
 // 32 bits, a negative position), is now a Corruption naming the file and the field; the checksum catches a
 // change anywhere, the config section included; files from before the checksum still read.
@@ -6,7 +6,7 @@
 
 #include <gtest/gtest.h>
 
-#include "engine/checkpoint_state.h"
+#include "engine/checkpoint/checkpoint_state.h"
 #include "tests/test_util.h"
 
 namespace strata::engine {

@@ -18,9 +18,9 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "engine/checkpoint.h"
-#include "engine/gpt2.h"
-#include "engine/optimizer.h"
+#include "engine/checkpoint/checkpoint.h"
+#include "engine/model/gpt2/gpt2.h"
+#include "engine/optim/optimizer.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/device.h"
 #include "tests/test_util.h"

@@ -1,4 +1,4 @@
-#include "engine/config.h"
+#include "engine/train/config.h"
 
 #include <cstdio>
 #include <fstream>

@@ -20,9 +20,9 @@
 #include <nlohmann/json.hpp>
 
 #include "common/dtype.h"
-#include "engine/checkpoint.h"
-#include "engine/foreign_weights.h"
-#include "engine/gpt2.h"
+#include "engine/checkpoint/checkpoint.h"
+#include "engine/checkpoint/foreign_weights.h"
+#include "engine/model/gpt2/gpt2.h"
 #include "engine/text/tokenizer.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/device.h"

@@ -8,8 +8,8 @@
 
 #include <gtest/gtest.h>
 
-#include "engine/gpt2.h"
-#include "engine/optimizer.h"
+#include "engine/model/gpt2/gpt2.h"
+#include "engine/optim/optimizer.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "tests/test_util.h"
 

@@ -15,13 +15,13 @@
 #include <gtest/gtest.h>
 
 #include "common/rng.h"
-#include "engine/checkpoint.h"
-#include "engine/gpt2.h"
-#include "engine/optimizer.h"
+#include "engine/checkpoint/checkpoint.h"
+#include "engine/model/gpt2/gpt2.h"
+#include "engine/optim/optimizer.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/device.h"
-#include "tests/engine/trainer_fixture.h"
 #include "tests/engine/param_compare.h"
+#include "tests/engine/trainer_fixture.h"
 #include "tests/test_util.h"
 
 namespace strata::engine {

@@ -16,8 +16,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "engine/checkpoint.h"
-#include "engine/offload_runtime.h"
+#include "engine/checkpoint/checkpoint.h"
+#include "engine/train/offload_runtime.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "tests/engine/trainer_fixture.h"
 #include "tests/heap_counter.h"

@@ -1,13 +1,13 @@
 // memory_plan_test.cpp — the memory check before a run allocates: its count of the state is what the model and
 // the offload stack then allocate, placement by placement, and a state over a budget is refused naming the tier,
 // the budget's key and the fix, before anything large is allocated.
-#include "engine/memory_plan.h"
+#include "engine/train/memory_plan.h"
 
 #include <chrono>
 #include <map>
 
-#include "engine/offload_runtime.h"
-#include "engine/optimizer.h"
+#include "engine/optim/optimizer.h"
+#include "engine/train/offload_runtime.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "tests/engine/offload_train_fixture.h"
 

@@ -1,13 +1,13 @@
 // offload_ratio_test.cpp — offload_optimizer.ratio: the model's first units kept whole on the device while the rest
-// of the optimizer state is offloaded, against the plain run (engine/offload_runtime.h units_kept_on_device).
+// of the optimizer state is offloaded, against the plain run (engine/train/offload_runtime.h units_kept_on_device).
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
 
-#include "engine/gpt2.h"
-#include "engine/offload_runtime.h"
+#include "engine/model/gpt2/gpt2.h"
+#include "engine/train/offload_runtime.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "tests/engine/offload_train_fixture.h"
 #include "tests/test_util.h"

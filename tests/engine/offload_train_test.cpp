@@ -19,8 +19,8 @@
 #include <gtest/gtest.h>
 
 #include "common/trace.h"
-#include "engine/gpt2.h"
-#include "engine/offload_runtime.h"
+#include "engine/model/gpt2/gpt2.h"
+#include "engine/train/offload_runtime.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/matmul_info.h"
 #include "offload/pinned_pool.h"
@@ -344,7 +344,7 @@ struct SteppedRun {
     return optimizer().adopt_params();
   }
   Optimizer& optimizer() { return runtime->optimizer(); }
-  OffloadedAdamW& offloaded() { return runtime->offloaded_optimizer(); }
+  offload::OffloadedAdamW& offloaded() { return runtime->offloaded_optimizer(); }
   void damage_swap_files() const { testing::damage_files_under(swap); }
   // Forward, then the last update's completion, `between` (if any), then the step's backward (no step()).
   Status forward_and_backward(const std::function<void()>& between) {

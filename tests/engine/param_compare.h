@@ -5,7 +5,7 @@
 #include <cmath>
 #include <vector>
 
-#include "engine/gpt2.h"
+#include "engine/model/gpt2/gpt2.h"
 #include "kernels/device.h"
 
 namespace strata::testing {

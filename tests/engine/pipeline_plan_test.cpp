@@ -4,7 +4,7 @@
 
 #include <gtest/gtest.h>
 
-#include "engine/pipeline.h"
+#include "engine/parallel/pipeline.h"
 
 namespace strata::engine {
 namespace {

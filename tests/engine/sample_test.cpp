@@ -15,10 +15,10 @@
 
 #include <gtest/gtest.h>
 
-#include "engine/checkpoint.h"
-#include "engine/foreign_weights.h"
-#include "engine/gpt2.h"
+#include "engine/checkpoint/checkpoint.h"
+#include "engine/checkpoint/foreign_weights.h"
 #include "engine/cli/sample_cmd.h"
+#include "engine/model/gpt2/gpt2.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "tests/engine/tiny_gpt2_files.h"
 #include "tests/test_util.h"

@@ -1,4 +1,4 @@
-// tensor_parallel_test.cpp — the tensor-parallel split of GPT-2's units (engine/tensor_parallel.h): every rank's
+// tensor_parallel_test.cpp — the tensor-parallel split of GPT-2's units (engine/model/unit_split.h): every rank's
 // slices of a unit, assembled, give back the whole unit; the slices have the shapes Megatron-LM's column- and
 // row-parallel linears need; the replicated ranges are the replicated tensors; and a sum of squares that leaves
 // ranges out counts every other element once.
@@ -7,7 +7,8 @@
 
 #include <gtest/gtest.h>
 
-#include "engine/tensor_parallel.h"
+#include "engine/model/gpt2/gpt2.h"
+#include "engine/model/unit_split.h"
 
 namespace strata::engine {
 namespace {

@@ -12,8 +12,8 @@
 #include <nlohmann/json.hpp>
 
 #include "common/rng.h"
-#include "engine/config.h"
-#include "engine/trainer.h"
+#include "engine/train/config.h"
+#include "engine/train/trainer.h"
 #include "storage/token_shard.h"
 
 namespace strata::engine {

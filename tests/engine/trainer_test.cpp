@@ -1,6 +1,6 @@
 // End-to-end training runs on tiny random shards: determinism, resume, gradient accumulation, and the clear
 // errors bad input must give.
-#include "engine/trainer.h"
+#include "engine/train/trainer.h"
 
 #include <filesystem>
 #include <fstream>
@@ -10,8 +10,8 @@
 #include <gtest/gtest.h>
 
 #include "common/rng.h"
-#include "engine/config.h"
-#include "engine/foreign_weights.h"
+#include "engine/checkpoint/foreign_weights.h"
+#include "engine/train/config.h"
 #include "storage/safetensors.h"
 #include "storage/token_shard.h"
 #include "tests/engine/trainer_fixture.h"

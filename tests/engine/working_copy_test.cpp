@@ -13,8 +13,8 @@
 
 #include "common/dtype.h"
 #include "common/rng.h"
-#include "engine/gpt2.h"
-#include "engine/optimizer.h"
+#include "engine/model/gpt2/gpt2.h"
+#include "engine/optim/optimizer.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cpu/matmul_info.h"
 #include "kernels/device.h"

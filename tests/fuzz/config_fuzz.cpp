@@ -4,7 +4,7 @@
 #include <string_view>
 
 #include "common/json_parse.h"
-#include "engine/config.h"
+#include "engine/train/config.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);

@@ -1,10 +1,10 @@
-// state_fuzz.cpp — a checkpoint's state.json as a resume reads it (engine/checkpoint_state.h). Every input
+// state_fuzz.cpp — a checkpoint's state.json as a resume reads it (engine/checkpoint/checkpoint_state.h). Every input
 // either gives a TrainState or a Status; whatever it gives is written back and must read back the same.
 #include <cstdint>
 #include <string_view>
 
 #include "common/check.h"
-#include "engine/checkpoint_state.h"
+#include "engine/checkpoint/checkpoint_state.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);

@@ -1,12 +1,12 @@
 // weights_fuzz.cpp — a GPT-2 weights file as `export`, `sample` and training.init_from open it
-// (engine/foreign_weights.h): llm.c's header and tensors, or safetensors with our names or Hugging Face's.
+// (engine/checkpoint/foreign_weights.h): llm.c's header and tensors, or safetensors with our names or Hugging Face's.
 // Every input either opens, holds the model it claims and reads every tensor (whole, and a middle range, which
 // takes the column-by-column path of Hugging Face's transposed weights), or is refused with a Status.
 #include <cstdint>
 #include <vector>
 
 #include "common/log.h"
-#include "engine/foreign_weights.h"
+#include "engine/checkpoint/foreign_weights.h"
 #include "tests/fuzz/fuzz_input.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
