@@ -38,7 +38,7 @@ while [[ $# -gt 0 ]]; do
 done
 [[ $budget =~ ^[0-9]+$ ]] || { echo "gpu-check.sh: --budget $budget: not a whole number of seconds" >&2; exit 2; }
 
-tests=(kernels/kernels_cuda_test kernels/kernels_device_test engine/engine_gpu_train_test comm/comm_nccl_test
+tests=(kernels/kernels_cuda_test kernels/kernels_device_test engine/train/engine_gpu_train_test comm/comm_nccl_test
        comm/comm_nccl_plane_test)  # under build*/tests/
 
 if [[ $mode == bundle || $mode == build ]]; then

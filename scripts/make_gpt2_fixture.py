@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes tests/fixtures/gpt2_tiny.bin: a tiny GPT-2 built in PyTorch, one batch, and everything the C++ golden
-test (tests/engine/gpt2_golden_test.cpp) checks against: logits, loss, every gradient, and the losses of 10
+test (tests/engine/model/gpt2_golden_test.cpp) checks against: logits, loss, every gradient, and the losses of 10
 AdamW steps with global-norm clipping.
 
 Run with Debian's PyTorch:  OMP_NUM_THREADS=2 /usr/bin/python3 scripts/make_gpt2_fixture.py

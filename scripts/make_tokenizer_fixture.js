@@ -1,7 +1,7 @@
 #!/usr/bin/env node
 // Writes tests/fixtures/tokenizer_cases.json: GPT-2 token ids for a handful of strings, and per-document token
 // counts and hashes for the State of the Union corpus, as computed by the npm gpt-3-encoder package (a port
-// of OpenAI's encoder.py). tests/engine/tokenizer_test.cpp checks Strata's tokenizer against them.
+// of OpenAI's encoder.py). tests/engine/text/tokenizer_test.cpp checks Strata's tokenizer against them.
 //
 //   scripts/fetch_data.sh --fetch-only                 # once, to fill the cache
 //   node scripts/make_tokenizer_fixture.js [cache_dir]    # default: $STRATA_CACHE, else <repo>/.cache

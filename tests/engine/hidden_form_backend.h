@@ -2,7 +2,7 @@
 // inputs, qkv, the attention's output, the MLP's hidden units and some of their gradients) in bf16 under kBF16
 // at widths that are a multiple of 8, as the CUDA backend does: each of its slots widens its hidden inputs into
 // fp32 scratch, runs the fast CPU kernel, and rounds its hidden outputs to bf16. So how GPT2 sizes, offsets,
-// routes and gathers them is checked without a GPU (tests/engine/hidden_form_test.cpp, and under tensor and
+// routes and gathers them is checked without a GPU (tests/engine/model/hidden_form_test.cpp, and under tensor and
 // sequence parallelism tests/comm/hidden_form_tp_test.cpp).
 #pragma once
 
