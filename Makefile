@@ -3,6 +3,7 @@
 #   make demo   install what is missing, fetch the corpus and tokenizer, build, train the demo model
 # Sanitizer builds: make test BUILD=build-asan SANITIZE=address   (or SANITIZE=thread)
 #   make fuzz   every parser's libFuzzer target for FUZZ_SECONDS each (600); make test runs them 10 s each
+#   make tsan   ThreadSanitizer over the offload, storage and comm tests (scripts/tsan.sh; docs/testing.md)
 BUILD ?= build
 SANITIZE ?=
 JOBS ?= $(shell nproc)
@@ -10,7 +11,7 @@ FUZZ_SECONDS ?= 600
 CMAKE_FLAGS ?=
 STRATA := $(BUILD)/strata
 
-.PHONY: all deps deps-demo configure build test fuzz demo data tokenizer-data bench-step clean
+.PHONY: all deps deps-demo configure build test fuzz tsan demo data tokenizer-data bench-step clean
 
 all: build
 
@@ -40,6 +41,9 @@ test: build tokenizer-data
 
 fuzz: deps
 	@scripts/fuzz.sh --seconds $(FUZZ_SECONDS)
+
+tsan: deps
+	@scripts/tsan.sh
 
 data: deps-demo build
 	@scripts/fetch_data.sh --strata $(STRATA)

@@ -202,9 +202,14 @@ TEST_F(SafetensorsTest, ReadIntoLeavesTheFileOutOfTheResidentSet) {
   }
   const size_t after = resident_bytes();  // read once: the set may shrink between two reads
   const size_t grown = after > before ? after - before : 0;
-  EXPECT_LT(grown, size_t{8} << 20) << "of a 64 MiB file read twice";
   expect_error(f->read_into("t0", DType::kF32, std::vector<int64_t>{1}, dst.data()), StatusCode::kInvalidArgument,
                {"'t0'"});
+#if defined(__SANITIZE_THREAD__)
+  // ThreadSanitizer keeps shadow memory for every page of the file's mapping that was read (4 bytes of it a
+  // byte), in the process's resident set: the bound holds for the normal and ASan builds, which check it.
+  GTEST_SKIP() << "resident set under ThreadSanitizer: " << grown << " bytes grown, its shadow of the mapping";
+#endif
+  EXPECT_LT(grown, size_t{8} << 20) << "of a 64 MiB file read twice";
 }
 
 // read_range hands a tensor over in pieces (also of bf16 tensors, whose elements are 2 bytes): every piece holds
