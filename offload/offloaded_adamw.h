@@ -1,4 +1,4 @@
-// offload_optimizer.h — AdamW with its state off the device (ZeRO-Offload / ZeRO-Infinity's offload_optimizer):
+// offloaded_adamw.h — AdamW with its state off the device (ZeRO-Offload / ZeRO-Infinity's offload_optimizer):
 // fp32 master weights and moments in pinned host memory ("cpu") or in the swap store on NVMe ("nvme"), updated
 // on the CPU by the fused pass of kernels/cpu/fast.h from the gradients the Coordinator brought home, and the
 // new parameters written back through the Coordinator (to their home tier, refreshing any device copy).

@@ -1,4 +1,4 @@
-// offload_optimizer_state.cpp — OffloadedAdamW's state in and out, apart from its updates: loading weights and
+// offloaded_adamw_state.cpp — OffloadedAdamW's state in and out, apart from its updates: loading weights and
 // moments into it (a sub-group at a time), reading them back, and the views and pieces checkpoints are written
 // from (offload/offloaded_adamw.h). Training thread.
 #include <algorithm>

@@ -1,7 +1,7 @@
-// offload_optimizer_worker.cpp — OffloadedAdamW's update worker (offload/offloaded_adamw.h): taking the sub-groups
+// offloaded_adamw_worker.cpp — OffloadedAdamW's update worker (offload/offloaded_adamw.h): taking the sub-groups
 // fed to it, the fused Adam passes (in host memory, into spare buffers while speculative, or through the NVMe
 // swap pipeline), and handing each sub-group's new master weights to the training thread to publish. The training
-// thread's side (step(), the handoff, publication) is offload_optimizer.cpp.
+// thread's side (step(), the handoff, publication) is offloaded_adamw.cpp.
 #include "offload/offloaded_adamw.h"
 
 #include <algorithm>
