@@ -34,7 +34,8 @@ struct OffloadTargetConfig {
   bool overlap_backward = true;
   // offload_optimizer only, ours: with device cpu, how many sub-groups may be updated during that backward
   // (overlap_backward) into buffers of their own, which replace the old state once the step is known not to clip
-  // (12 bytes per element of the largest sub-group each, from the host budget). 0: updates start after backward.
+  // (each 12 bytes per element of the sub-group it is for: the first ones the backward feeds, from the host
+  // budget). 0: updates start after backward.
   int64_t speculative_sub_groups = 0;
   // offload_optimizer only (DeepSpeed's ZeRO-Offload++ key): the share of the parameters whose optimizer state is
   // offloaded, in (0, 1]. The rest, the model's first units in the forward's order, stay on the device whole
