@@ -10,20 +10,10 @@
 // add_sum_squares), and the update is the same AdamW: on the CPU backend a run with the optimizer offloaded is
 // bitwise the run that keeps it on the device.
 //
-// Overlap: each step's update runs on a worker thread and overlaps the next forward; with "nvme" it also starts
-// during the step's last backward (begin_last_backward), a unit's sub-groups as soon as its gradient is home,
-// assuming the step will not clip. The swapper keeps the old state until step() knows the global norm: if the
-// guess was right (finite, no clipping, the same lr) the early updates stand, else they are rolled back and the
-// whole update is redone with the right scale, so the result is always that of the non-overlapped path. It
-// speculates only after a step that did not clip (a run that clips every step would redo every step); after one
-// that clipped it still starts the update during the last backward, gated: the first sub-groups' state is read
-// from NVMe while backward runs (the disk is idle then), and the update itself waits for step() to give it the
-// scale. With "cpu", undoing an update in memory needs the old state kept beside the new: it speculates only
-// given spare buffers (speculative_sub_groups; 12 bytes per element each, from the host budget), updating a
-// sub-group during backward from its state into a spare (the same arithmetic, kernels/cpu/fast.h
-// adamw_update_into), which becomes the sub-group's state once step() confirms the guess and is dropped
-// otherwise. Once the spares are in use, or step() is taking the norm, the update waits for step() and the
-// sub-groups after that are updated in place.
+// Overlap: each step's update runs on a worker thread and overlaps the next forward; it may also start during
+// the step's last backward, assuming the step will not clip, and is rolled back and redone exactly where it
+// does (with "cpu", given spare buffers: speculative_sub_groups). The protocol, and when it speculates, gates or
+// waits: docs/architecture.md "Updates started during backward".
 //
 // Units kept on the device (offload_optimizer.ratio; GPT2::keep_on_device): the model's first units, whose
 // updates are the ones the next forward waits for first. Their parameters and gradients are the model's own
