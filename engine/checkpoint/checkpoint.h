@@ -53,8 +53,8 @@ std::map<std::string, std::string> model_metadata(const GPT2Config& c);
 // Writes model weights alone (for fine-tuning or export) to a safetensors file, atomically.
 Status save_model(const GPT2& model, const std::string& path);
 // Loads weights into a model of the same config from our model.safetensors (or a step folder's), Hugging Face's
-// GPT-2 or an llm.c model file (engine/checkpoint/foreign_weights.h); every tensor is checked before any is written, and
-// errors name the file, the tensor and the config key that disagrees.
+// GPT-2 or an llm.c model file (engine/checkpoint/foreign_weights.h); every tensor is checked before any is
+// written, and errors name the file, the tensor and the config key that disagrees.
 Status load_model(GPT2& model, const std::string& path_or_folder, const WeightsOpenOptions& options = {});
 // The same into a model and its optimizer at the start of a run: the weights become the optimizer's master
 // weights too and its moments zero (what load_model then opt.adopt_params() gives), a sub-group at a time

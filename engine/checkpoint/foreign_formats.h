@@ -1,6 +1,6 @@
 // foreign_formats.h — the layouts of other projects' GPT-2 files that both the reader (foreign_weights.cpp) and
-// the writer (foreign_weights_export.cpp) of engine/checkpoint/foreign_weights.h follow: llm.c's header and tensor order,
-// and how Hugging Face names and orients the tensors. Internal to those two files.
+// the writer (foreign_weights_export.cpp) of engine/checkpoint/foreign_weights.h follow: llm.c's header and
+// tensor order, and how Hugging Face names and orients the tensors. Internal to those two files.
 #pragma once
 
 #include <array>

