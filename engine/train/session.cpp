@@ -422,7 +422,7 @@ Result<std::optional<float>> TrainSession::validate() {
 
 // Rank 0 writes; with sharded moments the others hand it their slices while it does (ZeRO-3: they make the
 // same collective reads, in the same order).
-Status TrainSession::save_part() {
+Status TrainSession::save_part(std::string* path) {
   // Under ZeRO-3 the units a stage's data-parallel rank 0 reads (all of them on the first stage, which holds
   // its own and receives the others'; its own on the others, to send them) are gathered over its group.
   if (zero3_ && dp_rank_ > 0)
@@ -440,6 +440,11 @@ Status TrainSession::save_part() {
   if (tp_ && dp_rank_ == 0 && tp_rank_ > 0)
     return end_gathers(take_part_in_checkpoint(*model_, *opt_, [](size_t) { return true; }));
   if (!leader_) return sharded_opt_ ? sharded_opt_->serve_checkpoint() : Status::ok();
+  state_.train_pos = train_->position();
+  auto saved = save_checkpoint(config_.training.checkpoint_dir, *model_, *opt_, state_,
+                               config_.training.keep_checkpoints);
+  STRATA_RETURN_IF_ERROR(end_gathers(saved.status()));
+  *path = std::move(saved).value();
   return Status::ok();
 }
 
@@ -458,18 +463,7 @@ Result<std::string> TrainSession::save() {
     g->set_timeout(std::max(g->timeout(), kCheckpointWaitS));
   }
   std::string path;
-  Status ended = save_part();
-  if (ended.is_ok() && leader_) {
-    state_.train_pos = train_->position();
-    auto saved = save_checkpoint(config_.training.checkpoint_dir, *model_, *opt_, state_,
-                                 config_.training.keep_checkpoints);
-    if (sharded_opt_) {
-      const Status gathers = sharded_opt_->end_checkpoint();
-      if (saved.is_ok() && !gathers.is_ok()) saved = gathers;
-    }
-    if (saved.is_ok()) path = std::move(saved).value();
-    else ended = saved.status();
-  }
+  Status ended = save_part(&path);
   for (auto& [g, timeout] : groups) {  // over each axis of the grid
     if (ended.is_ok()) ended = g->barrier().with_context("ranks ending a checkpoint together");
   }

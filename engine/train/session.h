@@ -117,8 +117,9 @@ class TrainSession {
   Status build_optimizer(const AdamWConfig& ac, bool offloaded);
   Status load_weights();
   void log_run() const;
-  // This rank's part of a checkpoint (the leader writes it; the others send it theirs, or serve its gathers).
-  Status save_part();
+  // This rank's part of a checkpoint: the leader writes it (its path into `path`), the others send it their
+  // units or serve its gathers.
+  Status save_part(std::string* path);
 
   RunConfig config_;
   TrainOptions options_;
