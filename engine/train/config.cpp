@@ -156,29 +156,11 @@ Status apply_deepspeed_keys(nlohmann::json* j, const std::string& source) {
 
 }  // namespace
 
-Result<RunConfig> parse_run_config(const nlohmann::json& given, const std::string& source) {
-  RunConfig c;
-  c.source = source;
-  nlohmann::json j = given;
-  if (j.is_object()) STRATA_RETURN_IF_ERROR(apply_deepspeed_keys(&j, source));
-  c.json = j;
-  JsonSection root(&j, source, "");
+namespace {
 
-  JsonSection m = root.section("model");
-  STRATA_RETURN_IF_ERROR(m.get_int("n_layer", &c.model.n_layer));
-  STRATA_RETURN_IF_ERROR(m.get_int("n_head", &c.model.n_head));
-  STRATA_RETURN_IF_ERROR(m.get_int("n_embd", &c.model.n_embd));
-  STRATA_RETURN_IF_ERROR(m.get_int("vocab_size", &c.model.vocab_size));
-  STRATA_RETURN_IF_ERROR(m.get_int("block_size", &c.model.block_size));
-  STRATA_RETURN_IF_ERROR(m.finish());
-  STRATA_RETURN_IF_ERROR(c.model.validate().with_context(source));
-
-  JsonSection d = root.section("data");
-  STRATA_RETURN_IF_ERROR(d.get_string("train", &c.data.train));
-  STRATA_RETURN_IF_ERROR(d.get_string("val", &c.data.val));
-  STRATA_RETURN_IF_ERROR(d.finish());
-
-  TrainingConfig& t = c.training;
+// The training section, checked on its own and against the model's context (`block_size`).
+Status parse_training(JsonSection& root, const std::string& source, int block_size, TrainingConfig* out) {
+  TrainingConfig& t = *out;
   JsonSection tr = root.section("training");
   STRATA_RETURN_IF_ERROR(tr.get_int("batch_size", &t.batch_size));
   STRATA_RETURN_IF_ERROR(tr.get_int("seq_len", &t.seq_len));
@@ -212,9 +194,9 @@ Result<RunConfig> parse_run_config(const nlohmann::json& given, const std::strin
   };
   if (t.batch_size <= 0) return bad("batch_size", fmt::format("must be positive, got {}", t.batch_size));
   if (t.seq_len <= 0) return bad("seq_len", fmt::format("must be positive, got {}", t.seq_len));
-  if (t.seq_len > c.model.block_size) {
+  if (t.seq_len > block_size) {
     return bad("seq_len", fmt::format("({}) is longer than the model's context, model.block_size ({})", t.seq_len,
-                                      c.model.block_size));
+                                      block_size));
   }
   if (t.grad_accum_steps <= 0) return bad("grad_accum_steps", "must be positive");
   if (t.max_steps < 0) return bad("max_steps", "must be >= 0");
@@ -248,45 +230,55 @@ Result<RunConfig> parse_run_config(const nlohmann::json& given, const std::strin
     return bad("global_batch_size", fmt::format("(train_batch_size) {} is not a multiple of batch_size {} x "
                                                 "grad_accum_steps {}",
                                                 t.global_batch_size, t.batch_size, t.grad_accum_steps));
+  return Status::ok();
+}
 
+// The compute section: the device, the kernels and the matmuls' precision.
+Status parse_compute(JsonSection& root, const std::string& source, ComputeConfig* out) {
+  ComputeConfig& compute = *out;
   JsonSection co = root.section("compute");
-  STRATA_RETURN_IF_ERROR(co.get_string("device", &c.compute.device));
-  STRATA_RETURN_IF_ERROR(co.get_string("kernels", &c.compute.kernels));
+  STRATA_RETURN_IF_ERROR(co.get_string("device", &compute.device));
+  STRATA_RETURN_IF_ERROR(co.get_string("kernels", &compute.kernels));
   std::string precision = "fp32";
   STRATA_RETURN_IF_ERROR(co.get_string("matmul_precision", &precision));
-  STRATA_RETURN_IF_ERROR(co.get_int("threads", &c.compute.threads));
-  STRATA_RETURN_IF_ERROR(co.get_bool("bf16_working_copies", &c.compute.bf16_working_copies));
+  STRATA_RETURN_IF_ERROR(co.get_int("threads", &compute.threads));
+  STRATA_RETURN_IF_ERROR(co.get_bool("bf16_working_copies", &compute.bf16_working_copies));
   STRATA_RETURN_IF_ERROR(co.finish());
-  if (c.compute.kernels != "fast" && c.compute.kernels != "reference") {
+  if (compute.kernels != "fast" && compute.kernels != "reference") {
     return Status::invalid_argument("{}: compute.kernels must be \"fast\" or \"reference\", got \"{}\"", source,
-                                    c.compute.kernels);
+                                    compute.kernels);
   }
-  if (c.compute.device != "auto" && c.compute.device != "cpu" && c.compute.device != "cuda") {
+  if (compute.device != "auto" && compute.device != "cpu" && compute.device != "cuda") {
     return Status::invalid_argument("{}: compute.device must be \"auto\", \"cpu\" or \"cuda\", got \"{}\"", source,
-                                    c.compute.device);
+                                    compute.device);
   }
-  if (c.compute.device == "cuda" && c.compute.kernels == "reference") {
+  if (compute.device == "cuda" && compute.kernels == "reference") {
     return Status::invalid_argument("{}: compute.kernels = \"reference\" is the plain CPU reference; it cannot run "
                                     "with compute.device = \"cuda\"", source);
   }
   if (precision == "fp32" || precision == "f32") {
-    c.compute.matmul_precision = kernels::MatmulPrecision::kF32;
+    compute.matmul_precision = kernels::MatmulPrecision::kF32;
   } else if (precision == "bf16") {
-    c.compute.matmul_precision = kernels::MatmulPrecision::kBF16;
+    compute.matmul_precision = kernels::MatmulPrecision::kBF16;
   } else {
     return Status::invalid_argument("{}: compute.matmul_precision must be \"fp32\" or \"bf16\", got \"{}\"", source,
                                     precision);
   }
-  if (c.compute.threads < 0) return Status::invalid_argument("{}: compute.threads must be >= 0", source);
+  if (compute.threads < 0) return Status::invalid_argument("{}: compute.threads must be >= 0", source);
+  return Status::ok();
+}
 
+// The parallel section, checked against the model, the batch and the device.
+Status parse_parallel(JsonSection& root, const std::string& source, const RunConfig& c, ParallelConfig* out) {
+  ParallelConfig& parallel = *out;
   JsonSection pa = root.section("parallel");
-  STRATA_RETURN_IF_ERROR(pa.get_int("tensor_parallel_size", &c.parallel.tensor_parallel_size));
-  STRATA_RETURN_IF_ERROR(pa.get_int("pipeline_parallel_size", &c.parallel.pipeline_parallel_size));
-  STRATA_RETURN_IF_ERROR(pa.get_string("pipeline_schedule", &c.parallel.pipeline_schedule));
-  STRATA_RETURN_IF_ERROR(pa.get_bool("sequence_parallel", &c.parallel.sequence_parallel));
-  STRATA_RETURN_IF_ERROR(pa.get_string("distributed_backend", &c.parallel.distributed_backend));
+  STRATA_RETURN_IF_ERROR(pa.get_int("tensor_parallel_size", &parallel.tensor_parallel_size));
+  STRATA_RETURN_IF_ERROR(pa.get_int("pipeline_parallel_size", &parallel.pipeline_parallel_size));
+  STRATA_RETURN_IF_ERROR(pa.get_string("pipeline_schedule", &parallel.pipeline_schedule));
+  STRATA_RETURN_IF_ERROR(pa.get_bool("sequence_parallel", &parallel.sequence_parallel));
+  STRATA_RETURN_IF_ERROR(pa.get_string("distributed_backend", &parallel.distributed_backend));
   STRATA_RETURN_IF_ERROR(pa.finish());
-  const std::string& backend = c.parallel.distributed_backend;
+  const std::string& backend = parallel.distributed_backend;
   if (backend != "auto" && backend != "nccl" && backend != "mpi")
     return Status::invalid_argument(
         "{}: parallel.distributed_backend must be \"auto\", \"nccl\" or \"mpi\", got \"{}\"", source, backend);
@@ -294,26 +286,55 @@ Result<RunConfig> parse_run_config(const nlohmann::json& given, const std::strin
     return Status::invalid_argument("{}: parallel.distributed_backend \"nccl\" carries GPU buffers; compute.device is "
                                     "\"cpu\" (use \"auto\" or \"mpi\")",
                                     source);
-  if (c.parallel.pipeline_schedule != "1f1b" && c.parallel.pipeline_schedule != "gpipe")
+  if (parallel.pipeline_schedule != "1f1b" && parallel.pipeline_schedule != "gpipe")
     return Status::invalid_argument("{}: parallel.pipeline_schedule must be \"1f1b\" or \"gpipe\", got \"{}\"", source,
-                                    c.parallel.pipeline_schedule);
-  if (c.parallel.pipeline_parallel_size > c.model.n_layer)
+                                    parallel.pipeline_schedule);
+  if (parallel.pipeline_parallel_size > c.model.n_layer)
     return Status::invalid_argument("{}: parallel.pipeline_parallel_size {} is more stages than model.n_layer {} "
                                     "blocks",
-                                    source, c.parallel.pipeline_parallel_size, c.model.n_layer);
-  if (c.parallel.tensor_parallel_size < 1 || c.parallel.pipeline_parallel_size < 1)
+                                    source, parallel.pipeline_parallel_size, c.model.n_layer);
+  if (parallel.tensor_parallel_size < 1 || parallel.pipeline_parallel_size < 1)
     return Status::invalid_argument("{}: parallel.tensor_parallel_size and pipeline_parallel_size must be >= 1, got "
                                     "{} and {}",
-                                    source, c.parallel.tensor_parallel_size, c.parallel.pipeline_parallel_size);
+                                    source, parallel.tensor_parallel_size, parallel.pipeline_parallel_size);
   const int64_t rows = static_cast<int64_t>(c.training.batch_size) * c.training.seq_len;
-  if (c.parallel.sequence_parallel && rows % c.parallel.tensor_parallel_size != 0)
+  if (parallel.sequence_parallel && rows % parallel.tensor_parallel_size != 0)
     return Status::invalid_argument("{}: parallel.sequence_parallel cuts training.batch_size x training.seq_len = {} "
                                     "rows over parallel.tensor_parallel_size {} ranks: they must divide evenly",
-                                    source, rows, c.parallel.tensor_parallel_size);
-  if (c.model.n_head % c.parallel.tensor_parallel_size != 0)  // each tensor-parallel rank takes whole heads
+                                    source, rows, parallel.tensor_parallel_size);
+  if (c.model.n_head % parallel.tensor_parallel_size != 0)  // each tensor-parallel rank takes whole heads
     return Status::invalid_argument("{}: model.n_head ({}) must be divisible by parallel.tensor_parallel_size ({})",
-                                    source, c.model.n_head, c.parallel.tensor_parallel_size);
+                                    source, c.model.n_head, parallel.tensor_parallel_size);
+  return Status::ok();
+}
 
+}  // namespace
+
+Result<RunConfig> parse_run_config(const nlohmann::json& given, const std::string& source) {
+  RunConfig c;
+  c.source = source;
+  nlohmann::json j = given;
+  if (j.is_object()) STRATA_RETURN_IF_ERROR(apply_deepspeed_keys(&j, source));
+  c.json = j;
+  JsonSection root(&j, source, "");
+
+  JsonSection m = root.section("model");
+  STRATA_RETURN_IF_ERROR(m.get_int("n_layer", &c.model.n_layer));
+  STRATA_RETURN_IF_ERROR(m.get_int("n_head", &c.model.n_head));
+  STRATA_RETURN_IF_ERROR(m.get_int("n_embd", &c.model.n_embd));
+  STRATA_RETURN_IF_ERROR(m.get_int("vocab_size", &c.model.vocab_size));
+  STRATA_RETURN_IF_ERROR(m.get_int("block_size", &c.model.block_size));
+  STRATA_RETURN_IF_ERROR(m.finish());
+  STRATA_RETURN_IF_ERROR(c.model.validate().with_context(source));
+
+  JsonSection d = root.section("data");
+  STRATA_RETURN_IF_ERROR(d.get_string("train", &c.data.train));
+  STRATA_RETURN_IF_ERROR(d.get_string("val", &c.data.val));
+  STRATA_RETURN_IF_ERROR(d.finish());
+
+  STRATA_RETURN_IF_ERROR(parse_training(root, source, c.model.block_size, &c.training));
+  STRATA_RETURN_IF_ERROR(parse_compute(root, source, &c.compute));
+  STRATA_RETURN_IF_ERROR(parse_parallel(root, source, c, &c.parallel));
   STRATA_RETURN_IF_ERROR(parse_offload_config(root, source, &c.offload));
   STRATA_RETURN_IF_ERROR(root.finish());
   return c;
