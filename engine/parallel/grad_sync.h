@@ -36,5 +36,4 @@ Status take_from_owners(const PipelinePlan& plan, comm::Communicator& pp, std::v
 Result<double> whole_model_norm(const PipelinePlan& plan, comm::Communicator* pp, const NormShares& shares,
                                 std::vector<double> per_unit);
 
-
 }  // namespace strata::engine

@@ -47,8 +47,10 @@ TrainSession::TrainSession(const RunConfig& config, const TrainOptions& options)
   dp_ = group_of_several(options.data_parallel);
   pp_ = group_of_several(options.pipeline);
   tp_ = group_of_several(options.tensor_parallel);
-  dp_size_ = dp_ ? dp_->size() : 1, dp_rank_ = dp_ ? dp_->rank() : 0;
-  pp_size_ = pp_ ? pp_->size() : 1, pp_rank_ = pp_ ? pp_->rank() : 0;
+  dp_size_ = dp_ ? dp_->size() : 1;
+  dp_rank_ = dp_ ? dp_->rank() : 0;
+  pp_size_ = pp_ ? pp_->size() : 1;
+  pp_rank_ = pp_ ? pp_->rank() : 0;
   tp_rank_ = tp_ ? tp_->rank() : 0;
   leader_ = dp_rank_ == 0 && pp_rank_ == 0 && tp_rank_ == 0;
   // ZeRO-3: the offload stack's coordinator shards every unit over the ranks and gathers it for use, so every
