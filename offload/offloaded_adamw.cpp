@@ -18,7 +18,7 @@ using engine::GPT2;
 using engine::PipelinePlan;
 using engine::Unit;
 using engine::adamw_params;
-using engine::split_tied_group;
+using engine::SharedGrads;
 using engine::step_scale;
 using engine::sum_in_rank_order;
 using engine::unit_norm_share;
@@ -145,18 +145,21 @@ Status OffloadedAdamW::set_pipeline(const PipelinePlan& plan, comm::Communicator
   plan_ = plan;
   pp_ = &pp;
   release_spares("pipeline parallelism");
-  STRATA_ASSIGN_OR_RETURN(tied_, split_tied_group(pp));
+  STRATA_ASSIGN_OR_RETURN(shared_, SharedGrads::create(plan, &pp));
   return Status::ok();
 }
 
-Status OffloadedAdamW::sum_tied_embedding() {
-  if (pp_ == nullptr || pp_->size() < 2 || (pp_->rank() != 0 && pp_->rank() != pp_->size() - 1)) return Status::ok();
-  // Both ends hold the embedding (the same shard of it under ZeRO-3): each adds the other's half.
-  if (coordinator_->options().grad_home == Tier::kNvme) return coordinator_->sum_grads_over({0}, *tied_);
-  const size_t n = coordinator_->shard(0).len;
-  float* g = coordinator_->sharded() ? const_cast<float*>(coordinator_->host_grads(0))
-                                     : coordinator_->host_grads_for_update(0);
-  return tied_->all_reduce(g, g, n, DType::kF32, comm::ReduceOp::kSum).with_context("the tied embedding's gradient");
+Status OffloadedAdamW::sum_shared_grads() {
+  const std::vector<size_t>& units = shared_.units();
+  if (units.empty()) return Status::ok();
+  // Every holder has the unit (the same shard of it under ZeRO-3): each adds the others' parts.
+  if (coordinator_->options().grad_home == Tier::kNvme) return coordinator_->sum_grads_over(units, shared_.group());
+  for (const size_t u : units) {
+    float* g = coordinator_->sharded() ? const_cast<float*>(coordinator_->host_grads(u))
+                                       : coordinator_->host_grads_for_update(u);
+    STRATA_RETURN_IF_ERROR(shared_.sum(g, coordinator_->shard(u).len, model_->units()[u].name));
+  }
+  return Status::ok();
 }
 
 Result<double> OffloadedAdamW::global_norm() {
@@ -183,7 +186,7 @@ Result<double> OffloadedAdamW::step_sharded(float lr, bool* skipped) {
   Timer wait;
   STRATA_RETURN_IF_ERROR(coordinator_->flush_grads());  // every reduce-scatter has landed in the shards
   STRATA_RETURN_IF_ERROR(sum_kept_grads());
-  STRATA_RETURN_IF_ERROR(sum_tied_embedding());
+  STRATA_RETURN_IF_ERROR(sum_shared_grads());
   const double grads_wait_s = wait.seconds();
   STRATA_ASSIGN_OR_RETURN(const double norm, global_norm());
   speculation_ = SpeculationStats{};
@@ -382,7 +385,7 @@ Result<double> OffloadedAdamW::step(float lr, bool* skipped) {
     }
     STRATA_RETURN_IF_ERROR(sum_kept_grads());
   }
-  STRATA_RETURN_IF_ERROR(sum_tied_embedding());
+  STRATA_RETURN_IF_ERROR(sum_shared_grads());
   const double grads_wait_s = wait.seconds();
   STRATA_ASSIGN_OR_RETURN(const double norm, global_norm());
   const std::optional<float> scale = step_scale(norm, config_.grad_clip, skipped);

@@ -116,8 +116,8 @@ class OffloadedAdamW final : public engine::Optimizer {
   // every rank calls read_moments for the same units in the same order. The update then completes inside
   // step(), which drops the gathered parameter copies.
   Status set_gradient_reducer(comm::Communicator* group);
-  // Pipeline parallelism: this optimizer updates the stage's units (model.holds); step() adds the tied
-  // embedding's gradient halves between the first and last stage and takes the whole model's norm (every
+  // Pipeline parallelism: this optimizer updates the stage's units (model.holds); step() sums the gradients of
+  // the units several stages hold (engine/parallel/grad_sync.h SharedGrads) and takes the whole model's norm (every
   // unit's sum of squares from its owner, in unit order); for a checkpoint, the first stage receives the other
   // stages' units a piece at a time through gather_piece (without tensor parallelism; with it, read_moments of
   // another stage's unit receives it whole; engine/parallel/pipeline.h). Collective over `pp` (which must outlive the
@@ -237,7 +237,7 @@ class OffloadedAdamW final : public engine::Optimizer {
   Status abandon_speculation(bool restore);
   Status join();  // waits for the worker, keeps its stats, ends the handoff; the worker's status
   Result<double> step_sharded(float lr, bool* skipped);        // ZeRO-3
-  Status sum_tied_embedding();                                 // pipeline: between the ends, after flush_grads
+  Status sum_shared_grads();                                   // pipeline: over their holders, after flush_grads
   Result<double> global_norm();                                // after flush_grads (and the sums over ranks)
   Status gather_moments(size_t unit, float* m, float* v);      // ZeRO-3, collective over reducer_
   // Sets master from the unit's current parameters and the moments from m, v (zeros where null).
@@ -271,7 +271,7 @@ class OffloadedAdamW final : public engine::Optimizer {
   comm::Communicator* reducer_ = nullptr;  // data-parallel group the gradients are summed over
   engine::PipelinePlan plan_;                      // pipeline: which stage owns each unit
   comm::Communicator* pp_ = nullptr;
-  std::unique_ptr<comm::Communicator> tied_;  // the first and last stage
+  engine::SharedGrads shared_;                     // pipeline: the units several stages hold
   std::vector<bool> fed_;               // units fed to the speculative update
   // gather_piece on nvme: the sub-group and state whose region the swapper's first slot holds (SIZE_MAX: none),
   // until anything else may use that slot (finish(), an update).

@@ -108,11 +108,11 @@ class SafetensorsWeights final : public WeightsFile {
   Status check(const GPT2Config& want) const override {
     STRATA_RETURN_IF_ERROR(check_sizes(want));
     std::set<std::string> expected;
-    for (const auto& [unit, layout] : gpt2_unit_layouts(want)) {
-      for (const TensorSpec& s : layout.specs()) {
+    for (const UnitSpec& unit : gpt2_unit_specs(want)) {
+      for (const TensorSpec& s : unit.layout.specs()) {
         const std::string name = file_name(s.name);
         const SafetensorsEntry* e = file_.find(name);
-        if (e == nullptr) return Status::invalid_argument("{}: no tensor '{}' (of unit {})", path_, name, unit);
+        if (e == nullptr) return Status::invalid_argument("{}: no tensor '{}' (of unit {})", path_, name, unit.name);
         if (e->shape != file_shape(s)) {
           return Status::invalid_argument("{}: tensor '{}' is {}, a GPT-2 of this config needs {}", path_, name,
                                           shape_text(e->shape), shape_text(file_shape(s)));

@@ -1,7 +1,7 @@
 // foreign_weights.h — GPT-2 weights in the layouts of the projects Strata's users come from: read into a model
 // to fine-tune it (training.init_from takes any of them) and written by `strata export`.
 //
-//   strata  Our model.safetensors: the canonical names of gpt2_unit_layouts ("wte", "wpe", "h.0.attn.c_attn.weight"
+//   strata  Our model.safetensors: the canonical names of gpt2_unit_specs ("wte", "wpe", "h.0.attn.c_attn.weight"
 //           ...), F32, linear weights (out, in); its metadata names the config.
 //   hf      Hugging Face transformers' GPT-2 in safetensors: openai-community/gpt2's model.safetensors, or what
 //           save_pretrained writes (names under "transformer.", which Strata also accepts). "wte.weight",
@@ -61,7 +61,7 @@ class WeightsFile {
   // for. The error names the config key ("model.n_layer is 6, but FILE holds 12 blocks"). Reads no weights
   // except a tied head's, which it compares.
   virtual Status check(const GPT2Config& want) const = 0;
-  // The tensor Strata names spec.name (a spec of gpt2_unit_layouts(config())), as fp32 in Strata's orientation.
+  // The tensor Strata names spec.name (a spec of gpt2_unit_specs(config())), as fp32 in Strata's orientation.
   Status read(const TensorSpec& spec, float* dst) const { return read_range(spec, 0, spec.numel(), dst); }
   // Elements [offset, offset + n) of that tensor (row-major, in Strata's orientation) into dst[0..n): a tensor
   // read in pieces, each piece's pages released as it is read (InvalidArgument for a range past its end).

@@ -27,8 +27,8 @@ namespace {
 // Every tensor of the model `c`, by our name.
 std::map<std::string, TensorSpec> specs_by_name(const GPT2Config& c) {
   std::map<std::string, TensorSpec> out;
-  for (const auto& [unit, layout] : gpt2_unit_layouts(c))
-    for (const TensorSpec& s : layout.specs()) out.emplace(s.name, s);
+  for (const UnitSpec& unit : gpt2_unit_specs(c))
+    for (const TensorSpec& s : unit.layout.specs()) out.emplace(s.name, s);
   return out;
 }
 
@@ -112,8 +112,8 @@ Status write_safetensors_weights(const WeightsFile& src, WeightsFormat format, D
                                  const std::string& path) {
   const bool hf = format == WeightsFormat::kHuggingFace;
   std::vector<SafetensorsTensor> tensors;
-  for (const auto& [unit, layout] : gpt2_unit_layouts(src.config())) {
-    for (const TensorSpec& s : layout.specs()) {
+  for (const UnitSpec& unit : gpt2_unit_specs(src.config())) {
+    for (const TensorSpec& s : unit.layout.specs()) {
       SafetensorsTensor t{hf ? hf_name(s.name) : s.name, dtype, hf ? hf_shape(s) : s.shape, nullptr, {}};
       t.fill = [&src, s, dtype, transposed = hf && hf_transposed(s.name)](void* dst) -> Status {
         std::vector<float> ours(s.numel());

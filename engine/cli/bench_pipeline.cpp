@@ -95,7 +95,7 @@ int run_bench_pipeline(const BenchStepOptions& o) {
   }
   const kernels::cpu::CpuThreadLimit threads(o.threads);  // TBB's and the matmuls' (OpenMP's)
   const GPT2Config mc{o.n_layer, o.n_head, o.n_embd, o.vocab_size, std::max(o.block_size, o.seq_len)};
-  const PipelinePlan plan = plan_pipeline(mc, o.seq_len, P);
+  const PipelinePlan plan = plan_pipeline(gpt2_unit_specs(mc), gpt2_pipeline_costs(mc, o.seq_len), P);
   if (leader && !o.json) {
     std::printf("GPT-2 L=%d H=%d C=%d V=%d, micro-batch B=%d T=%d, %d stages over MPI: %s\n", o.n_layer, o.n_head,
                 o.n_embd, o.vocab_size, o.batch_size, o.seq_len, P, plan.describe().c_str());

@@ -13,7 +13,7 @@ Result<std::unique_ptr<PipelineAdamW>> PipelineAdamW::create(GPT2& model, const 
   opt->config_ = config;
   opt->device_ = &device;
   opt->pp_ = &pp;
-  STRATA_ASSIGN_OR_RETURN(opt->tied_, split_tied_group(pp));
+  STRATA_ASSIGN_OR_RETURN(opt->shared_, SharedGrads::create(plan, &pp));
   for (size_t u = 0; u < model.units().size(); ++u) {
     kernels::DeviceBuffer m, v;
     if (model.holds(u)) {
@@ -38,13 +38,9 @@ Status PipelineAdamW::adopt_params() {
 
 Result<double> PipelineAdamW::step(float lr, bool* skipped) {
   const std::vector<Unit>& units = model_->units();
-  const int s = pp_->rank(), P = pp_->size();
-  if (P > 1 && (s == 0 || s == P - 1)) {  // the tied embedding: both halves of its gradient on both ends
-    const Unit& wte = units[0];
-    STRATA_RETURN_IF_ERROR(tied_->all_reduce(wte.g(), wte.g(), wte.numel(), DType::kF32, comm::ReduceOp::kSum)
-                               .with_context("the tied embedding's gradient"));
-  }
-  // Every unit's sum of squares from its owner (the embedding's from the first stage), added in unit order:
+  const int s = pp_->rank();
+  STRATA_RETURN_IF_ERROR(shared_.sum_units(units));  // each holder's part of a shared unit's gradient, on each
+  // Every unit's sum of squares from its owner (a shared unit's from its first holder), added in unit order:
   // the single process's norm, bit for bit, given the same gradients.
   std::vector<double> per(units.size(), 0.0);
   for (size_t u = 0; u < units.size(); ++u) {

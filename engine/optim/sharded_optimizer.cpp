@@ -68,7 +68,7 @@ Result<std::unique_ptr<ShardedAdamW>> ShardedAdamW::create(const std::vector<Uni
 Status ShardedAdamW::set_pipeline(const PipelinePlan& plan, comm::Communicator& pp) {
   plan_ = plan;
   pp_ = &pp;
-  STRATA_ASSIGN_OR_RETURN(tied_, split_tied_group(pp));
+  STRATA_ASSIGN_OR_RETURN(shared_, SharedGrads::create(plan, &pp));
   return Status::ok();
 }
 
@@ -137,8 +137,6 @@ Result<double> ShardedAdamW::pipeline_norm_stage2() {
 Result<double> ShardedAdamW::step(float lr, bool* skipped) {
   const std::vector<Unit>& units = *units_;
   double norm = 0;
-  // Pipeline: the first and last stage both hold the tied embedding (unit 0) and add each other's gradient.
-  const bool tied_end = pp_ != nullptr && pp_->size() > 1 && (pp_->rank() == 0 || pp_->rank() == pp_->size() - 1);
   if (stage_ == 1) {
     for (size_t i = 0; i < units.size(); ++i) {
       if (!holds(i)) continue;  // another pipeline stage's
@@ -150,11 +148,7 @@ Result<double> ShardedAdamW::step(float lr, bool* skipped) {
                                    .with_context("gradients of " + u.name));
       }
     }
-    if (tied_end) {
-      const Unit& wte = units[0];
-      STRATA_RETURN_IF_ERROR(tied_->all_reduce(wte.g(), wte.g(), wte.numel(), DType::kF32, comm::ReduceOp::kSum)
-                                 .with_context("the tied embedding's gradient"));
-    }
+    STRATA_RETURN_IF_ERROR(shared_.sum_units(units));  // pipeline: the units several stages hold
     // The unsharded norm, bit for bit: each unit's share from zero (its owner stage's), summed over the
     // tensor-parallel group, then added in unit order, as AdamW and PipelineAdamW take it.
     std::vector<double> per(units.size(), 0.0);
@@ -168,12 +162,19 @@ Result<double> ShardedAdamW::step(float lr, bool* skipped) {
       STRATA_RETURN_IF_ERROR(reduce_scatter_tensor(s, units[s.unit].g() + s.tensor_offset, shard)
                                  .with_context("gradients of " + units[s.unit].name));
     }
-    if (tied_end) {  // the embedding's slices come first in the shard, and are the same slices on both ends
+    // The units several stages hold: the same slices of them on each, summed a run of adjacent ones at a time
+    // (GPT-2's embedding: one run, the shard's first).
+    for (size_t i = 0; i < slices_.size();) {
+      if (!shared_.shared(slices_[i].unit)) {
+        ++i;
+        continue;
+      }
+      const size_t at = slices_[i].shard_offset;
       size_t n = 0;
-      for (const Slice& s : slices_) n += s.unit == 0 ? s.len : 0;
-      STRATA_RETURN_IF_ERROR(tied_->all_reduce(grad_shard_.as<float>(), grad_shard_.as<float>(), n, DType::kF32,
-                                               comm::ReduceOp::kSum)
-                                 .with_context("the tied embedding's gradient"));
+      const size_t unit = slices_[i].unit;
+      for (; i < slices_.size() && shared_.shared(slices_[i].unit) && slices_[i].shard_offset == at + n; ++i)
+        n += slices_[i].len;
+      STRATA_RETURN_IF_ERROR(shared_.sum(grad_shard_.as<float>() + at, n, units[unit].name));
     }
     STRATA_ASSIGN_OR_RETURN(norm, pipeline_norm_stage2());
   } else {

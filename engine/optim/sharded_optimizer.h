@@ -19,8 +19,8 @@
 // ends), so the order is whatever the checkpoint writer needs.
 //
 // Pipeline parallelism (set_pipeline): the group is a stage's data-parallel ranks and only the stage's units
-// are sharded and updated. step() adds the tied embedding's gradient between the first and last stage (after
-// the reduction over the group: whole under stage 1, the shards under stage 2) and takes the whole model's norm
+// are sharded and updated. step() sums the shared units' gradients over their stages (grad_sync.h SharedGrads,
+// after the reduction over the group: whole under stage 1, the shards under stage 2) and takes the whole model's norm
 // from every unit's owner, in unit order, as PipelineAdamW does, so a stage-1 pipeline run is bitwise the
 // stage-0 one. The first stage's rank 0 receives another stage's moments from that stage's rank 0, which
 // gathers them over its own group (engine/checkpoint/pipeline_checkpoint.h).
@@ -108,7 +108,7 @@ class ShardedAdamW final : public Optimizer {
   std::vector<bool> held_;                     // empty: every unit
   PipelinePlan plan_;                          // pipeline: which stage owns each unit
   comm::Communicator* pp_ = nullptr;           // null: no pipeline
-  std::unique_ptr<comm::Communicator> tied_;  // the first and last stage
+  SharedGrads shared_;                         // pipeline: the units several stages hold
   std::vector<Slice> slices_;
   size_t shard_numel_ = 0;
   kernels::DeviceBuffer m_, v_;      // this rank's slices of the moments

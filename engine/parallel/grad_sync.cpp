@@ -19,9 +19,35 @@ Result<double> tensor_parallel_grad_norm(const std::vector<Unit>& units, const N
   return std::sqrt(sum);
 }
 
-Result<std::unique_ptr<comm::Communicator>> split_tied_group(comm::Communicator& pp) {
-  const int s = pp.rank(), P = pp.size();
-  return pp.split(s == 0 || s == P - 1 ? 0 : 1, s, "pp.tied");
+Result<SharedGrads> SharedGrads::create(const PipelinePlan& plan, comm::Communicator* pp) {
+  SharedGrads shared;
+  if (pp == nullptr || pp->size() < 2) return shared;
+  const std::vector<size_t> units = plan.shared_units();
+  for (const size_t u : units) {
+    if (plan.holders[u] != plan.holders[units.front()])
+      return Status::unimplemented("pipeline: units shared by different sets of stages (units {} and {})",
+                                   units.front(), u);
+  }
+  const int s = pp->rank();
+  bool holder = false;
+  if (!units.empty()) {
+    const std::vector<int>& h = plan.holders[units.front()];
+    holder = std::find(h.begin(), h.end(), s) != h.end();
+  }
+  // Every stage takes part in the split; the ones that hold none get a group of theirs, unused.
+  STRATA_ASSIGN_OR_RETURN(shared.group_, pp->split(holder ? 0 : 1, s, "pp.tied"));
+  if (holder) shared.units_ = units;
+  return shared;
+}
+
+Status SharedGrads::sum(float* g, size_t n, const std::string& name) const {
+  return group_->all_reduce(g, g, n, DType::kF32, comm::ReduceOp::kSum)
+      .with_context("the gradient of " + name + ", which several pipeline stages hold");
+}
+
+Status SharedGrads::sum_units(const std::vector<Unit>& units) const {
+  for (const size_t u : units_) STRATA_RETURN_IF_ERROR(sum(units[u].g(), units[u].numel(), units[u].name));
+  return Status::ok();
 }
 
 Status take_from_owners(const PipelinePlan& plan, comm::Communicator& pp, std::vector<double>* per_unit) {

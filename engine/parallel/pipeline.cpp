@@ -17,11 +17,11 @@ constexpr int kTagStage = PipelineTags::kStage, kTagParams = PipelineTags::kPara
 
 }  // namespace
 
-PipelinePlan plan_pipeline(const GPT2Config& c, int seq_len, int stages) {
-  const int L = c.n_layer;
+PipelinePlan plan_pipeline(const std::vector<UnitSpec>& units, const PipelineCosts& costs, int stages) {
+  const int L = static_cast<int>(
+      std::count_if(units.begin(), units.end(), [](const UnitSpec& u) { return u.role == UnitRole::kBlock; }));
   STRATA_ASSERT(stages >= 1 && stages <= L);
-  const double C = c.n_embd;
-  const double block = 24.0 * C * C + 2.0 * C * (seq_len + 1.0), head = 2.0 * C * c.vocab_size;
+  const double block = costs.block, head = costs.head;
   // best[p][j]: the smallest largest stage cost splitting blocks [0, j) into p stages (the head on the last
   // stage of the whole plan only, added at the end); cut[p][j]: where the last of those p stages starts.
   const double inf = std::numeric_limits<double>::infinity();
@@ -48,15 +48,22 @@ PipelinePlan plan_pipeline(const GPT2Config& c, int seq_len, int stages) {
     st.head = p == stages;
     plan.flops[static_cast<size_t>(p - 1)] = (j - cut[p][j]) * block + (st.head ? head : 0.0);
   }
+  for (const UnitSpec& u : units) {
+    std::vector<int>& h = plan.holders.emplace_back();
+    for (int s = 0; s < stages; ++s) {
+      if (plan.stages[static_cast<size_t>(s)].holds(u)) h.push_back(s);
+    }
+    STRATA_ASSERT_MSG(!h.empty(), "a unit no pipeline stage holds");
+  }
   return plan;
 }
 
-int PipelinePlan::owner(size_t u) const {
-  if (u == 0) return 0;
-  for (size_t s = 0; s < stages.size(); ++s) {
-    if (static_cast<int>(u) - 1 >= stages[s].first && static_cast<int>(u) - 1 < stages[s].end) return static_cast<int>(s);
+std::vector<size_t> PipelinePlan::shared_units() const {
+  std::vector<size_t> shared;
+  for (size_t u = 0; u < holders.size(); ++u) {
+    if (holders[u].size() > 1) shared.push_back(u);
   }
-  return static_cast<int>(stages.size()) - 1;  // ln_f, after the last block
+  return shared;
 }
 
 std::string PipelinePlan::describe() const {

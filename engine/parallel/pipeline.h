@@ -3,10 +3,12 @@
 // schedule (or GPipe's, for comparison), activations passed forward and gradients backward with send/recv.
 //
 // Stages: the L blocks are cut into P consecutive non-empty ranges that balance the stages' forward FLOPs per
-// token (a block 24C^2 + 2C(T+1), the head 2CV: with GPT-2's vocabulary the head weighs as much as ~10 blocks
-// of width 768, so the last stage gets fewer blocks); the first stage also runs the embedding, the last the
-// final layernorm, the tied LM head and the loss. The tied embedding lives on both: after backward its two gradients are summed between the first and
-// the last stage, and both apply the same update to their copies, which therefore stay bitwise equal.
+// token (the family's PipelineCosts; GPT-2's block 24C^2 + 2C(T+1), its head 2CV: with GPT-2's vocabulary the
+// head weighs as much as ~10 blocks of width 768, so the last stage gets fewer blocks); the first stage also runs
+// the embedding, the last the final norm, the LM head and the loss. Which stage holds a unit is its role's
+// (PipelineStage::holds): an embedding that ties the head lives on both ends, where after backward its two
+// gradients are summed (grad_sync.h SharedGrads) and both apply the same update to their copies, which therefore
+// stay bitwise equal.
 //
 // Schedules over m micro-batches on stage s of P:
 //  - 1F1B: min(P - s - 1, m) forwards to fill the pipeline, then one forward and one backward in turn, then
@@ -44,15 +46,21 @@ struct PipelineTags {
   static constexpr int kStage = 11, kParams = 13, kMoments = 14;
 };
 
-// Which blocks each stage runs.
+// Which blocks each stage runs, and which stages hold each unit.
 struct PipelinePlan {
   std::vector<PipelineStage> stages;
   std::vector<double> flops;  // each stage's forward FLOPs per token
-  int owner(size_t unit) const;  // the stage that holds unit u (the embedding: the first)
+  // Per unit, in the model's order: the stages that hold it (PipelineStage::holds), ascending; the first owns it:
+  // its value counts once (its share of the gradient norm, its part of a checkpoint).
+  std::vector<std::vector<int>> holders;
+  int owner(size_t unit) const { return holders[unit].front(); }
+  // The units more than one stage holds (an embedding that ties the head), in unit order.
+  std::vector<size_t> shared_units() const;
   std::string describe() const;  // "blocks [0, 5) + embedding | [5, 6) + head; forward GFLOP/token 0.02 | 0.04"
 };
-// The balanced plan of `stages` (<= n_layer) stages for sequences of `seq_len` tokens.
-PipelinePlan plan_pipeline(const GPT2Config& config, int seq_len, int stages);
+// The balanced plan of `stages` stages (at most the model's blocks) for a model of `units` (its blocks numbered
+// 0 .. L-1, one embedding; every unit held by some stage) at `costs` per token.
+PipelinePlan plan_pipeline(const std::vector<UnitSpec>& units, const PipelineCosts& costs, int stages);
 
 struct PipelineStepStats {
   double loss_sum = 0;   // the last stage's losses of its micro-batches, summed (0 elsewhere)

@@ -160,7 +160,7 @@ Status TrainSession::build() {
                                                              options_.device_plane, &device_groups_[g++]));
   }
   const bool offloaded = offload_enabled(config.offload) || zero3_;
-  plan_ = plan_pipeline(config.model, T, pp_size_);
+  plan_ = plan_pipeline(gpt2_unit_specs(config.model), gpt2_pipeline_costs(config.model, T), pp_size_);
   const PipelineStage stage = pp_ ? plan_.stages[static_cast<size_t>(pp_rank_)] : PipelineStage{};
   {
     // Before anything large is allocated: the state this rank's placements put on each tier, counted on the

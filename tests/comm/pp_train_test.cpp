@@ -22,14 +22,45 @@
 
 #include "comm/grid.h"
 #include "comm/mpi_communicator.h"
+#include "engine/parallel/grad_sync.h"
 #include "storage/safetensors.h"
 #include "tests/comm/multi_rank_helpers.h"
 #include "tests/engine/trainer_fixture.h"
+#include "tests/test_util.h"
 
 namespace strata::engine {
 namespace {
 
 using PipelineTest = TrainerTest;
+
+// The units several stages hold are summed over their holders only: GPT-2's tied embedding between the first and
+// the last stage, the middle ones taking no part; a family with an untied head shares nothing.
+TEST(SharedGradsTest, SumOverTheHoldersOnly) {
+  auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 60});
+  ASSERT_TRUE(w.is_ok());
+  comm::Communicator& pp = *w.value();
+  ASSERT_EQ(pp.size(), 4) << "run under mpiexec -np 4 (CTest does)";
+  GPT2Config c;
+  c.n_layer = 4, c.n_head = 2, c.n_embd = 8, c.vocab_size = 64, c.block_size = 16;
+  std::vector<UnitSpec> units = gpt2_unit_specs(c);
+  const PipelinePlan tied = plan_pipeline(units, gpt2_pipeline_costs(c, 16), 4);
+  ASSERT_OK_AND_ASSIGN(SharedGrads shared, SharedGrads::create(tied, &pp));
+  const int s = pp.rank();
+  const bool end = s == 0 || s == 3;
+  EXPECT_EQ(shared.units(), end ? std::vector<size_t>{0} : std::vector<size_t>{});
+  if (end) {
+    std::vector<float> g{1.0f + s, 10.0f * (1 + s)};
+    ASSERT_OK(shared.sum(g.data(), g.size(), units[0].name));
+    EXPECT_EQ(g, (std::vector<float>{5.0f, 50.0f})) << "the two ends' parts added, on both";
+  }
+  units[0].ties_head = false;
+  FlatLayout head;
+  head.add("lm_head.weight", {64, 8});
+  units.push_back({.name = "lm_head", .layout = std::move(head), .role = UnitRole::kHead});
+  const PipelinePlan untied = plan_pipeline(units, gpt2_pipeline_costs(c, 16), 4);
+  ASSERT_OK_AND_ASSIGN(SharedGrads none, SharedGrads::create(untied, &pp));
+  EXPECT_TRUE(none.units().empty());
+}
 
 // A fine-tune over pipeline stages: the validation of the file's weights before the first step runs the
 // pipeline's forward-only schedule before any training schedule, on every stage (and, under ZeRO-3, gathers each

@@ -157,7 +157,7 @@ TEST_F(Zero3SaveTest, ASecondPipelineStageSendsItsUnitsAPieceAtATime) {
     j["zero_optimization"]["offload_param"] = {{"device", "cpu"}};
     auto c = parse_run_config(j, "test");
     ASSERT_TRUE(c.is_ok()) << c.status().to_string();
-    const PipelinePlan plan = plan_pipeline(c->model, 16, 2);
+    const PipelinePlan plan = plan_pipeline(gpt2_unit_specs(c->model), gpt2_pipeline_costs(c->model, 16), 2);
     std::unique_ptr<kernels::Device> device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
     auto model = GPT2::create(c->model, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true,
                               plan.stages[static_cast<size_t>(pp.rank())]);

@@ -23,8 +23,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // After check(), every tensor of c is in the file, so what is read is bounded by the input's size.
   if (!c.validate().is_ok() || !(*w)->check(c).is_ok()) return 0;
   std::vector<float> out;
-  for (const auto& [unit, layout] : strata::engine::gpt2_unit_layouts(c)) {
-    for (const strata::TensorSpec& s : layout.specs()) {
+  for (const strata::engine::UnitSpec& unit : strata::engine::gpt2_unit_specs(c)) {
+    for (const strata::TensorSpec& s : unit.layout.specs()) {
       out.resize(s.numel());
       (void)(*w)->read(s, out.data());
       (void)(*w)->read_range(s, s.numel() / 3, s.numel() / 2, out.data());

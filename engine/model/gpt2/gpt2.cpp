@@ -51,22 +51,20 @@ Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, kernels::De
   m->mlp_width_ = 4 * config.n_embd / t;
   m->vocab_ = row_slice(config.vocab_size, m->tp_rank_, t);
 
-  auto add_unit = [&](std::string name, FlatLayout layout) -> Status {
+  auto add_unit = [&](UnitSpec spec) -> Status {
     Unit u;
-    u.name = std::move(name);
+    static_cast<UnitSpec&>(u) = std::move(spec);
     if (t > 1) {  // this rank's slices
       std::vector<TensorSplit> splits;
-      for (const TensorSpec& s : layout.specs()) splits.push_back(gpt2_tensor_split(s.name));
-      UnitSplit split(std::move(layout), std::move(splits), t);
+      for (const TensorSpec& s : u.layout.specs()) splits.push_back(gpt2_tensor_split(s.name));
+      UnitSplit split(std::move(u.layout), std::move(splits), t);
       u.layout = split.local(m->tp_rank_);
       m->norm_shares_.excluded.push_back(m->tp_rank_ > 0 ? split.replicated_ranges(m->tp_rank_)
                                                           : Ranges{});
       m->splits_.push_back(std::move(split));
-    } else {
-      u.layout = std::move(layout);
     }
     const size_t bytes = u.layout.numel() * sizeof(float);
-    if (!offloaded && m->holds(m->units_.size())) {
+    if (!offloaded && stage.holds(u)) {
       STRATA_ASSIGN_OR_RETURN(u.params, device.allocate(bytes, "gpt2.params " + u.name));
       STRATA_ASSIGN_OR_RETURN(u.grads, device.allocate(bytes, "gpt2.grads " + u.name));
     }
@@ -74,7 +72,7 @@ Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, kernels::De
     return Status::ok();
   };
 
-  for (auto& [name, layout] : gpt2_unit_layouts(config)) STRATA_RETURN_IF_ERROR(add_unit(name, std::move(layout)));
+  for (UnitSpec& spec : gpt2_unit_specs(config)) STRATA_RETURN_IF_ERROR(add_unit(std::move(spec)));
   return m;
 }
 

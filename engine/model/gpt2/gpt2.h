@@ -84,10 +84,13 @@ struct GPT2Config {
   static constexpr int64_t kMaxParams = int64_t{1} << 42;  // 4.4 trillion
 };
 
-// The units' names and whole layouts (the tensors' canonical names, shapes and order) for `config`: what
+// The units' names, whole layouts (the tensors' canonical names, shapes and order) and roles for `config`: what
 // every rank's units are slices of, checkpoints hold, and other projects' GPT-2 files are mapped onto
-// (engine/checkpoint/foreign_weights.h).
-std::vector<std::pair<std::string, FlatLayout>> gpt2_unit_layouts(const GPT2Config& config);
+// (engine/checkpoint/foreign_weights.h). "wte" is the embedding and ties the head, "h.l" block l, "ln_f" the
+// final norm.
+std::vector<UnitSpec> gpt2_unit_specs(const GPT2Config& config);
+// Forward FLOPs per token of a block and of the head, over sequences of `seq_len` tokens (the pipeline's balance).
+PipelineCosts gpt2_pipeline_costs(const GPT2Config& config, int seq_len);
 
 // How tensor parallelism cuts GPT-2's tensor `name` (a canonical name, e.g. "h.3.attn.c_attn.weight"; the
 // arithmetic: engine/model/unit_split.h).
@@ -263,7 +266,7 @@ class GPT2 {
   // Where read_params gets the units this stage does not hold (the first stage receives them from theirs
   // while it writes a checkpoint: engine/parallel/pipeline.h). Unset: reading one is an error.
   void set_params_source(std::function<Status(size_t unit, float* host)> fn) { params_source_ = std::move(fn); }
-  bool holds(size_t u) const;  // whether this stage runs (and stores) unit u
+  bool holds(size_t u) const { return stage_.holds(units_[u]); }  // whether this stage runs (and stores) unit u
 
   [[nodiscard]] Status zero_grads();
 
@@ -359,7 +362,8 @@ class GPT2 {
   // Whether this rank's linears read unit u's weights: the blocks', and the embedding's where this stage has the
   // tied LM head (the final layernorm has none).
   bool has_linears(size_t u) const {
-    return (u >= 1 && u <= static_cast<size_t>(config_.n_layer)) || (u == 0 && stage_.head);
+    const Unit& unit = units_[u];
+    return unit.role == UnitRole::kBlock || unit.role == UnitRole::kHead || (unit.ties_head && stage_.head);
   }
   // The coordinator keeps working copies of the units with linears, where this model wants them.
   void tell_coordinator_working_copies();

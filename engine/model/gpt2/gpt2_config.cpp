@@ -4,13 +4,13 @@
 
 namespace strata::engine {
 
-std::vector<std::pair<std::string, FlatLayout>> gpt2_unit_layouts(const GPT2Config& config) {
+std::vector<UnitSpec> gpt2_unit_specs(const GPT2Config& config) {
   const int64_t C = config.n_embd, V = config.vocab_size, maxT = config.block_size;
-  std::vector<std::pair<std::string, FlatLayout>> units;
+  std::vector<UnitSpec> units;
   FlatLayout emb;
   emb.add("wte", {V, C});
   emb.add("wpe", {maxT, C});
-  units.emplace_back("wte", std::move(emb));
+  units.push_back({.name = "wte", .layout = std::move(emb), .role = UnitRole::kEmbedding, .ties_head = true});
   for (int l = 0; l < config.n_layer; ++l) {
     const std::string h = "h." + std::to_string(l) + ".";
     FlatLayout b;
@@ -26,13 +26,19 @@ std::vector<std::pair<std::string, FlatLayout>> gpt2_unit_layouts(const GPT2Conf
     b.add(h + "mlp.c_fc.bias", {4 * C});
     b.add(h + "mlp.c_proj.weight", {C, 4 * C});
     b.add(h + "mlp.c_proj.bias", {C});
-    units.emplace_back("h." + std::to_string(l), std::move(b));
+    units.push_back({.name = "h." + std::to_string(l), .layout = std::move(b), .role = UnitRole::kBlock, .block = l});
   }
   FlatLayout lnf;
   lnf.add("ln_f.weight", {C});
   lnf.add("ln_f.bias", {C});
-  units.emplace_back("ln_f", std::move(lnf));
+  units.push_back({.name = "ln_f", .layout = std::move(lnf), .role = UnitRole::kFinalNorm});
   return units;
+}
+
+PipelineCosts gpt2_pipeline_costs(const GPT2Config& config, int seq_len) {
+  // A block's linears 24C^2 and attention 2C(T+1); the tied head's 2CV (the final layernorm's is nothing beside).
+  const double C = config.n_embd;
+  return {.block = 24.0 * C * C + 2.0 * C * (seq_len + 1.0), .head = 2.0 * C * config.vocab_size};
 }
 
 Status GPT2Config::validate() const {

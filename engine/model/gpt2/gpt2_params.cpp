@@ -12,13 +12,6 @@
 
 namespace strata::engine {
 
-bool GPT2::holds(size_t u) const {
-  const size_t L = static_cast<size_t>(config_.n_layer);
-  if (u == 0) return stage_.embedding || stage_.head;
-  if (u == L + 1) return stage_.head;
-  return static_cast<int>(u - 1) >= stage_.first && static_cast<int>(u - 1) < stage_.end;
-}
-
 size_t GPT2::num_params() const {
   size_t n = 0;
   for (size_t u = 0; u < units_.size(); ++u) n += holds(u) ? units_[u].numel() : 0;

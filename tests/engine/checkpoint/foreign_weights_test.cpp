@@ -77,8 +77,8 @@ class ForeignWeightsTest : public ::testing::Test {
   static const TensorSpec& spec(const std::string& name) {
     static const auto specs = [] {
       std::map<std::string, TensorSpec> m;
-      for (const auto& [u, layout] : gpt2_unit_layouts(kConfig))
-        for (const TensorSpec& s : layout.specs()) m.emplace(s.name, s);
+      for (const UnitSpec& u : gpt2_unit_specs(kConfig))
+        for (const TensorSpec& s : u.layout.specs()) m.emplace(s.name, s);
       return m;
     }();
     return specs.at(name);
@@ -240,8 +240,8 @@ TEST_F(ForeignWeightsTest, EveryLayoutReadsATensorInPiecesAsWhole) {
   for (const std::string& path : {ours, write_hf("", DType::kF32, true), write_hf("", DType::kBF16, false, "b.st"),
                                   write_llmc(3, 64), write_llmc(5, 64, "b.bin")}) {
     ASSERT_OK_AND_ASSIGN(auto file, WeightsFile::open(path));
-    for (const auto& [unit, layout] : gpt2_unit_layouts(kConfig)) {
-      for (const TensorSpec& s : layout.specs()) {
+    for (const UnitSpec& unit : gpt2_unit_specs(kConfig)) {
+      for (const TensorSpec& s : unit.layout.specs()) {
         std::vector<float> whole(s.numel());
         ASSERT_OK(file->read(s, whole.data()));
         for (const size_t piece : {size_t{1}, size_t{7}, size_t{33}}) {
