@@ -319,10 +319,14 @@ Status load_model(GPT2& model, Optimizer& opt, const std::string& path_or_folder
 
 Status init_model(GPT2& model, Optimizer& opt, uint64_t seed) {
   GPT2Init init(model, seed);
-  auto fill = [&](size_t u, int k, size_t offset, std::span<float> dst) {
-    return k == 0 ? init.fill(u, offset, dst) : zeros(dst);
+  return load_model(model, opt, [&](size_t u, size_t offset, std::span<float> dst) { return init.fill(u, offset, dst); });
+}
+
+Status load_model(GPT2& model, Optimizer& opt, const WeightsFill& fill) {
+  auto units = [&](size_t u, int k, size_t offset, std::span<float> dst) {
+    return k == 0 ? fill(u, offset, dst) : zeros(dst);
   };
-  return load_units(model, opt, fill, /*moments=*/false);
+  return load_units(model, opt, units, /*moments=*/false);
 }
 
 namespace {

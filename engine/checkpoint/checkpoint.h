@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,10 @@ Status load_model(GPT2& model, Optimizer& opt, const std::string& path_or_folder
                   const WeightsOpenOptions& options = {});
 // GPT-2's initial weights (GPT2::init_gpt2's, the same bits) into a model and its optimizer likewise.
 Status init_model(GPT2& model, Optimizer& opt, uint64_t seed);
+// Unit u's weights, elements [offset, offset + dst.size()) of its whole layout (GPT2::whole_layout).
+using WeightsFill = std::function<Status(size_t unit, size_t offset, std::span<float> dst)>;
+// The weights `fill` gives into a model and its optimizer likewise.
+Status load_model(GPT2& model, Optimizer& opt, const WeightsFill& fill);
 
 // For a run that does not resume: `checkpoint_dir` must hold no checkpoint (an earlier run's, which this run's
 // saves would replace step by step and prune); the error says which it found and the ways on.

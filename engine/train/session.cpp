@@ -42,6 +42,13 @@ AdamWConfig adamw_config(const TrainingConfig& tc) {
 
 }  // namespace
 
+Result<std::unique_ptr<kernels::Device>> make_compute_device(const ComputeConfig& compute) {
+  const kernels::KernelSet* k = kernels::find_kernel_set(compute.kernels.c_str());
+  STRATA_ASSERT(k != nullptr);  // parse_run_config validated the name
+  // "auto" picks the GPU where there is one, unless the CPU reference kernels were asked for.
+  return kernels::make_device(compute.kernels == "reference" ? "cpu" : compute.device, *k);
+}
+
 TrainSession::TrainSession(const RunConfig& config, const TrainOptions& options)
     : config_(config), options_(options) {
   dp_ = group_of_several(options.data_parallel);
@@ -110,15 +117,17 @@ Status TrainSession::check_and_open() {
     if (!metrics_)
       return Status::io_error("cannot open metrics file {}: {}", options_.metrics_path, std::strerror(errno));
   }
-  STRATA_ASSIGN_OR_RETURN(DataLoader train,
-                          DataLoader::open(config.data.train, B, T, config.model.vocab_size, "data.train"));
-  train_.emplace(std::move(train));
+  if (!options_.batches) {
+    STRATA_ASSIGN_OR_RETURN(DataLoader train,
+                            DataLoader::open(config.data.train, B, T, config.model.vocab_size, "data.train"));
+    train_.emplace(std::move(train));
+  }
   if (!config.data.val.empty()) {
     STRATA_ASSIGN_OR_RETURN(DataLoader v, DataLoader::open(config.data.val, B, T, config.model.vocab_size, "data.val"));
     val_.emplace(std::move(v));
   }
   // A folder given as data.train takes every .bin in it: `strata tokenize` writes its validation shards there too.
-  for (const std::string& p : train_->paths()) {
+  for (const std::string& p : train_ ? train_->paths() : std::vector<std::string>()) {
     if (!val_) {
       if (fs::path(p).filename().string().find("_val_") != std::string::npos)
         STRATA_LOG_WARN("data.train ({}) reads {}, which looks like a validation shard", config.data.train, p);
@@ -142,12 +151,8 @@ Status TrainSession::build() {
   const RunConfig& config = config_;
   const TrainingConfig& tc = config.training;
   const int B = tc.batch_size, T = tc.seq_len;
-  const kernels::KernelSet* k = kernels::find_kernel_set(config.compute.kernels.c_str());
-  STRATA_ASSERT(k != nullptr);  // parse_run_config validated the name
-  // "auto" picks the GPU where there is one, unless the CPU reference kernels were asked for.
-  const std::string device_name = config.compute.kernels == "reference" ? "cpu" : config.compute.device;
   if (options_.device == nullptr) {
-    STRATA_ASSIGN_OR_RETURN(own_device_, kernels::make_device(device_name, *k));
+    STRATA_ASSIGN_OR_RETURN(own_device_, make_compute_device(config.compute));
   }
   device_ = options_.device != nullptr ? options_.device : own_device_.get();
   device_->set_memory_limit(config.offload.device_memory_limit);
@@ -260,11 +265,12 @@ Status TrainSession::load_weights() {
   const RunConfig& config = config_;
   const TrainingConfig& tc = config.training;
   state_.config = config.json;
-  state_.train_shards = shard_records(*train_);
+  if (train_) state_.train_shards = shard_records(*train_);
   if (!options_.resume.empty()) {
     // The data position counts in the checkpoint's shards: checked before the weights are read.
     size_t shard = 0;
     auto loaded = load_checkpoint(options_.resume, *model_, *opt_, [&](const TrainState& saved) -> Status {
+      if (!train_) return Status::ok();  // options.batches: no data position
       STRATA_ASSIGN_OR_RETURN(shard,
                               resume_shard(saved.train_shards, saved.train_pos, state_.train_shards, "data.train"));
       return Status::ok();
@@ -273,7 +279,7 @@ Status TrainSession::load_weights() {
     state_.step = loaded->step;
     state_.train_pos = loaded->train_pos;
     state_.train_pos.shard = shard;
-    STRATA_RETURN_IF_ERROR(train_->seek(state_.train_pos));
+    if (train_) STRATA_RETURN_IF_ERROR(train_->seek(state_.train_pos));
     if (const std::vector<std::string> changes = config_changes(loaded->config, config.json);
         leader_ && !changes.empty() && !loaded->config.empty()) {  // every rank runs the same config
       std::string listed;
@@ -289,6 +295,8 @@ Status TrainSession::load_weights() {
     STRATA_RETURN_IF_ERROR(load_model(*model_, *opt_, tc.init_from, {tc.init_from_allow_non_finite})
                                .with_context("training.init_from"));
     STRATA_LOG_INFO("initialised weights from {}", tc.init_from);
+  } else if (options_.initial_weights) {
+    STRATA_RETURN_IF_ERROR(load_model(*model_, *opt_, options_.initial_weights).with_context("the initial weights"));
   } else {
     STRATA_RETURN_IF_ERROR(init_model(*model_, *opt_, static_cast<uint64_t>(tc.seed)));
   }
@@ -307,8 +315,9 @@ void TrainSession::log_run() const {
                   config.model.n_layer, config.model.n_head, config.model.n_embd, config.model.vocab_size,
                   config.model.block_size, model_->whole_num_params() / 1e6,
                   tp_ || pp_ ? fmt::format(" ({:.2f}M on this rank)", model_->num_params() / 1e6) : std::string());
-  STRATA_LOG_INFO("data: {} train tokens in {} shard(s){}; {} tokens per step ({} x {} x {} accum{})",
-                  train_->total_tokens(), train_->paths().size(),
+  STRATA_LOG_INFO("data: {}{}; {} tokens per step ({} x {} x {} accum{})",
+                  train_ ? fmt::format("{} train tokens in {} shard(s)", train_->total_tokens(), train_->paths().size())
+                         : std::string("the batches the program gives"),
                   val_ ? fmt::format(", {} val tokens", val_->total_tokens()) : std::string(), tokens_per_step(),
                   tc.batch_size, tc.seq_len, tc.grad_accum_steps,
                   dp_ ? fmt::format(" x {} data-parallel ranks", dp_size_) : std::string());
@@ -327,12 +336,23 @@ Result<int> TrainSession::agree_on_stop(int signal) {
   return static_cast<int>(stop);
 }
 
+Status TrainSession::next_batch(int32_t* x, int32_t* y) {
+  return train_ ? train_->next_batch(x, y) : options_.batches(x, y);
+}
+
 Result<StepResult> TrainSession::step() {
   const TrainingConfig& tc = config_.training;
   const int B = tc.batch_size, T = tc.seq_len;
   Timer step_timer;
   StepResult r;
+  double mark = 0;  // the step's time when the last phase ended
+  auto lap = [&](double* phase) {
+    const double now = step_timer.seconds();
+    *phase += now - mark;
+    mark = now;
+  };
   STRATA_RETURN_IF_ERROR(model_->zero_grads());
+  lap(&r.phases.zero_grads);
   double loss_sum = 0.0;
   const double lr = lr_at(state_.step, tc.lr, tc.min_lr, tc.warmup_steps, tc.max_steps);
   // The step's micro-batches: every rank reads all of them (so the data position stays the same everywhere)
@@ -347,29 +367,32 @@ Result<StepResult> TrainSession::step() {
     for (int g = 0; g < micro_batches; ++g) {
       int32_t* xi = xs_.data() + in.size() * B * T;
       int32_t* yi = ys_.data() + in.size() * B * T;
-      STRATA_RETURN_IF_ERROR(train_->next_batch(g % dp_size_ == dp_rank_ ? xi : x_.data(),
-                                                g % dp_size_ == dp_rank_ ? yi : y_.data()));
-      if (g % dp_size_ != dp_rank_) continue;
+      const bool mine = g % dp_size_ == dp_rank_;
+      STRATA_RETURN_IF_ERROR(next_batch(mine ? xi : x_.data(), mine ? yi : y_.data()));
+      if (!mine) continue;
       in.push_back(xi);
       tgt.push_back(yi);
     }
     STRATA_ASSIGN_OR_RETURN(const PipelineStepStats ps, pipeline_->run(in, tgt, grad_scale));
+    lap(&r.phases.forward);
     float l = static_cast<float>(ps.loss_sum);  // the last stage's; zero elsewhere
     STRATA_RETURN_IF_ERROR(pp_->all_reduce(&l, &l, 1, DType::kF32, comm::ReduceOp::kSum));
     loss_sum = l;
     r.pipeline_bubble = ps.total_s > 0 ? 1.0 - ps.compute_s / ps.total_s : 0.0;
   }
   for (int g = 0; g < micro_batches && !pipeline_; ++g) {
-    STRATA_RETURN_IF_ERROR(train_->next_batch(x_.data(), y_.data()));
+    STRATA_RETURN_IF_ERROR(next_batch(x_.data(), y_.data()));
     if (g % dp_size_ != dp_rank_) continue;
     STRATA_ASSIGN_OR_RETURN(float loss, model_->forward(x_.data(), y_.data(), B, T));
     loss_sum += loss;
-    if (g + dp_size_ >= micro_batches) {
-      STRATA_RETURN_IF_ERROR(opt_->begin_last_backward(static_cast<float>(lr)));
-    } else {
-      STRATA_RETURN_IF_ERROR(opt_->begin_accumulating_backward());
+    lap(&r.phases.forward);
+    {
+      trace::Span span("begin backward");
+      STRATA_RETURN_IF_ERROR(g + dp_size_ >= micro_batches ? opt_->begin_last_backward(static_cast<float>(lr))
+                                                           : opt_->begin_accumulating_backward());
     }
     STRATA_RETURN_IF_ERROR(model_->backward(grad_scale));
+    lap(&r.phases.backward);
   }
   if (dp_) {  // sum the gradients (stage 0; sharded and offloaded optimizers reduce their own) and the losses
     for (size_t i = 0; !sharded_opt_ && !offload_stack_ && i < model_->units().size(); ++i) {
@@ -382,6 +405,7 @@ Result<StepResult> TrainSession::step() {
     STRATA_RETURN_IF_ERROR(dp_->all_reduce(&l, &l, 1, DType::kF32, comm::ReduceOp::kSum));
     loss_sum = l;
   }
+  lap(&r.phases.reduce);
   r.loss = static_cast<float>(loss_sum / micro_batches);
   r.lr = lr;
   std::optional<trace::Span> step_call(std::in_place, "optimizer step()");
@@ -396,6 +420,7 @@ Result<StepResult> TrainSession::step() {
   }
   r.grad_norm = *stepped;
   step_call.reset();
+  lap(&r.phases.optimizer_step);
   if (state_.step == first_step_) STRATA_LOG_INFO("{} memory: {}", device_->name(), device_->memory_report());
   if (offload_stack_) r.offload = offload_stack_->take_report();
   r.seconds = step_timer.seconds();
@@ -442,7 +467,7 @@ Status TrainSession::save_part(std::string* path) {
   if (tp_ && dp_rank_ == 0 && tp_rank_ > 0)
     return end_gathers(take_part_in_checkpoint(*model_, *opt_, [](size_t) { return true; }));
   if (!leader_) return sharded_opt_ ? sharded_opt_->serve_checkpoint() : Status::ok();
-  state_.train_pos = train_->position();
+  if (train_) state_.train_pos = train_->position();
   auto saved = save_checkpoint(config_.training.checkpoint_dir, *model_, *opt_, state_,
                                config_.training.keep_checkpoints);
   STRATA_RETURN_IF_ERROR(end_gathers(saved.status()));

@@ -19,6 +19,7 @@
 #include "comm/communicator.h"
 #include "comm/staged_communicator.h"
 #include "common/status.h"
+#include "engine/checkpoint/checkpoint.h"
 #include "engine/checkpoint/checkpoint_state.h"
 #include "engine/data/dataloader.h"
 #include "engine/model/gpt2/gpt2.h"
@@ -61,7 +62,27 @@ struct TrainOptions {
   // Tests: a factor on step `step`'s gradients (steps count from 1), on top of 1 / micro-batches; infinity
   // makes that step's gradients non-finite, so it is skipped after its backward has begun the update. Empty: 1.
   std::function<float(int step)> gradient_factor;
+  // Instead of data.train's shards, which are then not opened: fills a micro-batch's inputs and targets,
+  // training.batch_size x training.seq_len tokens each (the benches' random tokens). Such a run's checkpoints
+  // record no data position.
+  std::function<Status(int32_t* inputs, int32_t* targets)> batches;
+  // Instead of training.seed's initialisation (and without resume or training.init_from): the weights to start
+  // from, as checkpoint.h's WeightsFill gives them (the offloaded bench's: those of the plain model it timed).
+  WeightsFill initial_weights;
 };
+
+// Where the training thread's time in one step went, in seconds (the benches print the median step's).
+struct StepPhases {
+  double zero_grads = 0;
+  double forward = 0;   // the micro-batches' forwards; under a pipeline, the whole schedule
+  double backward = 0;  // their backwards, with the optimizer's begin_*_backward before each
+  double reduce = 0;    // the data-parallel sums of the gradients (ZeRO stage 0) and the losses
+  double optimizer_step = 0;
+};
+
+// The device `compute` names: compute.device ("auto": the GPU where one is usable; the CPU for the reference
+// kernels) running compute.kernels.
+Result<std::unique_ptr<kernels::Device>> make_compute_device(const ComputeConfig& compute);
 
 // What one optimizer step did.
 struct StepResult {
@@ -72,6 +93,7 @@ struct StepResult {
   bool skipped = false;         // the norm was not finite: the update was skipped
   double seconds = 0;           // the step's time on this rank
   double pipeline_bubble = -1;  // pipeline: this stage's idle share of the schedule; -1 without one
+  StepPhases phases;
   std::optional<OffloadStepReport> offload;  // where the offloaded step's time went, with the offload stack
 };
 
@@ -117,6 +139,7 @@ class TrainSession {
   Status build_optimizer(const AdamWConfig& ac, bool offloaded);
   Status load_weights();
   void log_run() const;
+  Status next_batch(int32_t* x, int32_t* y);  // data.train's next micro-batch, or options.batches'
   // This rank's part of a checkpoint: the leader writes it (its path into `path`), the others send it their
   // units or serve its gathers.
   Status save_part(std::string* path);
