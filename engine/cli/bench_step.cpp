@@ -1,8 +1,10 @@
 #include "engine/cli/bench_step.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
-#include <optional>
+#include <filesystem>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -12,12 +14,11 @@
 
 #include "common/rng.h"
 #include "common/timer.h"
-#include "engine/model/gpt2/gpt2.h"
-#include "engine/optim/optimizer.h"
-#include "kernels/cpu/cpu_kernels.h"
-#include "kernels/cpu/thread_limit.h"
+#include "engine/train/session.h"
 
 namespace strata::engine {
+
+namespace fs = std::filesystem;
 
 void add_bench_step_command(CLI::App& bench, BenchStepOptions& o) {
   CLI::App* cmd = bench.add_subcommand("step", "Time training steps (forward, backward, AdamW) on random tokens");
@@ -104,6 +105,55 @@ void random_batch(int B, int T, int vocab_size, uint64_t seed, std::vector<int32
   }
 }
 
+BenchFolder::BenchFolder(const std::string& given) : path_(given), temporary_(given.empty()) {
+  if (temporary_) path_ = (fs::temp_directory_path() / fmt::format("strata-bench-step-{}", getpid())).string();
+}
+
+BenchFolder::~BenchFolder() {
+  std::error_code ec;
+  if (temporary_) fs::remove_all(path_, ec);
+}
+
+Result<RunConfig> bench_run_config(const BenchStepOptions& o, bool offloaded, const std::string& dir) {
+  nlohmann::json j;
+  j["model"] = {{"n_layer", o.n_layer},       {"n_head", o.n_head},
+                {"n_embd", o.n_embd},         {"vocab_size", o.vocab_size},
+                {"block_size", std::max(o.block_size, o.seq_len)}};
+  j["training"] = {{"batch_size", o.batch_size},
+                   {"seq_len", o.seq_len},
+                   {"grad_accum_steps", o.grad_accum},
+                   {"max_steps", o.warmup + o.steps},
+                   {"lr", 1e-4},
+                   {"lr_schedule", "constant"},
+                   {"warmup_steps", 0},
+                   {"grad_clip", o.grad_clip},
+                   {"seed", o.seed},
+                   {"checkpoint_dir", (fs::path(dir) / "checkpoints").string()}};
+  j["compute"] = {{"device", o.device},
+                  {"kernels", o.kernels},
+                  {"matmul_precision", o.precision},
+                  {"threads", o.threads},
+                  {"bf16_working_copies", !o.no_working_copies}};
+  if (o.checkpointing != "none")
+    j["activation_checkpointing"] = {{"enabled", true}, {"cpu_checkpointing", o.checkpointing == "host"}};
+  if (offloaded) {
+    j["zero_optimization"] = {{"stage", 3},
+                              {"offload_param", {{"device", o.offload_param}, {"nvme_path", dir + "/param"}}},
+                              {"offload_optimizer",
+                               {{"device", o.offload_optimizer},
+                                {"nvme_path", dir + "/optimizer"},
+                                {"buffer_count", o.buffer_count},
+                                {"overlap_backward", !o.no_overlap_backward},
+                                {"speculative_sub_groups", o.speculative_sub_groups},
+                                {"ratio", o.offload_ratio}}},
+                              {"sub_group_size", o.sub_group_size},
+                              {"stage3_param_persistence_threshold", 0},
+                              {"stage3_max_live_parameters", o.max_live}};
+    j["memory"] = {{"host_memory_limit", o.host_limit}};
+  }
+  return parse_run_config(j, "strata bench step");
+}
+
 int run_bench_step(const BenchStepOptions& o) {
   if (o.offload_ratio < 1.0 && o.offload_optimizer == "none") {
     std::fprintf(stderr,
@@ -115,60 +165,37 @@ int run_bench_step(const BenchStepOptions& o) {
   if (o.pipeline) return run_bench_pipeline(o);
   if (o.offload_param != "none" || o.offload_optimizer != "none" || o.checkpointing != "none")
     return run_bench_step_offload(o);
-  const kernels::cpu::CpuThreadLimit threads(o.threads);  // TBB's and the matmuls' (OpenMP's)
-  GPT2Config mc{o.n_layer, o.n_head, o.n_embd, o.vocab_size, std::max(o.block_size, o.seq_len)};
   if (o.steps <= 0 || o.batch_size <= 0 || o.seq_len <= 0) {
     std::fprintf(stderr, "strata bench step: --steps, --batch and --context must be positive\n");
     return 2;
   }
-  const kernels::KernelSet* k = kernels::find_kernel_set(o.kernels.c_str());
-  const auto precision = o.precision == "bf16" ? kernels::MatmulPrecision::kBF16 : kernels::MatmulPrecision::kF32;
-  auto device = kernels::make_device(o.device, *k);
-  if (!device.is_ok()) {
-    std::fprintf(stderr, "strata bench step: %s\n", device.status().to_string().c_str());
-    return 2;
-  }
-  auto model = GPT2::create(mc, *device.value(), precision);
-  if (!model.is_ok()) {
-    std::fprintf(stderr, "strata bench step: %s\n", model.status().to_string().c_str());
-    return 2;
-  }
-  GPT2& m = *model.value();
-  m.set_working_copies(!o.no_working_copies);
-  if (Status st = m.init_gpt2(o.seed); !st.is_ok()) {
+  auto fail = [](const Status& st, int code) {
     std::fprintf(stderr, "strata bench step: %s\n", st.to_string().c_str());
-    return 1;
-  }
-  auto opt = AdamW::create(m.units(), AdamWConfig{}, m.device());
-  if (!opt.is_ok()) {
-    std::fprintf(stderr, "strata bench step: %s\n", opt.status().to_string().c_str());
-    return 1;
-  }
+    return code;
+  };
+  const BenchFolder folder("");
+  auto config = bench_run_config(o, false, folder.path());
+  if (!config.is_ok()) return fail(config.status(), 2);
   const int B = o.batch_size, T = o.seq_len;
   std::vector<int32_t> x, y;
-  random_batch(B, T, mc.vocab_size, o.seed, &x, &y);
+  random_batch(B, T, o.vocab_size, o.seed, &x, &y);
+  TrainOptions options;
+  options.batches = [&](int32_t* xi, int32_t* yi) {
+    std::copy(x.begin(), x.end(), xi);
+    std::copy(y.begin(), y.end(), yi);
+    return Status::ok();
+  };
+  auto session = TrainSession::create(*config, options);
+  if (!session.is_ok()) return fail(session.status(), 2);
+  GPT2& m = session.value()->model();
   std::vector<double> times;
   float loss = 0;
   for (int s = 0; s < o.warmup + o.steps; ++s) {
     Timer t;
-    if (Status st = m.zero_grads(); !st.is_ok()) {
-      std::fprintf(stderr, "strata bench step: %s\n", st.to_string().c_str());
-      return 2;
-    }
-    for (int a = 0; a < o.grad_accum; ++a) {  // backward adds to the gradients
-      auto l = m.forward(x.data(), y.data(), B, T);
-      if (!l.is_ok()) {
-        std::fprintf(stderr, "strata bench step: %s\n", l.status().to_string().c_str());
-        return 2;
-      }
-      loss = l.value();
-      if (Status st = m.backward(); !st.is_ok()) {
-        std::fprintf(stderr, "strata bench step: %s\n", st.to_string().c_str());
-        return 2;
-      }
-    }
-    opt->step(m.units(), 1e-4f);
+    auto r = session.value()->step();
+    if (!r.is_ok()) return fail(r.status(), 2);
     m.device().synchronize();  // the GPU's optimizer kernels are still running when step() returns
+    loss = r->loss;
     if (s >= o.warmup) times.push_back(t.seconds());
     if (!o.json) std::fprintf(stderr, "  step %d/%d: %.1f ms%s\n", s + 1, o.warmup + o.steps, t.millis(),
                               s < o.warmup ? " (warmup)" : "");

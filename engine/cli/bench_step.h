@@ -8,6 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "common/status.h"
+#include "engine/train/config.h"
+
 namespace CLI {
 class App;
 }
@@ -50,6 +53,25 @@ struct BenchStepOptions {
 // A (B,T) batch of inputs and targets drawn uniformly from the vocabulary, seeded: what both step benchmarks
 // train on.
 void random_batch(int B, int T, int vocab_size, uint64_t seed, std::vector<int32_t>* x, std::vector<int32_t>* y);
+
+// The folder a bench's files go in: `given` (--nvme-path), or a new temporary one, removed with this object.
+class BenchFolder {
+ public:
+  explicit BenchFolder(const std::string& given);
+  ~BenchFolder();
+  BenchFolder(const BenchFolder&) = delete;
+  BenchFolder& operator=(const BenchFolder&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  bool temporary_;
+};
+
+// The run the step benches time, as the config `strata train` would read (so checked the same way): the model,
+// batch, compute and, with `offloaded`, the offload options as its sections; a constant learning rate of 1e-4;
+// the swap files and the (never written) checkpoint folder under `dir`.
+Result<RunConfig> bench_run_config(const BenchStepOptions& o, bool offloaded, const std::string& dir);
 
 // The offloaded step (any offload option set): the same model plain and offloaded in one run, the offloaded
 // step's breakdown, and its ratio to max(compute, disk time for its NVMe bytes, CPU optimizer time).
