@@ -207,14 +207,8 @@ struct OpRow {
   double ms = 0;
 };
 
-}  // namespace
-
-double measure_gemm_tflop_per_s(bool bf16) {
-  if (!kernels::cuda_available().is_ok()) return 0;
-  return measure_ceilings(bf16, 10).tflops;
-}
-
-int run_bench_kernels(const BenchKernelsOptions& o) {
+// The exit code for options or a machine the bench cannot run with (said on stderr), else 0.
+int refuse(const BenchKernelsOptions& o) {
   if (const Status s = kernels::cuda_available(); !s.is_ok()) {
     std::fprintf(stderr, "strata bench kernels: %s\n", s.to_string().c_str());
     return 1;
@@ -225,22 +219,20 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
                          "must be positive, and --heads must divide --width\n");
     return 2;
   }
-  const kernels::KernelSet& k = kernels::cuda_kernels();
-  const bool bf16 = o.precision == "bf16";
-  const MatmulPrecision prec = bf16 ? MatmulPrecision::kBF16 : MatmulPrecision::kF32;
-  const int B = o.batch_size, T = o.seq_len, C = o.n_embd, NH = o.n_head, V = o.vocab_size, L = o.n_layer;
-  const int N = B * T;
-  const double NC = double(N) * C, att = double(B) * NH * T * T, f = 4.0;  // f: bytes per fp32 element
-  const double params = double(V) * C + double(T) * C + L * (12.0 * C * C + 13.0 * C) + 2.0 * C;
+  return 0;
+}
 
-  const Ceilings ceil = measure_ceilings(bf16, o.reps);
-  if (!o.json) {
-    std::printf("strata bench kernels on %s\n", kernels::cuda_device_description().c_str());
-    std::printf("GPT-2 %d layers, width %d, %d heads, vocab %d, B=%d T=%d, matmuls %s; %.1fM parameters\n", L, C, NH,
-                V, B, T, o.precision.c_str(), params / 1e6);
-    std::printf("ceilings (measured): copy %.0f GB/s (read + write), %s GEMM %.0f TFLOP/s\n", ceil.gb_per_s,
-                o.precision.c_str(), ceil.tflops);
-  }
+void print_header(const BenchKernelsOptions& o, const Ceilings& ceil, double params) {
+  std::printf("strata bench kernels on %s\n", kernels::cuda_device_description().c_str());
+  std::printf("GPT-2 %d layers, width %d, %d heads, vocab %d, B=%d T=%d, matmuls %s; %.1fM parameters\n", o.n_layer,
+              o.n_embd, o.n_head, o.vocab_size, o.batch_size, o.seq_len, o.precision.c_str(), params / 1e6);
+  std::printf("ceilings (measured): copy %.0f GB/s (read + write), %s GEMM %.0f TFLOP/s\n", ceil.gb_per_s,
+              o.precision.c_str(), ceil.tflops);
+}
+
+// The host-to-device and device-to-host copy rates, plain CUDA's and Strata's (a failure is reported, and the ops
+// are still timed).
+void print_host_copies(const BenchKernelsOptions& o) {
   auto copies = measure_host_copies(std::max(5, o.reps / 2));
   const HostCopies hc = copies.is_ok() ? copies.value() : HostCopies{};
   if (!copies.is_ok()) {  // the ops are still worth timing
@@ -260,6 +252,79 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
                 hc.plain_h2d, hc.plain_d2h, hc.strata_h2d, 100.0 * hc.strata_h2d / hc.plain_h2d, hc.strata_d2h,
                 100.0 * hc.strata_d2h / hc.plain_d2h);
   }
+}
+
+// Times each op, prints its row against its bound, and the step as the sum of its ops (N tokens).
+void report_ops(const BenchKernelsOptions& o, const Ceilings& ceil, int N, std::vector<OpRow>& ops) {
+  double step_ms = 0, step_flops = 0;
+  if (!o.json)
+    std::printf("%-20s %5s %9s %8s %8s %9s %7s\n", "op", "x/step", "ms", "GB/s", "TFLOP/s", "bound ms", "of bound");
+  for (OpRow& op : ops) {
+    op.ms = time_ms(op.run, o.reps);
+    const double bound = std::max(op.bytes / (ceil.gb_per_s * 1e9), op.flops / (ceil.tflops * 1e12)) * 1e3;
+    const double gbs = op.bytes / (op.ms * 1e-3) / 1e9, tfs = op.flops / (op.ms * 1e-3) / 1e12;
+    step_ms += op.per_step * op.ms;
+    step_flops += op.per_step * op.flops;
+    if (o.json) {
+      std::printf("%s\n", nlohmann::json{{"bench", "kernels"},
+                                         {"op", op.name},
+                                         {"per_step", op.per_step},
+                                         {"ms", op.ms},
+                                         {"bytes", op.bytes},
+                                         {"flops", op.flops},
+                                         {"gb_per_s", gbs},
+                                         {"tflop_per_s", tfs},
+                                         {"bound_ms", bound},
+                                         {"of_bound", bound / op.ms}}
+                              .dump()
+                              .c_str());
+    } else {
+      std::printf("%-20s %5d %9.3f %8.0f %8.1f %9.3f %6.0f%%\n", op.name.c_str(), op.per_step, op.ms, gbs, tfs, bound,
+                  100.0 * bound / op.ms);
+    }
+  }
+  const double tokens_per_s = N / (step_ms * 1e-3);
+  const double mfu = step_flops / (step_ms * 1e-3) / (ceil.tflops * 1e12);
+  if (o.json) {
+    std::printf("%s\n", nlohmann::json{{"bench", "kernels"},
+                                       {"op", "step (sum of ops)"},
+                                       {"device", kernels::cuda_device_description()},
+                                       {"precision", o.precision},
+                                       {"step_ms", step_ms},
+                                       {"tokens_per_s", tokens_per_s},
+                                       {"step_flops", step_flops},
+                                       {"copy_gb_per_s", ceil.gb_per_s},
+                                       {"gemm_tflop_per_s", ceil.tflops},
+                                       {"mfu", mfu}}
+                            .dump()
+                            .c_str());
+  } else {
+    std::printf("\none step as the sum of its ops (not a measured step): %.1f ms, %.0f tokens/s, %.1f TFLOP/s of "
+                "model FLOPs = %.0f%% of the measured GEMM rate\n",
+                step_ms, tokens_per_s, step_flops / (step_ms * 1e-3) / 1e12, 100.0 * mfu);
+  }
+}
+
+}  // namespace
+
+double measure_gemm_tflop_per_s(bool bf16) {
+  if (!kernels::cuda_available().is_ok()) return 0;
+  return measure_ceilings(bf16, 10).tflops;
+}
+
+int run_bench_kernels(const BenchKernelsOptions& o) {
+  if (const int refused = refuse(o); refused != 0) return refused;
+  const kernels::KernelSet& k = kernels::cuda_kernels();
+  const bool bf16 = o.precision == "bf16";
+  const MatmulPrecision prec = bf16 ? MatmulPrecision::kBF16 : MatmulPrecision::kF32;
+  const int B = o.batch_size, T = o.seq_len, C = o.n_embd, NH = o.n_head, V = o.vocab_size, L = o.n_layer;
+  const int N = B * T;
+  const double NC = double(N) * C, att = double(B) * NH * T * T, f = 4.0;  // f: bytes per fp32 element
+  const double params = double(V) * C + double(T) * C + L * (12.0 * C * C + 13.0 * C) + 2.0 * C;
+
+  const Ceilings ceil = measure_ceilings(bf16, o.reps);
+  if (!o.json) print_header(o, ceil, params);
+  print_host_copies(o);
 
   Rng rng(o.seed);
   std::vector<int32_t> tokens(N), targets(N);
@@ -397,53 +462,7 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
     }
   }
 
-  double step_ms = 0, step_flops = 0;
-  if (!o.json)
-    std::printf("%-20s %5s %9s %8s %8s %9s %7s\n", "op", "x/step", "ms", "GB/s", "TFLOP/s", "bound ms", "of bound");
-  for (OpRow& op : ops) {
-    op.ms = time_ms(op.run, o.reps);
-    const double bound = std::max(op.bytes / (ceil.gb_per_s * 1e9), op.flops / (ceil.tflops * 1e12)) * 1e3;
-    const double gbs = op.bytes / (op.ms * 1e-3) / 1e9, tfs = op.flops / (op.ms * 1e-3) / 1e12;
-    step_ms += op.per_step * op.ms;
-    step_flops += op.per_step * op.flops;
-    if (o.json) {
-      std::printf("%s\n", nlohmann::json{{"bench", "kernels"},
-                                         {"op", op.name},
-                                         {"per_step", op.per_step},
-                                         {"ms", op.ms},
-                                         {"bytes", op.bytes},
-                                         {"flops", op.flops},
-                                         {"gb_per_s", gbs},
-                                         {"tflop_per_s", tfs},
-                                         {"bound_ms", bound},
-                                         {"of_bound", bound / op.ms}}
-                              .dump()
-                              .c_str());
-    } else {
-      std::printf("%-20s %5d %9.3f %8.0f %8.1f %9.3f %6.0f%%\n", op.name.c_str(), op.per_step, op.ms, gbs, tfs, bound,
-                  100.0 * bound / op.ms);
-    }
-  }
-  const double tokens_per_s = N / (step_ms * 1e-3);
-  const double mfu = step_flops / (step_ms * 1e-3) / (ceil.tflops * 1e12);
-  if (o.json) {
-    std::printf("%s\n", nlohmann::json{{"bench", "kernels"},
-                                       {"op", "step (sum of ops)"},
-                                       {"device", kernels::cuda_device_description()},
-                                       {"precision", o.precision},
-                                       {"step_ms", step_ms},
-                                       {"tokens_per_s", tokens_per_s},
-                                       {"step_flops", step_flops},
-                                       {"copy_gb_per_s", ceil.gb_per_s},
-                                       {"gemm_tflop_per_s", ceil.tflops},
-                                       {"mfu", mfu}}
-                            .dump()
-                            .c_str());
-  } else {
-    std::printf("\none step as the sum of its ops (not a measured step): %.1f ms, %.0f tokens/s, %.1f TFLOP/s of "
-                "model FLOPs = %.0f%% of the measured GEMM rate\n",
-                step_ms, tokens_per_s, step_flops / (step_ms * 1e-3) / 1e12, 100.0 * mfu);
-  }
+  report_ops(o, ceil, N, ops);
   return 0;
 }
 
