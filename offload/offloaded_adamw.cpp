@@ -14,7 +14,7 @@ namespace strata::offload {
 
 using engine::AdamW;
 using engine::AdamWConfig;
-using engine::GPT2;
+using engine::Model;
 using engine::PipelinePlan;
 using engine::Unit;
 using engine::adamw_params;
@@ -24,7 +24,7 @@ using engine::sum_in_rank_order;
 using engine::unit_norm_share;
 using engine::whole_model_norm;
 
-Result<std::unique_ptr<OffloadedAdamW>> OffloadedAdamW::create(const GPT2& model, Coordinator& coordinator,
+Result<std::unique_ptr<OffloadedAdamW>> OffloadedAdamW::create(const Model& model, Coordinator& coordinator,
                                                               PinnedPool& pool, SwapStore* store,
                                                               const AdamWConfig& config,
                                                               const OffloadedAdamWOptions& options,

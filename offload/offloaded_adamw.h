@@ -15,7 +15,7 @@
 // does (with "cpu", given spare buffers: speculative_sub_groups). The protocol, and when it speculates, gates or
 // waits: docs/architecture.md "Updates started during backward".
 //
-// Units kept on the device (offload_optimizer.ratio; GPT2::keep_on_device): the model's first units, whose
+// Units kept on the device (offload_optimizer.ratio; Model::keep_on_device): the model's first units, whose
 // updates are the ones the next forward waits for first. Their parameters and gradients are the model's own
 // device buffers, outside the coordinator, and their Adam moments are on the device too (an AdamW over just them).
 // Their share of the norm is taken there, added in unit order with the others', so the norm is the same bits;
@@ -39,7 +39,7 @@
 
 #include "comm/communicator.h"
 #include "common/status.h"
-#include "engine/model/gpt2/gpt2.h"
+#include "engine/model/model.h"
 #include "engine/optim/optimizer.h"
 #include "engine/parallel/grad_sync.h"
 #include "engine/parallel/pipeline.h"
@@ -83,7 +83,7 @@ class OffloadedAdamW final : public engine::Optimizer {
   // `model` gives the layouts (its units, in the coordinator's order); `store` is needed for kNvme. All must
   // outlive the optimizer. Call adopt_params() (or write_moments for every unit) before the first step.
   // With the coordinator's gradients on nvme, `grad_store` is where they are (with kNvme it must be `store`).
-  static Result<std::unique_ptr<OffloadedAdamW>> create(const engine::GPT2& model, Coordinator& coordinator,
+  static Result<std::unique_ptr<OffloadedAdamW>> create(const engine::Model& model, Coordinator& coordinator,
                                                         PinnedPool& pool, SwapStore* store,
                                                         const engine::AdamWConfig& config,
                                                         const OffloadedAdamWOptions& options,
@@ -106,7 +106,8 @@ class OffloadedAdamW final : public engine::Optimizer {
   Status finish() override;
   Status begin_last_backward(float lr) override;
   Status begin_accumulating_backward() override;
-  // The model's hook: unit's gradient is complete for this backward (engine::GPT2::set_on_grads_done). Training thread.
+  // The model's hook: unit's gradient is complete for this backward (engine::Model::set_on_grads_done). Training
+  // thread.
   void grads_done(size_t unit);
   // Data parallelism: step() sums every unit's gradient over `group` (in host memory, before the norm); the
   // updates then no longer start during backward (a local gradient is not the step's). Gradients must go home
@@ -213,7 +214,7 @@ class OffloadedAdamW final : public engine::Optimizer {
   Status run_host_update(const kernels::AdamWParams& hp, const std::vector<const float*>& grads, bool keep_old);
   // On the worker, speculative: the smallest spare buffer that holds `floats` (SIZE_MAX: none), taken.
   size_t take_spare(size_t floats);
-  // The update of the model's units kept on the device (engine::GPT2::keep_on_device, offload_optimizer.ratio), on the
+  // The update of the model's units kept on the device (engine::Model::keep_on_device, offload_optimizer.ratio), on the
   // device's stream, where step() starts the others'.
   void update_on_device(const kernels::AdamWParams& hp);
   // Data parallelism: each kept unit's gradient summed over the ranks in device memory (every rank keeps it whole
@@ -248,7 +249,7 @@ class OffloadedAdamW final : public engine::Optimizer {
 
   engine::AdamWConfig config_;
   OffloadedAdamWOptions options_;
-  const engine::GPT2* model_ = nullptr;
+  const engine::Model* model_ = nullptr;
   Coordinator* coordinator_ = nullptr;
   std::vector<Group> groups_;
   std::vector<StateBuffer> buffers_;  // kHost: every sub-group's state and the spares

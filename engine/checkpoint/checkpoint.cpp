@@ -318,8 +318,9 @@ Status load_model(GPT2& model, Optimizer& opt, const std::string& path_or_folder
 }
 
 Status init_model(GPT2& model, Optimizer& opt, uint64_t seed) {
-  GPT2Init init(model, seed);
-  return load_model(model, opt, [&](size_t u, size_t offset, std::span<float> dst) { return init.fill(u, offset, dst); });
+  const std::unique_ptr<WeightsInit> init = model.initial_weights(seed);
+  return load_model(model, opt,
+                    [&](size_t u, size_t offset, std::span<float> dst) { return init->fill(u, offset, dst); });
 }
 
 Status load_model(GPT2& model, Optimizer& opt, const WeightsFill& fill) {

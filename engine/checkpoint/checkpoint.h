@@ -5,7 +5,7 @@
 // loader positions, the effective config). It is written as "step_000100.tmp" and renamed when complete, then
 // <checkpoint_dir>/latest is replaced atomically with the new directory's name; a crash at any point leaves
 // the previous checkpoint intact and `latest` pointing at a complete one. Runs on the training thread. The
-// state is read and written through GPT2::read_params/write_params and the Optimizer interface, so offloaded
+// state is read and written through Model::read_params/write_params and the Optimizer interface, so offloaded
 // runs checkpoint the same files, staged through host memory one unit at a time (a unit's m and v, written from
 // there without another copy).
 #pragma once
@@ -63,9 +63,10 @@ Status load_model(GPT2& model, const std::string& path_or_folder, const WeightsO
 // a large model's units are never held whole outside the host budget.
 Status load_model(GPT2& model, Optimizer& opt, const std::string& path_or_folder,
                   const WeightsOpenOptions& options = {});
-// GPT-2's initial weights (GPT2::init_gpt2's, the same bits) into a model and its optimizer likewise.
+// The model family's initial weights for `seed` (Model::init_weights's, the same bits) into a model and its
+// optimizer likewise.
 Status init_model(GPT2& model, Optimizer& opt, uint64_t seed);
-// Unit u's weights, elements [offset, offset + dst.size()) of its whole layout (GPT2::whole_layout).
+// Unit u's weights, elements [offset, offset + dst.size()) of its whole layout (Model::whole_layout).
 using WeightsFill = std::function<Status(size_t unit, size_t offset, std::span<float> dst)>;
 // The weights `fill` gives into a model and its optimizer likewise.
 Status load_model(GPT2& model, Optimizer& opt, const WeightsFill& fill);

@@ -39,7 +39,7 @@ Result<StageTimes> time_schedule(const BenchStepOptions& o, const GPT2Config& mc
   const auto precision = o.precision == "bf16" ? kernels::MatmulPrecision::kBF16 : kernels::MatmulPrecision::kF32;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> model,
                           GPT2::create(mc, *device, precision, false, plan.stages[static_cast<size_t>(pp.rank())]));
-  STRATA_RETURN_IF_ERROR(model->init_gpt2(o.seed));
+  STRATA_RETURN_IF_ERROR(model->init_weights(o.seed));
   const int B = o.batch_size, T = o.seq_len;
   // The stages exchange device memory: on a GPU over NCCL or staged through host memory, as in training.
   std::unique_ptr<comm::Communicator> on_device;

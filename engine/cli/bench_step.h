@@ -28,7 +28,7 @@ struct BenchStepOptions {
   int threads = 0;
   uint64_t seed = 1;
   bool json = false;
-  bool no_working_copies = false;  // bf16: the linears round their fp32 weights at each use (GPT2::set_working_copies)
+  bool no_working_copies = false;  // bf16: the linears round their fp32 weights at each use (Model::set_working_copies)
   // Offload (engine/cli/bench_step_offload.cpp): any of these set runs the offloaded step against its bound.
   std::string offload_param = "none";      // none | cpu | nvme
   std::string offload_optimizer = "none";  // none | cpu | nvme

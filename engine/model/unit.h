@@ -36,7 +36,7 @@ struct UnitSpec {
 struct Unit : UnitSpec {
   kernels::DeviceBuffer params;    // fp32 (layout.numel()), device memory; empty when offloaded
   kernels::DeviceBuffer grads;     // fp32 (layout.numel()), device memory; empty when offloaded
-  kernels::DeviceBuffer params16;  // bf16 (layout.numel()): the working copy of params (GPT2::acquire), if kept
+  kernels::DeviceBuffer params16;  // bf16 (layout.numel()): the working copy of params (Model::acquire), if kept
   // params16 holds the present params. Mutable as the buffers' contents are: a Unit is a handle, and whoever
   // writes params through it (the optimizers take the units const) says so with p_for_update().
   mutable bool params16_current = false;

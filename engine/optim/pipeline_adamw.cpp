@@ -4,7 +4,7 @@
 
 namespace strata::engine {
 
-Result<std::unique_ptr<PipelineAdamW>> PipelineAdamW::create(GPT2& model, const PipelinePlan& plan,
+Result<std::unique_ptr<PipelineAdamW>> PipelineAdamW::create(Model& model, const PipelinePlan& plan,
                                                             const AdamWConfig& config, kernels::Device& device,
                                                             comm::Communicator& pp) {
   std::unique_ptr<PipelineAdamW> opt(new PipelineAdamW());

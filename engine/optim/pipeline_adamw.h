@@ -8,7 +8,7 @@
 
 #include "comm/communicator.h"
 #include "common/status.h"
-#include "engine/model/gpt2/gpt2.h"
+#include "engine/model/model.h"
 #include "engine/optim/optimizer.h"
 #include "engine/parallel/grad_sync.h"
 #include "engine/parallel/pipeline.h"
@@ -21,7 +21,7 @@ namespace strata::engine {
 class PipelineAdamW final : public Optimizer {
  public:
   // `model`, `device` and `pp` must outlive it.
-  static Result<std::unique_ptr<PipelineAdamW>> create(GPT2& model, const PipelinePlan& plan,
+  static Result<std::unique_ptr<PipelineAdamW>> create(Model& model, const PipelinePlan& plan,
                                                        const AdamWConfig& config, kernels::Device& device,
                                                        comm::Communicator& pp);
   // Sums the shared units' gradients over their holders (grad_sync.h), then the update with the whole model's
@@ -36,7 +36,7 @@ class PipelineAdamW final : public Optimizer {
 
  private:
   PipelineAdamW() = default;
-  GPT2* model_ = nullptr;
+  Model* model_ = nullptr;
   PipelinePlan plan_;
   AdamWConfig config_;
   kernels::Device* device_ = nullptr;

@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
-#include "engine/model/gpt2/gpt2.h"
+#include "engine/model/model.h"
 #include "engine/optim/optimizer.h"
 #include "engine/parallel/grad_sync.h"
 #include "engine/parallel/pipeline.h"

@@ -18,7 +18,7 @@
 namespace strata::engine {
 
 // Unit u's share of the global gradient norm on this rank, from its gradient in device memory: its sum of
-// squares (add_sum_squares from 0), less what tensor parallelism leaves to another rank (GPT2::norm_shares).
+// squares (add_sum_squares from 0), less what tensor parallelism leaves to another rank (Model::norm_shares).
 double unit_norm_share(const NormShares& shares, size_t u, const Unit& unit, kernels::Device& device);
 // The global gradient norm of `units` under tensor parallelism: each unit's share here, summed over the
 // group (every rank gets the same bits), then added in unit order. Collective over shares.group.

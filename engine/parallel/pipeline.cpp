@@ -79,7 +79,7 @@ std::string PipelinePlan::describe() const {
 
 // ---- the schedule ----
 
-PipelineRunner::PipelineRunner(GPT2& model, comm::Communicator& pp, PipelineSchedule schedule, int micro_batches,
+PipelineRunner::PipelineRunner(Model& model, comm::Communicator& pp, PipelineSchedule schedule, int micro_batches,
                                int B, int T)
     : model_(model), pp_(pp), schedule_(schedule), m_(micro_batches), B_(B), T_(T), stage_(pp.rank()),
       stages_(pp.size()) {
@@ -89,7 +89,7 @@ PipelineRunner::PipelineRunner(GPT2& model, comm::Communicator& pp, PipelineSche
   btc_ = model.residual_floats(B, T);  // this rank's rows of it under sequence parallelism
 }
 
-Result<std::unique_ptr<PipelineRunner>> PipelineRunner::create(GPT2& model, comm::Communicator& pp,
+Result<std::unique_ptr<PipelineRunner>> PipelineRunner::create(Model& model, comm::Communicator& pp,
                                                                PipelineSchedule schedule, int micro_batches, int B,
                                                                int T) {
   std::unique_ptr<PipelineRunner> r(new PipelineRunner(model, pp, schedule, micro_batches, B, T));
@@ -214,7 +214,7 @@ Status pipeline_recv_moments(const PipelinePlan& plan, comm::Communicator& pp, s
   return pp.recv(v, n, DType::kF32, plan.owner(unit), kTagMoments);
 }
 
-std::function<Status(size_t, float*)> pipeline_params_source(const GPT2& model, const PipelinePlan& plan,
+std::function<Status(size_t, float*)> pipeline_params_source(const Model& model, const PipelinePlan& plan,
                                                              comm::Communicator& pp) {
   return [&model, plan, &pp](size_t u, float* host) {
     return pp.recv(host, model.whole_layout(u).numel(), DType::kF32, plan.owner(u), kTagParams);

@@ -33,7 +33,7 @@
 
 #include "comm/communicator.h"
 #include "common/status.h"
-#include "engine/model/gpt2/gpt2.h"
+#include "engine/model/model.h"
 
 namespace strata::engine {
 
@@ -73,7 +73,7 @@ class PipelineRunner {
   // `model` is this stage's (created with plan.stages[pp.rank()]), `pp` the pipeline group (rank = stage); B, T
   // the micro-batch shape. Sets the model's activation slots; fails only when the device has no room for the
   // buffers the stages exchange.
-  static Result<std::unique_ptr<PipelineRunner>> create(GPT2& model, comm::Communicator& pp,
+  static Result<std::unique_ptr<PipelineRunner>> create(Model& model, comm::Communicator& pp,
                                                         PipelineSchedule schedule, int micro_batches, int B, int T);
 
   // Forward and backward of the step's micro-batches: inputs[i], targets[i] are micro-batch i's (B,T) tokens
@@ -91,9 +91,9 @@ class PipelineRunner {
   Status recv_forward();
   Status send_backward();
   Status recv_backward();
-  PipelineRunner(GPT2& model, comm::Communicator& pp, PipelineSchedule schedule, int micro_batches, int B, int T);
+  PipelineRunner(Model& model, comm::Communicator& pp, PipelineSchedule schedule, int micro_batches, int B, int T);
 
-  GPT2& model_;
+  Model& model_;
   comm::Communicator& pp_;
   PipelineSchedule schedule_;
   int m_, B_, T_, slots_;
@@ -107,8 +107,8 @@ class PipelineRunner {
 // The first stage's read of another stage's moments of `unit` (n elements each), for checkpoints.
 Status pipeline_recv_moments(const PipelinePlan& plan, comm::Communicator& pp, size_t unit, size_t n, float* m,
                              float* v);
-// The first stage's reads of other stages' units, for checkpoints: GPT2::set_params_source of the first stage.
-std::function<Status(size_t unit, float* host)> pipeline_params_source(const GPT2& model, const PipelinePlan& plan,
+// The first stage's reads of other stages' units, for checkpoints: Model::set_params_source of the first stage.
+std::function<Status(size_t unit, float* host)> pipeline_params_source(const Model& model, const PipelinePlan& plan,
                                                                        comm::Communicator& pp);
 
 }  // namespace strata::engine

@@ -61,7 +61,7 @@ struct ComputeConfig {
   std::string kernels = "fast";  // fast | reference: the CPU kernel sets (reference runs on the cpu device only)
   kernels::MatmulPrecision matmul_precision = kernels::MatmulPrecision::kF32;  // "fp32" | "bf16"
   int threads = 0;  // 0: all cores the process may use
-  // Under bf16, the units' bf16 working copies of their weights (GPT2::set_working_copies).
+  // Under bf16, the units' bf16 working copies of their weights (Model::set_working_copies).
   bool bf16_working_copies = true;
 };
 

@@ -78,11 +78,11 @@ uint64_t MemoryPlan::host_bytes() const { return sum(host); }
 void MemoryPlan::add_device(const std::string& what, uint64_t bytes) { add(device, what, bytes); }
 void MemoryPlan::add_host(const std::string& what, uint64_t bytes) { add(host, what, bytes); }
 
-Result<MemoryPlan> plan_memory(const GPT2& shape, const OffloadConfig& config, const MemoryPlacement& placement) {
+Result<MemoryPlan> plan_memory(const Model& shape, const OffloadConfig& config, const MemoryPlacement& placement) {
   MemoryPlan plan;
   const std::vector<Unit>& units = shape.units();
   if (!placement.offloaded) {
-    // GPT2::create's parameters and gradients of the units this rank holds, and Adam's moments (AdamW,
+    // The model's parameters and gradients of the units this rank holds, and Adam's moments (AdamW,
     // PipelineAdamW), sharded over the ranks under ZeRO stage 1 or 2 (ShardedAdamW).
     uint64_t held = 0;
     for (size_t u = 0; u < units.size(); ++u) held += shape.holds(u) ? units[u].numel() : 0;

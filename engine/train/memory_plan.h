@@ -3,7 +3,7 @@
 //
 // The state: the fp32 parameters and gradients and Adam's master weights and moments, wherever the placements
 // put them (on the device, in the host tier's pinned pool, in the swap stores on nvme), by the arithmetic the
-// model and the offload stack allocate with: the model's own units (GPT2::create with nothing allocated), the
+// model and the offload stack allocate with: the model's own units (a family's create with nothing allocated), the
 // shards ZeRO shards them into (offload::shard_stride), the units offload_optimizer.ratio keeps on the device
 // (units_kept_on_device) and the offload stack's sizes (size_offload). It is the least the run needs: the
 // activations, staging buffers and working copies come on top, and are refused by their own budgets when they
@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "engine/model/gpt2/gpt2.h"
+#include "engine/model/model.h"
 #include "engine/train/offload_config.h"
 #include "kernels/device.h"
 
@@ -47,7 +47,7 @@ struct MemoryPlacement {
 
 // `shape`: the model as this rank holds it (its pipeline stage and tensor-parallel slice), created offloaded so
 // that nothing is allocated. InvalidArgument for placements the offload stack refuses.
-Result<MemoryPlan> plan_memory(const GPT2& shape, const OffloadConfig& config, const MemoryPlacement& placement);
+Result<MemoryPlan> plan_memory(const Model& shape, const OffloadConfig& config, const MemoryPlacement& placement);
 
 // What each tier can hold: memory.device_memory_limit or what the device has free; memory.host_memory_limit or
 // the pinned pool's automatic budget; the free space of each nvme_path's filesystem. Measured by the caller

@@ -39,7 +39,7 @@ struct OffloadTargetConfig {
   int64_t speculative_sub_groups = 0;
   // offload_optimizer only (DeepSpeed's ZeRO-Offload++ key): the share of the parameters whose optimizer state is
   // offloaded, in (0, 1]. The rest, the model's first units in the forward's order, stay on the device whole
-  // (parameters, gradients, Adam's moments), updated there by step() (GPT2::keep_on_device): their updates are
+  // (parameters, gradients, Adam's moments), updated there by step() (Model::keep_on_device): their updates are
   // the ones the next forward waits for first; under data parallelism every rank keeps them whole. 1: all
   // offloaded.
   double ratio = 1.0;

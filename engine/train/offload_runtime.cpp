@@ -109,7 +109,7 @@ std::string OffloadStepReport::summary() const {
 
 OffloadRuntime::~OffloadRuntime() = default;
 
-std::vector<bool> units_kept_on_device(const GPT2& model, double ratio) {
+std::vector<bool> units_kept_on_device(const Model& model, double ratio) {
   // By the whole units' sizes, so that every rank of a tensor-parallel group keeps the same units.
   const std::vector<Unit>& units = model.units();
   std::vector<bool> kept(units.size(), false);
@@ -148,7 +148,7 @@ Result<std::pair<EngineOptions, IoQueueOptions>> nvme_io_options(const AioConfig
   return std::pair{e, q};
 }
 
-Result<OffloadSizing> size_offload(const OffloadConfig& config, const GPT2& model, const std::vector<bool>& offloaded,
+Result<OffloadSizing> size_offload(const OffloadConfig& config, const Model& model, const std::vector<bool>& offloaded,
                                    size_t ranks) {
   OffloadSizing z;
   z.ranks = ranks;
@@ -216,7 +216,7 @@ Status OffloadRuntime::open_store(const std::string& path, uint64_t file_bytes, 
 }
 
 Result<std::unique_ptr<OffloadRuntime>> OffloadRuntime::create(const OffloadConfig& config, const AdamWConfig& adam,
-                                                              kernels::Device& device, GPT2& model,
+                                                              kernels::Device& device, Model& model,
                                                               comm::Communicator* dp, comm::Communicator* pp,
                                                               const PipelinePlan* plan) {
   // Stages 1 and 2 shard the optimizer state, and an offloaded one is the coordinator's business: they run as

@@ -28,7 +28,7 @@
 
 #include "comm/communicator.h"
 #include "common/status.h"
-#include "engine/model/gpt2/gpt2.h"
+#include "engine/model/model.h"
 #include "engine/optim/optimizer.h"
 #include "engine/parallel/pipeline.h"
 #include "engine/train/offload_config.h"
@@ -95,9 +95,9 @@ struct OffloadStepReport {
 
 // offload_optimizer.ratio's choice: the longest run of the model's first units (the embedding, then the blocks in
 // order, then ln_f) holding at most (1 - ratio) of the parameters; those stay whole on the device
-// (GPT2::keep_on_device); the last unit is always offloaded. The first units, as their updates are what the next
+// (Model::keep_on_device); the last unit is always offloaded. The first units, as their updates are what the next
 // forward waits for first: the backward makes their gradients final last, and the forward needs them first.
-std::vector<bool> units_kept_on_device(const GPT2& model, double ratio);
+std::vector<bool> units_kept_on_device(const Model& model, double ratio);
 
 // The offload stack's placements and sizes on this rank, from the configuration and the units it offloads:
 // what OffloadRuntime::create builds, and what the memory check before any allocation counts
@@ -120,7 +120,7 @@ struct OffloadSizing {
   uint32_t files(const std::string& path) const;  // the store's file limit
 };
 // InvalidArgument: offload_param without offload_optimizer.
-Result<OffloadSizing> size_offload(const OffloadConfig& config, const GPT2& model, const std::vector<bool>& offloaded,
+Result<OffloadSizing> size_offload(const OffloadConfig& config, const Model& model, const std::vector<bool>& offloaded,
                                    size_t ranks);
 
 class OffloadRuntime {
@@ -128,11 +128,11 @@ class OffloadRuntime {
   // Builds the stack for `model` (created offloaded, on `device`) and attaches the coordinator to it. The
   // model's parameters are zeros until written: init_model or load_model with optimizer()
   // (engine/checkpoint/checkpoint.h), which write them and the optimizer's state a sub-group at a time, or
-  // init_gpt2 or load_model and then optimizer().adopt_params().
+  // init_weights or load_model and then optimizer().adopt_params().
   // `dp`: the data-parallel group (null: one rank); with stage 3 it must outlive the runtime. `pp` and `plan`:
   // the pipeline this model is a stage of (null: none); the stack then holds only the stage's units.
   static Result<std::unique_ptr<OffloadRuntime>> create(const OffloadConfig& config, const AdamWConfig& adam,
-                                                        kernels::Device& device, GPT2& model,
+                                                        kernels::Device& device, Model& model,
                                                         comm::Communicator* dp = nullptr,
                                                         comm::Communicator* pp = nullptr,
                                                         const PipelinePlan* plan = nullptr);

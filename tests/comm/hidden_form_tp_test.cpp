@@ -42,7 +42,7 @@ TrainRun train(comm::Communicator* tp, bool sequence_parallel) {
   EXPECT_TRUE(model.is_ok()) << model.status().to_string();
   if (!model.is_ok()) return r;
   GPT2& m = *model.value();
-  EXPECT_TRUE(m.init_gpt2(7).is_ok());
+  EXPECT_TRUE(m.init_weights(7).is_ok());
   auto opt = AdamW::create(m.units(), AdamWConfig{}, *device);
   EXPECT_TRUE(opt.is_ok()) << opt.status().to_string();
   if (!opt.is_ok()) return r;

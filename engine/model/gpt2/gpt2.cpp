@@ -37,48 +37,15 @@ Result<std::unique_ptr<GPT2>> GPT2::create(const GPT2Config& config, kernels::De
     return Status::invalid_argument("pipeline stage: blocks [{}, {}) are not a non-empty part of the {} layers",
                                     stage.first, stage.end, config.n_layer);
   std::unique_ptr<GPT2> m(new GPT2(config, device, precision));
-  m->offloaded_ = offloaded;
-  m->stage_ = stage;
-  if (t > 1) {
-    m->tp_ = tp;
-    m->tp_rank_ = tp->rank();
-    m->tp_size_ = t;
-    m->norm_shares_.group = tp;
-    m->sp_ = sequence_parallel;
-  }
+  m->place(offloaded, stage, tp);
+  m->sp_ = t > 1 && sequence_parallel;
   m->attn_width_ = config.n_embd / t;
   m->heads_ = config.n_head / t;
   m->mlp_width_ = 4 * config.n_embd / t;
   m->vocab_ = row_slice(config.vocab_size, m->tp_rank_, t);
-
-  auto add_unit = [&](UnitSpec spec) -> Status {
-    Unit u;
-    static_cast<UnitSpec&>(u) = std::move(spec);
-    if (t > 1) {  // this rank's slices
-      std::vector<TensorSplit> splits;
-      for (const TensorSpec& s : u.layout.specs()) splits.push_back(gpt2_tensor_split(s.name));
-      UnitSplit split(std::move(u.layout), std::move(splits), t);
-      u.layout = split.local(m->tp_rank_);
-      m->norm_shares_.excluded.push_back(m->tp_rank_ > 0 ? split.replicated_ranges(m->tp_rank_)
-                                                          : Ranges{});
-      m->splits_.push_back(std::move(split));
-    }
-    const size_t bytes = u.layout.numel() * sizeof(float);
-    if (!offloaded && stage.holds(u)) {
-      STRATA_ASSIGN_OR_RETURN(u.params, device.allocate(bytes, "gpt2.params " + u.name));
-      STRATA_ASSIGN_OR_RETURN(u.grads, device.allocate(bytes, "gpt2.grads " + u.name));
-    }
-    m->units_.push_back(std::move(u));
-    return Status::ok();
-  };
-
-  for (UnitSpec& spec : gpt2_unit_specs(config)) STRATA_RETURN_IF_ERROR(add_unit(std::move(spec)));
+  for (UnitSpec& spec : gpt2_unit_specs(config))
+    STRATA_RETURN_IF_ERROR(m->add_unit(std::move(spec), gpt2_tensor_split));
   return m;
-}
-
-Status GPT2::tp_all_reduce(float* x, size_t n) {
-  if (tp_ == nullptr) return Status::ok();
-  return tp_->all_reduce(x, x, n, DType::kF32, comm::ReduceOp::kSum).with_context("tensor-parallel all-reduce");
 }
 
 Result<const float*> GPT2::gather_rows(const float* rows, size_t rows_floats) {
@@ -533,7 +500,7 @@ Status GPT2::backward_stage(const float* dy, float loss_scale) {
                                                 lnf.params, acts_.lnf_mean, acts_.lnf_rstd, Nr);
     release(L + 1, Pass::kBackward);
     STRATA_RETURN_IF_ERROR(done);
-    if (on_grads_done_) on_grads_done_(L + 1);
+    grads_done(L + 1);
   }
   return backward_blocks(B, T);
 }
@@ -557,7 +524,7 @@ Status GPT2::backward_blocks(int B, int T) {
     if (ran.is_ok()) ran = block_backward(l, block, residual, grads_.dres, B, T);
     release(1 + l, Pass::kBackward);  // as in forward
     STRATA_RETURN_IF_ERROR(ran);
-    if (on_grads_done_) on_grads_done_(1 + l);
+    grads_done(1 + l);
   }
   if (!stage_.embedding) return Status::ok();
   // Every rank adds the same wpe gradient (wpe is replicated) and its own vocabulary rows', from every row.
@@ -567,14 +534,7 @@ Status GPT2::backward_blocks(int B, int T) {
   k_->encoder_backward(emb.grads, emb.grads + wpe_offset, dout, acts_.inputs, B, T, C,
                        static_cast<int>(vocab_.start), static_cast<int>(vocab_.count));
   release(0, Pass::kGradients);
-  if (on_grads_done_) on_grads_done_(0);
-  return Status::ok();
-}
-
-Status GPT2::zero_grads() {
-  if (coordinator_ != nullptr) STRATA_RETURN_IF_ERROR(coordinator_->zero_grads());
-  for (size_t i = 0; i < units_.size(); ++i)
-    if (holds(i) && !coordinated(i)) device_->zero(units_[i].g(), units_[i].numel() * sizeof(float));
+  grads_done(0);
   return Status::ok();
 }
 

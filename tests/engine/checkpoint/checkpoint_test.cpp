@@ -39,7 +39,7 @@ class CheckpointTest : public ::testing::Test {
     dir_ = (fs::temp_directory_path() / fmt::format("strata_ckpt_{}_{}", ::getpid(), counter_++)).string();
     ASSERT_OK_AND_ASSIGN(device_, kernels::make_device("cpu", *kernels::find_kernel_set("fast")));
     ASSERT_OK_AND_ASSIGN(model_, GPT2::create(kConfig, *device_, kernels::MatmulPrecision::kF32));
-    ASSERT_OK(model_->init_gpt2(3));
+    ASSERT_OK(model_->init_weights(3));
     auto opt = AdamW::create(model_->units(), AdamWConfig{}, *device_);
     ASSERT_TRUE(opt.is_ok()) << opt.status().to_string();
     opt_ = std::make_unique<AdamW>(std::move(opt).value());

@@ -61,7 +61,7 @@ class ForeignWeightsTest : public ::testing::Test {
 
   Result<std::unique_ptr<GPT2>> make_model(uint64_t seed, const GPT2Config& c = kConfig) {
     STRATA_ASSIGN_OR_RETURN(auto m, GPT2::create(c, *device_, kernels::MatmulPrecision::kF32));
-    STRATA_RETURN_IF_ERROR(m->init_gpt2(seed));
+    STRATA_RETURN_IF_ERROR(m->init_weights(seed));
     return m;
   }
   static Weights read_weights(const GPT2& m) {

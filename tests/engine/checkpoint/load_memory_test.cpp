@@ -3,7 +3,7 @@
 // straight into where the optimizer keeps them (its host buffers, or a staging slot on its way to NVMe). This
 // binary counts every operator new of the process, and each load's heap growth must stay under a quarter of the
 // embedding unit's weights — reading a unit whole, as these loads did before, takes one to three times them.
-// The streamed loads must also give bitwise the state of the whole-unit paths (init_gpt2 or load_model, then
+// The streamed loads must also give bitwise the state of the whole-unit paths (init_weights or load_model, then
 // adopt_params or a checkpoint's write_moments), which the model without offload still takes.
 #include <atomic>
 #include <cstdlib>
@@ -114,14 +114,14 @@ TEST_F(LoadMemoryTest, LoadsThroughAnOffloadedOptimizerHoldNoUnitWhole) {
     fs::remove_all(dir_ / "ckpt");
     const json j = config(optimizer, params);
 
-    // Initial weights: init_model against init_gpt2 + adopt_params without offload.
+    // Initial weights: init_model against init_weights + adopt_params without offload.
     ASSERT_OK_AND_ASSIGN(Run a, make(j));
     const int64_t init = heap_growth([&] { ASSERT_OK(init_model(*a.model, a.opt(), 5)); });
     EXPECT_LT(init, bound) << "init_model";
     ASSERT_OK_AND_ASSIGN(Run ref, make(j, /*plain=*/true));
-    ASSERT_OK(ref.model->init_gpt2(5));
+    ASSERT_OK(ref.model->init_weights(5));
     ASSERT_OK(ref.opt().adopt_params());
-    EXPECT_TRUE(state(a) == state(ref)) << "init_model differs from init_gpt2";
+    EXPECT_TRUE(state(a) == state(ref)) << "init_model differs from init_weights";
 
     // A checkpoint after two steps (moments not zero), read back into a fresh stack.
     ASSERT_OK(train_step(a));

@@ -36,7 +36,7 @@ class SampleTest : public ::testing::Test {
     for (auto* m : {&model_, &reference_}) {
       ASSERT_OK_AND_ASSIGN(*m, GPT2::create(kConfig, *kernels::find_kernel_set("fast"),
                                             kernels::MatmulPrecision::kF32));
-      ASSERT_OK((*m)->init_gpt2(11));
+      ASSERT_OK((*m)->init_weights(11));
     }
   }
   // The tokens ranked by the reference model's logits for what follows ids[0, i), over its last block_size.
@@ -115,7 +115,7 @@ TEST(SampleCommandTest, NonFiniteWeightsAreRefusedUnlessAllowed) {
   // The tiny tokenizer has 257 tokens; llm.c pads the vocabulary to 384 rows.
   const GPT2Config c{.n_layer = 1, .n_head = 2, .n_embd = 16, .vocab_size = 260, .block_size = 8};
   ASSERT_OK_AND_ASSIGN(auto model, GPT2::create(c, *kernels::find_kernel_set("fast"), kernels::MatmulPrecision::kF32));
-  ASSERT_OK(model->init_gpt2(3));
+  ASSERT_OK(model->init_weights(3));
   ASSERT_OK(save_model(*model, (dir / "model.safetensors").string()));
   const std::string bin = (dir / "model.bin").string();
   ASSERT_OK(export_weights((dir / "model.safetensors").string(), WeightsFormat::kLlmc, bin));

@@ -47,7 +47,7 @@ TrainRun train(const KernelSet& k, ActivationCheckpointing ckpt = ActivationChec
   EXPECT_TRUE(model.is_ok()) << model.status().to_string();
   GPT2& m = *model.value();
   m.set_activation_checkpointing(ckpt);
-  EXPECT_TRUE(m.init_gpt2(7).is_ok());
+  EXPECT_TRUE(m.init_weights(7).is_ok());
   r.init = testing::host_params(m);
   auto opt = AdamW::create(m.units(), AdamWConfig{}, *device);
   EXPECT_TRUE(opt.is_ok());

@@ -1,4 +1,4 @@
-// working_copy_test.cpp — the units' bf16 working copies of their parameters (GPT2::set_working_copies, kernels.h
+// working_copy_test.cpp — the units' bf16 working copies of their parameters (Model::set_working_copies, kernels.h
 // Weight): training with them is bitwise training without them, across optimizer steps, gradient accumulation,
 // activation recompute, forwards without targets and loads of new weights; and a copy is made once per change
 // of a unit's parameters, not once per use. A copy left stale after the parameters change (a writer that does not
@@ -47,7 +47,7 @@ TrainRun train(const KernelSet& k, bool working_copies, ActivationCheckpointing 
   GPT2& m = *model.value();
   m.set_activation_checkpointing(ckpt);
   m.set_working_copies(working_copies);
-  EXPECT_TRUE(m.init_gpt2(11).is_ok());
+  EXPECT_TRUE(m.init_weights(11).is_ok());
   auto opt = AdamW::create(m.units(), AdamWConfig{}, *device);
   EXPECT_TRUE(opt.is_ok());
   Rng rng(12);
@@ -120,7 +120,7 @@ TEST(WorkingCopyTest, TheLinearsReadTheCopy) {
   auto model = GPT2::create(kConfig, *device, MatmulPrecision::kBF16);
   ASSERT_TRUE(model.is_ok()) << model.status().to_string();
   GPT2& m = *model.value();
-  ASSERT_TRUE(m.init_gpt2(11).is_ok());
+  ASSERT_TRUE(m.init_weights(11).is_ok());
   Rng rng(12);
   std::vector<int32_t> x(kB * kT), y(kB * kT);
   testing::hidden_form::random_batch(rng, kConfig.vocab_size, &x, &y);
@@ -154,7 +154,7 @@ TEST(WorkingCopyTest, ABudgetWithoutRoomStopsTheCopiesNotTheRun) {
     GPT2& m = *model.value();
     m.set_working_copies(working_copies);
     EXPECT_TRUE(m.reserve_activations(kB, kT).is_ok());
-    EXPECT_TRUE(m.init_gpt2(11).is_ok());
+    EXPECT_TRUE(m.init_weights(11).is_ok());
     auto opt = AdamW::create(m.units(), AdamWConfig{}, *device);
     EXPECT_TRUE(opt.is_ok());
     const size_t emb = m.units()[0].numel() * sizeof(uint16_t), block = m.units()[1].numel() * sizeof(uint16_t);

@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include "engine/model/gpt2/gpt2.h"
 #include "engine/parallel/pipeline.h"
 
 namespace strata::engine {

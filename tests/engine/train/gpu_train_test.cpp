@@ -49,7 +49,7 @@ TrainRun train(kernels::Device& device, MatmulPrecision precision, uint64_t seed
   EXPECT_TRUE(model.is_ok()) << model.status().to_string();
   GPT2& m = *model.value();
   m.set_working_copies(working_copies);
-  EXPECT_TRUE(m.init_gpt2(seed).is_ok());
+  EXPECT_TRUE(m.init_weights(seed).is_ok());
   r.init = testing::host_params(m);
   AdamWConfig ac;
   ac.grad_clip = 0.5f;  // low enough that clipping is active on some steps
@@ -116,7 +116,7 @@ TEST_F(GpuTrainTest, GpuRunsAreBitwiseReproducible) {
   EXPECT_EQ(0, std::memcmp(a.params.data(), b.params.data(), a.params.size() * sizeof(float)));
 }
 
-// The units' bf16 working copies (GPT2::set_working_copies) change no bit of a GPU run (working_copy_test.cpp
+// The units' bf16 working copies (Model::set_working_copies) change no bit of a GPU run (working_copy_test.cpp
 // checks the same on the CPU, and cuda_matmul_test MatmulWorkingCopies that the GEMMs take them).
 TEST_F(GpuTrainTest, WorkingCopiesTrainBitwiseAsWithout) {
   const TrainRun with = train(*gpu_, MatmulPrecision::kBF16), without = train(*gpu_, MatmulPrecision::kBF16, 5, false);
@@ -131,7 +131,7 @@ TEST_F(GpuTrainTest, CheckpointRoundTripsThroughTheHost) {
       (std::filesystem::temp_directory_path() / fmt::format("strata_gpu_ckpt_{}", ::getpid())).string();
   auto model = GPT2::create(kConfig, *gpu_, MatmulPrecision::kF32);
   ASSERT_TRUE(model.is_ok());
-  ASSERT_OK(model.value()->init_gpt2(9));
+  ASSERT_OK(model.value()->init_weights(9));
   auto opt = AdamW::create(model.value()->units(), AdamWConfig{}, *gpu_);
   ASSERT_TRUE(opt.is_ok());
   std::vector<int32_t> x(kB * kT, 3), y(kB * kT, 7);

@@ -339,7 +339,7 @@ struct SteppedRun {
     AdamWConfig adam;
     adam.grad_clip = grad_clip;
     STRATA_ASSIGN_OR_RETURN(runtime, OffloadRuntime::create(c.offload, adam, *device, *model));
-    STRATA_RETURN_IF_ERROR(model->init_gpt2(1));
+    STRATA_RETURN_IF_ERROR(model->init_weights(1));
     for (int i = 0; i < B * T; ++i) x[i] = (i * 7) % kVocab, y[i] = (i * 7 + 7) % kVocab;
     return optimizer().adopt_params();
   }
