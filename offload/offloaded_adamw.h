@@ -39,6 +39,7 @@
 
 #include "comm/communicator.h"
 #include "common/status.h"
+#include "engine/checkpoint/state_pieces.h"
 #include "engine/model/model.h"
 #include "engine/optim/optimizer.h"
 #include "engine/parallel/grad_sync.h"
@@ -78,7 +79,7 @@ struct SpeculationStats {
   bool early_reads = false;  // gated (the last step clipped): only the first sub-groups' reads started
 };
 
-class OffloadedAdamW final : public engine::Optimizer {
+class OffloadedAdamW final : public engine::Optimizer, public engine::PieceState {
  public:
   // `model` gives the layouts (its units, in the coordinator's order); `store` is needed for kNvme. All must
   // outlive the optimizer. Call adopt_params() (or write_moments for every unit) before the first step.
@@ -129,6 +130,8 @@ class OffloadedAdamW final : public engine::Optimizer {
   Status adopt_params() override;
   Status read_moments(size_t unit, float* m, float* v) override;
   Status write_moments(size_t unit, const float* m, const float* v) override;
+  // PieceState (engine/checkpoint/state_pieces.h), for checkpoints.
+  engine::PieceState* piece_state() override { return this; }
   // A sub-group's state in its host buffer, or read from NVMe into the swapper's first staging slot (a unit kept
   // on the device: a piece copied out of it); empty for a unit sharded over ranks or held by another pipeline
   // stage (gather_piece, or under tensor parallelism read_params and read_moments, bring those).

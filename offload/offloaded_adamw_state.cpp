@@ -167,7 +167,7 @@ bool OffloadedAdamW::gathers_pieces(size_t unit) const {
 
 bool OffloadedAdamW::stages_send_pieces() const { return pp_ != nullptr && !model_->tensor_parallel(); }
 
-Result<Optimizer::StatePiece> OffloadedAdamW::gather_piece(size_t unit, int k, size_t offset, size_t max_len,
+Result<engine::PieceState::StatePiece> OffloadedAdamW::gather_piece(size_t unit, int k, size_t offset, size_t max_len,
                                                            const PieceBuffer& buffer) {
   STRATA_ASSERT(k >= 0 && k < 3 && max_len > 0 && gathers_pieces(unit));
   if (handoff_) STRATA_RETURN_IF_ERROR(finish());  // an update in flight ends first (and the view with it)

@@ -69,13 +69,14 @@ Status read_whole_moments(const GPT2& model, Optimizer& opt, size_t u, float* m,
 }
 
 // State k of a unit from element `from` to its end, a piece after another, gathered to the data-parallel
-// group's rank 0 (Optimizer::gather_piece: ZeRO-3 shards, or another pipeline stage's unit) and dropped. Every
+// group's rank 0 (PieceState::gather_piece: ZeRO-3 shards, or another pipeline stage's unit) and dropped. Every
 // rank of the group walks the same pieces in the same order: here the ranks that do not write, and the writer
 // past the last piece it read.
 Status walk_pieces(const GPT2& model, Optimizer& opt, size_t unit, int k, size_t from, std::vector<float>& buffer) {
   for (size_t at = from, numel = model.whole_layout(unit).numel(); at < numel;) {
-    STRATA_ASSIGN_OR_RETURN(const Optimizer::StatePiece piece,
-                            opt.gather_piece(unit, k, at, Optimizer::kMaxStatePiece, Optimizer::buffer_in(buffer)));
+    STRATA_ASSIGN_OR_RETURN(
+        const PieceState::StatePiece piece,
+        opt.piece_state()->gather_piece(unit, k, at, PieceState::kMaxStatePiece, PieceState::buffer_in(buffer)));
     at += piece.length;
   }
   return Status::ok();
@@ -87,9 +88,9 @@ Status walk_pieces(const GPT2& model, Optimizer& opt, size_t unit, int k, size_t
 // another pipeline stage's, a piece at a time as that stage sends it) or else from one unit read whole — the
 // model's weights, or its m and v — always so under tensor parallelism, whose reads gather the slices over the
 // group.
-class StatePieces {
+class StateReader {
  public:
-  StatePieces(const GPT2& model, Optimizer& opt)
+  StateReader(const GPT2& model, Optimizer& opt)
       : model_(model),
         opt_(opt),
         weights_(model, [&model](size_t u, float* p, float*) { return model.read_params(u, p); }, false),
@@ -98,9 +99,9 @@ class StatePieces {
             true) {}
   Result<std::span<const float>> get(size_t unit, int k, size_t offset) {
     if (unit == unit_ && k == k_ && offset >= lo_ && offset - lo_ < piece_.size()) return piece_.subspan(offset - lo_);
-    if (opt_.gathers_pieces(unit)) return gathered(unit, k, offset);
-    if (!model_.tensor_parallel()) {
-      STRATA_ASSIGN_OR_RETURN(std::span<const float> piece, opt_.state_view(unit, k, offset));
+    if (gathers_pieces(opt_, unit)) return gathered(unit, k, offset);
+    if (!model_.tensor_parallel() && opt_.piece_state() != nullptr) {
+      STRATA_ASSIGN_OR_RETURN(std::span<const float> piece, opt_.piece_state()->state_view(unit, k, offset));
       if (!piece.empty()) {
         unit_ = unit, k_ = k, lo_ = offset, piece_ = piece;
         return piece;
@@ -129,8 +130,9 @@ class StatePieces {
     STRATA_ASSERT(offset >= walk_next_);  // pieces are never asked for twice
     for (;;) {
       STRATA_ASSIGN_OR_RETURN(
-          const Optimizer::StatePiece piece,
-          opt_.gather_piece(unit, k, walk_next_, Optimizer::kMaxStatePiece, Optimizer::buffer_in(buffer_)));
+          const PieceState::StatePiece piece,
+          opt_.piece_state()->gather_piece(unit, k, walk_next_, PieceState::kMaxStatePiece,
+                                           PieceState::buffer_in(buffer_)));
       const size_t lo = walk_next_;
       walk_next_ += piece.length;
       if (offset < walk_next_) {
@@ -258,7 +260,7 @@ Status read_weights(const GPT2& model, const WeightsFile& file, size_t u, size_t
 // State k (0: weights, 1: Adam's m, 2: v) of unit u, elements [offset, offset + dst.size()) of its whole layout.
 using UnitFill = std::function<Status(size_t u, int k, size_t offset, std::span<float> dst)>;
 
-// Every unit's weights and Adam moments from `fill`: through opt.load_state, a sub-group at a time, where the
+// Every unit's weights and Adam moments from `fill`: through PieceState::load_state, a sub-group at a time, where the
 // optimizer takes them (the offloaded one, ZeRO-3 shards included; not under tensor parallelism, whose units
 // are slices of the whole tensors `fill` gives); the other units whole, their weights through write_params
 // and then, with `moments`, their m and v through write_moments, else (moments zero) opt.adopt_params() once
@@ -269,10 +271,11 @@ Status load_units(GPT2& model, Optimizer& opt, const UnitFill& fill, bool moment
   bool adopt = false;
   std::vector<float> w, m, v;
   for (size_t u = 0; u < model.units().size(); ++u) {
-    if (!model.tensor_parallel()) {
-      STRATA_ASSIGN_OR_RETURN(
-          const bool taken,
-          opt.load_state(u, [&](int k, size_t offset, std::span<float> dst) { return fill(u, k, offset, dst); }));
+    if (!model.tensor_parallel() && opt.piece_state() != nullptr) {
+      STRATA_ASSIGN_OR_RETURN(const bool taken, opt.piece_state()->load_state(u, [&](int k, size_t offset,
+                                                                                      std::span<float> dst) {
+        return fill(u, k, offset, dst);
+      }));
       if (taken) continue;
     }
     w.resize(model.whole_layout(u).numel());
@@ -315,6 +318,11 @@ Status load_model(GPT2& model, Optimizer& opt, const std::string& path_or_folder
     return k == 0 ? read_weights(model, *file, u, offset, dst) : zeros(dst);
   };
   return load_units(model, opt, fill, /*moments=*/false);
+}
+
+bool gathers_pieces(Optimizer& opt, size_t unit) {
+  PieceState* pieces = opt.piece_state();
+  return pieces != nullptr && pieces->gathers_pieces(unit);
 }
 
 Status init_model(GPT2& model, Optimizer& opt, uint64_t seed) {
@@ -567,7 +575,7 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
   } cleanup{tmp_dir};
 
   STRATA_RETURN_IF_ERROR(opt.finish());  // the parameters and moments of the last step, complete
-  StatePieces pieces(model, opt);
+  StateReader pieces(model, opt);
   STRATA_RETURN_IF_ERROR(write_safetensors(
       (tmp_dir / "model.safetensors").string(),
       tensors_of(model, {""}, [&](size_t u, int, size_t offset) { return pieces.get(u, 0, offset); }),
@@ -597,7 +605,7 @@ Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt, const std::fun
   std::vector<float> a, b;
   for (size_t u = 0; u < model.units().size(); ++u) {  // the model file's reads
     if (!include(u)) continue;
-    if (opt.gathers_pieces(u)) {
+    if (gathers_pieces(opt, u)) {
       STRATA_RETURN_IF_ERROR(walk_pieces(model, opt, u, 0, 0, a));
       continue;
     }
@@ -606,7 +614,7 @@ Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt, const std::fun
   }
   for (size_t u = 0; u < model.units().size(); ++u) {  // then the moments'
     if (!include(u)) continue;
-    if (opt.gathers_pieces(u)) {
+    if (gathers_pieces(opt, u)) {
       STRATA_RETURN_IF_ERROR(walk_pieces(model, opt, u, 1, 0, a));
       STRATA_RETURN_IF_ERROR(walk_pieces(model, opt, u, 2, 0, a));
       continue;

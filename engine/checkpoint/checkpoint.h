@@ -22,6 +22,7 @@
 #include "common/status.h"
 #include "engine/checkpoint/checkpoint_state.h"
 #include "engine/checkpoint/foreign_weights.h"
+#include "engine/checkpoint/state_pieces.h"
 #include "engine/data/dataloader.h"
 #include "engine/model/gpt2/gpt2.h"
 #include "engine/optim/optimizer.h"
@@ -59,13 +60,15 @@ Status save_model(const GPT2& model, const std::string& path);
 Status load_model(GPT2& model, const std::string& path_or_folder, const WeightsOpenOptions& options = {});
 // The same into a model and its optimizer at the start of a run: the weights become the optimizer's master
 // weights too and its moments zero (what load_model then opt.adopt_params() gives), a sub-group at a time
-// straight from the file where the optimizer keeps its state offloaded (Optimizer::load_state), so that
+// straight from the file where the optimizer keeps its state offloaded (PieceState::load_state), so that
 // a large model's units are never held whole outside the host budget.
 Status load_model(GPT2& model, Optimizer& opt, const std::string& path_or_folder,
                   const WeightsOpenOptions& options = {});
 // The model family's initial weights for `seed` (Model::init_weights's, the same bits) into a model and its
 // optimizer likewise.
 Status init_model(GPT2& model, Optimizer& opt, uint64_t seed);
+// Whether `opt` gathers unit's state over ranks a piece at a time for a checkpoint (state_pieces.h).
+bool gathers_pieces(Optimizer& opt, size_t unit);
 // Unit u's weights, elements [offset, offset + dst.size()) of its whole layout (Model::whole_layout).
 using WeightsFill = std::function<Status(size_t unit, size_t offset, std::span<float> dst)>;
 // The weights `fill` gives into a model and its optimizer likewise.
@@ -84,7 +87,7 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
 // Under ZeRO-3, what the other ranks of a data-parallel group do while its rank 0 reads the units for a
 // checkpoint: the same collective reads of each unit's parameters and moments (the units `include` accepts:
 // with pipeline stages, the stage's own), in the same order, with nothing written. Where the optimizer gathers
-// pieces (Optimizer::gather_piece), each rank sends rank 0 its shard's a piece at a time, and no rank holds a
+// pieces (PieceState::gather_piece), each rank sends rank 0 its shard's a piece at a time, and no rank holds a
 // unit whole.
 Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt, const std::function<bool(size_t unit)>& include);
 

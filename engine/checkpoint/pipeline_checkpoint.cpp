@@ -25,10 +25,10 @@ struct PieceHeader {
 };
 
 // State k of unit u, a piece after another, to the first stage: each its header, then its elements, at most
-// Optimizer::kMaxStatePiece. From the stage's ZeRO-3 shards (this rank is its data-parallel group's rank 0; the
+// PieceState::kMaxStatePiece. From the stage's ZeRO-3 shards (this rank is its data-parallel group's rank 0; the
 // others walk the same pieces, take_part_in_checkpoint), or from where the optimizer keeps the state (a
 // sub-group's view, read once and sent in parts). A failed read is said to the first stage before it returns.
-Status send_pieces(const GPT2& model, Optimizer& opt, comm::Communicator& pp, size_t u, int k,
+Status send_pieces(const Model& model, PieceState& pieces, comm::Communicator& pp, size_t u, int k,
                    std::vector<float>& buffer) {
   const std::string what = fmt::format("{} of '{}' to the first stage", k == 0 ? "weights" : k == 1 ? "m" : "v",
                                        model.units()[u].name);
@@ -38,12 +38,12 @@ Status send_pieces(const GPT2& model, Optimizer& opt, comm::Communicator& pp, si
   const size_t numel = model.whole_layout(u).numel();
   for (size_t at = 0; at < numel;) {
     Result<std::span<const float>> view = std::span<const float>();
-    if (opt.gathers_pieces(u)) {
-      Result<Optimizer::StatePiece> piece =
-          opt.gather_piece(u, k, at, Optimizer::kMaxStatePiece, Optimizer::buffer_in(buffer));
+    if (pieces.gathers_pieces(u)) {
+      Result<PieceState::StatePiece> piece =
+          pieces.gather_piece(u, k, at, PieceState::kMaxStatePiece, PieceState::buffer_in(buffer));
       view = piece.is_ok() ? Result<std::span<const float>>(piece->data) : piece.status();
     } else {
-      view = opt.state_view(u, k, at);
+      view = pieces.state_view(u, k, at);
       if (view.is_ok() && view->empty()) view = Status::internal("{}: the optimizer has no view of it", what);
     }
     if (!view.is_ok()) {
@@ -51,7 +51,7 @@ Status send_pieces(const GPT2& model, Optimizer& opt, comm::Communicator& pp, si
       return view.status().with_context(what);
     }
     for (size_t done = 0; done < view->size();) {
-      const std::span<const float> part = view->subspan(done, std::min(view->size() - done, Optimizer::kMaxStatePiece));
+      const std::span<const float> part = view->subspan(done, std::min(view->size() - done, PieceState::kMaxStatePiece));
       STRATA_RETURN_IF_ERROR(send_header({at + done, part.size()}));
       STRATA_RETURN_IF_ERROR(pp.send(part.data(), part.size(), DType::kF32, 0, piece_tag(k)).with_context(what));
       done += part.size();
@@ -63,9 +63,9 @@ Status send_pieces(const GPT2& model, Optimizer& opt, comm::Communicator& pp, si
 
 }  // namespace
 
-Result<Optimizer::StatePiece> pipeline_recv_piece(const PipelinePlan& plan, comm::Communicator& pp, size_t unit,
+Result<PieceState::StatePiece> pipeline_recv_piece(const PipelinePlan& plan, comm::Communicator& pp, size_t unit,
                                                   int k, size_t offset, size_t max_len,
-                                                  const Optimizer::PieceBuffer& buffer) {
+                                                  const PieceState::PieceBuffer& buffer) {
   const int owner = plan.owner(unit);
   const std::string what = fmt::format("a piece of unit {} (state {}, element {}) from stage {}", unit, k, offset,
                                        owner);
@@ -78,22 +78,22 @@ Result<Optimizer::StatePiece> pipeline_recv_piece(const PipelinePlan& plan, comm
   }
   float* into = buffer(h.length);
   STRATA_RETURN_IF_ERROR(pp.recv(into, h.length, DType::kF32, owner, piece_tag(k)).with_context(what));
-  return Optimizer::StatePiece{h.length, std::span<const float>(into, h.length)};
+  return PieceState::StatePiece{h.length, std::span<const float>(into, h.length)};
 }
 
-Status take_part_in_pipeline_checkpoint(const GPT2& model, const PipelinePlan& plan, Optimizer& opt,
+Status take_part_in_pipeline_checkpoint(const Model& model, const PipelinePlan& plan, Optimizer& opt,
                                         comm::Communicator& pp) {
   STRATA_RETURN_IF_ERROR(opt.finish());
   const int s = pp.rank();
   std::vector<float> a, b;
-  if (opt.stages_send_pieces()) {
+  if (PieceState* pieces = opt.piece_state(); pieces != nullptr && pieces->stages_send_pieces()) {
     for (size_t u = 0; u < model.units().size(); ++u) {  // the first stage's model file reads
-      if (s != 0 && plan.owner(u) == s) STRATA_RETURN_IF_ERROR(send_pieces(model, opt, pp, u, 0, a));
+      if (s != 0 && plan.owner(u) == s) STRATA_RETURN_IF_ERROR(send_pieces(model, *pieces, pp, u, 0, a));
     }
     for (size_t u = 0; u < model.units().size(); ++u) {  // then its moments reads
       if (s == 0 || plan.owner(u) != s) continue;
-      STRATA_RETURN_IF_ERROR(send_pieces(model, opt, pp, u, 1, a));
-      STRATA_RETURN_IF_ERROR(send_pieces(model, opt, pp, u, 2, a));
+      STRATA_RETURN_IF_ERROR(send_pieces(model, *pieces, pp, u, 1, a));
+      STRATA_RETURN_IF_ERROR(send_pieces(model, *pieces, pp, u, 2, a));
     }
     return Status::ok();
   }

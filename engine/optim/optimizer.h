@@ -37,6 +37,8 @@ kernels::AdamWParams adamw_params(const AdamWConfig& config, float lr, int step,
 // `step` is 0-based.
 double lr_at(int step, double lr, double min_lr, int warmup, int max_steps);
 
+class PieceState;  // engine/checkpoint/state_pieces.h
+
 // What the trainer and checkpoints need of an optimizer, wherever its state lives: AdamW below keeps it on the
 // model's device, OffloadedAdamW (offload/offloaded_adamw.h) in host memory or on NVMe.
 class Optimizer {
@@ -55,68 +57,10 @@ class Optimizer {
   // master weights from the model's current parameters, so load those first.
   virtual Status read_moments(size_t unit, float* m, float* v) = 0;
   virtual Status write_moments(size_t unit, const float* m, const float* v) = 0;
-  // State k of unit i (0: the fp32 master weights, which are the model's weights once finish() returned; 1:
-  // Adam's m; 2: v) from element `offset` on, where it lies: at least one element and at most the rest of the
-  // unit, valid until the next call on the optimizer; an empty span where this optimizer keeps no such copy of
-  // the unit (the model's read_params and read_moments then). Checkpoints of offloaded state read it so, a
-  // sub-group at a time, instead of holding a unit's weights, m and v outside the host budget.
-  virtual Result<std::span<const float>> state_view(size_t unit, int k, size_t offset) {
-    (void)unit, (void)k, (void)offset;
-    return std::span<const float>();
-  }
-  // A piece of state gathered over ranks (gather_piece): its length on every rank, its elements on the root.
-  struct StatePiece {
-    size_t length = 0;
-    std::span<const float> data;  // the data-parallel group's rank 0 only
-  };
-  // The most elements of a piece of state sent from one rank to another for a checkpoint: what the receiver
-  // holds of it at once.
-  static constexpr size_t kMaxStatePiece = size_t{4} << 20;  // 16 MiB
-  // Whether unit i's state is gathered with gather_piece (ZeRO-3 over data-parallel ranks, each holding a shard
-  // of it; or, on the first pipeline stage, another stage's unit it sends a piece at a time): the same answer on
-  // every rank of the group.
-  virtual bool gathers_pieces(size_t unit) const {
-    (void)unit;
-    return false;
-  }
-  // Whether the stages of a pipeline send the first their units' state a piece at a time for a checkpoint (the
-  // same answer on every stage): take_part_in_pipeline_checkpoint sends them so, and gather_piece receives them.
-  virtual bool stages_send_pieces() const { return false; }
-  // State k of unit i (as state_view) from element `offset` on, one piece of at least one and at most `max_len`
-  // elements, from the rank whose shard holds it to the data-parallel group's rank 0. Collective over that
-  // group: every rank calls it with the same arguments in the same order. Rank 0 gets the elements, in this
-  // optimizer's memory or received into `buffer(length)`, valid until the next call on the optimizer; every rank
-  // gets the length, so that all can walk a unit's pieces in step. On the first pipeline stage, for another
-  // stage's unit: the next piece that stage sends (`offset` is where it must start). A checkpoint so holds no
-  // unit whole on any rank. Only where gathers_pieces(unit).
-  using PieceBuffer = std::function<float*(size_t length)>;
-  // A PieceBuffer that grows `buffer` to each piece's length (the largest so far stays allocated).
-  static PieceBuffer buffer_in(std::vector<float>& buffer) {
-    return [&buffer](size_t length) {
-      buffer.resize(length);
-      return buffer.data();
-    };
-  }
-  virtual Result<StatePiece> gather_piece(size_t unit, int k, size_t offset, size_t max_len,
-                                          const PieceBuffer& buffer) {
-    (void)k, (void)offset, (void)max_len, (void)buffer;
-    return Status::internal("unit {}: this optimizer gathers no pieces", unit);
-  }
-  // Fills dst with state k of a unit (0: the weights, 1: Adam's m, 2: v) from element `offset` on.
-  using StateFill = std::function<Status(int k, size_t offset, std::span<float> dst)>;
-  // Takes unit i's weights, m and v from `fill` a sub-group at a time, straight into where this optimizer keeps
-  // them (host memory, or a staging slot on its way to NVMe), and makes the weights the model's parameters as
-  // well: a checkpoint or initial weights loaded so stay within the host budget, instead of a whole unit's
-  // weights, m and v in vectors beside it. `fill` is asked for each piece's weights, then its m and v, pieces in
-  // increasing offset order; offsets are in the unit's layout on this rank (callers under tensor parallelism,
-  // whose units are slices, do not call it); under ZeRO-3 only this rank's shard is asked for. Never collective.
-  // Returns false, having called nothing, where this optimizer keeps no such copy of the unit (then write_params
-  // and write_moments or adopt_params); true for a unit this pipeline stage does not hold (nothing to load). An
-  // error (from `fill`, or writing) can leave the unit partly loaded: the caller fails the whole load.
-  virtual Result<bool> load_state(size_t unit, const StateFill& fill) {
-    (void)unit, (void)fill;
-    return false;
-  }
+  // The piece-by-piece access to its state that checkpoints use where it lies offloaded
+  // (engine/checkpoint/state_pieces.h); null where the state is read with the model's read_params and
+  // read_moments.
+  virtual PieceState* piece_state() { return nullptr; }
   // Completes an update still running in the background (OffloadedAdamW overlaps it with the next forward);
   // call before reading the parameters other than through the model's own forward (checkpoints).
   virtual Status finish() { return Status::ok(); }
