@@ -202,44 +202,24 @@ class Coordinator {
 
   // Every gradient becomes zero (nothing is touched until a unit is next used).
   Status zero_grads();
-  // Gradient accumulation: `on` while the backward passes to come are not the step's last. With the parameters
-  // on the device (param_home kDevice) each unit's gradient then stays on the device and adds up there, and
-  // goes home from the backward after set_accumulating(false), or at flush_grads(); when device memory runs
-  // short an eviction sends one home early and its next use brings it back. With the parameters offloaded it
-  // changes nothing (every backward sends its gradients home, and the next brings them back). Off by default.
+  // Gradient accumulation: `on` while the backward passes to come are not the step's last (with the parameters
+  // on the device their gradients then add up there). Off by default. These calls' modes:
+  // docs/architecture.md "Gradients at home".
   void set_accumulating(bool on);
-  // Waits until every gradient is at its home (zeros for a unit no backward touched). Then, until the next
-  // acquire: host_grads(u) is unit u's accumulated gradient (grad_home host; null with nvme, where the
-  // optimizer reads grad_keys(u), chunks of nvme_chunk_elements), and grad_sum_squares(u) its sum of squares
-  // (kernels/cpu/fast.h add_sum_squares from 0 over the unit, whichever the home; less the unit's
-  // norm_excluded ranges, each piece from 0, added in order). ZeRO-3: this rank's shard
-  // of the gradient summed over the group (shard(u).len elements) and its sum of squares. With `take_norms`
-  // (grad_home host) each unit's sum of squares is the one taken on the "gradient norms" queue as its step's
-  // last download landed, while the backward still ran (set_norms_on_arrival), or else taken here as its
-  // gradient lands, overlapping the downloads still in flight; the same function on the same bytes either way.
-  // Pass false when the gradients change before the norm (summed over ranks), which then takes them.
+  // Waits until every gradient is at its home; then, until the next acquire, host_grads(u) (grad_home host) or
+  // grad_keys(u) (nvme) is unit u's accumulated gradient and grad_sum_squares(u) its sum of squares (ZeRO-3:
+  // this rank's shard, summed over the group). `take_norms` false: the gradients change before the norm.
   Status flush_grads(bool take_norms = true);
-  // grad_home host, not sharded: whether each gradient's sum of squares is taken as soon as a download after
-  // set_accumulating(false) lands, on the host's cores while the device computes the rest of the backward. On
-  // by default where the device's memory is not the host's (a GPU); off on the CPU backend, whose kernels leave
-  // no core idle during the backward. Turned off when the gradients change at home before the norm (summed over
-  // data-parallel ranks), which would make that work wasted.
+  // grad_home host, not sharded: whether each gradient's sum of squares is taken as its download lands, while
+  // the device computes the rest of the backward. On by default where the device's memory is not the host's.
   void set_norms_on_arrival(bool on);
   const float* host_grads(size_t u) const;
   // The same gradient for changing in place before the optimizer reads it (summing it over data-parallel
   // ranks): any device copy of it is dropped, so nothing stale is used. grad_home host; after flush_grads().
   float* host_grads_for_update(size_t u);
-  // grad_home nvme: each unit's gradient summed over `group` where it lies (read through a write-staging buffer,
-  // all-reduced, written back to the same keys), and its sum of squares taken again from the sum, so that the
-  // optimizer reads, and the norm counts, the group's gradient. Pipelined: the next units' reads and the last
-  // ones' write-backs run on the I/O queue while a unit is all-reduced on the calling thread (read-ahead bounded
-  // by the write-staging buffers). A rank whose read failed still takes part in every unit's sum, with NaN for
-  // the one it could not read (every rank's norm is then not finite and the step skipped everywhere), and fails
-  // after, naming the unit; until its sum is written back a unit's sum of squares is NaN. Collective over
-  // `group` (the units in the same order on every rank); after flush_grads(); any device copy of a gradient is
-  // dropped. Returns when every write-back has finished (the calls are counted in the step's gradient wait).
-  // Under ZeRO-3, this rank's shard (the tied embedding's between the pipeline's ends, which hold the same
-  // shard).
+  // grad_home nvme: each unit's gradient summed over `group` where it lies, and its sum of squares taken again
+  // from the sum; pipelined on the I/O queue. Collective over `group` (the units in the same order on every
+  // rank), after flush_grads(); a rank whose read failed still takes part, with NaN, and fails after.
   Status sum_grads_over(const std::vector<size_t>& units, comm::Communicator& group);
   const std::vector<std::string>& grad_keys(size_t u) const;
   double grad_sum_squares(size_t u) const;
