@@ -37,7 +37,6 @@
 
 #ifdef STRATA_HAVE_CUDNN
 #include <cmath>
-#include <deque>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -85,8 +84,13 @@ void cudnn_attention_backward(uint16_t*, const uint16_t*, const uint16_t*, const
 
 namespace {
 
+using cudnn::build_plan;
 using cudnn::Descriptor;
-using Dims = std::vector<int64_t>;
+using cudnn::Dims;
+using cudnn::Graph;
+using cudnn::operation_graph;
+using cudnn::Plan;
+using cudnn::Target;
 
 // Unique ids of the tensors a variant pack names (the virtual ones are numbered from kFirstVirtual).
 enum Uid : int64_t {
@@ -134,218 +138,36 @@ struct Shape {
   Dims rows_strides() const { return {NH * T, T, 1, 1}; }
 };
 
-// One operation graph under construction: its tensors and operations, kept alive with it, and the first failure.
-class Graph {
- public:
-  explicit Graph(std::string what) : what_(std::move(what)) {}
+// A graph whose virtual tensors are numbered above the uids the variant packs name.
+std::unique_ptr<Graph> new_graph(std::string what) { return std::make_unique<Graph>(std::move(what), kFirstVirtual); }
 
-  const Descriptor& tensor(int64_t uid, const Dims& dims, const Dims& strides, cudnnDataType_t type,
-                           bool is_virtual = false, bool by_value = false) {
-    Descriptor& t = keep(CUDNN_BACKEND_TENSOR_DESCRIPTOR, fmt::format("tensor {} of the {}", uid, what_));
-    t.set(CUDNN_ATTR_TENSOR_DATA_TYPE, type)
-        .set(CUDNN_ATTR_TENSOR_DIMENSIONS, dims)
-        .set(CUDNN_ATTR_TENSOR_STRIDES, strides)
-        .set(CUDNN_ATTR_TENSOR_UNIQUE_ID, uid)
-        .set(CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, int64_t{16});
-    if (is_virtual) t.set(CUDNN_ATTR_TENSOR_IS_VIRTUAL, true);
-    if (by_value) t.set(CUDNN_ATTR_TENSOR_IS_BY_VALUE, true);
-    check(t.finalize());
-    return t;
-  }
-  // A virtual intermediate, fp32 unless said.
-  const Descriptor& temp(const Dims& dims, const Dims& strides, cudnnDataType_t type = CUDNN_DATA_FLOAT) {
-    return tensor(next_virtual_++, dims, strides, type, /*is_virtual=*/true);
-  }
-  // An fp32 scalar passed by value (a host pointer in the variant pack).
-  const Descriptor& scalar(int64_t uid) {
-    return tensor(uid, {1, 1, 1, 1}, {1, 1, 1, 1}, CUDNN_DATA_FLOAT, /*is_virtual=*/false, /*by_value=*/true);
-  }
-
-  // y = mode(x[, b[, t]]) elementwise (GEN_INDEX: y = the index along `axis`).
-  void pointwise(cudnnPointwiseMode_t mode, const Descriptor& x, const Descriptor* b, const Descriptor* t,
-                 const Descriptor& y, cudnnDataType_t precision = CUDNN_DATA_FLOAT, int64_t axis = -1) {
-    Descriptor& pw = keep(CUDNN_BACKEND_POINTWISE_DESCRIPTOR, fmt::format("pointwise mode {} of the {}",
-                                                                         static_cast<int>(mode), what_));
-    pw.set(CUDNN_ATTR_POINTWISE_MODE, mode).set(CUDNN_ATTR_POINTWISE_MATH_PREC, precision);
-    if (axis >= 0) pw.set(CUDNN_ATTR_POINTWISE_AXIS, axis);
-    check(pw.finalize());
-    Descriptor& op = keep(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, fmt::format("{} operation", pw.what()));
-    op.set(CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pw)
-        .set(CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x)
-        .set(CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y)
-        .set(CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, 1.0f)
-        .set(CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, 1.0f);
-    if (b != nullptr) op.set(CUDNN_ATTR_OPERATION_POINTWISE_BDESC, *b);
-    if (t != nullptr) op.set(CUDNN_ATTR_OPERATION_POINTWISE_TDESC, *t);
-    add(op);
-  }
-  // c = a · b over the last two dimensions, batched over the first two.
-  void matmul(const Descriptor& a, const Descriptor& b, const Descriptor& c) {
-    Descriptor& mm = keep(CUDNN_BACKEND_MATMUL_DESCRIPTOR, fmt::format("matmul of the {}", what_));
-    mm.set(CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_DATA_FLOAT).set(CUDNN_ATTR_MATMUL_PADDING_VALUE, 0.0);
-    check(mm.finalize());
-    Descriptor& op = keep(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, fmt::format("matmul operation of the {}", what_));
-    op.set(CUDNN_ATTR_OPERATION_MATMUL_ADESC, a)
-        .set(CUDNN_ATTR_OPERATION_MATMUL_BDESC, b)
-        .set(CUDNN_ATTR_OPERATION_MATMUL_CDESC, c)
-        .set(CUDNN_ATTR_OPERATION_MATMUL_DESC, mm);
-    add(op);
-  }
-  // y = the reduction of x over the dimensions where y has size 1.
-  void reduction(cudnnReduceTensorOp_t reduce, const Descriptor& x, const Descriptor& y) {
-    Descriptor& r = keep(CUDNN_BACKEND_REDUCTION_DESCRIPTOR, fmt::format("reduction of the {}", what_));
-    r.set(CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_DATA_FLOAT)
-        .set(CUDNN_ATTR_REDUCTION_OPERATOR, reduce)
-        .set(CUDNN_ATTR_REDUCTION_IS_DETERMINISTIC, false);
-    check(r.finalize());
-    Descriptor& op =
-        keep(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, fmt::format("reduction operation of the {}", what_));
-    op.set(CUDNN_ATTR_OPERATION_REDUCTION_DESC, r)
-        .set(CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x)
-        .set(CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y);
-    add(op);
-  }
-  // y = x seen with y's dimensions and strides (the backward's transposes).
-  void reshape(const Descriptor& x, const Descriptor& y) {
-    Descriptor& op = keep(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, fmt::format("reshape of the {}", what_));
-    op.set(CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x).set(CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y);
-    add(op);
-  }
-
-  // The causal mask on the scores s: where a column (key) is past the row (query), −inf. `band`: as cuDNN 9.21's
-  // one diagonal-band operation (what a frontend built against 9.21's headers sends), else as the pointwise chain
-  // of row and column indices, comparison and select.
-  const Descriptor& causal_mask(const Shape& sh, const Descriptor& s, const Descriptor& neg_inf, bool band = false) {
-    if (band) {
-      const Descriptor& masked = temp(sh.scores(), sh.scores_strides());
-      Descriptor& op = keep(kDiagonalBandMaskOp, fmt::format("causal mask operation of the {}", what_));
-      op.set(kBandMaskXDesc, s).set(kBandMaskBDesc, neg_inf).set(kBandMaskYDesc, masked)
-          .raw(kBandMaskComparison, CUDNN_TYPE_POINTWISE_MODE, 1, &kCmpGe);
-      add(op);
-      return masked;
-    }
-    const Descriptor& row = temp(sh.scores(), sh.scores_strides(), CUDNN_DATA_INT32);
-    pointwise(CUDNN_POINTWISE_GEN_INDEX, s, nullptr, nullptr, row, CUDNN_DATA_FLOAT, 2);
-    const Descriptor& col = temp(sh.scores(), sh.scores_strides(), CUDNN_DATA_INT32);
-    pointwise(CUDNN_POINTWISE_GEN_INDEX, s, nullptr, nullptr, col, CUDNN_DATA_FLOAT, 3);
-    const Descriptor& keep_it = temp(sh.scores(), sh.scores_strides(), CUDNN_DATA_BOOLEAN);
-    pointwise(CUDNN_POINTWISE_CMP_GE, row, &col, nullptr, keep_it, CUDNN_DATA_BOOLEAN);
-    const Descriptor& masked = temp(sh.scores(), sh.scores_strides());
-    pointwise(CUDNN_POINTWISE_BINARY_SELECT, s, &neg_inf, &keep_it, masked);  // keep ? s : −inf
+// The causal mask on the scores s: where a column (key) is past the row (query), −inf. `band`: as cuDNN 9.21's
+// one diagonal-band operation (what a frontend built against 9.21's headers sends), else as the pointwise chain
+// of row and column indices, comparison and select.
+const Descriptor& causal_mask(Graph& g, const Shape& sh, const Descriptor& s, const Descriptor& neg_inf,
+                              bool band = false) {
+  if (band) {
+    const Descriptor& masked = g.temp(sh.scores(), sh.scores_strides());
+    Descriptor& op = g.keep(kDiagonalBandMaskOp, fmt::format("causal mask operation of the {}", g.what()));
+    op.set(kBandMaskXDesc, s).set(kBandMaskBDesc, neg_inf).set(kBandMaskYDesc, masked)
+        .raw(kBandMaskComparison, CUDNN_TYPE_POINTWISE_MODE, 1, &kCmpGe);
+    g.add(op);
     return masked;
   }
-
-  Descriptor& keep(cudnnBackendDescriptorType_t type, std::string what) {
-    return descriptors_.emplace_back(type, std::move(what));
-  }
-  void check(const Status& s) {
-    if (status_.is_ok() && !s.is_ok()) status_ = s;
-  }
-  void add(Descriptor& op) {
-    check(op.finalize());
-    ops_.push_back(&op);
-  }
-  const std::vector<const Descriptor*>& ops() const { return ops_; }
-  const Status& status() const { return status_; }
-  const std::string& what() const { return what_; }
-
- private:
-  std::string what_;
-  std::deque<Descriptor> descriptors_;  // stable addresses: operations refer to tensors
-  std::vector<const Descriptor*> ops_;
-  int64_t next_virtual_ = kFirstVirtual;
-  Status status_;
-};
-
-// A finalized execution plan and what it needs besides the tensors: cuDNN's workspace, and on the backward's
-// accumulating form the frontend's own fp32 tensors (dQ's accumulator and the rows' dO·O) placed before it.
-struct Plan {
-  std::unique_ptr<Graph> graph;  // the descriptors the plan was built from
-  Descriptor op_graph, config, plan;
-  int64_t workspace = 0;
-  bool accumulates_dq = false;  // the backward's non-deterministic form
-  std::string how;              // for the log: which form, which engine configuration
-};
-
-// The finalized operation graph of g's operations (or of `only_op`), on handle h (null: none, for a check
-// without a device).
-Result<Descriptor> operation_graph(const Graph& g, const Descriptor* only_op, cudnnHandle_t h) {
-  STRATA_RETURN_IF_ERROR(g.status());
-  Descriptor op_graph(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, g.what() + " operation graph");
-  op_graph.set(CUDNN_ATTR_OPERATIONGRAPH_OPS, only_op != nullptr ? std::vector<const Descriptor*>{only_op} : g.ops());
-  if (h != nullptr) op_graph.set(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, h);
-  STRATA_RETURN_IF_ERROR(op_graph.finalize());
-  return Result<Descriptor>(std::move(op_graph));
-}
-
-// What plans are built for: this process's GPU (a handle), or one described by its properties (a machine
-// without it: the plans can be built, not run).
-struct Target {
-  cudnnHandle_t handle = nullptr;
-  const Descriptor* device = nullptr;  // when there is no handle
-};
-
-// Builds the operation graph and the first of the heuristic's engine configurations that finalizes.
-Result<Plan> build_plan(std::unique_ptr<Graph> g, const Target& target, const Descriptor* only_op = nullptr) {
-  const cudnn::Api& api = *cudnn::load().value();
-  Plan p;
-  STRATA_ASSIGN_OR_RETURN(p.op_graph, operation_graph(*g, only_op, target.handle));
-  Descriptor heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, g->what() + " heuristics");
-  heur.set(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, p.op_graph).set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_HEUR_MODE_A);
-  if (target.device != nullptr) heur.set(CUDNN_ATTR_ENGINEHEUR_DEVICEPROP, *target.device);
-  STRATA_RETURN_IF_ERROR(heur.finalize());
-  int64_t count = 0;
-  if (const cudnnStatus_t s =
-          api.BackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count,
-                                  nullptr);
-      s != CUDNN_STATUS_SUCCESS)
-    return Status::internal("cuDNN: counting the {}'s engine configurations: {}", g->what(), cudnn::describe(s));
-  if (count == 0) return Status::not_found("cuDNN has no engine for the {}", g->what());
-  std::vector<Descriptor> configs;
-  std::vector<cudnnBackendDescriptor_t> raw;
-  for (int64_t i = 0; i < count; ++i) {
-    configs.emplace_back(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, fmt::format("engine configuration {}", i));
-    raw.push_back(configs.back().get());
-  }
-  int64_t got = 0;
-  if (const cudnnStatus_t s = api.BackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
-                                                      CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &got, raw.data());
-      s != CUDNN_STATUS_SUCCESS)
-    return Status::internal("cuDNN: reading the {}'s engine configurations: {}", g->what(), cudnn::describe(s));
-  std::string refusals;
-  for (int64_t i = 0; i < got; ++i) {
-    Descriptor plan(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, fmt::format("{} plan {} of {}", g->what(), i + 1, got));
-    plan.set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, configs[static_cast<size_t>(i)]);
-    if (target.device != nullptr) plan.set(CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP, *target.device);
-    if (Status s = plan.finalize(); !s.is_ok()) {
-      if (target.device != nullptr && plan.failure() == CUDNN_STATUS_EXECUTION_FAILED_CUDA_DRIVER) {
-        // Without the GPU: the engine took the graph and compiled its kernels, and only loading them failed
-        // (against the driver's stub). As far as a machine without the GPU can go.
-        auto workspace = configs[static_cast<size_t>(i)].get_int64(CUDNN_ATTR_ENGINECFG_WORKSPACE_SIZE);
-        p.workspace = workspace.is_ok() ? workspace.value() : -1;
-        p.how = fmt::format("engine configuration {} of {} compiled (loading it needs the GPU), workspace {:.1f} MiB",
-                            i + 1, got, static_cast<double>(p.workspace) / (1 << 20));
-        p.graph = std::move(g);
-        return Result<Plan>(std::move(p));
-      }
-      refusals += fmt::format("; {}", s.message());
-      continue;
-    }
-    STRATA_ASSIGN_OR_RETURN(p.workspace, plan.get_int64(CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE));
-    p.plan = std::move(plan);
-    p.config = std::move(configs[static_cast<size_t>(i)]);
-    p.how = fmt::format("engine configuration {} of {}, workspace {:.1f} MiB", i + 1, got,
-                        static_cast<double>(p.workspace) / (1 << 20));
-    p.graph = std::move(g);
-    return Result<Plan>(std::move(p));
-  }
-  return Status::not_found("cuDNN finalized none of the {} engine configurations for the {}{}", got, g->what(),
-                           refusals);
+  const Descriptor& row = g.temp(sh.scores(), sh.scores_strides(), CUDNN_DATA_INT32);
+  g.pointwise(CUDNN_POINTWISE_GEN_INDEX, s, nullptr, nullptr, row, CUDNN_DATA_FLOAT, 2);
+  const Descriptor& col = g.temp(sh.scores(), sh.scores_strides(), CUDNN_DATA_INT32);
+  g.pointwise(CUDNN_POINTWISE_GEN_INDEX, s, nullptr, nullptr, col, CUDNN_DATA_FLOAT, 3);
+  const Descriptor& keep_it = g.temp(sh.scores(), sh.scores_strides(), CUDNN_DATA_BOOLEAN);
+  g.pointwise(CUDNN_POINTWISE_CMP_GE, row, &col, nullptr, keep_it, CUDNN_DATA_BOOLEAN);
+  const Descriptor& masked = g.temp(sh.scores(), sh.scores_strides());
+  g.pointwise(CUDNN_POINTWISE_BINARY_SELECT, s, &neg_inf, &keep_it, masked);  // keep ? s : −inf
+  return masked;
 }
 
 // §forward, decomposed: Q·Kᵀ, scale, causal mask, softmax with stats, P·V.
 std::unique_ptr<Graph> forward_graph(const Shape& sh) {
-  auto g = std::make_unique<Graph>(fmt::format("attention forward B={} T={} NH={} hs={}", sh.B, sh.T, sh.NH, sh.hs));
+  auto g = new_graph(fmt::format("attention forward B={} T={} NH={} hs={}", sh.B, sh.T, sh.NH, sh.hs));
   const Descriptor& q = g->tensor(kQ, sh.head(), sh.qkv(), CUDNN_DATA_BFLOAT16);
   const Descriptor& kt = g->tensor(kK, sh.head_t(), sh.qkv_t(), CUDNN_DATA_BFLOAT16);
   const Descriptor& v = g->tensor(kV, sh.head(), sh.qkv(), CUDNN_DATA_BFLOAT16);
@@ -358,7 +180,7 @@ std::unique_ptr<Graph> forward_graph(const Shape& sh) {
   g->matmul(q, kt, s);
   const Descriptor& scaled = g->temp(sh.scores(), sh.scores_strides());
   g->pointwise(CUDNN_POINTWISE_MUL, s, &scale, nullptr, scaled);
-  const Descriptor& masked = g->causal_mask(sh, scaled, neg_inf);
+  const Descriptor& masked = causal_mask(*g, sh, scaled, neg_inf);
   const Descriptor& max = g->temp(sh.rows(), sh.rows_strides());
   g->reduction(CUDNN_REDUCE_TENSOR_MAX, masked, max);
   const Descriptor& shifted = g->temp(sh.scores(), sh.scores_strides());
@@ -379,7 +201,7 @@ std::unique_ptr<Graph> forward_graph(const Shape& sh) {
 // The forward as cuDNN 9.21's one fused operation: the mask a subgraph of one diagonal-band operation, the stats
 // through a softmax descriptor. Returns the graph and the operation the op graph is to hold (only it).
 std::pair<std::unique_ptr<Graph>, const Descriptor*> unified_forward_graph(const Shape& sh) {
-  auto g = std::make_unique<Graph>(
+  auto g = new_graph(
       fmt::format("attention forward (fused operation) B={} T={} NH={} hs={}", sh.B, sh.T, sh.NH, sh.hs));
   const Descriptor& q = g->tensor(kQ, sh.head(), sh.qkv(), CUDNN_DATA_BFLOAT16);
   const Descriptor& k = g->tensor(kK, sh.head(), sh.qkv(), CUDNN_DATA_BFLOAT16);
@@ -424,9 +246,9 @@ std::pair<std::unique_ptr<Graph>, const Descriptor*> unified_forward_graph(const
 
 // §backward, decomposed. `accumulate`: dQ summed in an fp32 accumulator then converted (the frontend's default,
 // atomics); else written by its own product (the frontend's deterministic form on sm_90). `band`: the causal mask
-// as one operation (Graph::causal_mask).
+// as one operation (causal_mask).
 std::unique_ptr<Graph> backward_graph(const Shape& sh, bool accumulate, bool band = false) {
-  auto g = std::make_unique<Graph>(fmt::format("attention backward{}{} B={} T={} NH={} hs={}",
+  auto g = new_graph(fmt::format("attention backward{}{} B={} T={} NH={} hs={}",
                                                accumulate ? " (accumulating dQ)" : "", band ? " (band mask)" : "",
                                                sh.B, sh.T, sh.NH, sh.hs));
   const Descriptor& q = g->tensor(kQ, sh.head(), sh.qkv(), CUDNN_DATA_BFLOAT16);
@@ -457,7 +279,7 @@ std::unique_ptr<Graph> backward_graph(const Shape& sh, bool accumulate, bool ban
   g->pointwise(CUDNN_POINTWISE_MUL, s, &scale, nullptr, scaled);
   const Descriptor& shifted = g->temp(sh.scores(), sh.scores_strides());
   g->pointwise(CUDNN_POINTWISE_SUB, scaled, &stats, nullptr, shifted);
-  const Descriptor& masked = g->causal_mask(sh, shifted, neg_inf, band);
+  const Descriptor& masked = causal_mask(*g, sh, shifted, neg_inf, band);
   const Descriptor& p = g->temp(sh.scores(), sh.scores_strides());
   g->pointwise(CUDNN_POINTWISE_EXP, masked, nullptr, nullptr, p);
 

@@ -6,7 +6,9 @@
 #include <dlfcn.h>
 
 #include <cstdlib>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cudnn_version.h>
@@ -209,6 +211,136 @@ Result<Descriptor> device_properties(const std::string& json) {
             json.data());
   STRATA_RETURN_IF_ERROR(props.finalize());
   return Result<Descriptor>(std::move(props));
+}
+
+const Descriptor& Graph::tensor(int64_t uid, const Dims& dims, const Dims& strides, cudnnDataType_t type,
+                                     bool is_virtual, bool by_value) {
+  Descriptor& t = keep(CUDNN_BACKEND_TENSOR_DESCRIPTOR, fmt::format("tensor {} of the {}", uid, what_));
+  t.set(CUDNN_ATTR_TENSOR_DATA_TYPE, type)
+      .set(CUDNN_ATTR_TENSOR_DIMENSIONS, dims)
+      .set(CUDNN_ATTR_TENSOR_STRIDES, strides)
+      .set(CUDNN_ATTR_TENSOR_UNIQUE_ID, uid)
+      .set(CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, int64_t{16});
+  if (is_virtual) t.set(CUDNN_ATTR_TENSOR_IS_VIRTUAL, true);
+  if (by_value) t.set(CUDNN_ATTR_TENSOR_IS_BY_VALUE, true);
+  check(t.finalize());
+  return t;
+}
+
+void Graph::pointwise(cudnnPointwiseMode_t mode, const Descriptor& x, const Descriptor* b, const Descriptor* t,
+                      const Descriptor& y, cudnnDataType_t precision, int64_t axis) {
+  Descriptor& pw = keep(CUDNN_BACKEND_POINTWISE_DESCRIPTOR, fmt::format("pointwise mode {} of the {}",
+                                                                       static_cast<int>(mode), what_));
+  pw.set(CUDNN_ATTR_POINTWISE_MODE, mode).set(CUDNN_ATTR_POINTWISE_MATH_PREC, precision);
+  if (axis >= 0) pw.set(CUDNN_ATTR_POINTWISE_AXIS, axis);
+  check(pw.finalize());
+  Descriptor& op = keep(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, fmt::format("{} operation", pw.what()));
+  op.set(CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pw)
+      .set(CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x)
+      .set(CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y)
+      .set(CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, 1.0f)
+      .set(CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, 1.0f);
+  if (b != nullptr) op.set(CUDNN_ATTR_OPERATION_POINTWISE_BDESC, *b);
+  if (t != nullptr) op.set(CUDNN_ATTR_OPERATION_POINTWISE_TDESC, *t);
+  add(op);
+}
+
+void Graph::matmul(const Descriptor& a, const Descriptor& b, const Descriptor& c) {
+  Descriptor& mm = keep(CUDNN_BACKEND_MATMUL_DESCRIPTOR, fmt::format("matmul of the {}", what_));
+  mm.set(CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_DATA_FLOAT).set(CUDNN_ATTR_MATMUL_PADDING_VALUE, 0.0);
+  check(mm.finalize());
+  Descriptor& op = keep(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, fmt::format("matmul operation of the {}", what_));
+  op.set(CUDNN_ATTR_OPERATION_MATMUL_ADESC, a)
+      .set(CUDNN_ATTR_OPERATION_MATMUL_BDESC, b)
+      .set(CUDNN_ATTR_OPERATION_MATMUL_CDESC, c)
+      .set(CUDNN_ATTR_OPERATION_MATMUL_DESC, mm);
+  add(op);
+}
+
+void Graph::reduction(cudnnReduceTensorOp_t reduce, const Descriptor& x, const Descriptor& y) {
+  Descriptor& r = keep(CUDNN_BACKEND_REDUCTION_DESCRIPTOR, fmt::format("reduction of the {}", what_));
+  r.set(CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_DATA_FLOAT)
+      .set(CUDNN_ATTR_REDUCTION_OPERATOR, reduce)
+      .set(CUDNN_ATTR_REDUCTION_IS_DETERMINISTIC, false);
+  check(r.finalize());
+  Descriptor& op =
+      keep(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, fmt::format("reduction operation of the {}", what_));
+  op.set(CUDNN_ATTR_OPERATION_REDUCTION_DESC, r)
+      .set(CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x)
+      .set(CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y);
+  add(op);
+}
+
+void Graph::reshape(const Descriptor& x, const Descriptor& y) {
+  Descriptor& op = keep(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, fmt::format("reshape of the {}", what_));
+  op.set(CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x).set(CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y);
+  add(op);
+}
+
+Result<Descriptor> operation_graph(const Graph& g, const Descriptor* only_op, cudnnHandle_t h) {
+  STRATA_RETURN_IF_ERROR(g.status());
+  Descriptor op_graph(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, g.what() + " operation graph");
+  op_graph.set(CUDNN_ATTR_OPERATIONGRAPH_OPS, only_op != nullptr ? std::vector<const Descriptor*>{only_op} : g.ops());
+  if (h != nullptr) op_graph.set(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, h);
+  STRATA_RETURN_IF_ERROR(op_graph.finalize());
+  return Result<Descriptor>(std::move(op_graph));
+}
+
+Result<Plan> build_plan(std::unique_ptr<Graph> g, const Target& target, const Descriptor* only_op) {
+  const Api& api = *load().value();
+  Plan p;
+  STRATA_ASSIGN_OR_RETURN(p.op_graph, operation_graph(*g, only_op, target.handle));
+  Descriptor heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, g->what() + " heuristics");
+  heur.set(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, p.op_graph).set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_HEUR_MODE_A);
+  if (target.device != nullptr) heur.set(CUDNN_ATTR_ENGINEHEUR_DEVICEPROP, *target.device);
+  STRATA_RETURN_IF_ERROR(heur.finalize());
+  int64_t count = 0;
+  if (const cudnnStatus_t s =
+          api.BackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count,
+                                  nullptr);
+      s != CUDNN_STATUS_SUCCESS)
+    return Status::internal("cuDNN: counting the {}'s engine configurations: {}", g->what(), describe(s));
+  if (count == 0) return Status::not_found("cuDNN has no engine for the {}", g->what());
+  std::vector<Descriptor> configs;
+  std::vector<cudnnBackendDescriptor_t> raw;
+  for (int64_t i = 0; i < count; ++i) {
+    configs.emplace_back(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, fmt::format("engine configuration {}", i));
+    raw.push_back(configs.back().get());
+  }
+  int64_t got = 0;
+  if (const cudnnStatus_t s = api.BackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                                                      CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &got, raw.data());
+      s != CUDNN_STATUS_SUCCESS)
+    return Status::internal("cuDNN: reading the {}'s engine configurations: {}", g->what(), describe(s));
+  std::string refusals;
+  for (int64_t i = 0; i < got; ++i) {
+    Descriptor plan(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, fmt::format("{} plan {} of {}", g->what(), i + 1, got));
+    plan.set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, configs[static_cast<size_t>(i)]);
+    if (target.device != nullptr) plan.set(CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP, *target.device);
+    if (Status s = plan.finalize(); !s.is_ok()) {
+      if (target.device != nullptr && plan.failure() == CUDNN_STATUS_EXECUTION_FAILED_CUDA_DRIVER) {
+        // Without the GPU: the engine took the graph and compiled its kernels, and only loading them failed
+        // (against the driver's stub). As far as a machine without the GPU can go.
+        auto workspace = configs[static_cast<size_t>(i)].get_int64(CUDNN_ATTR_ENGINECFG_WORKSPACE_SIZE);
+        p.workspace = workspace.is_ok() ? workspace.value() : -1;
+        p.how = fmt::format("engine configuration {} of {} compiled (loading it needs the GPU), workspace {:.1f} MiB",
+                            i + 1, got, static_cast<double>(p.workspace) / (1 << 20));
+        p.graph = std::move(g);
+        return Result<Plan>(std::move(p));
+      }
+      refusals += fmt::format("; {}", s.message());
+      continue;
+    }
+    STRATA_ASSIGN_OR_RETURN(p.workspace, plan.get_int64(CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE));
+    p.plan = std::move(plan);
+    p.config = std::move(configs[static_cast<size_t>(i)]);
+    p.how = fmt::format("engine configuration {} of {}, workspace {:.1f} MiB", i + 1, got,
+                        static_cast<double>(p.workspace) / (1 << 20));
+    p.graph = std::move(g);
+    return Result<Plan>(std::move(p));
+  }
+  return Status::not_found("cuDNN finalized none of the {} engine configurations for the {}{}", got, g->what(),
+                           refusals);
 }
 
 }  // namespace strata::kernels::cuda::cudnn
