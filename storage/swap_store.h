@@ -54,7 +54,7 @@ struct SwapFileHeader {
 static_assert(offsetof(SwapFileHeader, rank) == 16 && offsetof(SwapFileHeader, file_bytes) == 32 &&
               offsetof(SwapFileHeader, host) == 56 && sizeof(SwapFileHeader) == 120);
 
-class SwapBouncePool;  // swap_store.cpp
+class SwapBouncePool;  // swap_store_parts.h
 
 struct SwapStoreOptions {
   std::string dir;                              // created when missing
