@@ -1,8 +1,9 @@
 // I/O engines and IoQueue: every engine (io_uring, io_uring+SQPOLL, POSIX, in-memory) round-trips random
-// requests byte for byte, and IoQueue's correctness logic (splitting, short-transfer resume, EINTR/EAGAIN
-// retry, alignment and end-of-file errors, errno text naming file and offset, shutdown) is checked against
-// injected faults. Seeded: a failure names the engine and seed, so it replays. The engine kinds one by one
-// (MemoryEngine's own rules, make_io_engine's choice): io_engine_kinds_test.cpp.
+// requests byte for byte, and IoQueue's correctness logic (splitting, alignment and end-of-file errors naming
+// file and offset, shutdown, registered buffers, file operations) is checked. Seeded: a failure names the engine
+// and seed, so it replays. Under injected faults (short transfers, EIO, ENOSPC, EINTR/EAGAIN, silent
+// corruption): io_engine_faults_test.cpp. The engine kinds one by one (MemoryEngine's own rules,
+// make_io_engine's choice): io_engine_kinds_test.cpp. The shared fixture: io_engine_fixture.h.
 #include "storage/io_engine.h"
 
 #include <sys/resource.h>
@@ -10,12 +11,10 @@
 
 #include <algorithm>
 #include <atomic>
-#include <bit>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
-#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -25,236 +24,31 @@
 #include <gtest/gtest.h>
 
 #include "common/aligned.h"
-#include "common/check.h"
 #include "common/rng.h"
 #include "storage/fault_engine.h"
 #include "storage/io_queue.h"
 #include "storage/memory_engine.h"
 #include "storage/uring_engine.h"
+#include "tests/storage/io_engine_fixture.h"
 #include "tests/test_util.h"
 
 namespace strata {
 namespace {
 
 namespace fs = std::filesystem;
-
-constexpr size_t kAlign = 4096;
-constexpr size_t kBlock = size_t{64} << 10;  // IoQueue block size here: requests split into many pieces
-
-
+using io_test::aligned;
+using io_test::buffer_bytes;
+using io_test::bytes_equal;
+using io_test::Extent;
+using io_test::extents_equal;
+using io_test::fill_random;
+using io_test::FlakyEngine;
+using io_test::IoEngineTest;
+using io_test::kAlign;
+using io_test::kBlock;
+using io_test::plan_extents;
+using io_test::write_then_read;
 using ::strata::testing::expect_error;
-
-void fill_random(void* dst, size_t n, Rng& rng) {
-  auto* p = static_cast<unsigned char*>(dst);
-  for (size_t i = 0; i < n; i += 8) {
-    const uint64_t v = rng.next_u64();
-    std::memcpy(p + i, &v, std::min<size_t>(8, n - i));
-  }
-}
-
-// Byte-exact comparison reporting the mismatch count and the first 8 (index, got, want).
-::testing::AssertionResult bytes_equal(const void* got, const void* want, size_t n, const std::string& what) {
-  const auto* g = static_cast<const unsigned char*>(got);
-  const auto* w = static_cast<const unsigned char*>(want);
-  size_t bad = 0;
-  std::string first;
-  for (size_t i = 0; i < n; ++i) {
-    if (g[i] == w[i]) continue;
-    if (bad++ < 8) first += fmt::format("\n    [{}] got {:#04x} want {:#04x}", i, g[i], w[i]);
-  }
-  if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": " << bad << " of " << n << " bytes differ; first:" << first;
-}
-
-size_t differing_bits(const unsigned char* a, const unsigned char* b, size_t n) {
-  size_t bits = 0;
-  for (size_t i = 0; i < n; ++i) bits += std::popcount(static_cast<unsigned>(a[i] ^ b[i]));
-  return bits;
-}
-
-AlignedBuffer aligned(size_t bytes, const char* purpose) {
-  auto b = AlignedBuffer::allocate(bytes, purpose, kAlign);
-  STRATA_ASSERT_MSG(b.is_ok(), "test buffer allocation failed");
-  return std::move(b).value();
-}
-
-// Non-overlapping [offset, offset + len) extents from `start`, in random order. Aligned: multiples of 4096, up to
-// 160 blocks (so up to 10 pieces of kBlock). Unaligned: the awkward sizes first (1, 4095, 4097, block +- 1...),
-// then random ones, at odd offsets.
-struct Extent {
-  uint64_t offset;
-  size_t len;
-  size_t at;  // where the extent's bytes sit in the test's buffer
-};
-std::vector<Extent> plan_extents(Rng& rng, size_t count, uint64_t start, bool aligned_io) {
-  static constexpr size_t kAwkward[] = {1, 4095, 4097, kBlock - 1, kBlock + 1, 3 * kBlock + 13, 7};
-  std::vector<Extent> out;
-  uint64_t file_pos = start;
-  size_t buf_pos = 0;
-  for (size_t i = 0; i < count; ++i) {
-    size_t len, gap;
-    if (aligned_io) {
-      len = kAlign * (1 + rng.below(160));
-      gap = kAlign * rng.below(4);
-    } else {
-      len = i < std::size(kAwkward) ? kAwkward[i] : 1 + rng.below(5 * kBlock);
-      gap = rng.below(5000);
-    }
-    file_pos += gap;
-    out.push_back({file_pos, len, buf_pos});
-    file_pos += len;
-    buf_pos += len + (aligned_io ? 0 : 1 + rng.below(7));  // unaligned buffers too
-  }
-  for (size_t i = out.size(); i > 1; --i) std::swap(out[i - 1], out[rng.below(i)]);  // submission order
-  return out;
-}
-size_t buffer_bytes(const std::vector<Extent>& ex) {
-  size_t end = 0;
-  for (const Extent& e : ex) end = std::max(end, e.at + e.len);
-  return end;
-}
-
-// bytes_equal over just the extents' bytes (unaligned plans leave gaps between them in the buffers).
-::testing::AssertionResult extents_equal(const char* got, const char* want, const std::vector<Extent>& ex,
-                                         const std::string& what) {
-  for (const Extent& e : ex) {
-    auto eq =
-        bytes_equal(got + e.at, want + e.at, e.len, fmt::format("{}, extent at {} of {} bytes", what, e.offset, e.len));
-    if (!eq) return eq;
-  }
-  return ::testing::AssertionSuccess();
-}
-
-// Writes every extent from `src` in one batch, then reads them all into `dst` in another.
-Status write_then_read(IoQueue& q, int file, const std::vector<Extent>& ex, char* src, char* dst) {
-  IoBatch batch;
-  for (const Extent& e : ex) q.submit(IoRequest{IoOp::kWrite, file, e.offset, src + e.at, e.len, nullptr}, &batch);
-  STRATA_RETURN_IF_ERROR(batch.wait());
-  for (const Extent& e : ex) q.submit(IoRequest{IoOp::kRead, file, e.offset, dst + e.at, e.len, nullptr}, &batch);
-  return batch.wait();
-}
-
-// Test-only engine: fails the first `failures` attempts of each transfer with -EINTR, -EAGAIN, -EINTR, ...
-// inside submit, then forwards it; failures < 0 fails every attempt with -EAGAIN. Counts and records what it
-// sees (failures == 0 makes it a pure recorder).
-class FlakyEngine final : public IoEngine {
- public:
-  FlakyEngine(IoEngine& inner, int failures) : inner_(inner), failures_(failures) {}
-
-  std::string name() const override { return "flaky(" + inner_.name() + ")"; }
-  uint32_t lanes() const override { return inner_.lanes(); }
-  uint32_t queue_depth() const override { return inner_.queue_depth(); }
-  Result<int> open(const std::string& path, const OpenOptions& o) override { return inner_.open(path, o); }
-  Status close(int file) override { return inner_.close(file); }
-  const std::string& path(int file) const override { return inner_.path(file); }
-  bool direct(int file) const override { return inner_.direct(file); }
-  Status allocate(int file, uint64_t bytes) override { return inner_.allocate(file, bytes); }
-  Result<uint64_t> size(int file) const override { return inner_.size(file); }
-  Status sync(int file) override { return inner_.sync(file); }
-  Result<bool> try_lock(int file) override { return inner_.try_lock(file); }
-  Status create_dirs(const std::string& dir) override { return inner_.create_dirs(dir); }
-  Status remove(const std::string& path) override { return inner_.remove(path); }
-  Result<std::vector<std::string>> list(const std::string& dir) const override { return inner_.list(dir); }
-  size_t alignment(int file) const override { return inner_.alignment(file); }
-  void shutdown() override { inner_.shutdown(); }
-
-  void submit(RawIo* const* ios, size_t n) override {
-    std::vector<RawIo*> pass;
-    std::vector<std::pair<RawIo*, int64_t>> fail;
-    std::vector<uint32_t> lanes;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (size_t i = 0; i < n; ++i) {
-        RawIo* io = ios[i];
-        ++seen_;
-        lanes.push_back(io->lane);
-        int& attempts = attempts_[io];  // keyed by the transfer; erased when it goes through
-        if (failures_ < 0 || attempts < failures_) {
-          fail.emplace_back(io, failures_ < 0 || attempts % 2 == 1 ? -EAGAIN : -EINTR);
-          ++attempts;
-        } else {
-          attempts_.erase(io);
-          pass.push_back(io);
-        }
-      }
-      forwarded_ += pass.size();
-      calls_.push_back(std::move(lanes));
-    }
-    for (auto& [io, err] : fail) io->done(io, err);
-    if (!pass.empty()) inner_.submit(pass.data(), pass.size());
-  }
-
-  uint64_t seen() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return seen_;
-  }
-  uint64_t forwarded() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return forwarded_;
-  }
-  // The lanes of the transfers in each submit call, in order.
-  std::vector<std::vector<uint32_t>> calls() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return calls_;
-  }
-
- private:
-  IoEngine& inner_;
-  const int failures_;
-  mutable std::mutex mu_;
-  std::map<RawIo*, int> attempts_;
-  uint64_t seen_ = 0, forwarded_ = 0;
-  std::vector<std::vector<uint32_t>> calls_;
-};
-
-// ---- the engines ------------------------------------------------------------------------------------------------
-
-class IoEngineTest : public ::testing::TestWithParam<std::string> {
- protected:
-  void SetUp() override {
-    const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::string name = fmt::format("strata_io_{}_{}_{}", ::getpid(), info->test_suite_name(), info->name());
-    std::replace(name.begin(), name.end(), '/', '_');
-    dir_ = fs::temp_directory_path() / name;
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-
-    const std::string& kind = GetParam();
-    if (kind == "memory") {
-      engine_ =
-          std::make_unique<MemoryEngine>(MemoryEngineOptions{.direct_alignment = kAlign, .lanes = 2, .queue_depth = 8});
-    } else {
-      EngineOptions o;
-      o.kind = kind == "posix" ? EngineKind::kPosix : EngineKind::kUring;
-      o.lanes = kind == "posix" ? 3 : 2;
-      o.queue_depth = 8;
-      o.sqpoll = kind == "io_uring_sqpoll";
-      auto made = make_io_engine(o);
-      if (!made.is_ok()) {
-        if (o.kind == EngineKind::kUring) GTEST_SKIP() << "io_uring unavailable here: " << made.status().to_string();
-        FAIL() << made.status().to_string();
-      }
-      engine_ = std::move(made).value();
-    }
-    ASSERT_OK(engine_->create_dirs(dir_.string()));  // the in-memory engine keeps its own directory tree
-  }
-  void TearDown() override {
-    engine_.reset();
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
-
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-  Result<int> open_new(const std::string& name, bool direct) {
-    return engine_->open(path(name), OpenOptions{.create = true, .truncate = true, .direct = direct});
-  }
-  bool on_disk() const { return GetParam() != "memory"; }
-  bool is_uring() const { return GetParam().rfind("io_uring", 0) == 0; }
-  static IoQueueOptions queue_options() { return IoQueueOptions{.block_size = kBlock, .max_retries = 16}; }
-
-  fs::path dir_;
-  std::unique_ptr<IoEngine> engine_;
-};
 
 // 1. Round trips -------------------------------------------------------------------------------------------------
 
@@ -387,180 +181,6 @@ TEST_P(IoEngineTest, ReadPastEndOfFileFailsNamingFileAndOffset) {
                {"end of file", pd, "offset 8192", "after 4096 bytes"});
   expect_error(q.read(d, 3 * kAlign, buf.data(), kAlign), StatusCode::kIOError, {"end of file", pd, "offset 12288"});
   EXPECT_EQ(q.stats().failed, 6u);
-}
-
-// 4. Short transfers ---------------------------------------------------------------------------------------------
-
-TEST_P(IoEngineTest, ShortTransfersAreResumed) {
-  for (const bool direct : {true, false}) {
-    const uint64_t seed = direct ? 21 : 22;
-    SCOPED_TRACE(fmt::format("engine {}, {} file, seed {}", engine_->name(), direct ? "direct" : "buffered", seed));
-    ASSERT_OK_AND_ASSIGN(const int f, open_new(direct ? "direct.bin" : "buffered.bin", direct));
-    FaultEngine faulty(*engine_, FaultOptions{.seed = seed, .short_rate = 1});
-    IoQueue q(faulty, queue_options());
-    Rng rng(seed);
-    const auto ex = plan_extents(rng, 16, direct ? kAlign : 3, direct);
-    AlignedBuffer src = aligned(buffer_bytes(ex), "io_engine_test.src"),
-                  dst = aligned(buffer_bytes(ex), "io_engine_test.dst");
-    fill_random(src.data(), src.size(), rng);
-    ASSERT_OK(write_then_read(q, f, ex, src.as<char>(), dst.as<char>()));
-    EXPECT_TRUE(extents_equal(dst.as<char>(), src.as<char>(), ex, "read back through short transfers"));
-    EXPECT_GT(q.stats().resumed_short, 0u);
-    EXPECT_EQ(q.stats().resumed_short, faulty.counts().short_transfers);
-    // What reached the file is right too, read without faults.
-    faulty.set_enabled(false);
-    std::memset(dst.data(), 0, dst.size());
-    IoBatch batch;
-    for (const Extent& e : ex)
-      q.submit(IoRequest{IoOp::kRead, f, e.offset, dst.as<char>() + e.at, e.len, nullptr}, &batch);
-    ASSERT_OK(batch.wait());
-    EXPECT_TRUE(extents_equal(dst.as<char>(), src.as<char>(), ex, "read back without faults"));
-  }
-}
-
-// 5. EIO and ENOSPC ----------------------------------------------------------------------------------------------
-
-TEST_P(IoEngineTest, EioNamesFileOffsetAndErrno) {
-  ASSERT_OK_AND_ASSIGN(const int f, open_new("eio.bin", /*direct=*/false));
-  std::vector<char> data(5 * 10000);
-  Rng rng(31);
-  fill_random(data.data(), data.size(), rng);
-  {
-    IoQueue clean(*engine_, queue_options());
-    ASSERT_OK(clean.write(f, 12345, data.data(), data.size()));
-  }
-  FaultEngine faulty(*engine_, FaultOptions{.seed = 31, .eio_rate = 1});
-  IoQueue q(faulty, queue_options());
-  std::vector<char> back(data.size());
-  const std::string p = path("eio.bin");
-  expect_error(q.read(f, 22345, back.data(), 10000), StatusCode::kIOError,
-               {"read of 10000 bytes", "offset 22345", p, "Input/output error (EIO)"});
-  IoBatch batch;
-  for (int i = 0; i < 5; ++i)
-    q.submit(IoRequest{IoOp::kRead, f, 12345 + 10000u * i, back.data() + 10000 * i, 10000, nullptr}, &batch);
-  expect_error(batch.wait(), StatusCode::kIOError, {p, "EIO", "(and 4 more failed requests)"});
-  EXPECT_TRUE(batch.done());
-  EXPECT_EQ(q.stats().failed, 6u);
-  EXPECT_EQ(faulty.counts().eio, 6u);
-  ASSERT_OK(batch.wait());  // the batch is reusable: its errors were reported once
-}
-
-TEST_P(IoEngineTest, EnospcOnWritesNamesFileOffsetAndErrno) {
-  ASSERT_OK_AND_ASSIGN(const int f, open_new("enospc.bin", /*direct=*/true));
-  AlignedBuffer buf = aligned(8 * kAlign, "io_engine_test.buf");
-  Rng rng(32);
-  fill_random(buf.data(), buf.size(), rng);
-  {
-    IoQueue clean(*engine_, queue_options());
-    ASSERT_OK(clean.write(f, 0, buf.data(), buf.size()));
-  }
-  FaultEngine faulty(*engine_, FaultOptions{.seed = 32, .enospc_rate = 1});
-  IoQueue q(faulty, queue_options());
-  const std::string p = path("enospc.bin");
-  expect_error(q.write(f, 3 * kAlign, buf.data(), 2 * kAlign), StatusCode::kIOError,
-               {"write of 8192 bytes", "offset 12288", p, "No space left on device (ENOSPC)"});
-  IoBatch batch;
-  for (int i = 0; i < 3; ++i)
-    q.submit(IoRequest{IoOp::kWrite, f, kAlign * i, buf.as<char>() + kAlign * i, kAlign, nullptr}, &batch);
-  expect_error(batch.wait(), StatusCode::kIOError, {p, "ENOSPC", "(and 2 more failed requests)"});
-  EXPECT_EQ(faulty.counts().enospc, 4u);
-  AlignedBuffer back = aligned(buf.size(), "io_engine_test.back");
-  ASSERT_OK(q.read(f, 0, back.data(), back.size()));  // ENOSPC is for writes only
-  EXPECT_TRUE(bytes_equal(back.data(), buf.data(), buf.size(), "data after failed writes"));
-}
-
-// 6. EINTR / EAGAIN ----------------------------------------------------------------------------------------------
-
-TEST_P(IoEngineTest, EintrAndEagainAreRetried) {
-  constexpr int kFailures = 3;
-  ASSERT_OK_AND_ASSIGN(const int f, open_new("retry.bin", /*direct=*/true));
-  FlakyEngine flaky(*engine_, kFailures);
-  IoQueue q(flaky, queue_options());
-  Rng rng(41);
-  const auto ex = plan_extents(rng, 8, 0, /*aligned_io=*/true);
-  AlignedBuffer src = aligned(buffer_bytes(ex), "io_engine_test.src"),
-                dst = aligned(buffer_bytes(ex), "io_engine_test.dst");
-  fill_random(src.data(), src.size(), rng);
-  ASSERT_OK(write_then_read(q, f, ex, src.as<char>(), dst.as<char>()));
-  EXPECT_TRUE(bytes_equal(dst.data(), src.data(), buffer_bytes(ex), "read back after retries"));
-  const IoQueueStats s = q.stats();
-  EXPECT_EQ(s.retried, kFailures * s.pieces);
-  EXPECT_EQ(flaky.forwarded(), s.pieces);
-  EXPECT_EQ(flaky.seen(), (kFailures + 1) * s.pieces);
-  EXPECT_EQ(s.failed, 0u);
-}
-
-TEST_P(IoEngineTest, PersistentEagainGivesUpAfterMaxRetries) {
-  ASSERT_OK_AND_ASSIGN(const int f, open_new("eagain.bin", /*direct=*/false));
-  FlakyEngine flaky(*engine_, /*failures=*/-1);
-  IoQueue q(flaky, IoQueueOptions{.block_size = kBlock, .max_retries = 5});
-  std::vector<char> buf(3 * kBlock + 5, 'x');
-  expect_error(q.write(f, 99, buf.data(), buf.size()), StatusCode::kIOError,
-               {path("eagain.bin"), "offset", "Resource temporarily unavailable (EAGAIN)"});
-  const IoQueueStats s = q.stats();
-  EXPECT_EQ(s.pieces, 4u);
-  EXPECT_EQ(s.retried, 5u * 4u);
-  EXPECT_EQ(flaky.seen(), 6u * 4u);
-  EXPECT_EQ(flaky.forwarded(), 0u);
-  EXPECT_EQ(s.failed, 1u);
-}
-
-// 7. Silent corruption -------------------------------------------------------------------------------------------
-
-// Torn writes and flipped bits report success: this layer cannot see them, which is why the swap store checksums.
-TEST_P(IoEngineTest, TornWritesCorruptSilently) {
-  constexpr size_t kBytes = 16 * kBlock;
-  ASSERT_OK_AND_ASSIGN(const int f, open_new("torn.bin", /*direct=*/true));
-  FaultEngine faulty(*engine_, FaultOptions{.seed = 51, .torn_rate = 1});
-  IoQueue q(faulty, queue_options());
-  Rng rng(51);
-  AlignedBuffer old_data = aligned(kBytes, "io_engine_test.old"), new_data = aligned(kBytes, "io_engine_test.new"),
-                back = aligned(kBytes, "io_engine_test.back");
-  fill_random(old_data.data(), kBytes, rng);
-  fill_random(new_data.data(), kBytes, rng);
-  faulty.set_enabled(false);
-  ASSERT_OK(q.write(f, 0, old_data.data(), kBytes));
-  faulty.set_enabled(true);
-  ASSERT_OK(q.write(f, 0, new_data.data(), kBytes));  // a torn write reports success
-  EXPECT_EQ(faulty.counts().torn, kBytes / kBlock);
-  faulty.set_enabled(false);
-  ASSERT_OK(q.read(f, 0, back.data(), kBytes));
-  const auto* o = old_data.as<unsigned char>();
-  const auto* n = new_data.as<unsigned char>();
-  const auto* b = back.as<unsigned char>();
-  EXPECT_FALSE(bytes_equal(b, n, kBytes, "torn")) << "the torn write reached the disk whole";
-  // Each piece is a prefix of the new data (whole 4 KiB blocks, at least one) followed by the old data.
-  for (size_t piece = 0; piece < kBytes / kBlock; ++piece) {
-    const size_t begin = piece * kBlock;
-    size_t prefix = 0;
-    while (prefix < kBlock && b[begin + prefix] == n[begin + prefix]) ++prefix;
-    prefix -= prefix % kAlign;  // a random old byte may equal the new one
-    EXPECT_GE(prefix, kAlign) << "piece " << piece;
-    EXPECT_LT(prefix, kBlock) << "piece " << piece;
-    EXPECT_TRUE(
-        bytes_equal(b + begin + prefix, o + begin + prefix, kBlock - prefix, fmt::format("piece {} tail", piece)));
-  }
-}
-
-TEST_P(IoEngineTest, FlippedBitsCorruptSilently) {
-  constexpr size_t kBytes = 16 * kBlock + 3 * kAlign;  // 17 pieces
-  ASSERT_OK_AND_ASSIGN(const int f, open_new("flip.bin", /*direct=*/true));
-  FaultEngine faulty(*engine_, FaultOptions{.seed = 52, .flip_rate = 1});
-  IoQueue q(faulty, queue_options());
-  Rng rng(52);
-  AlignedBuffer data = aligned(kBytes, "io_engine_test.data"), back = aligned(kBytes, "io_engine_test.back");
-  fill_random(data.data(), kBytes, rng);
-  ASSERT_OK(q.write(f, 0, data.data(), kBytes));  // flips touch reads only
-  ASSERT_OK(q.read(f, 0, back.data(), kBytes));   // a flipped read reports success
-  EXPECT_EQ(faulty.counts().flipped, 17u);
-  for (size_t piece = 0; piece < 17; ++piece) {
-    const size_t begin = piece * kBlock, len = std::min(kBlock, kBytes - begin);
-    EXPECT_EQ(differing_bits(back.as<unsigned char>() + begin, data.as<unsigned char>() + begin, len), 1u)
-        << "piece " << piece;
-  }
-  faulty.set_enabled(false);
-  ASSERT_OK(q.read(f, 0, back.data(), kBytes));
-  EXPECT_TRUE(bytes_equal(back.data(), data.data(), kBytes, "the disk itself is intact"));
 }
 
 // 8. Shutdown ----------------------------------------------------------------------------------------------------
