@@ -63,6 +63,35 @@ void composed_residual_layernorm_forward(float* res, void* out, float* mean, flo
   LayernormForward(static_cast<float*>(out), mean, rstd, res, weight, bias, N, C);
 }
 
+// The RMSNorm into an fp32 hidden out, and after the residual add (the backend's own fp32 RMSNorm).
+template <auto RmsnormForward>
+void composed_rmsnorm_forward(void* out, float* rstd, const float* inp, const float* weight, int N, int C, float eps,
+                              MatmulPrecision /*precision*/) {
+  RmsnormForward(static_cast<float*>(out), rstd, inp, weight, N, C, eps);
+}
+template <auto ResidualForward, auto RmsnormForward>
+void composed_residual_rmsnorm_forward(float* res, void* out, float* rstd, const float* inp1, const float* inp2,
+                                       const float* weight, int N, int C, float eps, MatmulPrecision /*precision*/) {
+  ResidualForward(res, inp1, inp2, static_cast<size_t>(N) * static_cast<size_t>(C));
+  RmsnormForward(static_cast<float*>(out), rstd, res, weight, N, C, eps);
+}
+
+// RoPE and SwiGLU over fp32 hidden activations: the backend's own fp32 forms.
+template <auto Rope>
+void composed_rope(void* qkv, const float* cos, const float* sin, int B, int T, int NH, int NKV, int hs,
+                   MatmulPrecision /*precision*/) {
+  Rope(static_cast<float*>(qkv), cos, sin, B, T, NH, NKV, hs);
+}
+template <auto SwigluForward>
+void composed_swiglu_forward(void* out, const void* inp, int N, int H, MatmulPrecision /*precision*/) {
+  SwigluForward(static_cast<float*>(out), static_cast<const float*>(inp), N, H);
+}
+template <auto SwigluBackward>
+void composed_swiglu_backward(void* dinp, const void* dout, const void* inp, int N, int H,
+                              MatmulPrecision /*precision*/) {
+  SwigluBackward(static_cast<float*>(dinp), static_cast<const float*>(dout), static_cast<const float*>(inp), N, H);
+}
+
 // Hidden activations (kernels.h: the linears' inputs, the MLP's hidden units, the attention's qkv) kept as fp32
 // (N,width).
 inline size_t composed_hidden_bytes(int N, int width, MatmulPrecision /*precision*/) {

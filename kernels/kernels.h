@@ -74,6 +74,18 @@ struct KernelSet {
                                      const float* inp2, const float* weight, const float* bias, int N, int C,
                                      MatmulPrecision precision);
 
+  // RMSNorm (the Llama family's): out (N,C) = weight * (inp * rstd), rstd (N) = 1 / sqrt(mean(inp²) + eps) saved;
+  // the statistics in fp32 whatever the precision, as transformers' LlamaRMSNorm. out is hidden (hidden_bytes).
+  void (*rmsnorm_forward)(void* out, float* rstd, const float* inp, const float* weight, int N, int C, float eps,
+                          MatmulPrecision precision);
+  // dinp (N,C) +=, dweight (C) +=.
+  void (*rmsnorm_backward)(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                           const float* rstd, int N, int C);
+  // res (N,C) = inp1 + inp2, then rmsnorm_forward of res (fused where a backend can; the backward is
+  // rmsnorm_backward's).
+  void (*residual_rmsnorm_forward)(float* res, void* out, float* rstd, const float* inp1, const float* inp2,
+                                   const float* weight, int N, int C, float eps, MatmulPrecision precision);
+
   // out (N,OC) = inp (N,C) @ weight(OC,C)^T + bias (OC); bias may be null.
   void (*matmul_forward)(float* out, const float* inp, Weight weight, const float* bias, int N, int C,
                          int OC, MatmulPrecision precision);
@@ -111,6 +123,16 @@ struct KernelSet {
   // reads qkv and out again), and then `att` holds those instead of probabilities.
   size_t (*attention_saved_floats)(int B, int T, int C, int NH, MatmulPrecision precision);
 
+  // Rotary position embedding in transformers' rotate-half layout, in place on the query and key heads of qkv
+  // (B,T,(NH + 2 NKV) hs; hidden): each row holds NH query heads, NKV key heads and NKV value heads of hs
+  // elements, and for a row at position t and i < hs/2, (x_i, x_{i+hs/2}) becomes (x_i c − x_{i+hs/2} s,
+  // x_{i+hs/2} c + x_i s) with c, s = cos, sin (T, hs/2; fp32) at [t][i]. Tables from a later position: offset
+  // them. rope_backward is its transpose, in place on dqkv's query and key heads (the value heads untouched).
+  void (*rope_forward)(void* qkv, const float* cos, const float* sin, int B, int T, int NH, int NKV, int hs,
+                       MatmulPrecision precision);
+  void (*rope_backward)(void* dqkv, const float* cos, const float* sin, int B, int T, int NH, int NKV, int hs,
+                        MatmulPrecision precision);
+
   // The linears, whose inputs are hidden: matmul_forward or matmul_backward_set with inp and the other sides
   // named below in the hidden form; weights, biases and their gradients fp32, shapes as there ((N,C) -> (N,OC)),
   // dinp OVERWRITTEN, dweight and dbias +=.
@@ -146,6 +168,12 @@ struct KernelSet {
   void (*gelu_forward)(float* out, const float* inp, size_t N);
   // dinp (N) += gelu'(inp) * dout.
   void (*gelu_backward)(float* dinp, const float* inp, const float* dout, size_t N);
+
+  // SwiGLU: out (N,H) = silu(gate) * up, each row of inp (N,2H) being [gate (H) | up (H)] (the gate and up
+  // projections as one linear); inp and out hidden. swiglu_backward: dinp (N,2H; hidden) OVERWRITTEN with
+  // dgate = dout * up * silu'(gate) and dup = dout * silu(gate), dout (N,H) hidden.
+  void (*swiglu_forward)(void* out, const void* inp, int N, int H, MatmulPrecision precision);
+  void (*swiglu_backward)(void* dinp, const void* dout, const void* inp, int N, int H, MatmulPrecision precision);
 
   // out (N) = inp1 + inp2.
   void (*residual_forward)(float* out, const float* inp1, const float* inp2, size_t N);

@@ -18,6 +18,13 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
                        const float* bias, int N, int C);
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                         const float* weight, const float* mean, const float* rstd, int N, int C);
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int N, int C, float eps);
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int N, int C);
+void rope_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int NKV, int hs);
+void rope_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int NKV, int hs);
+void swiglu_forward(float* out, const float* inp, int N, int H);
+void swiglu_backward(float* dinp, const float* dout, const float* inp, int N, int H);
 void matmul_forward(float* out, const float* inp, Weight weight, const float* bias, int N, int C, int OC,
                     MatmulPrecision precision);
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,

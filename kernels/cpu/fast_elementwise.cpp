@@ -1,8 +1,9 @@
-// fast_elementwise.cpp — the fast CPU encoder, layernorm, GELU and residual (declared in kernels/cpu/fast.h).
+// fast_elementwise.cpp — the fast CPU encoder, layernorm, RMSNorm, RoPE, SwiGLU, GELU and residual (declared in
+// kernels/cpu/fast.h).
 //
-// TBB splits rows (or blocks of elements) across cores; the hot bodies (layernorm, GELU) are SIMD clones chosen
-// at run time (fast_simd.h). Every reduction has a fixed order that does not depend on how TBB partitions the
-// work, so results repeat bit for bit. The encoder and residual are memory-bound: plain loops, which the
+// TBB splits rows (or blocks of elements) across cores; the hot bodies (the norms, SwiGLU, GELU) are SIMD clones
+// chosen at run time (fast_simd.h). Every reduction has a fixed order that does not depend on how TBB partitions
+// the work, so results repeat bit for bit. The encoder, RoPE and residual are memory-bound: plain loops, which the
 // compiler vectorises for baseline x86-64, are as fast as wider code there.
 #include <algorithm>
 #include <cmath>
@@ -113,6 +114,112 @@ struct LayernormBackwardRows {
         dweight_part[i] += norm * dy[i];
         dx[i] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
       }
+    }
+  }
+};
+
+// ---- RMSNorm bodies (one row at a time, C contiguous) ------------------------------------------------------
+
+template <int N>
+struct RmsnormForwardRows {
+  using V = simd::Vec<N>;
+  STRATA_SIMD_INLINE static void run(float* out, float* rstd, const float* inp, const float* weight, int n0, int n1,
+                                     int C, float eps) {
+    for (int n = n0; n < n1; ++n) {
+      const float* x = inp + static_cast<size_t>(n) * C;
+      float* y = out + static_cast<size_t>(n) * C;
+      V acc{};
+      int i = 0;
+      for (; i + N <= C; i += N) {
+        const V v = simd::load<V>(x + i);
+        acc += v * v;
+      }
+      float ss = simd::hsum(acc);
+      for (; i < C; ++i) ss += x[i] * x[i];
+      const float s = 1.0f / std::sqrt(ss / C + eps);
+      for (i = 0; i + N <= C; i += N) simd::store(y + i, simd::load<V>(weight + i) * (simd::load<V>(x + i) * s));
+      for (; i < C; ++i) y[i] = weight[i] * (x[i] * s);
+      rstd[n] = s;
+    }
+  }
+};
+
+// Rows [n0, n1): dinp += as the reference; dweight_part (C) += this chunk's share, row by row.
+template <int N>
+struct RmsnormBackwardRows {
+  using V = simd::Vec<N>;
+  STRATA_SIMD_INLINE static void run(float* dinp, float* dweight_part, const float* dout, const float* inp,
+                                     const float* weight, const float* rstd, int n0, int n1, int C) {
+    for (int n = n0; n < n1; ++n) {
+      const float* x = inp + static_cast<size_t>(n) * C;
+      const float* dy = dout + static_cast<size_t>(n) * C;
+      float* dx = dinp + static_cast<size_t>(n) * C;
+      const float s = rstd[n];
+      V acc{};
+      int i = 0;
+      for (; i + N <= C; i += N)
+        acc += simd::load<V>(dy + i) * simd::load<V>(weight + i) * (simd::load<V>(x + i) * s);
+      float gn = simd::hsum(acc);
+      for (; i < C; ++i) gn += dy[i] * weight[i] * (x[i] * s);
+      gn = gn / C;
+      for (i = 0; i + N <= C; i += N) {
+        const V norm = simd::load<V>(x + i) * s;
+        const V g = simd::load<V>(dy + i);
+        simd::store(dweight_part + i, simd::load<V>(dweight_part + i) + g * norm);
+        simd::store(dx + i, simd::load<V>(dx + i) + s * (g * simd::load<V>(weight + i) - norm * gn));
+      }
+      for (; i < C; ++i) {
+        const float norm = x[i] * s;
+        dweight_part[i] += dy[i] * norm;
+        dx[i] += s * (dy[i] * weight[i] - norm * gn);
+      }
+    }
+  }
+};
+
+// ---- SwiGLU bodies ------------------------------------------------------------------------------------------
+// silu(g) = g σ(g) with σ(g) = 1 / (1 + e^-g) (simd::exp, < 1.3 ulp); silu'(g) = σ(g) (1 + g (1 − σ(g))).
+
+template <int N>
+struct SwigluForwardRow {
+  using V = simd::Vec<N>;
+  STRATA_SIMD_INLINE static void run(float* out, const float* gate, const float* up, int H) {
+    int i = 0;
+    for (; i + N <= H; i += N) {
+      const V g = simd::load<V>(gate + i);
+      simd::store(out + i, g / (1.0f + simd::exp(-g)) * simd::load<V>(up + i));
+    }
+    if (i < H) {
+      const size_t n = static_cast<size_t>(H - i);
+      const V g = simd::load_n<V>(gate + i, n, 0.0f);
+      simd::store_n(out + i, g / (1.0f + simd::exp(-g)) * simd::load_n<V>(up + i, n, 0.0f), n);
+    }
+  }
+};
+
+template <int N>
+struct SwigluBackwardRow {
+  using V = simd::Vec<N>;
+  STRATA_SIMD_INLINE static void grads(const V& g, const V& u, const V& dy, V* dgate, V* dup) {
+    const V sig = 1.0f / (1.0f + simd::exp(-g));
+    *dgate = dy * u * sig * (1.0f + g * (1.0f - sig));
+    *dup = dy * g * sig;
+  }
+  STRATA_SIMD_INLINE static void run(float* dgate, float* dup, const float* dout, const float* gate, const float* up,
+                                     int H) {
+    int i = 0;
+    V dg, du;
+    for (; i + N <= H; i += N) {
+      grads(simd::load<V>(gate + i), simd::load<V>(up + i), simd::load<V>(dout + i), &dg, &du);
+      simd::store(dgate + i, dg);
+      simd::store(dup + i, du);
+    }
+    if (i < H) {
+      const size_t n = static_cast<size_t>(H - i);
+      grads(simd::load_n<V>(gate + i, n, 0.0f), simd::load_n<V>(up + i, n, 0.0f), simd::load_n<V>(dout + i, n, 0.0f),
+            &dg, &du);
+      simd::store_n(dgate + i, dg, n);
+      simd::store_n(dup + i, du, n);
     }
   }
 };
@@ -279,6 +386,95 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
       }
       dweight[i] += w;
       dbias[i] += b;
+    }
+  });
+}
+
+// ---- RMSNorm -----------------------------------------------------------------------------------------------
+
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int N, int C, float eps) {
+  tbb::parallel_for(tbb::blocked_range<int>(0, N, rows_grain(C)), [&](const tbb::blocked_range<int>& r) {
+    simd::dispatch<RmsnormForwardRows>(out, rstd, inp, weight, r.begin(), r.end(), C, eps);
+  });
+}
+
+// dweight sums over all N rows in fixed chunks, added in chunk order (as layernorm_backward).
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int N, int C) {
+  const int chunks = (N + kLayernormRowsPerChunk - 1) / kLayernormRowsPerChunk;
+  std::vector<float> partial(static_cast<size_t>(chunks) * C, 0.0f);  // (chunks, C)
+  tbb::parallel_for(tbb::blocked_range<int>(0, chunks), [&](const tbb::blocked_range<int>& r) {
+    for (int k = r.begin(); k < r.end(); ++k) {
+      const int n0 = k * kLayernormRowsPerChunk;
+      const int n1 = std::min(N, n0 + kLayernormRowsPerChunk);
+      simd::dispatch<RmsnormBackwardRows>(dinp, partial.data() + static_cast<size_t>(k) * C, dout, inp, weight, rstd,
+                                          n0, n1, C);
+    }
+  });
+  tbb::parallel_for(tbb::blocked_range<int>(0, C, 256), [&](const tbb::blocked_range<int>& r) {
+    for (int i = r.begin(); i < r.end(); ++i) {
+      float w = 0.0f;
+      for (int k = 0; k < chunks; ++k) w += partial[static_cast<size_t>(k) * C + i];
+      dweight[i] += w;
+    }
+  });
+}
+
+// ---- RoPE --------------------------------------------------------------------------------------------------
+// Memory-bound: rows across cores, plain loops the compiler vectorises; each element's arithmetic is the
+// reference's.
+
+namespace {
+
+template <bool kInverse>
+void rope(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int NKV, int hs) {
+  const int half = hs / 2;
+  const size_t W = static_cast<size_t>(NH + 2 * NKV) * hs;
+  const auto rows = [&](const tbb::blocked_range<int>& r) {
+    for (int bt = r.begin(); bt < r.end(); ++bt) {
+      const float* c = cos + static_cast<size_t>(bt % T) * half;
+      const float* sn = sin + static_cast<size_t>(bt % T) * half;
+      for (int h = 0; h < NH + NKV; ++h) {
+        float* x = qkv + static_cast<size_t>(bt) * W + static_cast<size_t>(h) * hs;
+        for (int i = 0; i < half; ++i) {
+          const float s = kInverse ? -sn[i] : sn[i];  // the backward: the rotation by the opposite angle
+          const float x1 = x[i], x2 = x[i + half];
+          x[i] = x1 * c[i] - x2 * s;
+          x[i + half] = x2 * c[i] + x1 * s;
+        }
+      }
+    }
+  };
+  tbb::parallel_for(tbb::blocked_range<int>(0, B * T, rows_grain(static_cast<int>(W))), rows);
+}
+
+}  // namespace
+
+void rope_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int NKV, int hs) {
+  rope<false>(qkv, cos, sin, B, T, NH, NKV, hs);
+}
+
+void rope_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int NKV, int hs) {
+  rope<true>(dqkv, cos, sin, B, T, NH, NKV, hs);
+}
+
+// ---- SwiGLU ------------------------------------------------------------------------------------------------
+
+void swiglu_forward(float* out, const float* inp, int N, int H) {
+  tbb::parallel_for(tbb::blocked_range<int>(0, N, rows_grain(2 * H)), [&](const tbb::blocked_range<int>& r) {
+    for (int n = r.begin(); n < r.end(); ++n) {
+      const float* gate = inp + static_cast<size_t>(n) * 2 * H;
+      simd::dispatch<SwigluForwardRow>(out + static_cast<size_t>(n) * H, gate, gate + H, H);
+    }
+  });
+}
+
+void swiglu_backward(float* dinp, const float* dout, const float* inp, int N, int H) {
+  tbb::parallel_for(tbb::blocked_range<int>(0, N, rows_grain(2 * H)), [&](const tbb::blocked_range<int>& r) {
+    for (int n = r.begin(); n < r.end(); ++n) {
+      const float* gate = inp + static_cast<size_t>(n) * 2 * H;
+      float* dgate = dinp + static_cast<size_t>(n) * 2 * H;
+      simd::dispatch<SwigluBackwardRow>(dgate, dgate + H, dout + static_cast<size_t>(n) * H, gate, gate + H, H);
     }
   });
 }

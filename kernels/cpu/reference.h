@@ -107,6 +107,41 @@ void layernorm_backward(F* dinp, F* dweight, F* dbias, const F* dout, const F* i
   }
 }
 
+// ---- RMSNorm (the Llama family's) --------------------------------------------------------------------------
+
+// out (N,C) = weight * (inp * rstd), rstd (N) = 1 / sqrt(mean(inp²) + eps): transformers' LlamaRMSNorm in fp32.
+template <typename F>
+void rmsnorm_forward(F* out, F* rstd, const F* inp, const F* weight, int N, int C, float eps) {
+  for (int n = 0; n < N; ++n) {
+    const F* x = inp + static_cast<size_t>(n) * C;
+    F* y = out + static_cast<size_t>(n) * C;
+    F ss = 0;
+    for (int i = 0; i < C; ++i) ss += x[i] * x[i];
+    const F s = F(1) / std::sqrt(ss / C + F(eps));
+    for (int i = 0; i < C; ++i) y[i] = weight[i] * (x[i] * s);
+    rstd[n] = s;
+  }
+}
+
+// With n = inp * rstd: dweight += dout * n; dinp += rstd * (g - n * mean(g * n)), g = dout * weight.
+template <typename F>
+void rmsnorm_backward(F* dinp, F* dweight, const F* dout, const F* inp, const F* weight, const F* rstd, int N, int C) {
+  for (int n = 0; n < N; ++n) {
+    const F* x = inp + static_cast<size_t>(n) * C;
+    const F* dy = dout + static_cast<size_t>(n) * C;
+    F* dx = dinp + static_cast<size_t>(n) * C;
+    const F s = rstd[n];
+    F gn = 0;
+    for (int i = 0; i < C; ++i) gn += dy[i] * weight[i] * (x[i] * s);
+    gn = gn / C;
+    for (int i = 0; i < C; ++i) {
+      const F norm = x[i] * s;
+      dweight[i] += dy[i] * norm;
+      dx[i] += s * (dy[i] * weight[i] - norm * gn);
+    }
+  }
+}
+
 // ---- attention ---------------------------------------------------------------------------------------------
 
 // qkv (B,T,3C): row (b,t) holds q, then k, then v, each NH heads of hs = C/NH. att (B,NH,T,T).
@@ -227,6 +262,76 @@ void gelu_backward(F* dinp, const F* inp, const F* dout, size_t N) {
     const F sech2 = F(1) - th * th;
     const F local_grad = F(0.5) * (F(1) + th) + x * F(0.5) * sech2 * s * (F(1) + F(3) * F(0.044715) * x * x);
     dinp[i] += local_grad * dout[i];
+  }
+}
+
+// ---- RoPE (rotary position embedding, in transformers' rotate-half layout) ---------------------------------
+
+// In place on the q and k heads of qkv (B,T,W), W = (NH + 2 NKV) hs: each row holds NH query heads, NKV key
+// heads and NKV value heads of hs elements; the first NH + NKV are rotated. For a row at position t and i < hs/2,
+// (x_i, x_{i+hs/2}) becomes (x_i c − x_{i+hs/2} s, x_{i+hs/2} c + x_i s), c = cos[t][i], s = sin[t][i] (tables of
+// (T, hs/2)): q·cos + rotate_half(q)·sin of apply_rotary_pos_emb. `inverse`: by the opposite angle (s = −sin).
+template <typename F>
+void rope_rotate(F* qkv, const F* cos, const F* sin, int B, int T, int NH, int NKV, int hs, bool inverse) {
+  const int half = hs / 2;
+  const size_t W = static_cast<size_t>(NH + 2 * NKV) * hs;
+  for (int b = 0; b < B; ++b)
+    for (int t = 0; t < T; ++t) {
+      const F* c = cos + static_cast<size_t>(t) * half;
+      const F* sn = sin + static_cast<size_t>(t) * half;
+      for (int h = 0; h < NH + NKV; ++h) {
+        F* x = qkv + (static_cast<size_t>(b) * T + t) * W + static_cast<size_t>(h) * hs;
+        for (int i = 0; i < half; ++i) {
+          const F s = inverse ? -sn[i] : sn[i];
+          const F x1 = x[i], x2 = x[i + half];
+          x[i] = x1 * c[i] - x2 * s;
+          x[i + half] = x2 * c[i] + x1 * s;
+        }
+      }
+    }
+}
+
+template <typename F>
+void rope_forward(F* qkv, const F* cos, const F* sin, int B, int T, int NH, int NKV, int hs) {
+  rope_rotate(qkv, cos, sin, B, T, NH, NKV, hs, /*inverse=*/false);
+}
+
+// The transpose, in place on dqkv's q and k heads: the rotation by the opposite angle, (g_i c + g_{i+hs/2} s,
+// g_{i+hs/2} c − g_i s). The value heads are left as they are.
+template <typename F>
+void rope_backward(F* dqkv, const F* cos, const F* sin, int B, int T, int NH, int NKV, int hs) {
+  rope_rotate(dqkv, cos, sin, B, T, NH, NKV, hs, /*inverse=*/true);
+}
+
+// ---- SwiGLU ------------------------------------------------------------------------------------------------
+
+// out (N,H) = silu(gate) * up, where each row of inp (N,2H) is [gate (H) | up (H)]: transformers' LlamaMLP
+// act_fn(gate_proj(x)) * up_proj(x) with the two projections as one, silu(g) = g / (1 + e^-g).
+template <typename F>
+void swiglu_forward(F* out, const F* inp, int N, int H) {
+  for (int n = 0; n < N; ++n) {
+    const F* gate = inp + static_cast<size_t>(n) * 2 * H;
+    const F* up = gate + H;
+    F* y = out + static_cast<size_t>(n) * H;
+    for (int i = 0; i < H; ++i) y[i] = gate[i] / (F(1) + std::exp(-gate[i])) * up[i];
+  }
+}
+
+// dinp (N,2H) OVERWRITTEN: dgate = dout * up * silu'(gate), silu'(g) = σ(g) (1 + g (1 − σ(g))); dup = dout *
+// silu(gate).
+template <typename F>
+void swiglu_backward(F* dinp, const F* dout, const F* inp, int N, int H) {
+  for (int n = 0; n < N; ++n) {
+    const F* gate = inp + static_cast<size_t>(n) * 2 * H;
+    const F* up = gate + H;
+    const F* dy = dout + static_cast<size_t>(n) * H;
+    F* dgate = dinp + static_cast<size_t>(n) * 2 * H;
+    F* dup = dgate + H;
+    for (int i = 0; i < H; ++i) {
+      const F sig = F(1) / (F(1) + std::exp(-gate[i]));
+      dgate[i] = dy[i] * up[i] * sig * (F(1) + gate[i] * (F(1) - sig));
+      dup[i] = dy[i] * gate[i] * sig;
+    }
   }
 }
 

@@ -12,6 +12,9 @@ const KernelSet& cuda_kernels() {
       &c::layernorm_forward,
       &c::layernorm_backward,
       &c::residual_layernorm_forward,
+      nullptr,  // rmsnorm_forward, rmsnorm_backward, residual_rmsnorm_forward: the Llama family's ops, not yet
+      nullptr,  // on CUDA (docs/gpu.md); a model that needs them refuses this KernelSet by name
+      nullptr,
       &c::matmul_forward,
       &c::matmul_backward,
       &c::matmul_backward_set,
@@ -19,6 +22,8 @@ const KernelSet& cuda_kernels() {
       &c::attention_forward,
       &c::attention_backward,
       &c::attention_saved_floats,
+      nullptr,  // rope_forward, rope_backward: not yet on CUDA
+      nullptr,
       &c::matmul_forward_to_hidden,
       &c::matmul_backward_hidden,
       &c::matmul_gelu_forward,
@@ -27,6 +32,8 @@ const KernelSet& cuda_kernels() {
       &c::matmul_backward_set_hidden,
       &c::gelu_forward,
       &c::gelu_backward,
+      nullptr,  // swiglu_forward, swiglu_backward: not yet on CUDA
+      nullptr,
       &c::residual_forward,
       &c::residual_backward,
       &c::softmax_crossentropy_forward,
