@@ -100,15 +100,15 @@ inline size_t composed_hidden_bytes(int N, int width, MatmulPrecision /*precisio
 
 // The attention slots over fp32 hidden activations: the backend's own fp32 attention.
 template <auto AttentionForward>
-void composed_attention_forward(void* out, float* att, const void* qkv, int B, int T, int C, int NH,
+void composed_attention_forward(void* out, float* att, const void* qkv, int B, int T, int C, int NH, int NKV,
                                 MatmulPrecision precision) {
-  AttentionForward(static_cast<float*>(out), att, static_cast<const float*>(qkv), B, T, C, NH, precision);
+  AttentionForward(static_cast<float*>(out), att, static_cast<const float*>(qkv), B, T, C, NH, NKV, precision);
 }
 template <auto AttentionBackward>
 void composed_attention_backward(void* dqkv, const void* dout, const void* qkv, const void* /*out*/, const float* att,
-                                 int B, int T, int C, int NH, MatmulPrecision precision) {
+                                 int B, int T, int C, int NH, int NKV, MatmulPrecision precision) {
   AttentionBackward(static_cast<float*>(dqkv), static_cast<const float*>(dout), static_cast<const float*>(qkv), att,
-                    B, T, C, NH, precision);
+                    B, T, C, NH, NKV, precision);
 }
 
 template <auto MatmulForward>

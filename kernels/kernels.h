@@ -106,18 +106,21 @@ struct KernelSet {
   // either side write and read them without conversion passes.
   size_t (*hidden_bytes)(int N, int width, MatmulPrecision precision);
 
-  // Causal multi-head self-attention. qkv (B,T,3C) holds q,k,v side by side, each split into NH heads of C/NH;
-  // qkv, out (B,T,C) and their gradients are hidden (hidden_bytes). att (B,NH,T,T) saves the softmax
-  // probabilities (row t only defined up to column t; the rest is written as 0). Scale 1/sqrt(C/NH).
+  // Causal multi-head self-attention, its key and value heads shared by groups of query heads (grouped-query
+  // attention: NKV divides NH, and query head h reads key and value head h / (NH/NKV), transformers' repeat_kv;
+  // NKV = NH is multi-head attention). Each row of qkv (B,T,C + 2 NKV hs) holds NH query heads, then NKV key
+  // heads, then NKV value heads, of hs = C/NH elements; qkv, out (B,T,C) and their gradients are hidden
+  // (hidden_bytes). att (B,NH,T,T) saves the softmax probabilities (row t only defined up to column t; the rest is
+  // written as 0). Scale 1/sqrt(hs). The CUDA backend takes NKV = NH only (for now).
   // `precision` is the arithmetic of its two products (QKᵀ, att·V, and their gradients): kBF16 lets a backend
   // round their inputs to bf16 (CUDA does, for the tensor cores; the CPU backends compute in fp32 either way).
   // The softmax and att are fp32 always.
-  void (*attention_forward)(void* out, float* att, const void* qkv, int B, int T, int C, int NH,
+  void (*attention_forward)(void* out, float* att, const void* qkv, int B, int T, int C, int NH, int NKV,
                             MatmulPrecision precision);
-  // dqkv (B,T,3C) overwritten, every element (so the caller zeroes nothing; on CUDA the kernels store their
+  // dqkv (B,T,C + 2 NKV hs) overwritten (a key or value head's gradient summed over its group's query heads), every element (so the caller zeroes nothing; on CUDA the kernels store their
   // gradient instead of reading, adding and writing it back). qkv, out and att are the forward's.
   void (*attention_backward)(void* dqkv, const void* dout, const void* qkv, const void* out, const float* att, int B,
-                             int T, int C, int NH, MatmulPrecision precision);
+                             int T, int C, int NH, int NKV, MatmulPrecision precision);
   // Floats of `att`: what attention_forward saves for attention_backward at these shapes. The CPU backends save
   // the probabilities (B*NH*T*T); CUDA's flash attention (bf16) saves only the rows' log-sum-exps (its backward
   // reads qkv and out again), and then `att` holds those instead of probabilities.

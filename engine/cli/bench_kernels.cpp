@@ -357,7 +357,7 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
     // them; the output's gradient, as the attention's output linear's backward would leave it.
     k.layernorm_forward(xh.f(), mean.f(), rstd.f(), x.f(), lnw.f(), lnb.f(), N, C, prec);
     k.matmul_forward_to_hidden(qkv.f(), xh.f(), w4.f(), b4.f(), N, C, 3 * C, prec);
-    k.attention_forward(atty.f(), attn.f(), qkv.f(), B, T, C, NH, prec);
+    k.attention_forward(atty.f(), attn.f(), qkv.f(), B, T, C, NH, NH, prec);
     k.matmul_backward_hidden(datty.f(), dw4.f(), db4.f(), y.f(), atty.f(), w4.f(), N, C, C, prec);
     // real hidden activations (the backend's form) for the MLP's backward: gelu(pre) in g4, pre in h4,
     k.matmul_gelu_forward(g4.f(), h4.f(), xh.f(), w4.f(), b4.f(), N, C, 4 * C, prec);
@@ -391,7 +391,7 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
       {"matmul fwd qkv", L, f * (3.0 * C * C + 3 * C) + ha * 4 * NC, 2 * NC * 3 * C,
        [&] { k.matmul_forward_to_hidden(qkv.f(), xh.f(), w4.f(), b4.f(), N, C, 3 * C, prec); }},
       {"attention fwd", L, ha * 4 * NC + f * saved_att, 2 * att * (C / NH),
-       [&] { k.attention_forward(atty.f(), attn.f(), qkv.f(), B, T, C, NH, prec); }},
+       [&] { k.attention_forward(atty.f(), attn.f(), qkv.f(), B, T, C, NH, NH, prec); }},
       {"matmul fwd attproj", L, ha * NC + f * (1.0 * C * C + NC + C), 2 * NC * C,
        [&] { k.matmul_forward_hidden(y.f(), atty.f(), w4.f(), b4.f(), N, C, C, prec); }},
       {"residual+layernorm fwd", L, f * (3 * NC + 2.0 * N) + ha * NC, 0,
@@ -427,7 +427,7 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
       {"matmul bwd attproj", L, f * (NC + 3.0 * C * C + 2 * C) + ha * 2 * NC, 4 * NC * C,
        [&] { k.matmul_backward_hidden(datty.f(), dw4.f(), db4.f(), y.f(), atty.f(), w4.f(), N, C, C, prec); }},
       {"attention bwd", L, att_bwd_bytes, 4 * att * (C / NH),
-       [&] { k.attention_backward(dqkv.f(), datty.f(), qkv.f(), atty.f(), attn.f(), B, T, C, NH, prec); }},
+       [&] { k.attention_backward(dqkv.f(), datty.f(), qkv.f(), atty.f(), attn.f(), B, T, C, NH, NH, prec); }},
       // dout (dqkv) and inp read hidden.
       {"matmul bwd qkv", L, ha * 4 * NC + f * (NC + 9.0 * C * C + 6 * C), 4 * NC * 3 * C,
        [&] { k.matmul_backward_set_hidden(dx.f(), dw4.f(), db4.f(), dqkv.f(), xh.f(), w4.f(), N, C, 3 * C, prec); }},
@@ -454,10 +454,10 @@ int run_bench_kernels(const BenchKernelsOptions& o) {
     };
     if (same_floats) {
       ops.push_back({"attention fwd (" + other + ")", 0, ha * 4 * NC + f * saved_att, 2 * att * (C / NH),
-                     flipped([&] { k.attention_forward(atty.f(), attn.f(), qkv.f(), B, T, C, NH, prec); })});
+                     flipped([&] { k.attention_forward(atty.f(), attn.f(), qkv.f(), B, T, C, NH, NH, prec); })});
       ops.push_back({"attention bwd (" + other + ")", 0, ha * 8 * NC + f * saved_att, 4 * att * (C / NH),
                      flipped([&] {
-                       k.attention_backward(dqkv.f(), datty.f(), qkv.f(), atty.f(), attn.f(), B, T, C, NH, prec);
+                       k.attention_backward(dqkv.f(), datty.f(), qkv.f(), atty.f(), attn.f(), B, T, C, NH, NH, prec);
                      })});
     }
   }

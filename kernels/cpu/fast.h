@@ -32,10 +32,10 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
 // out (n) = in rounded to bf16 (f32_to_bf16's bits) on every core: the working copies the matmuls above use.
 void weights_to_bf16(uint16_t* out, const float* in, size_t n);
 // fp32 arithmetic whatever the precision.
-void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH,
+void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH, int NKV,
                        MatmulPrecision precision = MatmulPrecision::kF32);
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T, int C,
-                        int NH, MatmulPrecision precision = MatmulPrecision::kF32);
+                        int NH, int NKV, MatmulPrecision precision = MatmulPrecision::kF32);
 void gelu_forward(float* out, const float* inp, size_t N);
 void gelu_backward(float* dinp, const float* inp, const float* dout, size_t N);
 void residual_forward(float* out, const float* inp1, const float* inp2, size_t N);

@@ -1,11 +1,13 @@
 // fast_attention.cpp — the fast CPU causal self-attention, forward and backward (declared in kernels/cpu/fast.h).
 //
-// One TBB task per (batch, head). A task first copies its head's keys and values out of the strided qkv rows
-// into contiguous, zero-padded scratch (K transposed to (hs, T) for the forward, V transposed for the
-// backward), then walks the queries in blocks of kRows: every key or value vector loaded feeds kRows
-// multiply-adds into register accumulators, which is what keeps the inner loops off the load ports. Scratch is
-// per task, O(T * hs), never O(B * NH * T * T). Tasks write disjoint parts of out, att and dqkv, and each sums
-// in a fixed order (the blocking is fixed too), so results repeat bit for bit whatever the scheduling.
+// One TBB task per (batch, query head) forward, per (batch, key/value head) backward (which runs the heads of its
+// group in order, its keys' and values' gradients summed across them: grouped-query attention; a group of one
+// is multi-head attention). A task first copies its head's keys and values out of the strided qkv rows into
+// contiguous, zero-padded scratch (K transposed to (hs, T) for the forward, V transposed for the backward), then
+// walks the queries in blocks of kRows: every key or value vector loaded feeds kRows multiply-adds into register
+// accumulators, which is what keeps the inner loops off the load ports. Scratch is per task, O(T * hs), never
+// O(B * NH * T * T). Tasks write disjoint parts of out, att and dqkv, and each sums in a fixed order (the
+// blocking is fixed too), so results repeat bit for bit whatever the scheduling.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -26,40 +28,44 @@ constexpr int kPad = 2 * simd::kMaxLanes;  // T is padded to a multiple of every
 
 size_t round_up(size_t x, size_t m) { return (x + m - 1) / m * m; }
 
-// One (b, h) task's view of qkv (B,T,3C) and its padded sizes.
+// One (b, h) task's view of qkv (B,T,W), W = C + 2 NKV hs, and its padded sizes.
 struct Head {
-  const float* qkv;  // row (b, 0) of qkv, offset to head h's q
+  const float* qkv;  // row (b, 0) of qkv
   int T;
   int hs;
   size_t C;
-  size_t C3;
-  size_t t_pad;   // T rounded up to kPad: row length of transposed K/V and of score rows
-  size_t hs_pad;  // hs rounded up to kMaxLanes: row length of K/V copies and of q/dout rows
-  float scale;    // 1/sqrt(hs)
+  size_t W;                 // a row of qkv
+  size_t q_at, k_at, v_at;  // where query head h, and the key and value head it reads, sit in a row
+  size_t t_pad;             // T rounded up to kPad: row length of transposed K/V and of score rows
+  size_t hs_pad;            // hs rounded up to kMaxLanes: row length of K/V copies and of q/dout rows
+  float scale;              // 1/sqrt(hs)
 
-  const float* q(int t) const { return qkv + static_cast<size_t>(t) * C3; }
-  const float* k(int t) const { return qkv + static_cast<size_t>(t) * C3 + C; }
-  const float* v(int t) const { return qkv + static_cast<size_t>(t) * C3 + 2 * C; }
+  const float* q(int t) const { return qkv + static_cast<size_t>(t) * W + q_at; }
+  const float* k(int t) const { return qkv + static_cast<size_t>(t) * W + k_at; }
+  const float* v(int t) const { return qkv + static_cast<size_t>(t) * W + v_at; }
 };
 
-Head make_head(const float* qkv, int b, int h, int T, int C, int NH) {
+Head make_head(const float* qkv, int b, int h, int T, int C, int NH, int NKV) {
   Head hd;
   hd.T = T;
   hd.hs = C / NH;
   hd.C = C;
-  hd.C3 = 3 * static_cast<size_t>(C);
-  hd.qkv = qkv + static_cast<size_t>(b) * T * hd.C3 + static_cast<size_t>(h) * hd.hs;
+  hd.W = static_cast<size_t>(C) + 2 * static_cast<size_t>(NKV) * hd.hs;
+  hd.qkv = qkv + static_cast<size_t>(b) * T * hd.W;
+  hd.q_at = static_cast<size_t>(h) * hd.hs;
+  hd.k_at = static_cast<size_t>(C) + static_cast<size_t>(h / (NH / NKV)) * hd.hs;
+  hd.v_at = hd.k_at + static_cast<size_t>(NKV) * hd.hs;
   hd.t_pad = round_up(T, kPad);
   hd.hs_pad = round_up(hd.hs, simd::kMaxLanes);
   hd.scale = 1.0f / std::sqrt(static_cast<float>(hd.hs));
   return hd;
 }
 
-// rows (T, hs) at stride C3 -> dst (hs, t_pad), zero beyond T.
+// rows (T, hs) at stride W -> dst (hs, t_pad), zero beyond T.
 void transpose_head(float* dst, const float* src, const Head& hd) {
   std::fill(dst, dst + hd.hs * hd.t_pad, 0.0f);
   for (int t = 0; t < hd.T; ++t)
-    for (int i = 0; i < hd.hs; ++i) dst[i * hd.t_pad + t] = src[static_cast<size_t>(t) * hd.C3 + i];
+    for (int i = 0; i < hd.hs; ++i) dst[i * hd.t_pad + t] = src[static_cast<size_t>(t) * hd.W + i];
 }
 
 // `rows` rows at stride `stride` -> dst (rows, hs_pad), zero beyond hs; then zero rows up to `total`.
@@ -159,11 +165,11 @@ struct ForwardHead {
     float* qb = s + kRows * hd.t_pad;   // (kRows, hs_pad) the block's queries
     float* y = qb + kRows * hd.hs_pad;  // (kRows, hs_pad) the block's outputs
     transpose_head(kt, hd.k(0), hd);
-    copy_rows(vc, hd.v(0), hd.C3, T, T, hd);
+    copy_rows(vc, hd.v(0), hd.W, T, T, hd);
     for (int t0 = 0; t0 < T; t0 += kRows) {
       const int rows = std::min(kRows, T - t0);
       const int n_max = t0 + rows;  // causal: the block's last query sees keys 0..n_max-1
-      copy_rows(qb, hd.q(t0), hd.C3, rows, kRows, hd);
+      copy_rows(qb, hd.q(t0), hd.W, rows, kRows, hd);
       scores_block<V>(s, qb, kt, hd, n_max);
       for (int r = 0; r < kRows; ++r) {
         float* sr = s + r * hd.t_pad;
@@ -183,13 +189,14 @@ struct ForwardHead {
   }
 };
 
-// dqkv (T, 3C) = for head h of one batch row (its columns of q, k and v; each element written once); att (T, T) of
-// (b, h); dout (T, C).
+// dqkv (T, W) for query head h of one batch row: its columns of q, written once, and of the key and value head
+// it reads, summed in scratch over the heads of the group (`first` starts the sums, `last` writes them; the same
+// scratch across the group); att (T, T) of (b, h); dout (T, C).
 template <int N>
 struct BackwardHead {
   using V = simd::Vec<N>;
   STRATA_SIMD_INLINE static void run(float* dqkv, const float* dout, const float* att, const Head* hdp,
-                                     float* scratch) {
+                                     float* scratch, bool first, bool last) {
     const Head& hd = *hdp;
     const int T = hd.T;
     const size_t hs_pad = hd.hs_pad;
@@ -202,9 +209,11 @@ struct BackwardHead {
     float* go = ds + kRows * hd.t_pad;  // (kRows, hs_pad) dout rows
     float* qb = go + kRows * hs_pad;    // (kRows, hs_pad) q rows
     float* dq = qb + kRows * hs_pad;    // (kRows, hs_pad)
-    transpose_head(vt, hd.v(0), hd);
-    copy_rows(kc, hd.k(0), hd.C3, T, T, hd);
-    std::fill(dk, dk + 2 * T * hs_pad, 0.0f);
+    if (first) {  // the group's key and value head: the same for each of its query heads
+      transpose_head(vt, hd.v(0), hd);
+      copy_rows(kc, hd.k(0), hd.W, T, T, hd);
+      std::fill(dk, dk + 2 * T * hs_pad, 0.0f);
+    }
     for (int t0 = 0; t0 < T; t0 += kRows) {
       const int rows = std::min(kRows, T - t0);
       const int n_max = t0 + rows;
@@ -215,7 +224,7 @@ struct BackwardHead {
         std::fill(pr + n, pr + n_max, 0.0f);
       }
       copy_rows(go, dout + static_cast<size_t>(t0) * hd.C, hd.C, rows, kRows, hd);
-      copy_rows(qb, hd.q(t0), hd.C3, rows, kRows, hd);
+      copy_rows(qb, hd.q(t0), hd.W, rows, kRows, hd);
       // out[t] = sum_t2 p[t2] v[t2]:  datt[t2] = dout . v[t2],  dv[t2] += p[t2] dout
       scores_block<V>(ds, go, vt, hd, n_max);
       add_outer_block<V>(dv, p, go, hd, n_max);
@@ -238,26 +247,28 @@ struct BackwardHead {
       weighted_rows_block<V>(dq, ds, kc, hd, n_max);
       add_outer_block<V>(dk, ds, qb, hd, n_max);
       for (int r = 0; r < rows; ++r) {
-        float* dq_out = dqkv + static_cast<size_t>(t0 + r) * hd.C3;
+        float* dq_out = dqkv + static_cast<size_t>(t0 + r) * hd.W + hd.q_at;
         std::copy_n(dq + r * hs_pad, hd.hs, dq_out);
       }
     }
+    if (!last) return;
     for (int t = 0; t < T; ++t) {
-      float* row = dqkv + static_cast<size_t>(t) * hd.C3;
-      std::copy_n(dk + t * hs_pad, hd.hs, row + hd.C);
-      std::copy_n(dv + t * hs_pad, hd.hs, row + 2 * hd.C);
+      float* row = dqkv + static_cast<size_t>(t) * hd.W;
+      std::copy_n(dk + t * hs_pad, hd.hs, row + hd.k_at);
+      std::copy_n(dv + t * hs_pad, hd.hs, row + hd.v_at);
     }
   }
 };
 
 }  // namespace
 
-void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH, MatmulPrecision) {
+void attention_forward(float* out, float* att, const float* qkv, int B, int T, int C, int NH, int NKV,
+                       MatmulPrecision) {
   tbb::parallel_for(tbb::blocked_range<int>(0, B * NH, 1), [&](const tbb::blocked_range<int>& r) {
     for (int bh = r.begin(); bh < r.end(); ++bh) {
       const int b = bh / NH;
       const int h = bh % NH;
-      const Head hd = make_head(qkv, b, h, T, C, NH);
+      const Head hd = make_head(qkv, b, h, T, C, NH, NKV);
       std::vector<float> scratch(hd.hs * hd.t_pad + T * hd.hs_pad + kRows * (hd.t_pad + 2 * hd.hs_pad));
       float* out_bh = out + static_cast<size_t>(b) * T * C + static_cast<size_t>(h) * hd.hs;
       float* att_bh = att + static_cast<size_t>(bh) * T * T;
@@ -267,17 +278,21 @@ void attention_forward(float* out, float* att, const float* qkv, int B, int T, i
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* att, int B, int T, int C,
-                        int NH, MatmulPrecision) {
-  tbb::parallel_for(tbb::blocked_range<int>(0, B * NH, 1), [&](const tbb::blocked_range<int>& r) {
-    for (int bh = r.begin(); bh < r.end(); ++bh) {
-      const int b = bh / NH;
-      const int h = bh % NH;
-      const Head hd = make_head(qkv, b, h, T, C, NH);
-      std::vector<float> scratch(hd.hs * hd.t_pad + 3 * T * hd.hs_pad + kRows * (2 * hd.t_pad + 3 * hd.hs_pad));
-      const size_t head_offset = static_cast<size_t>(b) * T * 3 * C + static_cast<size_t>(h) * hd.hs;
-      const float* dout_bh = dout + static_cast<size_t>(b) * T * C + static_cast<size_t>(h) * hd.hs;
-      const float* att_bh = att + static_cast<size_t>(bh) * T * T;
-      simd::dispatch<BackwardHead>(dqkv + head_offset, dout_bh, att_bh, &hd, scratch.data());
+                        int NH, int NKV, MatmulPrecision) {
+  const int group = NH / NKV;
+  tbb::parallel_for(tbb::blocked_range<int>(0, B * NKV, 1), [&](const tbb::blocked_range<int>& r) {
+    for (int bg = r.begin(); bg < r.end(); ++bg) {
+      const int b = bg / NKV;
+      std::vector<float> scratch;
+      for (int h = bg % NKV * group; h < (bg % NKV + 1) * group; ++h) {
+        const Head hd = make_head(qkv, b, h, T, C, NH, NKV);
+        scratch.resize(hd.hs * hd.t_pad + 3 * T * hd.hs_pad + kRows * (2 * hd.t_pad + 3 * hd.hs_pad));
+        const float* dout_bh = dout + static_cast<size_t>(b) * T * C + static_cast<size_t>(h) * hd.hs;
+        const float* att_bh = att + (static_cast<size_t>(b) * NH + h) * T * T;
+        const bool first = h % group == 0, last = h % group == group - 1;
+        simd::dispatch<BackwardHead>(dqkv + static_cast<size_t>(b) * T * hd.W, dout_bh, att_bh, &hd, scratch.data(),
+                                     first, last);
+      }
     }
   });
 }

@@ -144,22 +144,24 @@ void rmsnorm_backward(F* dinp, F* dweight, const F* dout, const F* inp, const F*
 
 // ---- attention ---------------------------------------------------------------------------------------------
 
-// qkv (B,T,3C): row (b,t) holds q, then k, then v, each NH heads of hs = C/NH. att (B,NH,T,T).
+// Row (b,t) of qkv (B,T,W), W = C + 2 NKV hs, holds NH query heads, then NKV key heads, then NKV value heads, of
+// hs = C/NH; query head h reads key and value head h / (NH/NKV). att (B,NH,T,T).
 template <typename F>
-void attention_forward(F* out, F* att, const F* qkv, int B, int T, int C, int NH,
+void attention_forward(F* out, F* att, const F* qkv, int B, int T, int C, int NH, int NKV,
                        MatmulPrecision = MatmulPrecision::kF32) {  // fp32 arithmetic whatever the precision
-  const size_t C3 = 3 * static_cast<size_t>(C);
-  const int hs = C / NH;
+  const int hs = C / NH, group = NH / NKV;
+  const size_t W = static_cast<size_t>(C) + 2 * static_cast<size_t>(NKV) * hs;
   const F scale = F(1) / std::sqrt(F(hs));
   for (int b = 0; b < B; ++b) {
     for (int t = 0; t < T; ++t) {
       for (int h = 0; h < NH; ++h) {
-        const F* q = qkv + (static_cast<size_t>(b) * T + t) * C3 + h * hs;
+        const size_t k_at = C + static_cast<size_t>(h / group) * hs, v_at = k_at + static_cast<size_t>(NKV) * hs;
+        const F* q = qkv + (static_cast<size_t>(b) * T + t) * W + h * hs;
         F* att_row = att + ((static_cast<size_t>(b) * NH + h) * T + t) * T;
         // Scores, kept in the att row until they become probabilities.
         F maxval = std::numeric_limits<F>::lowest();
         for (int t2 = 0; t2 <= t; ++t2) {
-          const F* k = qkv + (static_cast<size_t>(b) * T + t2) * C3 + C + h * hs;
+          const F* k = qkv + (static_cast<size_t>(b) * T + t2) * W + k_at;
           F dot = 0;
           for (int i = 0; i < hs; ++i) dot += q[i] * k[i];
           dot *= scale;
@@ -178,7 +180,7 @@ void attention_forward(F* out, F* att, const F* qkv, int B, int T, int C, int NH
         F* out_bth = out + (static_cast<size_t>(b) * T + t) * C + h * hs;
         for (int i = 0; i < hs; ++i) out_bth[i] = 0;
         for (int t2 = 0; t2 <= t; ++t2) {
-          const F* v = qkv + (static_cast<size_t>(b) * T + t2) * C3 + 2 * C + h * hs;
+          const F* v = qkv + (static_cast<size_t>(b) * T + t2) * W + v_at;
           for (int i = 0; i < hs; ++i) out_bth[i] += att_row[t2] * v[i];
         }
       }
@@ -187,18 +189,19 @@ void attention_forward(F* out, F* att, const F* qkv, int B, int T, int C, int NH
 }
 
 template <typename F>
-void attention_backward(F* dqkv, const F* dout, const F* qkv, const F* att, int B, int T, int C, int NH,
+void attention_backward(F* dqkv, const F* dout, const F* qkv, const F* att, int B, int T, int C, int NH, int NKV,
                         MatmulPrecision = MatmulPrecision::kF32) {
-  const size_t C3 = 3 * static_cast<size_t>(C);
-  const int hs = C / NH;
+  const int hs = C / NH, group = NH / NKV;
+  const size_t W = static_cast<size_t>(C) + 2 * static_cast<size_t>(NKV) * hs;
   const F scale = F(1) / std::sqrt(F(hs));
-  std::fill(dqkv, dqkv + static_cast<size_t>(B) * T * C3, F(0));  // overwritten: the sums below start at zero
+  std::fill(dqkv, dqkv + static_cast<size_t>(B) * T * W, F(0));  // overwritten: the sums below start at zero
   std::vector<F> datt(T);     // d loss / d att[t2] for the current row
   std::vector<F> dpreatt(T);  // d loss / d score[t2]
   for (int b = 0; b < B; ++b) {
     for (int t = 0; t < T; ++t) {
       for (int h = 0; h < NH; ++h) {
-        const size_t row = (static_cast<size_t>(b) * T + t) * C3 + h * hs;
+        const size_t k_at = C + static_cast<size_t>(h / group) * hs, v_at = k_at + static_cast<size_t>(NKV) * hs;
+        const size_t row = (static_cast<size_t>(b) * T + t) * W + h * hs;
         const F* q = qkv + row;
         F* dq = dqkv + row;
         const F* att_row = att + ((static_cast<size_t>(b) * NH + h) * T + t) * T;
@@ -206,7 +209,7 @@ void attention_backward(F* dqkv, const F* dout, const F* qkv, const F* att, int 
 
         // out = sum_t2 att[t2] v[t2]
         for (int t2 = 0; t2 <= t; ++t2) {
-          const size_t row2 = (static_cast<size_t>(b) * T + t2) * C3 + 2 * C + h * hs;
+          const size_t row2 = (static_cast<size_t>(b) * T + t2) * W + v_at;
           const F* v = qkv + row2;
           F* dv = dqkv + row2;
           F d = 0;
@@ -222,7 +225,7 @@ void attention_backward(F* dqkv, const F* dout, const F* qkv, const F* att, int 
         for (int t2 = 0; t2 <= t; ++t2) dpreatt[t2] = att_row[t2] * (datt[t2] - dot);
         // score[t2] = scale * q . k[t2]
         for (int t2 = 0; t2 <= t; ++t2) {
-          const size_t row2 = (static_cast<size_t>(b) * T + t2) * C3 + C + h * hs;
+          const size_t row2 = (static_cast<size_t>(b) * T + t2) * W + k_at;
           const F* k = qkv + row2;
           F* dk = dqkv + row2;
           const F g = dpreatt[t2] * scale;

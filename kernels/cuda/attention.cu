@@ -264,8 +264,9 @@ size_t attention_saved_floats(int B, int T, int C, int NH, MatmulPrecision preci
   return static_cast<size_t>(B) * NH * T * T;
 }
 
-void attention_forward(void* out, float* att, const void* qkv, int B, int T, int C, int NH,
+void attention_forward(void* out, float* att, const void* qkv, int B, int T, int C, int NH, int NKV,
                        MatmulPrecision precision) {
+  STRATA_ASSERT_MSG(NKV == NH, "the CUDA attention has no grouped-query form yet (num_key_value_heads < heads)");
   if (B <= 0 || T <= 0) return;
   const CudaContext& ctx = cuda_context();
   const bool bf16 = precision == MatmulPrecision::kBF16, hidden16 = hidden_bf16(C, precision);
@@ -306,7 +307,8 @@ void attention_forward(void* out, float* att, const void* qkv, int B, int T, int
 }
 
 void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* att, int B,
-                        int T, int C, int NH, MatmulPrecision precision) {
+                        int T, int C, int NH, int NKV, MatmulPrecision precision) {
+  STRATA_ASSERT_MSG(NKV == NH, "the CUDA attention has no grouped-query form yet (num_key_value_heads < heads)");
   if (B <= 0 || T <= 0) return;
   using bf = __nv_bfloat16;
   const CudaContext& ctx = cuda_context();

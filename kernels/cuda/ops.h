@@ -70,10 +70,10 @@ MatmulEpilogueCounts matmul_epilogue_counts();
 // set_ overrides it for the plans made after (tests). matmul.cpp.
 bool matmul_autotune();
 void set_matmul_autotune(bool on);
-void attention_forward(void* out, float* att, const void* qkv, int B, int T, int C, int NH,
+void attention_forward(void* out, float* att, const void* qkv, int B, int T, int C, int NH, int NKV,
                        MatmulPrecision precision);
 void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* att, int B,
-                        int T, int C, int NH, MatmulPrecision precision);
+                        int T, int C, int NH, int NKV, MatmulPrecision precision);
 size_t attention_saved_floats(int B, int T, int C, int NH, MatmulPrecision precision);
 void gelu_forward(float* out, const float* inp, size_t N);
 void gelu_backward(float* dinp, const float* inp, const float* dout, size_t N);

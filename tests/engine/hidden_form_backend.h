@@ -68,17 +68,20 @@ inline void residual_layernorm_forward(float* res, void* out, float* mean, float
   Out o(out, elems(N, C), in_bf16(C, p));
   fast().residual_layernorm_forward(res, o.p, mean, rstd, inp1, inp2, weight, bias, N, C, p);
 }
-inline void attention_forward(void* out, float* att, const void* qkv, int B, int T, int C, int NH, MatmulPrecision p) {
-  const In q(qkv, elems(B * T, 3 * C), in_bf16(3 * C, p));
+inline void attention_forward(void* out, float* att, const void* qkv, int B, int T, int C, int NH, int NKV,
+                              MatmulPrecision p) {
+  const int W = C + 2 * NKV * (C / NH);
+  const In q(qkv, elems(B * T, W), in_bf16(W, p));
   Out o(out, elems(B * T, C), in_bf16(C, p));
-  fast().attention_forward(o.p, att, q.p, B, T, C, NH, p);
+  fast().attention_forward(o.p, att, q.p, B, T, C, NH, NKV, p);
 }
 inline void attention_backward(void* dqkv, const void* dout, const void* qkv, const void* out, const float* att, int B,
-                               int T, int C, int NH, MatmulPrecision p) {
-  const In d(dout, elems(B * T, C), in_bf16(C, p)), q(qkv, elems(B * T, 3 * C), in_bf16(3 * C, p));
+                               int T, int C, int NH, int NKV, MatmulPrecision p) {
+  const int W = C + 2 * NKV * (C / NH);
+  const In d(dout, elems(B * T, C), in_bf16(C, p)), q(qkv, elems(B * T, W), in_bf16(W, p));
   const In o(out, elems(B * T, C), in_bf16(C, p));
-  Out dq(dqkv, elems(B * T, 3 * C), in_bf16(3 * C, p));
-  fast().attention_backward(dq.p, d.p, q.p, o.p, att, B, T, C, NH, p);
+  Out dq(dqkv, elems(B * T, W), in_bf16(W, p));
+  fast().attention_backward(dq.p, d.p, q.p, o.p, att, B, T, C, NH, NKV, p);
 }
 inline void matmul_forward_to_hidden(void* out, const void* inp, Weight weight, const float* bias, int N, int C,
                                      int OC, MatmulPrecision p) {

@@ -200,8 +200,8 @@ AttentionRun run_attention(const KernelSet& k, int B, int T, int C, int NH, uint
   r.want_out.resize(dout.size());
   r.want_att.resize(size_t(B) * NH * T * T);
   r.want_dqkv.resize(qkv.size());
-  ref::attention_forward(r.want_out.data(), r.want_att.data(), qkv_d.data(), B, T, C, NH);
-  ref::attention_backward(r.want_dqkv.data(), dout_d.data(), qkv_d.data(), r.want_att.data(), B, T, C, NH);
+  ref::attention_forward(r.want_out.data(), r.want_att.data(), qkv_d.data(), B, T, C, NH, NH);
+  ref::attention_backward(r.want_dqkv.data(), dout_d.data(), qkv_d.data(), r.want_att.data(), B, T, C, NH, NH);
   const int hs = C / NH;
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < NH; ++h)
@@ -225,9 +225,10 @@ AttentionRun run_attention(const KernelSet& k, int B, int T, int C, int NH, uint
   // dqkv starts as NaN: the backward overwrites it, every element.
   auto g_out = hidden_poisoned(k, N, C, precision), g_att = Dev<float>::poisoned(saved);
   auto g_dqkv = hidden_poisoned(k, N, 3 * C, precision);
-  k.attention_forward(g_out.get(), g_att.get(), g_qkv.get(), B, T, C, NH, precision);
+  k.attention_forward(g_out.get(), g_att.get(), g_qkv.get(), B, T, C, NH, NH, precision);
   if (between) between();
-  k.attention_backward(g_dqkv.get(), g_dout.get(), g_qkv.get(), g_out.get(), g_att.get(), B, T, C, NH, precision);
+  k.attention_backward(g_dqkv.get(), g_dout.get(), g_qkv.get(), g_out.get(), g_att.get(), B, T, C, NH, NH,
+                       precision);
   r.got_out = hidden_to_host(k, g_out, N, C, precision);
   r.got_att = g_att.download();
   r.got_dqkv = hidden_to_host(k, g_dqkv, N, 3 * C, precision);

@@ -109,28 +109,35 @@ struct LayernormCase {
   static constexpr bool kOverwrites = false;
 };
 
+// NKV key and value heads shared by the NH query heads (grouped-query attention); NKV = 0 means NH (multi-head).
 template <typename F>
 struct AttentionCase {
-  int B, T, C, NH;
+  int B, T, C, NH, NKV;
   uint64_t seed;
   std::vector<F> qkv, dout, out, att, dqkv;
-  AttentionCase(int B_, int T_, int C_, int NH_, uint64_t seed_) : B(B_), T(T_), C(C_), NH(NH_), seed(seed_) {
+  AttentionCase(int B_, int T_, int C_, int NH_, uint64_t seed_, int NKV_ = 0)
+      : B(B_), T(T_), C(C_), NH(NH_), NKV(NKV_ > 0 ? NKV_ : NH_), seed(seed_) {
     Rng rng(seed);
-    qkv = rand_vec<F>(size_t(B) * T * 3 * C, rng, -2.0, 2.0);  // wide enough that softmax rows are not flat
+    const size_t W = size_t(C) + 2 * size_t(NKV) * (C / NH);
+    qkv = rand_vec<F>(size_t(B) * T * W, rng, -2.0, 2.0);  // wide enough that softmax rows are not flat
     dout = rand_vec<F>(size_t(B) * T * C, rng);
     out.assign(dout.size(), 0);
     att.assign(size_t(B) * NH * T * T, 0);
     dqkv.assign(qkv.size(), 0);
   }
-  std::string params() const { return fmt::format("attention B={} T={} C={} NH={} seed={}", B, T, C, NH, seed); }
-  void forward(Backend k) { STRATA_RUN_OP(k, attention_forward, out.data(), att.data(), qkv.data(), B, T, C, NH, MatmulPrecision::kF32); }
+  std::string params() const {
+    return fmt::format("attention B={} T={} C={} NH={} NKV={} seed={}", B, T, C, NH, NKV, seed);
+  }
+  void forward(Backend k) {
+    STRATA_RUN_OP(k, attention_forward, out.data(), att.data(), qkv.data(), B, T, C, NH, NKV, MatmulPrecision::kF32);
+  }
   void backward(Backend k) {
     // The slot also takes the forward's output, which the reference does not read.
     if constexpr (std::is_same_v<F, float>)
-      kernels(k).attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), att.data(), B, T, C, NH,
+      kernels(k).attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), att.data(), B, T, C, NH, NKV,
                                     MatmulPrecision::kF32);
     else
-      ref::attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH);
+      ref::attention_backward(dqkv.data(), dout.data(), qkv.data(), att.data(), B, T, C, NH, NKV);
   }
   double loss() const { return weighted_sum(out, dout); }
   std::vector<Array<F>> arrays() { return {{"out", &out, false}, {"att", &att, false}, {"dqkv", &dqkv, true}}; }
@@ -234,6 +241,10 @@ const Tols kLayernormTols{{"out", {2e-6, 2e-6}},  {"mean", {1e-6, 1e-6}},    {"r
 // Attention: hs-term dot products (hs <= 64), softmax over <= 130 keys (fast: simd::exp, < 1.3 ulp), then sums
 // over keys and, for dk/dv, over the queries that see a key. Seen: out 9.2e-7, att 3.9e-7, dqkv 9.6e-7.
 const Tols kAttentionTols{{"out", {2e-6, 2e-6}}, {"att", {1e-6, 2e-6}}, {"dqkv", {4e-6, 4e-6}}};
+// Grouped-query: each key and value head's gradient sums over its group's query heads too (up to 4 x 130 queries
+// at hs = 128), and the outputs are sums over up to 130 keys at hs = 128. Seen: out 1.4e-6, att 4.2e-7, dqkv
+// 3.3e-6.
+const Tols kGqaAttentionTols{{"out", {4e-6, 2e-6}}, {"att", {1e-6, 2e-6}}, {"dqkv", {1e-5, 4e-6}}};
 // GELU on [-6, 4]: ref<float>'s tanhf and its 1 + tanh cancellation for negative x give absolute errors of a few
 // ulp(1); fast's sigmoid form is within ~3 ulp relative. Seen: out 3.5e-7, dinp 4.5e-7.
 const Tols kGeluTols{{"out", {1e-6, 1e-6}}, {"dinp", {1e-6, 2e-6}}};
@@ -307,6 +318,63 @@ TEST(Attention, FastMatchesDouble) {
 TEST(Attention, FastIsDeterministic) { expect_fast_deterministic<AttentionCase>(2, kLargeT, 96, 4, kSeed); }
 TEST(Attention, BackwardOverwrites) {
   for (Backend b : {Backend::kRef, Backend::kFast}) expect_backward_accumulates<AttentionCase>(b, 3, 7, 20, 4, kSeed);
+}
+// Grouped-query attention (the Llama family's num_key_value_heads): 6 query heads over 2 key/value heads, 8 over
+// 2, and one shared head (multi-query) at head size 128.
+TEST(Attention, GroupedQueryRefMatchesDoubleAndFiniteDifferences) {
+  expect_close_to_double<AttentionCase>(Backend::kRef, kGqaAttentionTols, 3, 7, 24, 6, kSeed, 2);
+  expect_gradients_match_finite_differences<AttentionCase>(3, 7, 24, 6, kSeed, 2);
+}
+TEST(Attention, GroupedQueryFastMatchesDouble) {
+  for_each_isa([] {
+    expect_close_to_double<AttentionCase>(Backend::kFast, kGqaAttentionTols, 3, 7, 24, 6, kSeed, 2);
+    expect_close_to_double<AttentionCase>(Backend::kFast, kGqaAttentionTols, 2, kLargeT, 96, 8, kSeed, 2);
+    expect_close_to_double<AttentionCase>(Backend::kFast, kGqaAttentionTols, 1, 130, 512, 4, kSeed, 1);
+  });
+}
+TEST(Attention, GroupedQueryFastIsDeterministicAndOverwrites) {
+  expect_fast_deterministic<AttentionCase>(2, kLargeT, 96, 8, kSeed, 2);
+  for (Backend b : {Backend::kRef, Backend::kFast})
+    expect_backward_accumulates<AttentionCase>(b, 3, 7, 24, 6, kSeed, 2);
+}
+// The sharing is transformers' repeat_kv (repeat_interleave over heads): query head h reads key/value head
+// h / (NH/NKV). So grouped-query attention is multi-head attention over the key and value heads repeated that
+// way: the same out and att bit for bit (each head's arithmetic is the same), and each shared head's gradient
+// the sum of its copies'.
+TEST(Attention, GroupedQueryIsMultiHeadOverRepeatedKeysAndValues) {
+  constexpr int B = 2, T = 11, NH = 6, NKV = 2, hs = 4, C = NH * hs, group = NH / NKV;
+  for (Backend b : {Backend::kRef, Backend::kFast}) {
+    AttentionCase<float> gqa(B, T, C, NH, kSeed, NKV), mha(B, T, C, NH, kSeed);
+    const size_t Wg = size_t(C) + 2 * NKV * hs, Wm = 3 * size_t(C);
+    for (int row = 0; row < B * T; ++row) {
+      const float* g = gqa.qkv.data() + row * Wg;
+      float* m = mha.qkv.data() + row * Wm;
+      std::copy_n(g, C, m);  // the queries
+      for (int h = 0; h < NH; ++h) {
+        std::copy_n(g + C + (h / group) * hs, hs, m + C + h * hs);              // key head h / group
+        std::copy_n(g + C + (NKV + h / group) * hs, hs, m + 2 * C + h * hs);  // value head h / group
+      }
+    }
+    mha.dout = gqa.dout;
+    gqa.forward(b);
+    mha.forward(b);
+    EXPECT_TRUE(bitwise_equal(gqa.out, mha.out, "out")) << backend_name(b);
+    EXPECT_TRUE(bitwise_equal(gqa.att, mha.att, "att")) << backend_name(b);
+    gqa.backward(b);
+    mha.backward(b);
+    std::vector<double> want(gqa.dqkv.size(), 0.0);
+    for (int row = 0; row < B * T; ++row) {
+      const float* m = mha.dqkv.data() + row * Wm;
+      double* w = want.data() + row * Wg;
+      for (int i = 0; i < C; ++i) w[i] = m[i];
+      for (int h = 0; h < NH; ++h)
+        for (int i = 0; i < hs; ++i) {
+          w[C + (h / group) * hs + i] += m[C + h * hs + i];
+          w[C + (NKV + h / group) * hs + i] += m[2 * C + h * hs + i];
+        }
+    }
+    EXPECT_TRUE(all_close(gqa.dqkv, want, 1e-6, 1e-6, "dqkv")) << backend_name(b);
+  }
 }
 // Entries above the diagonal are written 0 whatever att held; each row is a distribution.
 TEST(Attention, ProbabilitiesAreCausalRows) {

@@ -245,7 +245,7 @@ Status GPT2::block_forward(int l, const offload::UnitView& unit, const float* re
   k_->layernorm_forward(ln1, ln1_mean, ln1_rstd, residual, w.ln1w, w.ln1b, Nr, C, precision_);
   STRATA_ASSIGN_OR_RETURN(const void* ln1_in, gather_hidden_rows(ln1, Nr, C));
   k_->matmul_forward_to_hidden(qkv, ln1_in, weight(w.qkvw), w.qkvb, N, C, 3 * A, precision_);
-  k_->attention_forward(atty, att, qkv, B, T, A, NH, precision_);
+  k_->attention_forward(atty, att, qkv, B, T, A, NH, NH, precision_);
   float* partial = partial_for(attproj);
   k_->matmul_forward_hidden(partial, atty, weight(w.attprojw), adds_bias ? w.attprojb : nullptr, N, A, C,
                             precision_);
@@ -447,7 +447,7 @@ Status GPT2::block_backward(int l, const offload::UnitView& unit, const float* r
     k_->matmul_backward_hidden(grads_.datty, dw.attprojw, dw.attprojb, dout, atty, weight(w.attprojw), N, A, C,
                                precision_);
   }
-  k_->attention_backward(grads_.dqkv, grads_.datty, qkv, atty, att, B, T, A, NH, precision_);
+  k_->attention_backward(grads_.dqkv, grads_.datty, qkv, atty, att, B, T, A, NH, NH, precision_);
   {
     STRATA_ASSIGN_OR_RETURN(const void* ln1_in, gather_hidden_rows(ln1, Nr, C));
     k_->matmul_backward_set_hidden(grads_.dln, dw.qkvw, dw.qkvb, grads_.dqkv, ln1_in, weight(w.qkvw), N, C, 3 * A,
