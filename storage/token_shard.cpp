@@ -9,7 +9,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
+#include <vector>
+
+#include "common/check.h"
 
 namespace strata {
 namespace {
@@ -137,18 +141,58 @@ Result<std::string> read_whole_file(const std::string& path) {
   return ss.str();
 }
 
-Status write_token_shard(const std::string& path, const uint16_t* tokens, size_t n) {
+namespace {
+
+template <typename Token>
+Status write_shard(const std::string& path, const Token* tokens, size_t n, int32_t magic, int32_t version) {
   if (n > static_cast<size_t>(INT32_MAX))
     return Status::invalid_argument("{}: {} tokens do not fit a shard's int32 count (at most {})", path, n, INT32_MAX);
   int32_t header[kTokenShardHeaderInts] = {};
-  header[0] = kTokenShardMagic;
-  header[1] = kTokenShardVersion;
+  header[0] = magic;
+  header[1] = version;
   header[2] = static_cast<int32_t>(n);
   const std::span<const std::byte> parts[] = {
       std::as_bytes(std::span<const int32_t>(header)),
-      std::as_bytes(std::span<const uint16_t>(tokens, n)),
+      std::as_bytes(std::span<const Token>(tokens, n)),
   };
   return write_file_atomic(path, parts);
+}
+
+// The first token at or above vocab_size, as a Corruption naming it; OK when there is none. A branch-free max
+// (vectorised) first; the index is only searched for on failure.
+template <typename Token>
+Status check_tokens(const std::string& path, const std::vector<Token>& tokens, int vocab_size) {
+  if (static_cast<uint64_t>(vocab_size) > std::numeric_limits<Token>::max()) return Status::ok();
+  const auto limit = static_cast<Token>(vocab_size);
+  Token max_token = 0;
+  for (Token t : tokens) max_token = t > max_token ? t : max_token;
+  for (size_t i = 0; max_token >= limit && i < tokens.size(); ++i) {
+    if (tokens[i] >= limit)
+      return Status::corruption("{}: token {} (file offset {}) is {}, not below the vocabulary size {}", path, i,
+                                kTokenShardHeaderBytes + sizeof(Token) * i, tokens[i], vocab_size);
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status write_token_shard(const std::string& path, const uint16_t* tokens, size_t n) {
+  return write_shard(path, tokens, n, kTokenShardMagic, kTokenShardVersion);
+}
+
+Status write_token_shard(const std::string& path, const uint32_t* tokens, size_t n) {
+  return write_shard(path, tokens, n, kTokenShardMagic32, kTokenShardVersion32);
+}
+
+Status write_token_shard(const std::string& path, std::span<const uint32_t> tokens, int vocab_size) {
+  if (vocab_size <= 0) return Status::invalid_argument("{}: vocab_size must be positive, got {}", path, vocab_size);
+  for (size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] >= static_cast<uint32_t>(vocab_size))
+      return Status::invalid_argument("{}: token {} is {}, not below the vocabulary size {}", path, i, tokens[i],
+                                      vocab_size);
+  if (vocab_size > kTokenShardMaxVocab16) return write_token_shard(path, tokens.data(), tokens.size());
+  const std::vector<uint16_t> narrow(tokens.begin(), tokens.end());  // each below 65536: checked above
+  return write_token_shard(path, narrow.data(), narrow.size());
 }
 
 Result<TokenShard> TokenShard::open(const std::string& path, int vocab_size) {
@@ -168,34 +212,52 @@ Result<TokenShard> TokenShard::open(const std::string& path, int vocab_size) {
 
   int32_t header[kTokenShardHeaderInts];
   STRATA_RETURN_IF_ERROR(pread_all(fd, header, sizeof(header), 0, path));
-  if (header[0] != kTokenShardMagic)
-    return Status::corruption("{}: bad magic {} at offset 0 (want {}): not an llm.c token shard", path, header[0],
-                              kTokenShardMagic);
-  if (header[1] != kTokenShardVersion)
-    return Status::corruption("{}: unsupported version {} at offset 4 (want {})", path, header[1], kTokenShardVersion);
+  size_t width = 0;  // bytes a token
+  if (header[0] == kTokenShardMagic) {
+    if (header[1] != kTokenShardVersion)
+      return Status::corruption("{}: unsupported version {} at offset 4 (want {} after magic {})", path, header[1],
+                                kTokenShardVersion, kTokenShardMagic);
+    width = 2;
+  } else if (header[0] == kTokenShardMagic32) {
+    if (header[1] != kTokenShardVersion32)
+      return Status::corruption("{}: unsupported version {} at offset 4 (want {} after magic {})", path, header[1],
+                                kTokenShardVersion32, kTokenShardMagic32);
+    width = 4;
+  } else {
+    return Status::corruption("{}: bad magic {} at offset 0 (want {}, or {} for 32-bit tokens): not an llm.c token "
+                              "shard",
+                              path, header[0], kTokenShardMagic, kTokenShardMagic32);
+  }
   if (header[2] < 0) return Status::corruption("{}: negative token count {} at offset 8", path, header[2]);
   const auto count = static_cast<uint64_t>(header[2]);
-  const uint64_t want_size = kTokenShardHeaderBytes + 2 * count;
+  const uint64_t want_size = kTokenShardHeaderBytes + width * count;
   if (file_size != want_size)
-    return Status::corruption("{}: header says {} tokens, so the file should be {} bytes (1024 + 2*{}), but it is {} bytes",
-                              path, count, want_size, count, file_size);
+    return Status::corruption(
+        "{}: header says {} tokens, so the file should be {} bytes (1024 + {}*{}), but it is {} bytes", path, count,
+        want_size, width, count, file_size);
 
   TokenShard shard;
   shard.path_ = path;
-  shard.tokens_.resize(count);
-  STRATA_RETURN_IF_ERROR(pread_all(fd, shard.tokens_.data(), 2 * count, kTokenShardHeaderBytes, path));
-  if (vocab_size < 65536) {
-    const auto limit = static_cast<uint16_t>(vocab_size);
-    // A branch-free max (vectorised) first; the index of the first bad token is only searched for on failure.
-    uint16_t max_token = 0;
-    for (uint16_t t : shard.tokens_) max_token = t > max_token ? t : max_token;
-    for (size_t i = 0; max_token >= limit && i < count; ++i) {
-      if (shard.tokens_[i] >= limit)
-        return Status::corruption("{}: token {} (file offset {}) is {}, not below the vocabulary size {}", path, i,
-                                  kTokenShardHeaderBytes + 2 * i, shard.tokens_[i], vocab_size);
-    }
+  if (width == 2) {
+    shard.tokens16_.resize(count);
+    STRATA_RETURN_IF_ERROR(pread_all(fd, shard.tokens16_.data(), 2 * count, kTokenShardHeaderBytes, path));
+    STRATA_RETURN_IF_ERROR(check_tokens(path, shard.tokens16_, vocab_size));
+  } else {
+    shard.wide_ = true;
+    shard.tokens32_.resize(count);
+    STRATA_RETURN_IF_ERROR(pread_all(fd, shard.tokens32_.data(), 4 * count, kTokenShardHeaderBytes, path));
+    STRATA_RETURN_IF_ERROR(check_tokens(path, shard.tokens32_, vocab_size));
   }
   return shard;
+}
+
+void TokenShard::copy(size_t offset, size_t n, int32_t* out) const {
+  STRATA_ASSERT(offset + n <= size());
+  if (wide_) {
+    for (size_t i = 0; i < n; ++i) out[i] = static_cast<int32_t>(tokens32_[offset + i]);
+  } else {
+    for (size_t i = 0; i < n; ++i) out[i] = tokens16_[offset + i];
+  }
 }
 
 }  // namespace strata

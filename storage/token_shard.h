@@ -1,10 +1,11 @@
 // token_shard.h — llm.c's token shard files (.bin), and the crash-safe whole-file write they share.
 //
-// Layout (little-endian; what llm.c's dev/data scripts write and its data loader reads):
-//   int32  header[256]   [0] = 20240520 (magic), [1] = 1 (version), [2] = n (token count), the rest zero
-//   uint16 tokens[n]
-// The file is exactly 1024 + 2n bytes. open() checks that, and that every token is below the vocabulary size,
-// so a loader can index an embedding table without a bounds check. Writes go to "<path>.tmp", are fsynced and
+// Layout (little-endian; what llm.c's dev/data scripts write, data_common.py's two HEADERS_INFO forms):
+//   int32  header[256]   [0] = magic, [1] = version, [2] = n (token count), the rest zero
+//   tokens[n]            uint16 under magic 20240520, version 1 (llm.c's "gpt-2" form: vocabularies up to 65536)
+//                        uint32 under magic 20240801, version 7 (its "llama-3" form: Llama 3's 128256, Qwen's 151936)
+// The file is exactly 1024 + 2n or 1024 + 4n bytes. open() checks that, and that every token is below the
+// vocabulary size, so a loader can index an embedding table without a bounds check. Writes go to "<path>.tmp", are fsynced and
 // renamed over <path>: a crash leaves the old file or the new one, never half a shard.
 // Not here: batching and shuffling (the engine's data loader), tokenizing (engine/text/tokenizer.h).
 // Threading: a TokenShard is immutable once opened; any number of threads may read it.
@@ -25,8 +26,11 @@ namespace strata {
 
 static_assert(std::endian::native == std::endian::little, "token shards and safetensors are little-endian");
 
-constexpr int32_t kTokenShardMagic = 20240520;
+constexpr int32_t kTokenShardMagic = 20240520;  // uint16 tokens
 constexpr int32_t kTokenShardVersion = 1;
+constexpr int32_t kTokenShardMagic32 = 20240801;  // uint32 tokens
+constexpr int32_t kTokenShardVersion32 = 7;
+constexpr int kTokenShardMaxVocab16 = 65536;  // the largest vocabulary the uint16 form holds
 constexpr size_t kTokenShardHeaderInts = 256;
 constexpr size_t kTokenShardHeaderBytes = kTokenShardHeaderInts * sizeof(int32_t);
 
@@ -42,19 +46,29 @@ class TokenShard {
   TokenShard(const TokenShard&) = delete;  // shards are up to hundreds of MB: copies must be explicit
   TokenShard& operator=(const TokenShard&) = delete;
 
-  size_t size() const { return tokens_.size(); }
-  const uint16_t* data() const { return tokens_.data(); }
-  std::span<const uint16_t> tokens() const { return tokens_; }
+  size_t size() const { return wide_ ? tokens32_.size() : tokens16_.size(); }
+  // Whether the file holds uint32 tokens (the "llama-3" form).
+  bool wide() const { return wide_; }
+  uint32_t operator[](size_t i) const { return wide_ ? tokens32_[i] : tokens16_[i]; }
+  // Tokens [offset, offset + n) as int32 (each below the vocabulary size open() was given).
+  void copy(size_t offset, size_t n, int32_t* out) const;
   const std::string& path() const { return path_; }
 
  private:
   TokenShard() = default;
   std::string path_;
-  std::vector<uint16_t> tokens_;
+  bool wide_ = false;
+  std::vector<uint16_t> tokens16_;  // the uint16 form's tokens, as the file holds them
+  std::vector<uint32_t> tokens32_;  // the uint32 form's
 };
 
-// Writes n tokens as a shard at `path` (via "<path>.tmp", fsync, rename). n must fit the int32 count field.
+// Writes n tokens as a shard at `path` (via "<path>.tmp", fsync, rename), in the uint16 form or the uint32 form.
+// n must fit the int32 count field.
 Status write_token_shard(const std::string& path, const uint16_t* tokens, size_t n);
+Status write_token_shard(const std::string& path, const uint32_t* tokens, size_t n);
+// The form a vocabulary of `vocab_size` needs: uint16 up to kTokenShardMaxVocab16 (what llm.c's GPT-2 loaders
+// read), uint32 above. InvalidArgument naming the first token at or above vocab_size.
+Status write_token_shard(const std::string& path, std::span<const uint32_t> tokens, int vocab_size);
 
 // fsync of the directory holding `path`: makes a rename or creation there durable, not just the file's bytes.
 Status fsync_parent_dir(const std::string& path);

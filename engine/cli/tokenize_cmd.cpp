@@ -137,17 +137,18 @@ Status read_documents(const fs::path& path, const std::string& field, std::vecto
   return Status::ok();
 }
 
-// Collects one split's tokens and writes a shard each time shard_tokens have accumulated.
+// Collects one split's tokens and writes a shard each time shard_tokens have accumulated: uint16 tokens for a
+// vocabulary up to 65536 (llm.c's GPT-2 form), uint32 above (its Llama 3 form; storage/token_shard.h).
 class ShardWriter {
  public:
-  ShardWriter(fs::path dir, std::string stem, size_t shard_tokens)
-      : dir_(std::move(dir)), stem_(std::move(stem)), shard_tokens_(shard_tokens) {}
+  ShardWriter(fs::path dir, std::string stem, size_t shard_tokens, int vocab_size)
+      : dir_(std::move(dir)), stem_(std::move(stem)), shard_tokens_(shard_tokens), vocab_size_(vocab_size) {}
 
   Status append(std::span<const int32_t> ids) {
     tokens_ += static_cast<int64_t>(ids.size());
     while (!ids.empty()) {
       const size_t take = std::min(ids.size(), shard_tokens_ - buf_.size());
-      for (size_t i = 0; i < take; ++i) buf_.push_back(static_cast<uint16_t>(ids[i]));  // ids < 65536: checked
+      for (size_t i = 0; i < take; ++i) buf_.push_back(static_cast<uint32_t>(ids[i]));  // ids >= 0: the tokenizer's
       ids = ids.subspan(take);
       if (buf_.size() == shard_tokens_) STRATA_RETURN_IF_ERROR(flush());
     }
@@ -160,7 +161,7 @@ class ShardWriter {
  private:
   Status flush() {
     const std::string path = (dir_ / fmt::format("{}_{:06d}.bin", stem_, files_.size())).string();
-    STRATA_RETURN_IF_ERROR(write_token_shard(path, buf_.data(), buf_.size()));
+    STRATA_RETURN_IF_ERROR(write_token_shard(path, buf_, vocab_size_));
     files_.push_back(path);
     buf_.clear();
     return Status::ok();
@@ -169,7 +170,8 @@ class ShardWriter {
   fs::path dir_;
   std::string stem_;  // "<prefix>_train"
   size_t shard_tokens_;
-  std::vector<uint16_t> buf_;
+  int vocab_size_;
+  std::vector<uint32_t> buf_;
   std::vector<std::string> files_;
   int64_t tokens_ = 0;
 };
@@ -243,8 +245,6 @@ Result<TokenizeSummary> tokenize_corpus(const TokenizeOptions& o) {
   std::optional<tbb::global_control> threads;
   if (o.threads > 0) threads.emplace(tbb::global_control::max_allowed_parallelism, o.threads);
   STRATA_ASSIGN_OR_RETURN(Tokenizer tok, Tokenizer::load(o.encoder_path, o.vocab_path));
-  if (tok.vocab_size() > 65536)
-    return Status::invalid_argument("vocabulary of {} does not fit token shards' uint16 ids", tok.vocab_size());
   STRATA_ASSIGN_OR_RETURN(std::vector<fs::path> files, expand_inputs(o.inputs));
 
   std::error_code ec;
@@ -256,8 +256,9 @@ Result<TokenizeSummary> tokenize_corpus(const TokenizeOptions& o) {
   if (fs::remove(summary.manifest, ec); ec)
     return Status::io_error("cannot remove old {}: {}", summary.manifest, ec.message());
 
-  ShardWriter writers[2] = {ShardWriter(out_dir, prefix + "_train", static_cast<size_t>(o.shard_tokens)),
-                            ShardWriter(out_dir, prefix + "_val", static_cast<size_t>(o.shard_tokens))};
+  const auto shard_tokens = static_cast<size_t>(o.shard_tokens);
+  ShardWriter writers[2] = {ShardWriter(out_dir, prefix + "_train", shard_tokens, tok.vocab_size()),
+                            ShardWriter(out_dir, prefix + "_val", shard_tokens, tok.vocab_size())};
   const auto val_millionths = static_cast<int64_t>(std::llround(o.val_fraction * 1e6));
   auto is_val = [&](int64_t i) { return (i + 1) * val_millionths / 1000000 > i * val_millionths / 1000000; };
 
@@ -306,6 +307,7 @@ Result<TokenizeSummary> tokenize_corpus(const TokenizeOptions& o) {
       {"encoder", o.encoder_path},
       {"vocab", o.vocab_path},
       {"vocab_size", tok.vocab_size()},
+      {"token_bytes", tok.vocab_size() > kTokenShardMaxVocab16 ? 4 : 2},  // the shards' form (token_shard.h)
       {"eot_token", tok.eot_token()},
       {"eot", "before each document"},
       {"val_fraction", o.val_fraction},

@@ -96,11 +96,8 @@ Status DataLoader::next_batch(int32_t* inputs, int32_t* targets) {
     STRATA_ASSERT(tries <= paths_.size());
   }
   STRATA_RETURN_IF_ERROR(load(pos_.shard));
-  const uint16_t* tok = current_->data() + pos_.offset;
-  for (size_t i = 0; i < n; ++i) {
-    inputs[i] = tok[i];
-    targets[i] = tok[i + 1];
-  }
+  current_->copy(pos_.offset, n, inputs);
+  current_->copy(pos_.offset + 1, n, targets);
   pos_.offset += n;
   return Status::ok();
 }

@@ -67,8 +67,72 @@ TEST_F(TokenShardTest, RoundTripsOddSizes) {
     ASSERT_TRUE(shard.is_ok()) << shard.status().to_string();
     ASSERT_EQ(shard->size(), n);
     EXPECT_EQ(shard->path(), p);
-    EXPECT_TRUE(std::equal(tokens.begin(), tokens.end(), shard->data())) << "n=" << n;
+    EXPECT_FALSE(shard->wide());
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ((*shard)[i], tokens[i]) << "n=" << n << " token " << i;
   }
+}
+
+// llm.c's "llama-3" form (dev/data/data_common.py): magic 20240801, version 7, uint32 tokens, for vocabularies
+// past 65536 (Qwen's 151936 here).
+TEST_F(TokenShardTest, WideTokensRoundTripInLlmCsLlama3Form) {
+  constexpr int kWideVocab = 151936;
+  Rng rng(11);
+  std::vector<uint32_t> tokens(4097);
+  for (auto& t : tokens) t = static_cast<uint32_t>(rng.below(kWideVocab));
+  tokens[7] = kWideVocab - 1;
+  const std::string p = path("wide.bin");
+  ASSERT_TRUE(write_token_shard(p, tokens.data(), tokens.size()).is_ok());
+  EXPECT_EQ(fs::file_size(p), 1024 + 4 * tokens.size());
+  std::ifstream in(p, std::ios::binary);
+  std::vector<int32_t> h(256);
+  in.read(reinterpret_cast<char*>(h.data()), 1024);
+  EXPECT_EQ(h[0], 20240801);
+  EXPECT_EQ(h[1], 7);
+  EXPECT_EQ(h[2], 4097);
+  for (int i = 3; i < 256; ++i) ASSERT_EQ(h[i], 0) << "header[" << i << "]";
+  auto shard = TokenShard::open(p, kWideVocab);
+  ASSERT_TRUE(shard.is_ok()) << shard.status().to_string();
+  EXPECT_TRUE(shard->wide());
+  ASSERT_EQ(shard->size(), tokens.size());
+  std::vector<int32_t> got(tokens.size() - 5);
+  shard->copy(5, got.size(), got.data());
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], static_cast<int32_t>(tokens[5 + i])) << i;
+  // A token at the vocabulary's size is named with its offset in the file, 4 bytes a token.
+  expect_error(TokenShard::open(p, kWideVocab - 1).status(), StatusCode::kCorruption,
+               {"wide.bin", "token 7", "file offset 1052", "is 151935", "151935"});
+}
+
+// The writer that takes a vocabulary picks the form: uint16 up to 65536 tokens (what llm.c's GPT-2 loaders
+// read), uint32 above; a token outside the vocabulary is refused before anything is written.
+TEST_F(TokenShardTest, WriterPicksTheFormFromTheVocabulary) {
+  const std::vector<uint32_t> tokens = {50256, 464, 3139, 0};
+  ASSERT_TRUE(write_token_shard(path("gpt2.bin"), tokens, 50257).is_ok());
+  EXPECT_EQ(fs::file_size(path("gpt2.bin")), 1024 + 2 * tokens.size());
+  ASSERT_TRUE(write_token_shard(path("edge.bin"), tokens, 65536).is_ok());
+  EXPECT_EQ(fs::file_size(path("edge.bin")), 1024 + 2 * tokens.size());
+  ASSERT_TRUE(write_token_shard(path("llama.bin"), tokens, 128256).is_ok());
+  EXPECT_EQ(fs::file_size(path("llama.bin")), 1024 + 4 * tokens.size());
+  for (const char* name : {"gpt2.bin", "edge.bin", "llama.bin"}) {
+    auto shard = TokenShard::open(path(name), 128256);
+    ASSERT_TRUE(shard.is_ok()) << shard.status().to_string();
+    for (size_t i = 0; i < tokens.size(); ++i) EXPECT_EQ((*shard)[i], tokens[i]) << name << " token " << i;
+  }
+  expect_error(write_token_shard(path("bad.bin"), tokens, 3139), StatusCode::kInvalidArgument,
+               {"bad.bin", "token 0", "is 50256", "3139"});
+  EXPECT_FALSE(fs::exists(path("bad.bin")));
+}
+
+TEST_F(TokenShardTest, WideFormChecksItsVersionAndSize) {
+  auto h = header(2);
+  h[0] = kTokenShardMagic32;
+  h[1] = 1;  // the uint16 form's version under the uint32 form's magic
+  write_raw(path("mixed.bin"), h, {1, 0, 2, 0});
+  expect_error(TokenShard::open(path("mixed.bin"), kVocab).status(), StatusCode::kCorruption,
+               {"mixed.bin", "version 1", "want 7", "20240801"});
+  h[1] = kTokenShardVersion32;
+  write_raw(path("half.bin"), h, {1, 2});  // 2 tokens of 2 bytes: half the uint32 form's bytes
+  expect_error(TokenShard::open(path("half.bin"), kVocab).status(), StatusCode::kCorruption,
+               {"half.bin", "2 tokens", "1032 bytes", "1024 + 4*2", "1028 bytes"});
 }
 
 TEST_F(TokenShardTest, HeaderMatchesLlmC) {

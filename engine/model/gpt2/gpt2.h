@@ -66,6 +66,7 @@ struct GPT2Config {
   static constexpr int kMaxLayers = 4096;           // the largest published models have ~130
   static constexpr int kMaxWidth = 1 << 17;         // 131072; Llama 3 405B's is 16384
   static constexpr int kMaxPositions = 1 << 22;     // 4M tokens of context
+  static constexpr int kMaxVocab = 1 << 22;         // the largest published vocabularies have ~256K tokens
   static constexpr int64_t kMaxParams = int64_t{1} << 42;  // 4.4 trillion
 };
 

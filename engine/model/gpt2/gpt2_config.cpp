@@ -50,7 +50,7 @@ Status GPT2Config::validate() const {
   STRATA_RETURN_IF_ERROR(in_range("n_layer", n_layer, kMaxLayers));
   STRATA_RETURN_IF_ERROR(in_range("n_embd", n_embd, kMaxWidth));
   STRATA_RETURN_IF_ERROR(in_range("n_head", n_head, n_embd));
-  STRATA_RETURN_IF_ERROR(in_range("vocab_size", vocab_size, 65536).with_context("token shards store uint16 ids"));
+  STRATA_RETURN_IF_ERROR(in_range("vocab_size", vocab_size, kMaxVocab));
   STRATA_RETURN_IF_ERROR(in_range("block_size", block_size, kMaxPositions));
   if (n_embd % n_head != 0)
     return Status::invalid_argument("model.n_embd ({}) must be divisible by model.n_head ({})", n_embd, n_head);

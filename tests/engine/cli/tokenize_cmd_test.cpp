@@ -45,7 +45,10 @@ class TokenizeCmdTest : public ::testing::Test {
     auto s = TokenShard::open(path, 257);
     EXPECT_TRUE(s.is_ok()) << s.status().to_string();
     if (!s.is_ok()) return {};
-    return std::vector<uint16_t>(s->data(), s->data() + s->size());
+    EXPECT_FALSE(s->wide()) << path << ": a 257-token vocabulary takes llm.c's uint16 form";
+    std::vector<uint16_t> tokens(s->size());
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((*s)[i]);
+    return tokens;
   }
   // EOT, then the bytes: what the tiny tokenizer makes of one document.
   static std::vector<uint16_t> doc(const std::string& text) {
@@ -88,6 +91,7 @@ TEST_F(TokenizeCmdTest, DirectoryOfTxtFilesInNameOrder) {
   EXPECT_EQ(m["train"]["tokens"], 8);
   EXPECT_EQ(m["val"]["files"], nlohmann::json::array({"corpus_val_000000.bin"}));
   EXPECT_EQ(m["eot_token"], 256);
+  EXPECT_EQ(m["token_bytes"], 2);  // a 257-token vocabulary: llm.c's uint16 form
 
   // An --out-dir written with a trailing slash names the shards after the folder all the same.
   opts_.out_dir = (dir_ / "out" / "slashed").string() + "/";

@@ -377,11 +377,13 @@ TEST(ConfigTest, ModelSizesPastTheBoundsAreRefusedAtOnce) {
   refused({{"model", {{"n_embd", 1000000000}}}}, "model.n_embd is 1000000000");
   refused({{"model", {{"block_size", 100000000}}}}, "model.block_size is 100000000");
   refused({{"model", {{"n_layer", 4096}, {"n_embd", 65536}, {"n_head", 64}}}}, "parameters, past the");
-  refused({{"model", {{"vocab_size", 70000}}}}, "uint16");
+  refused({{"model", {{"vocab_size", 5000000}}}}, "model.vocab_size is 5000000, past the 4194304");
   // lr 1e308 trained to NaN and exited 0: the optimizer computes in float.
   refused({{"training", {{"lr", 1e308}}}}, "training.lr");
   // Within the bounds: a 4096-layer model is a config, not an error.
   EXPECT_TRUE(parse_run_config({{"model", {{"n_layer", 4096}, {"n_embd", 64}, {"n_head", 2}}}}, "ok.json").is_ok());
+  // Nor is a vocabulary past uint16's: token shards hold uint32 ids for it (storage/token_shard.h).
+  EXPECT_TRUE(parse_run_config({{"model", {{"vocab_size", 151936}}}}, "qwen_vocab.json").is_ok());
 }
 
 }  // namespace
