@@ -2,11 +2,11 @@
 //
 // Layout (little-endian; what llm.c's dev/data scripts write, data_common.py's two HEADERS_INFO forms):
 //   int32  header[256]   [0] = magic, [1] = version, [2] = n (token count), the rest zero
-//   tokens[n]            uint16 under magic 20240520, version 1 (llm.c's "gpt-2" form: vocabularies up to 65536)
+//   tokens[n]            uint16 under magic 20240520, version 1 (llm.c's "gpt-2" form: vocabularies to 65536),
 //                        uint32 under magic 20240801, version 7 (its "llama-3" form: Llama 3's 128256, Qwen's 151936)
 // The file is exactly 1024 + 2n or 1024 + 4n bytes. open() checks that, and that every token is below the
-// vocabulary size, so a loader can index an embedding table without a bounds check. Writes go to "<path>.tmp", are fsynced and
-// renamed over <path>: a crash leaves the old file or the new one, never half a shard.
+// vocabulary size, so a loader can index an embedding table without a bounds check. Writes go to "<path>.tmp",
+// are fsynced and renamed over <path>: a crash leaves the old file or the new one, never half a shard.
 // Not here: batching and shuffling (the engine's data loader), tokenizing (engine/text/tokenizer.h).
 // Threading: a TokenShard is immutable once opened; any number of threads may read it.
 #pragma once

@@ -167,7 +167,9 @@ const Tols kSwigluTols{{"out", {1e-6, 2e-6}}, {"dinp", {1e-6, 2e-6}}};
 
 // ---- the tests -------------------------------------------------------------------------------------------------
 
-TEST(Rmsnorm, RefFloatMatchesDouble) { expect_close_to_double<RmsnormCase>(Backend::kRef, kRmsnormTols, 21, 20, kSeed); }
+TEST(Rmsnorm, RefFloatMatchesDouble) {
+  expect_close_to_double<RmsnormCase>(Backend::kRef, kRmsnormTols, 21, 20, kSeed);
+}
 TEST(Rmsnorm, RefGradientsMatchFiniteDifferences) {
   expect_gradients_match_finite_differences<RmsnormCase>(21, 20, kSeed);
 }
