@@ -26,6 +26,7 @@
 #include "common/log.h"
 #include "engine/checkpoint/foreign_formats.h"
 #include "storage/safetensors.h"
+#include "storage/safetensors_shards.h"
 #include "storage/token_shard.h"
 
 namespace strata::engine {
@@ -72,16 +73,16 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 }
 
 // The number of blocks "h.0.", "h.1.", ... a file has tensors of (names under `prefix`).
-int count_blocks(const SafetensorsFile& f, const std::string& prefix) {
+int count_blocks(const SafetensorsShards& f, const std::string& prefix) {
   int n = 0;
   while (f.find(fmt::format("{}h.{}.ln_1.weight", prefix, n)) != nullptr) ++n;
   return n;
 }
 
-// A safetensors file: ours, or Hugging Face's (names under `prefix_`).
+// A safetensors file, ours, or Hugging Face's (names under `prefix_`) in one file or in shards with their index.
 class SafetensorsWeights final : public WeightsFile {
  public:
-  static Result<std::unique_ptr<WeightsFile>> open(const std::string& path, SafetensorsFile file) {
+  static Result<std::unique_ptr<WeightsFile>> open(const std::string& path, SafetensorsShards file) {
     std::string prefix;
     WeightsFormat format = WeightsFormat::kStrata;
     if (file.find("wte") == nullptr) {
@@ -122,7 +123,8 @@ class SafetensorsWeights final : public WeightsFile {
     }
     if (format_ != WeightsFormat::kHuggingFace) return Status::ok();  // ours: other tensors are not weights
     std::vector<std::string> unknown;
-    for (const SafetensorsEntry& e : file_.tensors()) {
+    for (const SafetensorsEntry* t : file_.tensors()) {
+      const SafetensorsEntry& e = *t;
       if (expected.count(e.name) != 0) continue;
       const std::string_view n(e.name);
       if (n.starts_with(prefix_ + "h.") && (n.ends_with(".attn.bias") || n.ends_with(".attn.masked_bias")))
@@ -181,7 +183,7 @@ class SafetensorsWeights final : public WeightsFile {
   }
 
  private:
-  SafetensorsWeights(WeightsFormat format, std::string path, SafetensorsFile file, std::string prefix)
+  SafetensorsWeights(WeightsFormat format, std::string path, SafetensorsShards file, std::string prefix)
       : WeightsFile(format, std::move(path)), file_(std::move(file)), prefix_(std::move(prefix)) {}
 
   std::string file_name(const std::string& ours) const {
@@ -225,7 +227,7 @@ class SafetensorsWeights final : public WeightsFile {
     config_.n_head = 0;
     if (format_ == WeightsFormat::kStrata) {
       // The metadata names the config (model_metadata); each size it gives must be a number, and the shapes'.
-      const auto& md = file_.metadata();
+      const auto& md = file_.files().front().metadata();  // ours is one file
       const std::pair<const char*, int*> sizes[] = {{"n_layer", &config_.n_layer},   {"n_embd", &config_.n_embd},
                                                     {"vocab_size", &config_.vocab_size},
                                                     {"block_size", &config_.block_size}, {"n_head", &config_.n_head}};
@@ -294,7 +296,7 @@ class SafetensorsWeights final : public WeightsFile {
         path_, file_name("wte"));
   }
 
-  SafetensorsFile file_;
+  SafetensorsShards file_;
   std::string prefix_;
 };
 
@@ -462,12 +464,12 @@ static Result<std::unique_ptr<WeightsFile>> open_any(const std::string& path) {
     // The same 4 bytes could begin a safetensors file (its header's length): an llm.c file of no version we
     // read is taken for one if it opens as one.
     if (out.is_ok() || (start[1] == kLlmcF32 || start[1] == kLlmcBf16)) return out;
-    auto file = SafetensorsFile::open(path);
+    auto file = SafetensorsShards::open(path);
     if (!file.is_ok()) return out;
     return SafetensorsWeights::open(path, std::move(file).value());
   }
   ::close(fd);
-  auto file = SafetensorsFile::open(path);
+  auto file = SafetensorsShards::open(path);  // one file, or an index of shards
   if (!file.is_ok()) {
     return file.status().with_context(
         "not an llm.c model file (no magic number 20240326 at its start), nor a readable safetensors file");
@@ -516,9 +518,12 @@ Result<std::string> weights_path(const std::string& path) {
   std::error_code ec;
   if (!fs::is_directory(path, ec)) return path;
   const std::string file = (fs::path(path) / "model.safetensors").string();
-  if (!fs::exists(file, ec))
-    return Status::not_found("{} holds no model.safetensors (a checkpoint's step folder does)", path);
-  return file;
+  if (fs::exists(file, ec)) return file;
+  const std::string index = (fs::path(path) / "model.safetensors.index.json").string();
+  if (fs::exists(index, ec)) return index;  // save_pretrained's shards
+  return Status::not_found("{} holds no model.safetensors (a checkpoint's step folder does) nor a "
+                           "model.safetensors.index.json of shards",
+                           path);
 }
 
 }  // namespace strata::engine

@@ -214,6 +214,36 @@ TEST_F(ForeignWeightsTest, HuggingFaceWeightsLoadTransposedWithTheirBuffersAndTi
   }
 }
 
+// save_pretrained's shards (model-0000i-of-0000N.safetensors and model.safetensors.index.json) load as the one
+// file they were cut from, by the folder or by the index (storage/safetensors_shards.h).
+TEST_F(ForeignWeightsTest, ShardedHuggingFaceWeightsLoadAsTheOneFile) {
+  const std::string whole = write_hf("transformer.", DType::kF32, /*with_buffers_and_head=*/true);
+  write_hf_config(kConfig.n_head);
+  const Weights want = load(whole);
+  {
+    ASSERT_OK_AND_ASSIGN(SafetensorsFile f, SafetensorsFile::open(whole));
+    std::vector<SafetensorsTensor> shard[2];
+    nlohmann::json map = nlohmann::json::object();
+    const std::string names[2] = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"};
+    size_t i = 0;
+    for (const SafetensorsEntry& e : f.tensors()) {
+      const int k = i++ < f.tensors().size() / 2 ? 0 : 1;
+      shard[k].push_back({e.name, e.dtype, e.shape, e.data, {}});
+      map[e.name] = names[k];
+    }
+    for (int k = 0; k < 2; ++k)
+      ASSERT_OK(write_safetensors((dir_ / names[k]).string(), shard[k], {{"format", "pt"}}));
+    std::ofstream(dir_ / "model.safetensors.index.json")
+        << nlohmann::json{{"metadata", {}}, {"weight_map", map}}.dump();
+  }
+  fs::remove(whole);
+  EXPECT_TRUE(load(dir_.string()) == want) << "by the folder";
+  EXPECT_TRUE(load((dir_ / "model.safetensors.index.json").string()) == want) << "by the index";
+  ASSERT_OK_AND_ASSIGN(auto file, WeightsFile::open((dir_ / "model.safetensors.index.json").string()));
+  EXPECT_EQ(file->format(), WeightsFormat::kHuggingFace);
+  EXPECT_EQ(file->config().n_head, kConfig.n_head) << "from the config.json beside the index";
+}
+
 TEST_F(ForeignWeightsTest, HalfPrecisionHuggingFaceAndLlmcWeightsAreWidenedExactly) {
   const Weights want = rounded_to_bf16();
   EXPECT_TRUE(load(write_hf("", DType::kBF16, false)) == want);
