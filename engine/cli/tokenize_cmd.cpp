@@ -138,40 +138,51 @@ Status read_documents(const fs::path& path, const std::string& field, std::vecto
 }
 
 // Collects one split's tokens and writes a shard each time shard_tokens have accumulated: uint16 tokens for a
-// vocabulary up to 65536 (llm.c's GPT-2 form), uint32 above (its Llama 3 form; storage/token_shard.h).
+// vocabulary up to 65536 (llm.c's GPT-2 form), uint32 above (its Llama 3 form; storage/token_shard.h), buffered
+// in that width (a shard's buffer is up to shard_tokens of them).
 class ShardWriter {
  public:
   ShardWriter(fs::path dir, std::string stem, size_t shard_tokens, int vocab_size)
-      : dir_(std::move(dir)), stem_(std::move(stem)), shard_tokens_(shard_tokens), vocab_size_(vocab_size) {}
+      : dir_(std::move(dir)), stem_(std::move(stem)), shard_tokens_(shard_tokens),
+        wide_(vocab_size > kTokenShardMaxVocab16) {}
 
-  Status append(std::span<const int32_t> ids) {
+  Status append(std::span<const int32_t> ids) {  // ids below the vocabulary size: the tokenizer's
     tokens_ += static_cast<int64_t>(ids.size());
     while (!ids.empty()) {
-      const size_t take = std::min(ids.size(), shard_tokens_ - buf_.size());
-      for (size_t i = 0; i < take; ++i) buf_.push_back(static_cast<uint32_t>(ids[i]));  // ids >= 0: the tokenizer's
+      const size_t take = std::min(ids.size(), shard_tokens_ - buffered());
+      for (size_t i = 0; i < take; ++i) {
+        if (wide_)
+          buf32_.push_back(static_cast<uint32_t>(ids[i]));
+        else
+          buf16_.push_back(static_cast<uint16_t>(ids[i]));
+      }
       ids = ids.subspan(take);
-      if (buf_.size() == shard_tokens_) STRATA_RETURN_IF_ERROR(flush());
+      if (buffered() == shard_tokens_) STRATA_RETURN_IF_ERROR(flush());
     }
     return Status::ok();
   }
-  Status finish() { return buf_.empty() ? Status::ok() : flush(); }
+  Status finish() { return buffered() == 0 ? Status::ok() : flush(); }
   const std::vector<std::string>& files() const { return files_; }
   int64_t tokens() const { return tokens_; }
 
  private:
   Status flush() {
     const std::string path = (dir_ / fmt::format("{}_{:06d}.bin", stem_, files_.size())).string();
-    STRATA_RETURN_IF_ERROR(write_token_shard(path, buf_, vocab_size_));
+    STRATA_RETURN_IF_ERROR(wide_ ? write_token_shard(path, buf32_.data(), buf32_.size())
+                                 : write_token_shard(path, buf16_.data(), buf16_.size()));
     files_.push_back(path);
-    buf_.clear();
+    buf16_.clear();
+    buf32_.clear();
     return Status::ok();
   }
+  size_t buffered() const { return wide_ ? buf32_.size() : buf16_.size(); }
 
   fs::path dir_;
   std::string stem_;  // "<prefix>_train"
   size_t shard_tokens_;
-  int vocab_size_;
-  std::vector<uint32_t> buf_;
+  bool wide_;
+  std::vector<uint16_t> buf16_;  // the one of the two in use
+  std::vector<uint32_t> buf32_;
   std::vector<std::string> files_;
   int64_t tokens_ = 0;
 };
