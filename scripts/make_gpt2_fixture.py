@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from fixture_adamw import adamw_losses
 from gpt2_torch import GPT
 
 MAGIC, VERSION = 20261101, 1
@@ -61,20 +62,7 @@ def main():
     logits_np = logits.detach().numpy().astype(np.float32).reshape(-1)
     loss0 = float(loss.item())
 
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=(BETA1, BETA2), eps=EPS)
-    # Restart from the same weights with fresh gradients: step i's loss is measured before update i.
-    model.zero_grad(set_to_none=True)
-    losses = []
-    for _ in range(N_STEPS):
-        opt.zero_grad(set_to_none=True)
-        _, l = model(x, y)
-        l.backward()
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
-        opt.step()
-        losses.append(float(l.item()))
+    losses = adamw_losses(model, params, x, y, N_STEPS, LR, (BETA1, BETA2), EPS, WD, CLIP)
 
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "gpt2_tiny.bin")
     header = np.zeros(256, dtype=np.int32)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fixture_adamw import adamw_losses  # noqa: E402
 from llama_torch import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 B, T, N_STEPS = 3, 29, 10
@@ -114,19 +115,7 @@ def make(name, spec, out_root):
         golden["grad." + n] = p.grad.detach().numpy().astype(np.float32)
     weights = {n: p.detach().numpy().astype(np.float32).copy() for n, p in named.items()}
 
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=LR, betas=(BETA1, BETA2), eps=EPS)
-    model.zero_grad(set_to_none=True)
-    losses = []
-    for _ in range(N_STEPS):  # step i's loss is measured before update i
-        opt.zero_grad(set_to_none=True)
-        _, l = model(x, y)
-        l.backward()
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
-        opt.step()
-        losses.append(float(l.item()))
+    losses = adamw_losses(model, params, x, y, N_STEPS, LR, (BETA1, BETA2), EPS, WD, CLIP)
     golden["losses"] = np.array(losses, dtype=np.float32)
 
     out = os.path.join(out_root, name)
