@@ -234,6 +234,7 @@ class Model {
   }
   // Sums n floats of device memory over the tensor-parallel group, in place (nothing without one).
   [[nodiscard]] Status tp_all_reduce(float* x, size_t n);
+  const std::string& family() const { return family_; }
   bool wants_working_copies() const {
     return working_copies_ && precision_ == kernels::MatmulPrecision::kBF16 && k_->weights_to_bf16 != nullptr;
   }
