@@ -82,6 +82,18 @@ void composed_rope(void* qkv, const float* cos, const float* sin, int B, int T, 
                    MatmulPrecision /*precision*/) {
   Rope(static_cast<float*>(qkv), cos, sin, B, T, NH, NKV, hs);
 }
+template <auto QkNormForward>
+void composed_qk_norm_forward(void* out, float* rstd, const void* inp, const float* qweight, const float* kweight,
+                              int N, int NH, int NKV, int hs, float eps, MatmulPrecision /*precision*/) {
+  QkNormForward(static_cast<float*>(out), rstd, static_cast<const float*>(inp), qweight, kweight, N, NH, NKV, hs, eps);
+}
+template <auto QkNormBackward>
+void composed_qk_norm_backward(void* dinp, float* dqweight, float* dkweight, const void* dout, const void* inp,
+                               const float* qweight, const float* kweight, const float* rstd, int N, int NH, int NKV,
+                               int hs, MatmulPrecision /*precision*/) {
+  QkNormBackward(static_cast<float*>(dinp), dqweight, dkweight, static_cast<const float*>(dout),
+                 static_cast<const float*>(inp), qweight, kweight, rstd, N, NH, NKV, hs);
+}
 template <auto SwigluForward>
 void composed_swiglu_forward(void* out, const void* inp, int N, int H, MatmulPrecision /*precision*/) {
   SwigluForward(static_cast<float*>(out), static_cast<const float*>(inp), N, H);

@@ -136,6 +136,17 @@ struct KernelSet {
   void (*rope_backward)(void* dqkv, const float* cos, const float* sin, int B, int T, int NH, int NKV, int hs,
                         MatmulPrecision precision);
 
+  // QK-norm (Qwen3's q_norm and k_norm): RMSNorm over each head of the query and key heads of qkv (B*T = N rows of
+  // (NH + 2 NKV) hs, as rope_forward's; hidden), the query heads' with qweight (hs), the key heads' with kweight
+  // (hs), the statistics in fp32 as rmsnorm_forward's: out (N, (NH + 2 NKV) hs; hidden) holds them and the value
+  // heads copied, rstd (N, NH + NKV) is saved. qk_norm_backward: dinp (hidden) OVERWRITTEN, and may be dout
+  // itself; the value heads' gradient passes through; dqweight, dkweight (hs) +=.
+  void (*qk_norm_forward)(void* out, float* rstd, const void* inp, const float* qweight, const float* kweight, int N,
+                          int NH, int NKV, int hs, float eps, MatmulPrecision precision);
+  void (*qk_norm_backward)(void* dinp, float* dqweight, float* dkweight, const void* dout, const void* inp,
+                           const float* qweight, const float* kweight, const float* rstd, int N, int NH, int NKV,
+                           int hs, MatmulPrecision precision);
+
   // The linears, whose inputs are hidden: matmul_forward or matmul_backward_set with inp and the other sides
   // named below in the hidden form; weights, biases and their gradients fp32, shapes as there ((N,C) -> (N,OC)),
   // dinp OVERWRITTEN, dweight and dbias +=.

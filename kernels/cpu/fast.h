@@ -21,6 +21,10 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int N, int C, float eps);
 void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
                       const float* rstd, int N, int C);
+void qk_norm_forward(float* out, float* rstd, const float* inp, const float* qweight, const float* kweight, int N,
+                     int NH, int NKV, int hs, float eps);
+void qk_norm_backward(float* dinp, float* dqweight, float* dkweight, const float* dout, const float* inp,
+                      const float* qweight, const float* kweight, const float* rstd, int N, int NH, int NKV, int hs);
 void rope_forward(float* qkv, const float* cos, const float* sin, int B, int T, int NH, int NKV, int hs);
 void rope_backward(float* dqkv, const float* cos, const float* sin, int B, int T, int NH, int NKV, int hs);
 void swiglu_forward(float* out, const float* inp, int N, int H);

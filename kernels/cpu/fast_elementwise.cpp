@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -418,6 +419,57 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
       dweight[i] += w;
     }
   });
+}
+
+// ---- QK-norm ------------------------------------------------------------------------------------------------
+// Rows across cores, each head through the RMSNorm rows above (C = hs); the weights' gradients in fixed chunks
+// of rows, added in chunk order, so the result does not depend on the threading.
+
+void qk_norm_forward(float* out, float* rstd, const float* inp, const float* qweight, const float* kweight, int N,
+                     int NH, int NKV, int hs, float eps) {
+  const size_t W = static_cast<size_t>(NH + 2 * NKV) * hs, heads = static_cast<size_t>(NH + NKV);
+  tbb::parallel_for(tbb::blocked_range<int>(0, N, rows_grain(static_cast<int>(W))), [&](const tbb::blocked_range<int>& r) {
+    for (int n = r.begin(); n < r.end(); ++n) {
+      const size_t row = static_cast<size_t>(n) * W;
+      for (size_t h = 0; h < heads; ++h) {
+        const size_t at = row + h * hs;
+        simd::dispatch<RmsnormForwardRows>(out + at, rstd + n * heads + h, inp + at,
+                                           h < static_cast<size_t>(NH) ? qweight : kweight, 0, 1, hs, eps);
+      }
+      std::memcpy(out + row + heads * hs, inp + row + heads * hs, sizeof(float) * NKV * hs);
+    }
+  });
+}
+
+void qk_norm_backward(float* dinp, float* dqweight, float* dkweight, const float* dout, const float* inp,
+                      const float* qweight, const float* kweight, const float* rstd, int N, int NH, int NKV, int hs) {
+  const size_t W = static_cast<size_t>(NH + 2 * NKV) * hs, heads = static_cast<size_t>(NH + NKV);
+  const int chunks = (N + kLayernormRowsPerChunk - 1) / kLayernormRowsPerChunk;
+  std::vector<float> partial(static_cast<size_t>(chunks) * 2 * hs, 0.0f);  // (chunks, [dq | dk])
+  tbb::parallel_for(tbb::blocked_range<int>(0, chunks), [&](const tbb::blocked_range<int>& r) {
+    std::vector<float> dy(static_cast<size_t>(hs));
+    for (int k = r.begin(); k < r.end(); ++k) {
+      float* part = partial.data() + static_cast<size_t>(k) * 2 * hs;
+      const int n1 = std::min(N, (k + 1) * kLayernormRowsPerChunk);
+      for (int n = k * kLayernormRowsPerChunk; n < n1; ++n) {
+        const size_t row = static_cast<size_t>(n) * W;
+        for (size_t h = 0; h < heads; ++h) {
+          const size_t at = row + h * hs;
+          const bool q = h < static_cast<size_t>(NH);
+          std::memcpy(dy.data(), dout + at, sizeof(float) * hs);  // dinp may be dout
+          std::fill(dinp + at, dinp + at + hs, 0.0f);
+          simd::dispatch<RmsnormBackwardRows>(dinp + at, part + (q ? 0 : hs), dy.data(), inp + at,
+                                              q ? qweight : kweight, rstd + n * heads + h, 0, 1, hs);
+        }
+        if (dinp != dout) std::memcpy(dinp + row + heads * hs, dout + row + heads * hs, sizeof(float) * NKV * hs);
+      }
+    }
+  });
+  for (int i = 0; i < 2 * hs; ++i) {
+    float w = 0.0f;
+    for (int k = 0; k < chunks; ++k) w += partial[static_cast<size_t>(k) * 2 * hs + i];
+    (i < hs ? dqweight[i] : dkweight[i - hs]) += w;
+  }
 }
 
 // ---- RoPE --------------------------------------------------------------------------------------------------

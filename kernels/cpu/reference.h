@@ -9,6 +9,7 @@
 // Stateless; safe to call from any thread on disjoint outputs.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -139,6 +140,45 @@ void rmsnorm_backward(F* dinp, F* dweight, const F* dout, const F* inp, const F*
       dweight[i] += dy[i] * norm;
       dx[i] += s * (dy[i] * weight[i] - norm * gn);
     }
+  }
+}
+
+// QK-norm: rmsnorm_forward over each query head (qweight) and key head (kweight) of the rows of qkv
+// (N, (NH + 2 NKV) hs), the value heads copied; rstd (N, NH + NKV).
+template <typename F>
+void qk_norm_forward(F* out, F* rstd, const F* inp, const F* qweight, const F* kweight, int N, int NH, int NKV,
+                     int hs, float eps) {
+  const size_t W = static_cast<size_t>(NH + 2 * NKV) * hs;
+  for (int n = 0; n < N; ++n) {
+    const size_t row = static_cast<size_t>(n) * W;
+    for (int h = 0; h < NH + NKV; ++h) {
+      const size_t at = row + static_cast<size_t>(h) * hs;
+      rmsnorm_forward(out + at, rstd + static_cast<size_t>(n) * (NH + NKV) + h, inp + at, h < NH ? qweight : kweight,
+                      1, hs, eps);
+    }
+    const size_t v = row + static_cast<size_t>(NH + NKV) * hs;
+    std::copy(inp + v, inp + row + W, out + v);
+  }
+}
+
+// Its backward, dinp overwritten (dout may be dinp): each head through rmsnorm_backward, the value heads'
+// gradient passed through.
+template <typename F>
+void qk_norm_backward(F* dinp, F* dqweight, F* dkweight, const F* dout, const F* inp, const F* qweight,
+                      const F* kweight, const F* rstd, int N, int NH, int NKV, int hs) {
+  const size_t W = static_cast<size_t>(NH + 2 * NKV) * hs;
+  std::vector<F> dy(static_cast<size_t>(hs));
+  for (int n = 0; n < N; ++n) {
+    const size_t row = static_cast<size_t>(n) * W;
+    for (int h = 0; h < NH + NKV; ++h) {
+      const size_t at = row + static_cast<size_t>(h) * hs;
+      std::copy(dout + at, dout + at + hs, dy.begin());
+      std::fill(dinp + at, dinp + at + hs, F(0));
+      rmsnorm_backward(dinp + at, h < NH ? dqweight : dkweight, dy.data(), inp + at, h < NH ? qweight : kweight,
+                       rstd + static_cast<size_t>(n) * (NH + NKV) + h, 1, hs);
+    }
+    const size_t v = row + static_cast<size_t>(NH + NKV) * hs;
+    if (dinp != dout) std::copy(dout + v, dout + row + W, dinp + v);
   }
 }
 

@@ -24,6 +24,8 @@ const KernelSet& cuda_kernels() {
       &c::attention_saved_floats,
       nullptr,  // rope_forward, rope_backward: not yet on CUDA
       nullptr,
+      nullptr,  // qk_norm_forward, qk_norm_backward: not yet on CUDA
+      nullptr,
       &c::matmul_forward_to_hidden,
       &c::matmul_backward_hidden,
       &c::matmul_gelu_forward,

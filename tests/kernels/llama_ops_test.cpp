@@ -1,5 +1,6 @@
 // llama_ops_test.cpp — the ops the Llama family adds, forward and backward (kernels/cpu/reference.h,
-// kernels/cpu/fast_elementwise.cpp): RMSNorm and its fused residual add, RoPE in the rotate-half layout, SwiGLU.
+// kernels/cpu/fast_elementwise.cpp): RMSNorm and its fused residual add, RoPE in the rotate-half layout, QK-norm,
+// SwiGLU.
 // The checks of ops_test.cpp (cpu_op_checks.h): ref<float> against ref<double> on seeded random odd shapes,
 // ref<double> gradients against central finite differences, fast against ref<double> on every SIMD clone this
 // machine runs, fast bitwise reproducible across thread counts, and each backward's "+=" (RMSNorm) or overwrite
@@ -149,6 +150,56 @@ struct SwigluCase {
   static constexpr bool kOverwrites = true;
 };
 
+// QK-norm over the query and key heads of a qkv row, in place backward (the model's use: dqkv becomes its own
+// pre-norm gradient); the value heads pass through.
+template <typename F>
+struct QkNormCase {
+  int N, NH, NKV, hs;
+  uint64_t seed;
+  std::vector<F> inp, qweight, kweight, dout, out, rstd, dinp, dqweight, dkweight;
+  QkNormCase(int N_, int NH_, int NKV_, int hs_, uint64_t seed_) : N(N_), NH(NH_), NKV(NKV_), hs(hs_), seed(seed_) {
+    Rng rng(seed);
+    const size_t n = size_t(N) * (NH + 2 * NKV) * hs;
+    inp = rand_vec<F>(n, rng, -2.0, 3.0);
+    qweight = rand_vec<F>(hs, rng, 0.5, 1.5);
+    kweight = rand_vec<F>(hs, rng, 0.5, 1.5);
+    dout = rand_vec<F>(n, rng);
+    out.assign(n, 0);
+    rstd.assign(size_t(N) * (NH + NKV), 0);
+    dinp.assign(n, 0);
+    dqweight.assign(hs, 0);
+    dkweight.assign(hs, 0);
+  }
+  std::string params() const { return fmt::format("qk_norm N={} NH={} NKV={} hs={} seed={}", N, NH, NKV, hs, seed); }
+  void forward(Backend k) {
+    if constexpr (std::is_same_v<F, float>)
+      kernels(k).qk_norm_forward(out.data(), rstd.data(), inp.data(), qweight.data(), kweight.data(), N, NH, NKV, hs,
+                                 kEps, MatmulPrecision::kF32);
+    else
+      ref::qk_norm_forward(out.data(), rstd.data(), inp.data(), qweight.data(), kweight.data(), N, NH, NKV, hs, kEps);
+  }
+  void backward(Backend k) {
+    dinp = dout;  // in place
+    if constexpr (std::is_same_v<F, float>)
+      kernels(k).qk_norm_backward(dinp.data(), dqweight.data(), dkweight.data(), dinp.data(), inp.data(),
+                                  qweight.data(), kweight.data(), rstd.data(), N, NH, NKV, hs, MatmulPrecision::kF32);
+    else
+      ref::qk_norm_backward(dinp.data(), dqweight.data(), dkweight.data(), dinp.data(), inp.data(), qweight.data(),
+                            kweight.data(), rstd.data(), N, NH, NKV, hs);
+  }
+  double loss() const { return weighted_sum(out, dout); }
+  std::vector<Array<F>> arrays() {
+    return {{"out", &out, false},
+            {"rstd", &rstd, false},
+            {"dinp", &dinp, true},
+            {"dqweight", &dqweight, true},
+            {"dkweight", &dkweight, true}};
+  }
+  std::vector<FdInput<F>> fd_inputs() {
+    return {{"dinp", &inp, &dinp}, {"dqweight", &qweight, &dqweight}, {"dkweight", &kweight, &dkweight}};
+  }
+};
+
 // ---- shapes and tolerances -------------------------------------------------------------------------------------
 // As in ops_test.cpp: odd small shapes for finite differences, large ones across SIMD vectors and TBB blocks;
 // each tolerance 2-10x above the largest error seen over ref<float> and the SIMD clones ("seen").
@@ -161,6 +212,13 @@ const Tols kRmsnormTols{{"out", {2e-6, 2e-6}}, {"rstd", {0, 1e-6}}, {"dinp", {2e
 // RoPE: two products and a sum per element, on |x| <= 1 and tables in [-1, 1]: an ulp or two of 1. Seen
 // (absolute): y 1.1e-7, dx 1.2e-7.
 const Tols kRopeTols{{"y", {4e-7, 4e-7}}, {"dx", {4e-7, 4e-7}}};
+// QK-norm: RMSNorm over hs <= 128 elements per head; dqweight and dkweight sum over N x heads rows. Seen
+// (absolute): as RMSNorm's.
+const Tols kQkNormTols{{"out", {2e-6, 2e-6}},
+                       {"rstd", {0, 1e-6}},
+                       {"dinp", {2e-6, 2e-6}},
+                       {"dqweight", {2e-5, 2e-6}},
+                       {"dkweight", {2e-5, 2e-6}}};
 // SwiGLU on gate in [-6, 4]: an exponential (fast: simd::exp, < 1.3 ulp), a division and two products, on
 // outputs up to ~4. Seen (absolute): out 2.6e-6 (~5 ulp of the output), dinp 1.5e-6.
 const Tols kSwigluTols{{"out", {1e-6, 2e-6}}, {"dinp", {1e-6, 2e-6}}};
@@ -232,6 +290,44 @@ TEST(Rope, RotatesOnlyQueriesAndKeysAndKeepsTheirNorm) {
           const double after = std::hypot(double(c.y[j]), double(c.y[j + half]));
           ASSERT_NEAR(after, before, 4e-7) << backend_name(b) << " row " << row << " head " << h << " pair " << i;
         }
+    }
+  }
+}
+
+TEST(QkNorm, RefFloatMatchesDouble) {
+  expect_close_to_double<QkNormCase>(Backend::kRef, kQkNormTols, 7, 4, 2, 6, kSeed);
+}
+TEST(QkNorm, RefGradientsMatchFiniteDifferences) {
+  expect_gradients_match_finite_differences<QkNormCase>(5, 4, 2, 6, kSeed);  // GQA: 4 query heads over 2
+}
+TEST(QkNorm, FastMatchesDouble) {
+  for_each_isa([] {
+    expect_close_to_double<QkNormCase>(Backend::kFast, kQkNormTols, 7, 4, 2, 6, kSeed);  // heads shorter than a vector
+    expect_close_to_double<QkNormCase>(Backend::kFast, kQkNormTols, 67, 4, 4, 24, kSeed);
+    expect_close_to_double<QkNormCase>(Backend::kFast, kQkNormTols, kLargeN, 8, 2, 128, kSeed);
+  });
+}
+TEST(QkNorm, FastIsDeterministic) { expect_fast_deterministic<QkNormCase>(kLargeN, 8, 2, 128, kSeed); }
+// Out of place as in place: dinp overwritten (a NaN prefill leaves no trace), the value heads' gradient passed
+// through, and the weights' gradients added to what they held.
+TEST(QkNorm, BackwardOverwritesTheInputGradientAndAddsTheWeights) {
+  for (Backend b : {Backend::kRef, Backend::kFast}) {
+    QkNormCase<float> c(33, 4, 2, 24, kSeed);
+    c.forward(b);
+    c.backward(b);  // in place, from zero weight gradients
+    std::vector<float> dinp(c.dinp.size(), NAN), dq(c.hs, 0.25f), dk(c.hs, -0.5f);
+    kernels(b).qk_norm_backward(dinp.data(), dq.data(), dk.data(), c.dout.data(), c.inp.data(), c.qweight.data(),
+                                c.kweight.data(), c.rstd.data(), c.N, c.NH, c.NKV, c.hs, MatmulPrecision::kF32);
+    EXPECT_TRUE(bitwise_equal(dinp, c.dinp, "dinp")) << backend_name(b);
+    const int W = (c.NH + 2 * c.NKV) * c.hs;
+    for (int row = 0; row < c.N; ++row)
+      for (int i = (c.NH + c.NKV) * c.hs; i < W; ++i) {
+        ASSERT_EQ(c.dinp[size_t(row) * W + i], c.dout[size_t(row) * W + i]) << backend_name(b) << " row " << row;
+        ASSERT_EQ(c.out[size_t(row) * W + i], c.inp[size_t(row) * W + i]) << backend_name(b) << " row " << row;
+      }
+    for (int i = 0; i < c.hs; ++i) {
+      EXPECT_NEAR(dq[i], 0.25f + c.dqweight[i], 4e-6) << backend_name(b) << " dqweight " << i;
+      EXPECT_NEAR(dk[i], -0.5f + c.dkweight[i], 4e-6) << backend_name(b) << " dkweight " << i;
     }
   }
 }
