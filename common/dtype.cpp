@@ -1,6 +1,7 @@
 #include "common/dtype.h"
 
 #include <cstring>
+#include <vector>
 
 namespace strata {
 
@@ -77,6 +78,19 @@ void f32_to_f16_n(const float* src, uint16_t* dst, size_t n) {
 }
 void f16_to_f32_n(const uint16_t* src, float* dst, size_t n) {
   for (size_t i = 0; i < n; ++i) dst[i] = f16_to_f32(src[i]);
+}
+
+void to_f32_n(DType dtype, const void* src, float* dst, size_t n) {
+  if (dtype == DType::kF32) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  std::vector<uint16_t> halves(n);
+  std::memcpy(halves.data(), src, n * sizeof(uint16_t));
+  if (dtype == DType::kBF16)
+    bf16_to_f32_n(halves.data(), dst, n);
+  else
+    f16_to_f32_n(halves.data(), dst, n);
 }
 
 size_t first_non_finite(const float* src, size_t n) {

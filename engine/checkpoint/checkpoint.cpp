@@ -34,7 +34,7 @@ namespace {
 class UnitCache {
  public:
   using ReadFn = std::function<Status(size_t unit, float* m, float* v)>;  // v may be unused (null for params)
-  UnitCache(const GPT2& model, ReadFn read, bool pair) : model_(model), read_(std::move(read)), pair_(pair) {}
+  UnitCache(const Model& model, ReadFn read, bool pair) : model_(model), read_(std::move(read)), pair_(pair) {}
   // The unit's first (or, with `second`, second) state from element `offset` to the unit's end, read if another
   // unit is cached.
   Result<std::span<const float>> get(size_t unit, bool second, size_t offset) {
@@ -48,7 +48,7 @@ class UnitCache {
   }
 
  private:
-  const GPT2& model_;
+  const Model& model_;
   ReadFn read_;
   bool pair_;
   size_t cached_ = SIZE_MAX;
@@ -57,7 +57,7 @@ class UnitCache {
 
 // Adam's moments of unit u as whole tensors: under tensor parallelism this rank's slices, gathered over the
 // group (collective); `m`, `v` hold the whole unit.
-Status read_whole_moments(const GPT2& model, Optimizer& opt, size_t u, float* m, float* v) {
+Status read_whole_moments(const Model& model, Optimizer& opt, size_t u, float* m, float* v) {
   if (!model.tensor_parallel()) return opt.read_moments(u, m, v);
   std::vector<float> lm(model.units()[u].numel()), lv(lm.size());
   STRATA_RETURN_IF_ERROR(opt.read_moments(u, lm.data(), lv.data()));
@@ -69,7 +69,7 @@ Status read_whole_moments(const GPT2& model, Optimizer& opt, size_t u, float* m,
 // group's rank 0 (PieceState::gather_piece: ZeRO-3 shards, or another pipeline stage's unit) and dropped. Every
 // rank of the group walks the same pieces in the same order: here the ranks that do not write, and the writer
 // past the last piece it read.
-Status walk_pieces(const GPT2& model, Optimizer& opt, size_t unit, int k, size_t from, std::vector<float>& buffer) {
+Status walk_pieces(const Model& model, Optimizer& opt, size_t unit, int k, size_t from, std::vector<float>& buffer) {
   for (size_t at = from, numel = model.whole_layout(unit).numel(); at < numel;) {
     STRATA_ASSIGN_OR_RETURN(
         const PieceState::StatePiece piece,
@@ -87,7 +87,7 @@ Status walk_pieces(const GPT2& model, Optimizer& opt, size_t unit, int k, size_t
 // group.
 class StateReader {
  public:
-  StateReader(const GPT2& model, Optimizer& opt)
+  StateReader(const Model& model, Optimizer& opt)
       : model_(model),
         opt_(opt),
         weights_(model, [&model](size_t u, float* p, float*) { return model.read_params(u, p); }, false),
@@ -139,7 +139,7 @@ class StateReader {
     }
   }
 
-  const GPT2& model_;
+  const Model& model_;
   Optimizer& opt_;
   UnitCache weights_, moments_;
   size_t unit_ = SIZE_MAX, lo_ = 0;
@@ -157,7 +157,7 @@ using PieceFn = std::function<Result<std::span<const float>>(size_t unit, int wh
 // piece. With two prefixes (Adam's m and v) a unit's m tensors are followed by its v tensors (`which` 0, 1).
 // A value that is not finite fails the write, naming the tensor and element: a file of that state would
 // train to NaN from any resume, and would replace good checkpoints as the newest.
-std::vector<SafetensorsTensor> tensors_of(const GPT2& model, const std::vector<std::string>& prefixes, PieceFn piece) {
+std::vector<SafetensorsTensor> tensors_of(const Model& model, const std::vector<std::string>& prefixes, PieceFn piece) {
   std::vector<SafetensorsTensor> out;
   for (size_t i = 0; i < model.units().size(); ++i) {
     for (size_t k = 0; k < prefixes.size(); ++k) {
@@ -183,7 +183,7 @@ std::vector<SafetensorsTensor> tensors_of(const GPT2& model, const std::vector<s
   return out;
 }
 
-Status write_whole_moments(const GPT2& model, Optimizer& opt, size_t u, const float* m, const float* v) {
+Status write_whole_moments(const Model& model, Optimizer& opt, size_t u, const float* m, const float* v) {
   if (!model.tensor_parallel()) return opt.write_moments(u, m, v);
   std::vector<float> lm(model.units()[u].numel()), lv(lm.size());
   model.slice_whole(u, m, lm.data());
@@ -192,15 +192,6 @@ Status write_whole_moments(const GPT2& model, Optimizer& opt, size_t u, const fl
 }
 
 }  // namespace
-
-std::map<std::string, std::string> model_metadata(const GPT2Config& c) {
-  return {{"format", "strata-gpt2"},
-          {"n_layer", std::to_string(c.n_layer)},
-          {"n_head", std::to_string(c.n_head)},
-          {"n_embd", std::to_string(c.n_embd)},
-          {"vocab_size", std::to_string(c.vocab_size)},
-          {"block_size", std::to_string(c.block_size)}};
-}
 
 Status check_writable_dir(const std::string& dir, const std::string& what) {
   std::error_code ec;
@@ -217,20 +208,25 @@ Status check_writable_dir(const std::string& dir, const std::string& what) {
   return Status::ok();
 }
 
-Status save_model(const GPT2& model, const std::string& path) {
+Status save_model(const Model& model, const std::string& path) {
   UnitCache cache(model, [&](size_t u, float* p, float*) { return model.read_params(u, p); }, false);
   auto tensors = tensors_of(model, {""}, [&](size_t u, int, size_t offset) { return cache.get(u, false, offset); });
-  return write_safetensors(path, tensors, model_metadata(model.config()));
+  return write_safetensors(path, tensors, model.metadata());
 }
 
 namespace {
 
 // A weights file that holds exactly `model`'s tensors (every one checked before anything is written).
-Result<std::unique_ptr<WeightsFile>> open_weights(const GPT2& model, const std::string& path_or_folder,
+Result<std::unique_ptr<WeightsFile>> open_weights(const Model& model, const std::string& path_or_folder,
                                                   const WeightsOpenOptions& options = {}) {
   STRATA_ASSIGN_OR_RETURN(const std::string path, weights_path(path_or_folder));
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> file, WeightsFile::open(path, options));
-  STRATA_RETURN_IF_ERROR(file->check(model.config()));
+  std::unique_ptr<WeightsFile> file;
+  if (const auto* gpt2 = dynamic_cast<const GPT2*>(&model)) {  // GPT-2's files in the formats foreign_weights.h reads
+    STRATA_ASSIGN_OR_RETURN(file, WeightsFile::open(path, options));
+    STRATA_RETURN_IF_ERROR(file->check(gpt2->config()));
+  } else {  // the other families' files name the tensors as their units do
+    STRATA_ASSIGN_OR_RETURN(file, open_named_weights(path, model, options));
+  }
   if (file->format() != WeightsFormat::kStrata)
     STRATA_LOG_INFO("reading {} ({} weights)", path, weights_format_name(file->format()));
   return file;
@@ -249,7 +245,7 @@ Status read_unit_range(const FlatLayout& layout, size_t offset, std::span<float>
 }
 
 // Elements [offset, offset + dst.size()) of unit u's weights (its whole layout) from `file`.
-Status read_weights(const GPT2& model, const WeightsFile& file, size_t u, size_t offset, std::span<float> dst) {
+Status read_weights(const Model& model, const WeightsFile& file, size_t u, size_t offset, std::span<float> dst) {
   return read_unit_range(model.whole_layout(u), offset, dst, [&](const TensorSpec& s, size_t from, size_t n,
                                                                  float* p) { return file.read_range(s, from, n, p); });
 }
@@ -264,7 +260,7 @@ using UnitFill = std::function<Status(size_t u, int k, size_t offset, std::span<
 // all are written — which takes the streamed units again too, with the same result; optimizers take all units
 // or none, so it does not come to that but under tensor parallelism, where none is streamed. Units in order,
 // each's weights before its moments.
-Status load_units(GPT2& model, Optimizer& opt, const UnitFill& fill, bool moments) {
+Status load_units(Model& model, Optimizer& opt, const UnitFill& fill, bool moments) {
   bool adopt = false;
   std::vector<float> w, m, v;
   for (size_t u = 0; u < model.units().size(); ++u) {
@@ -298,7 +294,7 @@ Status zeros(std::span<float> dst) {
 
 }  // namespace
 
-Status load_model(GPT2& model, const std::string& path_or_folder, const WeightsOpenOptions& options) {
+Status load_model(Model& model, const std::string& path_or_folder, const WeightsOpenOptions& options) {
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> file, open_weights(model, path_or_folder, options));
   std::vector<float> unit;
   for (size_t i = 0; i < model.units().size(); ++i) {
@@ -309,7 +305,7 @@ Status load_model(GPT2& model, const std::string& path_or_folder, const WeightsO
   return Status::ok();
 }
 
-Status load_model(GPT2& model, Optimizer& opt, const std::string& path_or_folder, const WeightsOpenOptions& options) {
+Status load_model(Model& model, Optimizer& opt, const std::string& path_or_folder, const WeightsOpenOptions& options) {
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> file, open_weights(model, path_or_folder, options));
   auto fill = [&](size_t u, int k, size_t offset, std::span<float> dst) {
     return k == 0 ? read_weights(model, *file, u, offset, dst) : zeros(dst);
@@ -322,20 +318,20 @@ bool gathers_pieces(Optimizer& opt, size_t unit) {
   return pieces != nullptr && pieces->gathers_pieces(unit);
 }
 
-Status init_model(GPT2& model, Optimizer& opt, uint64_t seed) {
+Status init_model(Model& model, Optimizer& opt, uint64_t seed) {
   const std::unique_ptr<WeightsInit> init = model.initial_weights(seed);
   return load_model(model, opt,
                     [&](size_t u, size_t offset, std::span<float> dst) { return init->fill(u, offset, dst); });
 }
 
-Status load_model(GPT2& model, Optimizer& opt, const WeightsFill& fill) {
+Status load_model(Model& model, Optimizer& opt, const WeightsFill& fill) {
   auto units = [&](size_t u, int k, size_t offset, std::span<float> dst) {
     return k == 0 ? fill(u, offset, dst) : zeros(dst);
   };
   return load_units(model, opt, units, /*moments=*/false);
 }
 
-Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT2& model, Optimizer& opt,
+Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const Model& model, Optimizer& opt,
                                     const TrainState& state, int keep) {
   const std::string name = fmt::format("step_{:06d}", state.step);
   const fs::path final_dir = fs::path(checkpoint_dir) / name;
@@ -359,7 +355,7 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
   STRATA_RETURN_IF_ERROR(write_safetensors(
       (tmp_dir / "model.safetensors").string(),
       tensors_of(model, {""}, [&](size_t u, int, size_t offset) { return pieces.get(u, 0, offset); }),
-      model_metadata(model.config())));
+      model.metadata()));
   STRATA_RETURN_IF_ERROR(pieces.end());
   std::vector<SafetensorsTensor> moments = tensors_of(
       model, {"m.", "v."}, [&](size_t u, int which, size_t offset) { return pieces.get(u, 1 + which, offset); });
@@ -380,7 +376,7 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
   return final_dir.string();
 }
 
-Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt, const std::function<bool(size_t unit)>& include) {
+Status take_part_in_checkpoint(const Model& model, Optimizer& opt, const std::function<bool(size_t unit)>& include) {
   STRATA_RETURN_IF_ERROR(opt.finish());
   std::vector<float> a, b;
   for (size_t u = 0; u < model.units().size(); ++u) {  // the model file's reads
@@ -406,7 +402,7 @@ Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt, const std::fun
   return Status::ok();
 }
 
-Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimizer& opt,
+Result<TrainState> load_checkpoint(const std::string& path, Model& model, Optimizer& opt,
                                    const std::function<Status(const TrainState&)>& check) {
   fs::path dir(path);
   std::error_code ec;

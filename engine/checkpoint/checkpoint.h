@@ -24,7 +24,7 @@
 #include "engine/checkpoint/foreign_weights.h"
 #include "engine/checkpoint/state_pieces.h"
 #include "engine/data/dataloader.h"
-#include "engine/model/gpt2/gpt2.h"
+#include "engine/model/model.h"
 #include "engine/optim/optimizer.h"
 
 namespace strata::engine {
@@ -49,30 +49,27 @@ std::vector<std::string> config_changes(const nlohmann::json& saved, const nlohm
 // directory and the OS's reason. Called before training so a bad folder fails in the first second.
 Status check_writable_dir(const std::string& dir, const std::string& what);
 
-// The safetensors metadata of a model.safetensors: "format" "strata-gpt2" and the model section's sizes.
-std::map<std::string, std::string> model_metadata(const GPT2Config& c);
-
 // Writes model weights alone (for fine-tuning or export) to a safetensors file, atomically.
-Status save_model(const GPT2& model, const std::string& path);
+Status save_model(const Model& model, const std::string& path);
 // Loads weights into a model of the same config from our model.safetensors (or a step folder's), Hugging Face's
 // GPT-2 or an llm.c model file (engine/checkpoint/foreign_weights.h); every tensor is checked before any is
 // written, and errors name the file, the tensor and the config key that disagrees.
-Status load_model(GPT2& model, const std::string& path_or_folder, const WeightsOpenOptions& options = {});
+Status load_model(Model& model, const std::string& path_or_folder, const WeightsOpenOptions& options = {});
 // The same into a model and its optimizer at the start of a run: the weights become the optimizer's master
 // weights too and its moments zero (what load_model then opt.adopt_params() gives), a sub-group at a time
 // straight from the file where the optimizer keeps its state offloaded (PieceState::load_state), so that
 // a large model's units are never held whole outside the host budget.
-Status load_model(GPT2& model, Optimizer& opt, const std::string& path_or_folder,
+Status load_model(Model& model, Optimizer& opt, const std::string& path_or_folder,
                   const WeightsOpenOptions& options = {});
 // The model family's initial weights for `seed` (Model::init_weights's, the same bits) into a model and its
 // optimizer likewise.
-Status init_model(GPT2& model, Optimizer& opt, uint64_t seed);
+Status init_model(Model& model, Optimizer& opt, uint64_t seed);
 // Whether `opt` gathers unit's state over ranks a piece at a time for a checkpoint (state_pieces.h).
 bool gathers_pieces(Optimizer& opt, size_t unit);
 // Unit u's weights, elements [offset, offset + dst.size()) of its whole layout (Model::whole_layout).
 using WeightsFill = std::function<Status(size_t unit, size_t offset, std::span<float> dst)>;
 // The weights `fill` gives into a model and its optimizer likewise.
-Status load_model(GPT2& model, Optimizer& opt, const WeightsFill& fill);
+Status load_model(Model& model, Optimizer& opt, const WeightsFill& fill);
 
 // For a run that does not resume: `checkpoint_dir` must hold no checkpoint (an earlier run's, which this run's
 // saves would replace step by step and prune); the error says which it found and the ways on.
@@ -81,7 +78,7 @@ Status check_no_checkpoints(const std::string& checkpoint_dir);
 // Saves a checkpoint for `state.step` under `checkpoint_dir`; keeps the newest `keep` (0 = all). Returns the
 // directory written. Unfinished saves' folders ("step_*.tmp", from a failed or killed save) go first, so that
 // one left by a full disk does not make the next save fail too.
-Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT2& model, Optimizer& opt,
+Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const Model& model, Optimizer& opt,
                                     const TrainState& state, int keep);
 
 // Under ZeRO-3, what the other ranks of a data-parallel group do while its rank 0 reads the units for a
@@ -89,7 +86,7 @@ Result<std::string> save_checkpoint(const std::string& checkpoint_dir, const GPT
 // with pipeline stages, the stage's own), in the same order, with nothing written. Where the optimizer gathers
 // pieces (PieceState::gather_piece), each rank sends rank 0 its shard's a piece at a time, and no rank holds a
 // unit whole.
-Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt, const std::function<bool(size_t unit)>& include);
+Status take_part_in_checkpoint(const Model& model, Optimizer& opt, const std::function<bool(size_t unit)>& include);
 
 // Resolves `path` (a step directory, or a checkpoint_dir containing `latest`; in a checkpoint_dir without one,
 // left by a run stopped between its first save and writing `latest`, the complete step folder with the
@@ -98,7 +95,7 @@ Status take_part_in_checkpoint(const GPT2& model, Optimizer& opt, const std::fun
 // checkpoint must equal the model's; the error names the field.
 // `check`, when given, sees the state before anything is loaded (minutes for a large model): an error from it
 // is returned as is.
-Result<TrainState> load_checkpoint(const std::string& path, GPT2& model, Optimizer& opt,
+Result<TrainState> load_checkpoint(const std::string& path, Model& model, Optimizer& opt,
                                    const std::function<Status(const TrainState&)>& check = {});
 
 }  // namespace strata::engine

@@ -51,21 +51,6 @@ Status check_claimed(const std::string& path, const GPT2Config& c, int64_t padde
   return Status::ok();
 }
 
-// n values of `dtype` at src (any alignment) as fp32.
-void to_f32(DType dtype, const std::byte* src, float* dst, size_t n) {
-  if (dtype == DType::kF32) {
-    std::memcpy(dst, src, n * sizeof(float));
-    return;
-  }
-  std::vector<uint16_t> halves(n);
-  std::memcpy(halves.data(), src, n * sizeof(uint16_t));
-  if (dtype == DType::kBF16) {
-    bf16_to_f32_n(halves.data(), dst, n);
-  } else {
-    f16_to_f32_n(halves.data(), dst, n);
-  }
-}
-
 std::string shape_text(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
@@ -153,14 +138,14 @@ class SafetensorsWeights final : public WeightsFile {
     const size_t esize = dtype_size(e->dtype);
     if (format_ != WeightsFormat::kHuggingFace || !hf_transposed(spec.name)) {
       STRATA_RETURN_IF_ERROR(file_.verify(*e, offset * esize, (offset + n) * esize));
-      to_f32(e->dtype, e->data + offset * esize, dst, n);
+      to_f32_n(e->dtype, e->data + offset * esize, dst, n);
       release_mapped_pages(e->data + offset * esize, n * esize);  // read once: need not stay resident
       return Status::ok();
     }
     STRATA_RETURN_IF_ERROR(file_.verify(*e, 0, e->nbytes()));  // a transposed range touches all of it
     if (offset == 0 && n == spec.numel()) {  // the whole tensor: transposed in cache-sized tiles
       std::vector<float> stored(n);
-      to_f32(e->dtype, e->data, stored.data(), n);
+      to_f32_n(e->dtype, e->data, stored.data(), n);
       transpose(stored.data(), dst, static_cast<size_t>(spec.shape[0]), static_cast<size_t>(spec.shape[1]));
       release_mapped_pages(e->data, e->nbytes());
       return Status::ok();
@@ -172,7 +157,7 @@ class SafetensorsWeights final : public WeightsFile {
     std::vector<float> run(r1 - r0);
     for (size_t c = 0; c < cols; ++c) {
       const std::byte* src = e->data + (c * rows + r0) * esize;
-      to_f32(e->dtype, src, run.data(), run.size());
+      to_f32_n(e->dtype, src, run.data(), run.size());
       release_mapped_pages(src, run.size() * esize);  // a neighbour's page comes back from the page cache
       for (size_t r = r0; r < r1; ++r) {
         const size_t at = r * cols + c;
@@ -226,7 +211,7 @@ class SafetensorsWeights final : public WeightsFile {
     config_.n_layer = count_blocks(file_, prefix_);
     config_.n_head = 0;
     if (format_ == WeightsFormat::kStrata) {
-      // The metadata names the config (model_metadata); each size it gives must be a number, and the shapes'.
+      // The metadata names the config (gpt2_metadata); each size it gives must be a number, and the shapes'.
       const auto& md = file_.files().front().metadata();  // ours is one file
       const std::pair<const char*, int*> sizes[] = {{"n_layer", &config_.n_layer},   {"n_embd", &config_.n_embd},
                                                     {"vocab_size", &config_.vocab_size},
@@ -390,7 +375,7 @@ class LlmcWeights final : public WeightsFile {
     STRATA_RETURN_IF_ERROR(check_range(spec, offset, n));
     const std::byte* src = static_cast<const std::byte*>(map_) + kLlmcHeaderInts * sizeof(int32_t) +
                            (offset_[i] + block * per + offset) * element_bytes();
-    to_f32(bf16_ ? DType::kBF16 : DType::kF32, src, dst, n);
+    to_f32_n(bf16_ ? DType::kBF16 : DType::kF32, src, dst, n);
     release_mapped_pages(src, n * element_bytes());  // read once: the file need not stay in the resident set
     return Status::ok();
   }

@@ -26,6 +26,7 @@
 #include "common/status.h"
 #include "common/tensor.h"
 #include "engine/model/gpt2/gpt2.h"
+#include "engine/model/model.h"
 
 namespace strata::engine {
 
@@ -83,6 +84,16 @@ class WeightsFile {
   GPT2Config config_;
   bool allow_non_finite_ = false;
 };
+
+// The weights of a model whose files name the tensors as its units do — the Llama family's: Strata's
+// model.safetensors, whose metadata holds the model section (Model::metadata), and a Hugging Face checkpoint
+// (one file, or shards with their index; F32, BF16 or F16) alike — checked against `want` before any weight is
+// read: a Strata file's metadata key by key (the error names the model section's key and both values), every
+// tensor of every unit at its whole shape (naming the tensor), and no tensor the model does not have (a tied
+// model's lm_head.weight is taken when it equals the embedding). format() says which kind it is. The
+// GPT2Config overload of check() refuses it: it is not a GPT-2's.
+Result<std::unique_ptr<WeightsFile>> open_named_weights(const std::string& path, const Model& want,
+                                                        const WeightsOpenOptions& options = {});
 
 // `path` itself, or for a folder (a checkpoint's step folder) its model.safetensors; NotFound when it has none.
 Result<std::string> weights_path(const std::string& path);

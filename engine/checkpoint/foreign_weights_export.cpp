@@ -130,7 +130,7 @@ Status write_safetensors_weights(const WeightsFile& src, WeightsFormat format, D
     }
   }
   const std::map<std::string, std::string> metadata =
-      hf ? std::map<std::string, std::string>{{"format", "pt"}} : model_metadata(src.config());
+      hf ? std::map<std::string, std::string>{{"format", "pt"}} : gpt2_metadata(src.config());
   return write_safetensors(path, tensors, metadata);
 }
 

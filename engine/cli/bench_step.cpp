@@ -187,7 +187,7 @@ int run_bench_step(const BenchStepOptions& o) {
   };
   auto session = TrainSession::create(*config, options);
   if (!session.is_ok()) return fail(session.status(), 2);
-  GPT2& m = session.value()->model();
+  Decoder& m = session.value()->model();
   std::vector<double> times;
   float loss = 0;
   for (int s = 0; s < o.warmup + o.steps; ++s) {

@@ -208,7 +208,7 @@ Status OffloadStepBench::build_plain() {
   STRATA_ASSIGN_OR_RETURN(device_, make_compute_device(config.compute));
   random_batch(o_.batch_size, o_.seq_len, o_.vocab_size, o_.seed, &x_, &y_);
   STRATA_ASSIGN_OR_RETURN(plain_, TrainSession::create(config, session_options()));
-  const GPT2& m = plain_->model();
+  const Decoder& m = plain_->model();
   n_params_ = m.num_params();
   adam_params_ = n_params_;
   if (o_.offload_ratio < 1.0) {  // offload_optimizer.ratio: the units kept on the device are updated there
@@ -223,7 +223,7 @@ Status OffloadStepBench::build_plain() {
 }
 
 Status OffloadStepBench::plain_step(bool measured) {
-  GPT2& m = plain_->model();
+  Decoder& m = plain_->model();
   Timer t;
   const double cpu0 = process_cpu_seconds();
   STRATA_RETURN_IF_ERROR(m.zero_grads());
@@ -242,7 +242,7 @@ Status OffloadStepBench::plain_step(bool measured) {
 // Copied rather than drawn again: GPT-2's init draws its normals one after another (about 34M a second on 2
 // cores, so 20 s for 700M parameters), and forward and backward leave the weights as they were.
 Status OffloadStepBench::keep_initial() {
-  const GPT2& m = plain_->model();
+  const Decoder& m = plain_->model();
   initial_.resize(m.units().size());
   for (size_t u = 0; u < initial_.size(); ++u) {
     initial_[u].resize(m.units()[u].numel());

@@ -34,6 +34,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -107,6 +108,9 @@ class Model {
   // The same by PaLM's count (appendix B), which nanoGPT and Megatron-LM report utilisation by: 6N + 12·L·C·T a
   // token, N the parameters but a position embedding, attention counted as if every query saw all T keys.
   virtual double palm_flops_per_step(int B, int T) const = 0;
+  // The family's config as a checkpoint's metadata, every value a string: "format" ("strata-<family>") and the
+  // model section's keys. A file written with it is read back into a model only when they are all the same.
+  virtual std::map<std::string, std::string> metadata() const = 0;
 
   // ---- The runtime.
 

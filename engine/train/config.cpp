@@ -158,8 +158,8 @@ Status apply_deepspeed_keys(nlohmann::json* j, const std::string& source) {
 
 namespace {
 
-// The training section, checked on its own and against the model's context (`block_size`).
-Status parse_training(JsonSection& root, const std::string& source, int block_size, TrainingConfig* out) {
+// The training section, checked on its own and against the model's context.
+Status parse_training(JsonSection& root, const std::string& source, const ModelConfig& model, TrainingConfig* out) {
   TrainingConfig& t = *out;
   JsonSection tr = root.section("training");
   STRATA_RETURN_IF_ERROR(tr.get_int("batch_size", &t.batch_size));
@@ -194,9 +194,9 @@ Status parse_training(JsonSection& root, const std::string& source, int block_si
   };
   if (t.batch_size <= 0) return bad("batch_size", fmt::format("must be positive, got {}", t.batch_size));
   if (t.seq_len <= 0) return bad("seq_len", fmt::format("must be positive, got {}", t.seq_len));
-  if (t.seq_len > block_size) {
-    return bad("seq_len", fmt::format("({}) is longer than the model's context, model.block_size ({})", t.seq_len,
-                                      block_size));
+  if (t.seq_len > model.context()) {
+    return bad("seq_len", fmt::format("({}) is longer than the model's context, {} ({})", t.seq_len,
+                                      model.context_key(), model.context()));
   }
   if (t.grad_accum_steps <= 0) return bad("grad_accum_steps", "must be positive");
   if (t.max_steps < 0) return bad("max_steps", "must be >= 0");
@@ -289,10 +289,10 @@ Status parse_parallel(JsonSection& root, const std::string& source, const RunCon
   if (parallel.pipeline_schedule != "1f1b" && parallel.pipeline_schedule != "gpipe")
     return Status::invalid_argument("{}: parallel.pipeline_schedule must be \"1f1b\" or \"gpipe\", got \"{}\"", source,
                                     parallel.pipeline_schedule);
-  if (parallel.pipeline_parallel_size > c.model.n_layer)
-    return Status::invalid_argument("{}: parallel.pipeline_parallel_size {} is more stages than model.n_layer {} "
+  if (parallel.pipeline_parallel_size > c.model.layers())
+    return Status::invalid_argument("{}: parallel.pipeline_parallel_size {} is more stages than the model's {} "
                                     "blocks",
-                                    source, parallel.pipeline_parallel_size, c.model.n_layer);
+                                    source, parallel.pipeline_parallel_size, c.model.layers());
   if (parallel.tensor_parallel_size < 1 || parallel.pipeline_parallel_size < 1)
     return Status::invalid_argument("{}: parallel.tensor_parallel_size and pipeline_parallel_size must be >= 1, got "
                                     "{} and {}",
@@ -302,9 +302,7 @@ Status parse_parallel(JsonSection& root, const std::string& source, const RunCon
     return Status::invalid_argument("{}: parallel.sequence_parallel cuts training.batch_size x training.seq_len = {} "
                                     "rows over parallel.tensor_parallel_size {} ranks: they must divide evenly",
                                     source, rows, parallel.tensor_parallel_size);
-  if (c.model.n_head % parallel.tensor_parallel_size != 0)  // each tensor-parallel rank takes whole heads
-    return Status::invalid_argument("{}: model.n_head ({}) must be divisible by parallel.tensor_parallel_size ({})",
-                                    source, c.model.n_head, parallel.tensor_parallel_size);
+  STRATA_RETURN_IF_ERROR(c.model.check_tensor_parallel(parallel.tensor_parallel_size).with_context(source));
   return Status::ok();
 }
 
@@ -319,11 +317,12 @@ Result<RunConfig> parse_run_config(const nlohmann::json& given, const std::strin
   JsonSection root(&j, source, "");
 
   JsonSection m = root.section("model");
-  STRATA_RETURN_IF_ERROR(m.get_int("n_layer", &c.model.n_layer));
-  STRATA_RETURN_IF_ERROR(m.get_int("n_head", &c.model.n_head));
-  STRATA_RETURN_IF_ERROR(m.get_int("n_embd", &c.model.n_embd));
-  STRATA_RETURN_IF_ERROR(m.get_int("vocab_size", &c.model.vocab_size));
-  STRATA_RETURN_IF_ERROR(m.get_int("block_size", &c.model.block_size));
+  // A Hugging Face folder to start from may fill the model section (its config.json).
+  std::string init_from;
+  if (j.is_object() && j.contains("training") && j["training"].is_object() && j["training"].contains("init_from") &&
+      j["training"]["init_from"].is_string())
+    init_from = j["training"]["init_from"].get<std::string>();
+  STRATA_RETURN_IF_ERROR(read_model_section(&m, init_from, &c.model));
   STRATA_RETURN_IF_ERROR(m.finish());
   STRATA_RETURN_IF_ERROR(c.model.validate().with_context(source));
 
@@ -332,7 +331,7 @@ Result<RunConfig> parse_run_config(const nlohmann::json& given, const std::strin
   STRATA_RETURN_IF_ERROR(d.get_string("val", &c.data.val));
   STRATA_RETURN_IF_ERROR(d.finish());
 
-  STRATA_RETURN_IF_ERROR(parse_training(root, source, c.model.block_size, &c.training));
+  STRATA_RETURN_IF_ERROR(parse_training(root, source, c.model, &c.training));
   STRATA_RETURN_IF_ERROR(parse_compute(root, source, &c.compute));
   STRATA_RETURN_IF_ERROR(parse_parallel(root, source, c, &c.parallel));
   STRATA_RETURN_IF_ERROR(parse_offload_config(root, source, &c.offload));

@@ -1,6 +1,6 @@
 // config.h — the run configuration: one JSON file, read strictly.
 //
-// Sections: "model" (GPT2Config), "data", "training", "compute", and the offload sections of
+// Sections: "model" (ModelConfig: the family and its keys, engine/model/family/family.h), "data", "training", "compute", and the offload sections of
 // engine/train/offload_config.h ("zero_optimization", "aio", "memory"). Unknown keys are errors that list the valid
 // ones; a value of the wrong type is an error naming "file: section.key". Command-line overrides are applied to
 // the JSON before it is read (`--set training.lr=3e-4`), so they get exactly the same checks.
@@ -13,7 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/status.h"
-#include "engine/model/gpt2/gpt2.h"
+#include "engine/model/family/family.h"
 #include "engine/train/offload_config.h"
 #include "kernels/kernels.h"
 
@@ -26,7 +26,7 @@ struct DataConfig {
 
 struct TrainingConfig {
   int batch_size = 4;        // B, sequences per micro-batch
-  int seq_len = 256;         // T, tokens per sequence (<= model.block_size)
+  int seq_len = 256;         // T, tokens per sequence (<= the model's context)
   int grad_accum_steps = 1;  // micro-batches per optimizer step
   int max_steps = 1000;
   double lr = 6e-4;
@@ -68,7 +68,7 @@ struct ComputeConfig {
 // How the ranks of `mpirun -np N` are split (comm/grid.h): N / (tensor x pipeline) data-parallel replicas.
 struct ParallelConfig {
   int tensor_parallel_size = 1;    // ranks sharing each layer (innermost; engine/model/unit_split.h)
-  int pipeline_parallel_size = 1;  // pipeline stages (engine/parallel/pipeline.h), at most model.n_layer
+  int pipeline_parallel_size = 1;  // pipeline stages (engine/parallel/pipeline.h), at most the model's layers
   std::string pipeline_schedule = "1f1b";  // "1f1b" (Megatron-LM's) or "gpipe"
   // Megatron-LM's sequence parallelism for the layernorm regions (with tensor_parallel_size > 1;
   // engine/model/gpt2/gpt2.h).
@@ -79,7 +79,7 @@ struct ParallelConfig {
 };
 
 struct RunConfig {
-  GPT2Config model;
+  ModelConfig model;
   DataConfig data;
   TrainingConfig training;
   ComputeConfig compute;

@@ -119,11 +119,11 @@ Status TrainSession::check_and_open() {
   }
   if (!options_.batches) {
     STRATA_ASSIGN_OR_RETURN(DataLoader train,
-                            DataLoader::open(config.data.train, B, T, config.model.vocab_size, "data.train"));
+                            DataLoader::open(config.data.train, B, T, config.model.vocab_size(), "data.train"));
     train_.emplace(std::move(train));
   }
   if (!config.data.val.empty()) {
-    STRATA_ASSIGN_OR_RETURN(DataLoader v, DataLoader::open(config.data.val, B, T, config.model.vocab_size, "data.val"));
+    STRATA_ASSIGN_OR_RETURN(DataLoader v, DataLoader::open(config.data.val, B, T, config.model.vocab_size(), "data.val"));
     val_.emplace(std::move(v));
   }
   // A folder given as data.train takes every .bin in it: `strata tokenize` writes its validation shards there too.
@@ -165,13 +165,13 @@ Status TrainSession::build() {
                                                              options_.device_plane, &device_groups_[g++]));
   }
   const bool offloaded = offload_enabled(config.offload) || zero3_;
-  plan_ = plan_pipeline(gpt2_unit_specs(config.model), gpt2_pipeline_costs(config.model, T), pp_size_);
+  plan_ = plan_pipeline(config.model.unit_specs(), config.model.pipeline_costs(T), pp_size_);
   const PipelineStage stage = pp_ ? plan_.stages[static_cast<size_t>(pp_rank_)] : PipelineStage{};
   {
     // Before anything large is allocated: the state this rank's placements put on each tier, counted on the
     // model's units as this rank holds them (created offloaded, so with nothing allocated), against the budgets.
-    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> shape,
-                            GPT2::create(config.model, *device_, config.compute.matmul_precision, true, stage, tp_,
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Decoder> shape,
+                            create_model(config.model, *device_, config.compute.matmul_precision, true, stage, tp_,
                                          config.parallel.sequence_parallel));
     MemoryPlacement placement;
     placement.offloaded = offloaded;
@@ -184,7 +184,7 @@ Status TrainSession::build() {
     const Status fits = check_memory_fits(*memory, budgets, config.offload);
     if (!fits.is_ok()) return fits.with_context(config.source);
   }
-  STRATA_ASSIGN_OR_RETURN(model_, GPT2::create(config.model, *device_, config.compute.matmul_precision, offloaded,
+  STRATA_ASSIGN_OR_RETURN(model_, create_model(config.model, *device_, config.compute.matmul_precision, offloaded,
                                                stage, tp_, config.parallel.sequence_parallel));
   model_->set_working_copies(config.compute.bf16_working_copies);
   if (pp_) {
@@ -311,9 +311,7 @@ void TrainSession::log_run() const {
     STRATA_LOG_WARN("{}: {} is accepted but not acted on yet", config.source, key);
   }
   if (offload_stack_) STRATA_LOG_INFO("{}", offload_stack_->describe());
-  STRATA_LOG_INFO("model: GPT-2 {} layers, {} heads, width {}, vocab {}, context {}: {:.2f}M parameters{}",
-                  config.model.n_layer, config.model.n_head, config.model.n_embd, config.model.vocab_size,
-                  config.model.block_size, model_->whole_num_params() / 1e6,
+  STRATA_LOG_INFO("model: {}: {:.2f}M parameters{}", config.model.describe(), model_->whole_num_params() / 1e6,
                   tp_ || pp_ ? fmt::format(" ({:.2f}M on this rank)", model_->num_params() / 1e6) : std::string());
   STRATA_LOG_INFO("data: {}{}; {} tokens per step ({} x {} x {} accum{})",
                   train_ ? fmt::format("{} train tokens in {} shard(s)", train_->total_tokens(), train_->paths().size())

@@ -128,7 +128,7 @@ class TrainSession {
   std::FILE* metrics() const { return metrics_.get(); }  // the leader's metrics file, or null
   int64_t tokens_per_step() const;
   const RunConfig& config() const { return config_; }
-  GPT2& model() { return *model_; }
+  Decoder& model() { return *model_; }
   Optimizer& optimizer() { return *opt_; }
   kernels::Device& device() { return *device_; }
 
@@ -162,7 +162,7 @@ class TrainSession {
   std::unique_ptr<OffloadRuntime> offload_stack_;
   std::unique_ptr<offload::PinnedPool> checkpoint_pool_;
   PipelinePlan plan_;
-  std::unique_ptr<GPT2> model_;
+  std::unique_ptr<Decoder> model_;
   std::unique_ptr<PipelineRunner> pipeline_;
   std::optional<AdamW> device_opt_;
   std::unique_ptr<ShardedAdamW> sharded_opt_;  // ZeRO stage 1 or 2 over the data-parallel ranks

@@ -80,7 +80,7 @@ TEST_F(Zero3SaveTest, RanksSendTheirShardsAPieceAtATimeAndTheFilesHoldTheGathere
     auto c = parse_run_config(j, "test");
     ASSERT_TRUE(c.is_ok()) << c.status().to_string();
     std::unique_ptr<kernels::Device> device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
-    auto model = GPT2::create(c->model, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true);
+    auto model = GPT2::create(c->model.gpt2, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true);
     ASSERT_TRUE(model.is_ok()) << model.status().to_string();
     auto rt = OffloadRuntime::create(c->offload, AdamWConfig{}, *device, **model, &world);
     ASSERT_TRUE(rt.is_ok()) << rt.status().to_string();
@@ -157,9 +157,9 @@ TEST_F(Zero3SaveTest, ASecondPipelineStageSendsItsUnitsAPieceAtATime) {
     j["zero_optimization"]["offload_param"] = {{"device", "cpu"}};
     auto c = parse_run_config(j, "test");
     ASSERT_TRUE(c.is_ok()) << c.status().to_string();
-    const PipelinePlan plan = plan_pipeline(gpt2_unit_specs(c->model), gpt2_pipeline_costs(c->model, 16), 2);
+    const PipelinePlan plan = plan_pipeline(c->model.unit_specs(), c->model.pipeline_costs(16), 2);
     std::unique_ptr<kernels::Device> device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
-    auto model = GPT2::create(c->model, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true,
+    auto model = GPT2::create(c->model.gpt2, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true,
                               plan.stages[static_cast<size_t>(pp.rank())]);
     ASSERT_TRUE(model.is_ok()) << model.status().to_string();
     if (pp.rank() == 0) (*model)->set_params_source(pipeline_params_source(**model, plan, pp));

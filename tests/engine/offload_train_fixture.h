@@ -26,7 +26,7 @@ class OffloadTrainTest : public TrainerTest {
  protected:
   json config(const std::string& run, const json& zero, int accum = 1) const {
     json j = base_config(run);
-    j["model"]["n_layer"] = 4;  // blocks whose inputs are checkpoints of other blocks
+    set_layers(j, 4);  // blocks whose inputs are checkpoints of other blocks
     j["training"]["grad_accum_steps"] = accum;
     j["training"]["val_every"] = 2;  // forward-only passes between steps: a prefix of the recorded trace
     if (!zero.is_null()) j["zero_optimization"] = fill_paths(zero);
@@ -67,6 +67,15 @@ class OffloadTrainTest : public TrainerTest {
   void run(const std::string& name, const json& j, const std::string& resume = "") {
     auto r = train(j, resume, (dir_ / (name + ".jsonl")).string());
     ASSERT_TRUE(r.is_ok()) << name << ": " << r.status().to_string();
+  }
+};
+
+// The same, over the families (kFamilies): the tests the "bitwise the plain run" matrix runs on every family.
+class FamilyOffloadTrainTest : public OffloadTrainTest, public ::testing::WithParamInterface<const char*> {
+ protected:
+  void SetUp() override {
+    family_ = GetParam();
+    OffloadTrainTest::SetUp();
   }
 };
 

@@ -1,4 +1,7 @@
-// trainer_fixture.h — tiny random token shards and a tiny GPT-2 config for end-to-end training tests.
+// trainer_fixture.h — tiny random token shards and a tiny model config for end-to-end training tests: GPT-2's, or
+// (family_, for the tests parameterised on the family: kFamilies) a Llama 3-style one (tied, grouped-query
+// attention, llama3 RoPE scaling) or a Qwen3-style one (untied, q/k/v/o biases, QK-norm, head_dim apart from
+// hidden/heads).
 #pragma once
 
 #include <unistd.h>
@@ -23,6 +26,32 @@ using nlohmann::json;
 
 constexpr int kVocab = 97;
 
+// The families and variants the family-parameterised tests run over.
+inline constexpr const char* kFamilies[] = {"gpt2", "llama", "qwen3"};
+
+// A tiny model section of `family` (kFamilies) with `layers` blocks, context 16, vocabulary kVocab.
+inline json tiny_model_section(const std::string& family, int layers) {
+  if (family == "gpt2")
+    return {{"n_layer", layers}, {"n_head", 2}, {"n_embd", 32}, {"vocab_size", kVocab}, {"block_size", 16}};
+  json m = {{"family", "llama"}, {"hidden_size", 32}, {"num_hidden_layers", layers}, {"num_attention_heads", 4},
+            {"num_key_value_heads", 2}, {"vocab_size", kVocab}, {"max_position_embeddings", 16}};
+  if (family == "llama") {
+    m.update({{"model_type", "llama"}, {"intermediate_size", 64}, {"rope_theta", 500000.0},
+              {"tie_word_embeddings", true},
+              {"rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
+                                {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8}}}});
+  } else {
+    EXPECT_EQ(family, "qwen3");
+    m.update({{"model_type", "qwen3"}, {"intermediate_size", 48}, {"head_dim", 12}, {"rms_norm_eps", 1e-6},
+              {"attention_bias", true}, {"tie_word_embeddings", false}});
+  }
+  return m;
+}
+// Sets the blocks of a model section of any family.
+inline void set_layers(json& j, int layers) {
+  j["model"][j["model"].contains("family") ? "num_hidden_layers" : "n_layer"] = layers;
+}
+
 class TrainerTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -45,7 +74,7 @@ class TrainerTest : public ::testing::Test {
   void TearDown() override { fs::remove_all(dir_); }
 
   json base_config(const std::string& ckpt) const {
-    return json{{"model", {{"n_layer", 2}, {"n_head", 2}, {"n_embd", 32}, {"vocab_size", kVocab}, {"block_size", 16}}},
+    return json{{"model", tiny_model_section(family_, 2)},
                 {"data", {{"train", (dir_ / "data" / "t_train_*.bin").string()},
                           {"val", (dir_ / "data" / "t_val_000000.bin").string()}}},
                 {"training", {{"batch_size", 2}, {"seq_len", 16}, {"max_steps", 6}, {"lr", 3e-3}, {"warmup_steps", 2},
@@ -95,9 +124,19 @@ class TrainerTest : public ::testing::Test {
     return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   }
   fs::path dir_;
+  std::string family_ = "gpt2";  // base_config's model (kFamilies)
   kernels::Device* device_ = nullptr;  // train() trains on this device when set (else compute.device's)
   comm::DevicePlaneFactory device_plane_;    // and makes the groups' device planes with this when set
   std::function<float(int)> gradient_factor_;  // TrainOptions::gradient_factor of train()'s runs
+};
+
+// TrainerTest over the families (kFamilies).
+class FamilyTrainerTest : public TrainerTest, public ::testing::WithParamInterface<const char*> {
+ protected:
+  void SetUp() override {
+    family_ = GetParam();
+    TrainerTest::SetUp();
+  }
 };
 
 }  // namespace strata::engine

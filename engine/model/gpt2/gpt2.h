@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -78,6 +79,8 @@ PipelineCosts gpt2_pipeline_costs(const GPT2Config& config, int seq_len);
 //  - everything else (layernorms, wpe, row-parallel biases) replicated: every rank holds it whole and computes
 //    the same gradient for it, so every rank applies the same update and the copies stay equal.
 TensorSplit gpt2_tensor_split(const std::string& name);
+// The config as a checkpoint's metadata (Model::metadata): format "strata-gpt2" and the five sizes.
+std::map<std::string, std::string> gpt2_metadata(const GPT2Config& config);
 
 class GPT2 : public Decoder {
  public:
@@ -98,6 +101,7 @@ class GPT2 : public Decoder {
   double flops_per_step(int B, int T) const override;
   // PaLM's N leaves out the position embedding.
   double palm_flops_per_step(int B, int T) const override;
+  std::map<std::string, std::string> metadata() const override { return gpt2_metadata(config_); }
 
   const GPT2Config& config() const { return config_; }
 

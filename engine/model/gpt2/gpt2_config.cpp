@@ -64,6 +64,15 @@ Status GPT2Config::validate() const {
   return Status::ok();
 }
 
+std::map<std::string, std::string> gpt2_metadata(const GPT2Config& c) {
+  return {{"format", "strata-gpt2"},
+          {"n_layer", std::to_string(c.n_layer)},
+          {"n_head", std::to_string(c.n_head)},
+          {"n_embd", std::to_string(c.n_embd)},
+          {"vocab_size", std::to_string(c.vocab_size)},
+          {"block_size", std::to_string(c.block_size)}};
+}
+
 TensorSplit gpt2_tensor_split(const std::string& name) {
   auto ends = [&](const char* suffix) { return name.ends_with(suffix); };
   if (name == "wte") return {TensorSplit::kRows, 1};

@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -91,6 +92,9 @@ std::vector<UnitSpec> llama_unit_specs(const LlamaConfig& config);
 PipelineCosts llama_pipeline_costs(const LlamaConfig& config, int seq_len);
 // How tensor parallelism cuts tensor `name` (a transformers name; the header above).
 TensorSplit llama_tensor_split(const std::string& name);
+// The config as a checkpoint's metadata (Model::metadata): format "strata-llama" and every key of the model
+// section (rope_scaling's as "rope_scaling.factor" ...), numbers written so they read back exactly.
+std::map<std::string, std::string> llama_metadata(const LlamaConfig& config);
 // RoPE's tables (maxT, head_size/2) for positions 0 .. maxT-1, fp32, as transformers' LlamaRotaryEmbedding makes
 // them: inv_freq = 1 / theta^(2i/d) in fp32 with the llama3 scaling where set, cos and sin of position * inv_freq.
 void llama_rope_tables(const LlamaConfig& config, int maxT, std::vector<float>* cos, std::vector<float>* sin);
@@ -110,6 +114,7 @@ class Llama : public Decoder {
   std::unique_ptr<WeightsInit> initial_weights(uint64_t seed) const override;
   double flops_per_step(int B, int T) const override;
   double palm_flops_per_step(int B, int T) const override;
+  std::map<std::string, std::string> metadata() const override { return llama_metadata(config_); }
 
   const LlamaConfig& config() const { return config_; }
 

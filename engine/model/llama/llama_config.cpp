@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "engine/model/llama/llama.h"
 
 namespace strata::engine {
@@ -193,6 +195,34 @@ std::vector<UnitSpec> llama_unit_specs(const LlamaConfig& c) {
     units.push_back({.name = "lm_head", .layout = std::move(head), .role = UnitRole::kHead});
   }
   return units;
+}
+
+std::map<std::string, std::string> llama_metadata(const LlamaConfig& c) {
+  auto num = [](double v) { return fmt::format("{}", v); };  // the shortest text that reads back as v
+  std::map<std::string, std::string> m = {
+      {"format", "strata-llama"},
+      {"model_type", c.model_type},
+      {"hidden_size", std::to_string(c.hidden_size)},
+      {"intermediate_size", std::to_string(c.intermediate_size)},
+      {"num_hidden_layers", std::to_string(c.num_hidden_layers)},
+      {"num_attention_heads", std::to_string(c.num_attention_heads)},
+      {"num_key_value_heads", std::to_string(c.num_key_value_heads)},
+      {"head_dim", std::to_string(c.head_size())},
+      {"vocab_size", std::to_string(c.vocab_size)},
+      {"max_position_embeddings", std::to_string(c.max_position_embeddings)},
+      {"rms_norm_eps", fmt::format("{}", c.rms_norm_eps)},
+      {"rope_theta", num(c.rope_theta)},
+      {"tie_word_embeddings", c.tie_word_embeddings ? "true" : "false"},
+      {"attention_bias", c.attention_bias ? "true" : "false"},
+  };
+  if (!c.rope_scaling.rope_type.empty()) {
+    m["rope_scaling.rope_type"] = c.rope_scaling.rope_type;
+    m["rope_scaling.factor"] = num(c.rope_scaling.factor);
+    m["rope_scaling.low_freq_factor"] = num(c.rope_scaling.low_freq_factor);
+    m["rope_scaling.high_freq_factor"] = num(c.rope_scaling.high_freq_factor);
+    m["rope_scaling.original_max_position_embeddings"] = std::to_string(c.rope_scaling.original_max_position_embeddings);
+  }
+  return m;
 }
 
 PipelineCosts llama_pipeline_costs(const LlamaConfig& c, int seq_len) {

@@ -65,7 +65,7 @@ class LoadMemoryTest : public TrainerTest {
     STRATA_ASSIGN_OR_RETURN(RunConfig c, parse_run_config(j, "test"));
     Run r;
     r.device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
-    STRATA_ASSIGN_OR_RETURN(r.model, GPT2::create(c.model, *r.device, kernels::MatmulPrecision::kF32, !plain));
+    STRATA_ASSIGN_OR_RETURN(r.model, GPT2::create(c.model.gpt2, *r.device, kernels::MatmulPrecision::kF32, !plain));
     if (plain) {
       STRATA_ASSIGN_OR_RETURN(AdamW a, AdamW::create(r.model->units(), AdamWConfig{}, *r.device));
       r.plain = std::make_unique<AdamW>(std::move(a));

@@ -22,7 +22,7 @@ TEST(ConfigTest, DefaultsParseAndOverridesApply) {
   EXPECT_DOUBLE_EQ(c->training.lr, 1e-3);
   EXPECT_EQ(c->training.checkpoint_dir, "runs/x");
   EXPECT_EQ(c->compute.kernels, "reference");
-  EXPECT_EQ(c->model.n_layer, 2);
+  EXPECT_EQ(c->model.gpt2.n_layer, 2);
   EXPECT_DOUBLE_EQ(c->training.min_lr, 1e-4) << "not set: a tenth of the rate, whatever the rate";
 
   // A value a double cannot hold: a string to the override (then the field's type check names it), and an

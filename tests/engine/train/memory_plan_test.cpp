@@ -32,7 +32,7 @@ std::map<std::string, uint64_t> pool_by_item(const offload::PinnedPool& pool, co
 
 Result<MemoryPlan> plan_for(const RunConfig& c, kernels::Device& device) {
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GPT2> shape,
-                          GPT2::create(c.model, device, kernels::MatmulPrecision::kF32, /*offloaded=*/true));
+                          GPT2::create(c.model.gpt2, device, kernels::MatmulPrecision::kF32, /*offloaded=*/true));
   MemoryPlacement p;
   p.offloaded = offload_enabled(c.offload);
   return plan_memory(*shape, c.offload, p);
@@ -46,7 +46,7 @@ TEST_F(OffloadTrainTest, ThePlannedStateIsWhatThePlainRunAllocates) {
   ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
   EXPECT_TRUE(plan->host.empty());
   ASSERT_EQ(device->live_bytes(), 0u) << "planning allocated " << device->memory_report();
-  auto model = GPT2::create(c->model, *device, kernels::MatmulPrecision::kF32);
+  auto model = GPT2::create(c->model.gpt2, *device, kernels::MatmulPrecision::kF32);
   ASSERT_TRUE(model.is_ok()) << model.status().to_string();
   auto adam = AdamW::create((*model)->units(), AdamWConfig{}, *device);
   ASSERT_TRUE(adam.is_ok()) << adam.status().to_string();
@@ -67,7 +67,7 @@ TEST_F(OffloadTrainTest, ThePlannedStateIsWhatTheOffloadStackAllocatesInEveryPla
     std::unique_ptr<kernels::Device> device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
     auto plan = plan_for(*c, *device);
     ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
-    auto model = GPT2::create(c->model, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true);
+    auto model = GPT2::create(c->model.gpt2, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true);
     ASSERT_TRUE(model.is_ok()) << model.status().to_string();
     auto rt = OffloadRuntime::create(c->offload, AdamWConfig{}, *device, **model);
     ASSERT_TRUE(rt.is_ok()) << rt.status().to_string();

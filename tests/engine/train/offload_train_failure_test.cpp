@@ -36,7 +36,7 @@ struct SteppedRun {
 
   Status open(const json& j, float grad_clip) {
     STRATA_ASSIGN_OR_RETURN(const RunConfig c, parse_run_config(j, "test"));
-    STRATA_ASSIGN_OR_RETURN(model, GPT2::create(c.model, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true));
+    STRATA_ASSIGN_OR_RETURN(model, GPT2::create(c.model.gpt2, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true));
     AdamWConfig adam;
     adam.grad_clip = grad_clip;
     STRATA_ASSIGN_OR_RETURN(runtime, OffloadRuntime::create(c.offload, adam, *device, *model));
@@ -184,7 +184,7 @@ TEST_F(OffloadTrainTest, SpareBuffersAreTheSizesOfTheFirstSubGroupsABackwardUpda
     auto c = parse_run_config(config("sizes", z), "test");
     EXPECT_TRUE(c.is_ok()) << c.status().to_string();
     std::unique_ptr<kernels::Device> device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
-    auto model = GPT2::create(c->model, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true);
+    auto model = GPT2::create(c->model.gpt2, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true);
     EXPECT_TRUE(model.is_ok()) << model.status().to_string();
     auto rt = OffloadRuntime::create(c->offload, AdamWConfig{}, *device, **model);
     EXPECT_TRUE(rt.is_ok()) << rt.status().to_string();

@@ -31,7 +31,7 @@
 namespace strata::engine {
 namespace {
 
-TEST_F(OffloadTrainTest, EveryPlacementIsBitwiseThePlainRun) {
+TEST_P(FamilyOffloadTrainTest, EveryPlacementIsBitwiseThePlainRun) {
   run("plain", config("plain", json()));
   for (const Placement& p : placements()) {
     SCOPED_TRACE(p.name);
@@ -321,7 +321,7 @@ TEST_F(OffloadTrainTest, ASkippedStepUndoesTheUpdatesStartedInBackward) {
   }
 }
 
-TEST_F(OffloadTrainTest, ResumeFromAnOffloadedCheckpointIsBitwiseAStraightRun) {
+TEST_P(FamilyOffloadTrainTest, ResumeFromAnOffloadedCheckpointIsBitwiseAStraightRun) {
   const Placement p = placements().back();
   run("straight", config("straight", p));
   json first = config("resumed", p);
@@ -333,6 +333,9 @@ TEST_F(OffloadTrainTest, ResumeFromAnOffloadedCheckpointIsBitwiseAStraightRun) {
         << f;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Families, FamilyOffloadTrainTest, ::testing::ValuesIn(kFamilies),
+                         [](const auto& info) { return std::string(info.param); });
 
 // `strata train --trace`: the timeline holds every step, the model's passes, the optimizer worker's updates and
 // the swap store's transfers, each on its thread.

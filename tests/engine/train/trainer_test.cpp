@@ -22,7 +22,7 @@ namespace {
 
 using ::strata::testing::expect_error;
 
-TEST_F(TrainerTest, LossFallsAndRunsAreBitwiseDeterministic) {
+TEST_P(FamilyTrainerTest, LossFallsAndRunsAreBitwiseDeterministic) {
   auto a = train(base_config("a"), "", (dir_ / "metrics.jsonl").string());
   ASSERT_TRUE(a.is_ok()) << a.status().to_string();
   auto b = train(base_config("b"));
@@ -44,7 +44,7 @@ TEST_F(TrainerTest, LossFallsAndRunsAreBitwiseDeterministic) {
   EXPECT_LT(rows.back()["loss"].get<double>(), rows.front()["loss"].get<double>());
 }
 
-TEST_F(TrainerTest, ResumeGivesTheSameWeightsAsAStraightRun) {
+TEST_P(FamilyTrainerTest, ResumeGivesTheSameWeightsAsAStraightRun) {
   json straight = base_config("straight");
   straight["training"]["checkpoint_every"] = 3;
   ASSERT_TRUE(train(straight).is_ok());
@@ -118,6 +118,53 @@ TEST_F(TrainerTest, AModelExportedToHuggingFaceOrLlmcStartsTheSameRun) {
   EXPECT_EQ(file_bytes(dir_ / "eval" / "step_000000" / "model.safetensors"), file_bytes(ours));
 }
 
+// Fine-tuning a Llama-family model from a Hugging Face folder (config.json and sharded safetensors, the Qwen3
+// fixture: untied, biased, QK-norm): its config.json fills the model section, the run measures the folder's
+// weights at step 0, and it trains bitwise as the run started from the same weights in our format (the step-0
+// checkpoint a run of no steps writes) with the whole model section written out. A section key that disagrees
+// with config.json, and our file under another model section, are refused naming the key.
+TEST_F(TrainerTest, AHuggingFaceLlamaFolderFillsTheModelSectionAndTrainsAsOurFile) {
+  const std::string folder = std::string(STRATA_SOURCE_DIR) + "/tests/fixtures/llama/qwen3_untied";
+  std::ifstream in(folder + "/config.json");
+  const json hf = json::parse(in);
+  json eval = base_config("eval");
+  eval["model"] = {{"family", "llama"}};
+  eval["training"]["max_steps"] = 0;
+  eval["training"]["init_from"] = folder;
+  ASSERT_OK(train(eval, "", (dir_ / "eval.jsonl").string()).status());
+  const double folder_val = metrics_lines(dir_ / "eval.jsonl").front().value("val_loss", -1.0);
+  ASSERT_GT(folder_val, 0);
+  const fs::path ours = dir_ / "eval" / "step_000000" / "model.safetensors";
+
+  json from_folder = eval;
+  from_folder["training"]["max_steps"] = 3;
+  from_folder["training"]["checkpoint_dir"] = (dir_ / "from_folder").string();
+  ASSERT_OK(train(from_folder, "", (dir_ / "from_folder.jsonl").string()).status());
+  json from_ours = from_folder;
+  from_ours["training"]["checkpoint_dir"] = (dir_ / "from_ours").string();
+  from_ours["training"]["init_from"] = ours.string();
+  json model = {{"family", "llama"}};
+  for (const char* key : {"model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
+                          "rope_theta", "tie_word_embeddings", "attention_bias"})
+    model[key] = hf.at(key);
+  from_ours["model"] = model;
+  ASSERT_OK(train(from_ours, "", (dir_ / "from_ours.jsonl").string()).status());
+  EXPECT_EQ(metrics_lines(dir_ / "from_ours.jsonl").front().value("val_loss", -1.0), folder_val);
+  EXPECT_EQ(losses(dir_ / "from_folder.jsonl"), losses(dir_ / "from_ours.jsonl"));
+  EXPECT_EQ(losses(dir_ / "from_folder.jsonl").size(), 3u);
+  EXPECT_EQ(file_bytes(dir_ / "from_folder" / "step_000003" / "model.safetensors"),
+            file_bytes(dir_ / "from_ours" / "step_000003" / "model.safetensors"));
+
+  json conflict = eval;
+  conflict["model"]["hidden_size"] = 64;
+  expect_error(train(conflict).status(), StatusCode::kInvalidArgument, {"model.hidden_size", "64", "config.json"});
+  json other = from_ours;
+  other["training"]["checkpoint_dir"] = (dir_ / "other").string();
+  other["model"]["rope_theta"] = 10000.0;
+  expect_error(train(other).status(), StatusCode::kInvalidArgument, {"model.rope_theta", "10000", "1000000"});
+}
+
 // The checkpoint's data position is a shard index and a token offset: a resume whose data.train lists other
 // shards would read other tokens without a word. A shard added before it is followed by name; a missing one
 // refuses the resume before any weight is read.
@@ -182,7 +229,7 @@ TEST_F(TrainerTest, ARunThatStaysNonFiniteStopsAndLatestKeepsTheLastGoodCheckpoi
   EXPECT_EQ(latest(), "step_000006");
 }
 
-TEST_F(TrainerTest, GradientAccumulationMatchesOneLargeBatch) {
+TEST_P(FamilyTrainerTest, GradientAccumulationMatchesOneLargeBatch) {
   json big = base_config("big");
   big["training"]["batch_size"] = 4;
   big["training"]["max_steps"] = 3;
@@ -196,6 +243,9 @@ TEST_F(TrainerTest, GradientAccumulationMatchesOneLargeBatch) {
   // The same tokens in the same windows; only the summation order of gradients differs.
   EXPECT_NEAR(a->last_loss, b->last_loss, 1e-5);
 }
+
+INSTANTIATE_TEST_SUITE_P(Families, FamilyTrainerTest, ::testing::ValuesIn(kFamilies),
+                         [](const auto& info) { return std::string(info.param); });
 
 TEST_F(TrainerTest, BadInputGivesAClearError) {
   auto expect_error = [&](json j, StatusCode code, const std::vector<std::string>& needles) {
