@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""The PyTorch side of `strata bench step`: times training steps (forward, backward, AdamW) of the same GPT-2 on
-random tokens, on the CPU or (--device cuda) a GPU, and prints one JSON line with tokens_per_s, step_ms and gflop_per_s (FLOPs counted as
-Strata counts them, engine/model/gpt2/gpt2.cpp flops_per_step)."""
+"""The PyTorch side of `strata bench step`: times training steps (forward, backward, AdamW) of the same GPT-2, or
+(--family llama) the same tied Llama of scripts/llama_torch.py, on random tokens, on the CPU or (--device cuda) a
+GPU, and prints one JSON line with tokens_per_s, step_ms and gflop_per_s (FLOPs counted as Strata counts them:
+flops_per_step in engine/model/gpt2/gpt2.cpp and engine/model/llama/llama.cpp)."""
 import argparse
 import json
 import os
@@ -13,10 +14,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt2_torch import GPT, Block  # noqa: E402
+from llama_torch import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--family", choices=["gpt2", "llama"], default="gpt2")
+    ap.add_argument("--kv-heads", type=int, default=2, help="llama: key/value heads")
+    ap.add_argument("--intermediate", type=int, default=1024, help="llama: the SwiGLU MLP's width")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--width", type=int, default=384)
@@ -35,8 +40,18 @@ def main():
     Block.use_sdpa = a.sdpa
     torch.set_num_threads(a.threads)
     torch.manual_seed(1)
-    model = GPT(a.layers, a.heads, a.width, a.vocab, a.context)
-    model.init_gpt2(a.layers)
+    if a.family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(
+            hidden_size=a.width, intermediate_size=a.intermediate, num_hidden_layers=a.layers,
+            num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab,
+            max_position_embeddings=a.context, rope_theta=500000.0, tie_word_embeddings=True))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.02)
+    else:
+        model = GPT(a.layers, a.heads, a.width, a.vocab, a.context)
+        model.init_gpt2(a.layers)
     model.to(dev)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -67,9 +82,15 @@ def main():
     med = statistics.median(times)
     C, V, L, T = a.width, a.vocab, a.layers, a.context
     tokens = a.batch * T
-    flops = 3.0 * tokens * (L * 2.0 * 12.0 * C * C + 2.0 * C * V + L * 2.0 * C * (T + 1.0))
+    if a.family == "llama":  # Llama::flops_per_step: q, k, v, o, gate, up, down and the head; causal attention
+        hs = C // a.heads
+        A, Q = a.heads * hs, (a.heads + 2 * a.kv_heads) * hs
+        flops = 3.0 * tokens * (L * 2.0 * (C * Q + A * C + 3.0 * C * a.intermediate) + 2.0 * C * V
+                                + L * 2.0 * A * (T + 1.0))
+    else:
+        flops = 3.0 * tokens * (L * 2.0 * 12.0 * C * C + 2.0 * C * V + L * 2.0 * C * (T + 1.0))
     impl = f"pytorch {torch.__version__}" + (" compile" if a.compile else "") + (" sdpa" if a.sdpa else "")
-    print(json.dumps({"bench": "step", "impl": impl, "device": a.device, "batch": a.batch, "context": T,
+    print(json.dumps({"bench": "step", "family": a.family, "impl": impl, "device": a.device, "batch": a.batch, "context": T,
                       "threads": a.threads,
                       "precision": a.precision, "step_ms": med * 1e3, "tokens_per_s": tokens / med,
                       "gflop_per_s": flops / 1e9 / med, "loss": float(loss.item())}))

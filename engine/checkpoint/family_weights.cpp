@@ -1,6 +1,8 @@
 // The weights of a family whose files name the tensors as its units do (foreign_weights.h open_named_weights):
 // Strata's model.safetensors and a Hugging Face checkpoint, one file or sharded, read one tensor range at a time.
 #include <algorithm>
+#include <filesystem>
+#include <memory>
 #include <cstring>
 #include <map>
 #include <set>
@@ -9,12 +11,20 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 #include "common/dtype.h"
 #include "engine/checkpoint/foreign_weights.h"
+#include "engine/model/llama/llama.h"
+#include "kernels/cpu/cpu_kernels.h"
+#include "storage/safetensors.h"
 #include "storage/safetensors_shards.h"
+#include "storage/token_shard.h"
 
 namespace strata::engine {
+
+namespace fs = std::filesystem;
+
 namespace {
 
 std::string shape_text(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
@@ -149,6 +159,102 @@ Result<std::unique_ptr<WeightsFile>> open_named_weights(const std::string& path,
                                           std::move(file), options);
   STRATA_RETURN_IF_ERROR(w->check_model(want));
   return std::unique_ptr<WeightsFile>(std::move(w));
+}
+
+std::string family_of_weights(const std::string& path) {
+  auto file = SafetensorsShards::open(path);
+  if (!file.is_ok()) return "";
+  const auto& md = file->files().front().metadata();
+  auto format = md.find("format");
+  return format != md.end() && format->second == "strata-llama" ? "llama" : "";
+}
+
+namespace {
+
+// The tensors of `model` read from `src`, stored as `dtype`, in the units' order.
+std::vector<SafetensorsTensor> tensors_of(const Model& model, const WeightsFile& src, DType dtype) {
+  std::vector<SafetensorsTensor> tensors;
+  for (size_t u = 0; u < model.units().size(); ++u) {
+    for (const TensorSpec& s : model.whole_layout(u).specs()) {
+      SafetensorsTensor t{s.name, dtype, s.shape, nullptr, {}};
+      t.fill = [&src, s, dtype](void* dst) -> Status {
+        std::vector<float> v(s.numel());
+        STRATA_RETURN_IF_ERROR(src.read(s, v.data()));
+        if (dtype == DType::kBF16)
+          f32_to_bf16_n(v.data(), static_cast<uint16_t*>(dst), v.size());
+        else
+          std::memcpy(dst, v.data(), v.size() * sizeof(float));
+        return Status::ok();
+      };
+      tensors.push_back(std::move(t));
+    }
+  }
+  return tensors;
+}
+
+// save_pretrained's layout in `out`: one model.safetensors, or shards of at most max_shard_bytes with their index.
+Status write_hf_shards(std::vector<SafetensorsTensor> tensors, const std::string& out, uint64_t max_shard_bytes) {
+  std::vector<std::vector<SafetensorsTensor>> shards(1);
+  uint64_t in_shard = 0, total = 0;
+  for (SafetensorsTensor& t : tensors) {
+    uint64_t bytes = dtype_size(t.dtype);
+    for (int64_t d : t.shape) bytes *= static_cast<uint64_t>(d);
+    if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    in_shard += bytes;
+    total += bytes;
+    shards.back().push_back(std::move(t));
+  }
+  const size_t n = shards.size();
+  const fs::path dir(out);
+  std::set<std::string> written;
+  nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", nlohmann::json::object()}};
+  for (size_t i = 0; i < n; ++i) {
+    const std::string name = n == 1 ? "model.safetensors" : fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, n);
+    for (const SafetensorsTensor& t : shards[i]) index["weight_map"][t.name] = name;
+    STRATA_RETURN_IF_ERROR(write_safetensors((dir / name).string(), shards[i], {{"format", "pt"}}));
+    written.insert(name);
+  }
+  if (n > 1) {
+    STRATA_RETURN_IF_ERROR(write_text_atomic((dir / "model.safetensors.index.json").string(), index.dump(2) + "\n"));
+    written.insert("model.safetensors.index.json");
+  }
+  // An earlier export's files that this one replaces: left, they would make the folder read as that model.
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string f = e.path().filename().string();
+    const bool ours = f == "model.safetensors" || f == "model.safetensors.index.json" ||
+                      (f.starts_with("model-") && f.ends_with(".safetensors") && f.find("-of-") != std::string::npos);
+    if (ours && written.count(f) == 0) fs::remove(e.path(), ec);
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status export_family_weights(const std::string& from, WeightsFormat format, const std::string& out, DType dtype,
+                             const WeightsOpenOptions& options, uint64_t max_shard_bytes) {
+  if (format == WeightsFormat::kLlmc)
+    return Status::invalid_argument("{} holds a Llama-family model; llm.c's files hold GPT-2s", from);
+  STRATA_ASSIGN_OR_RETURN(SafetensorsShards file, SafetensorsShards::open(from));
+  STRATA_ASSIGN_OR_RETURN(const LlamaConfig config,
+                          llama_config_from_metadata(file.files().front().metadata(), from));
+  // The model's shape only (offloaded: nothing allocated for its units), to read and check the file by.
+  std::unique_ptr<kernels::Device> device = kernels::make_cpu_device(kernels::cpu_fast_kernels());
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Llama> model,
+                          Llama::create(config, *device, kernels::MatmulPrecision::kF32, /*offloaded=*/true));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> src, open_named_weights(from, *model, options));
+  std::vector<SafetensorsTensor> tensors = tensors_of(*model, *src, dtype);
+  if (format == WeightsFormat::kStrata) return write_safetensors(out, tensors, model->metadata());
+  std::error_code ec;
+  fs::create_directories(out, ec);
+  if (ec) return Status::io_error("{}: cannot create the folder: {}", out, ec.message());
+  STRATA_RETURN_IF_ERROR(write_hf_shards(std::move(tensors), out, max_shard_bytes));
+  const char* torch_dtype = dtype == DType::kBF16 ? "bfloat16" : "float32";
+  return write_text_atomic((fs::path(out) / "config.json").string(),
+                           hf_llama_config_json(config, torch_dtype).dump(2) + "\n");
 }
 
 }  // namespace strata::engine

@@ -104,7 +104,23 @@ Result<std::string> weights_path(const std::string& path);
 // fp32, which llm.c's CPU trainer and fp32 builds read, or version 5 in bf16, its GPU trainer's default);
 // kStrata, the file `out` (fp32 only). `dtype` F32 or BF16 (rounded to nearest even). Each file is written
 // atomically (storage/token_shard.h's write_file_atomic).
+//
+// A Llama-family model (our model.safetensors, metadata format "strata-llama") goes to kHuggingFace as
+// save_pretrained writes it: config.json (LlamaForCausalLM, Qwen3ForCausalLM, ... by model_type), and
+// model.safetensors, or shards of at most `max_shard_bytes` each (a tensor larger than that alone in one)
+// named model-00001-of-0000N.safetensors with their model.safetensors.index.json; an earlier export's index and
+// shards in `out` that this one does not write are removed, so the folder reads as this model. To kStrata it
+// is copied in our format; llm.c's files hold GPT-2s only.
+inline constexpr uint64_t kHfMaxShardBytes = 5000000000;  // transformers' default max_shard_size, "5GB"
 Status export_weights(const std::string& from, WeightsFormat format, const std::string& out,
-                      DType dtype = DType::kF32, const WeightsOpenOptions& options = {});
+                      DType dtype = DType::kF32, const WeightsOpenOptions& options = {},
+                      uint64_t max_shard_bytes = kHfMaxShardBytes);
+// The same for a file whose metadata says it holds a model of another family than GPT-2 (format
+// "strata-<family>"): export_weights's second half. Whether `from` is one: family_of_weights.
+Status export_family_weights(const std::string& from, WeightsFormat format, const std::string& out, DType dtype,
+                             const WeightsOpenOptions& options, uint64_t max_shard_bytes);
+// "llama" for our file of a Llama-family model (its metadata's format), "" for anything else (GPT-2's files of any
+// layout, a file that does not open as safetensors).
+std::string family_of_weights(const std::string& path);
 
 }  // namespace strata::engine

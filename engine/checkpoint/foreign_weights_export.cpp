@@ -137,11 +137,13 @@ Status write_safetensors_weights(const WeightsFile& src, WeightsFormat format, D
 }  // namespace
 
 Status export_weights(const std::string& from, WeightsFormat format, const std::string& out, DType dtype,
-                      const WeightsOpenOptions& options) {
+                      const WeightsOpenOptions& options, uint64_t max_shard_bytes) {
   if (dtype != DType::kF32 && (dtype != DType::kBF16 || format == WeightsFormat::kStrata)) {
     return Status::invalid_argument("export as {}: {} files are written in fp32{}", dtype_name(dtype),
                                     weights_format_name(format), format == WeightsFormat::kStrata ? "" : " or bf16");
   }
+  if (!family_of_weights(from).empty())
+    return export_family_weights(from, format, out, dtype, options, max_shard_bytes);
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<WeightsFile> src, WeightsFile::open(from, options));
   const GPT2Config& c = src->config();
   if (c.n_head == 0) {

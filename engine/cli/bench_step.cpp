@@ -22,6 +22,11 @@ namespace fs = std::filesystem;
 
 void add_bench_step_command(CLI::App& bench, BenchStepOptions& o) {
   CLI::App* cmd = bench.add_subcommand("step", "Time training steps (forward, backward, AdamW) on random tokens");
+  cmd->add_option("--family", o.family, "gpt2, or llama (a tied Llama: RMSNorm, RoPE, SwiGLU, grouped-query attention)")
+      ->check(CLI::IsMember({"gpt2", "llama"}))
+      ->capture_default_str();
+  cmd->add_option("--kv-heads", o.kv_heads, "llama: key/value heads (dividing --heads)")->capture_default_str();
+  cmd->add_option("--intermediate", o.intermediate, "llama: the SwiGLU MLP's width")->capture_default_str();
   cmd->add_option("--layers", o.n_layer, "Transformer blocks")->capture_default_str();
   cmd->add_option("--heads", o.n_head, "Attention heads")->capture_default_str();
   cmd->add_option("--width", o.n_embd, "Model width (n_embd)")->capture_default_str();
@@ -116,9 +121,22 @@ BenchFolder::~BenchFolder() {
 
 Result<RunConfig> bench_run_config(const BenchStepOptions& o, bool offloaded, const std::string& dir) {
   nlohmann::json j;
-  j["model"] = {{"n_layer", o.n_layer},       {"n_head", o.n_head},
-                {"n_embd", o.n_embd},         {"vocab_size", o.vocab_size},
-                {"block_size", std::max(o.block_size, o.seq_len)}};
+  if (o.family == "llama") {
+    j["model"] = {{"family", "llama"},
+                  {"hidden_size", o.n_embd},
+                  {"intermediate_size", o.intermediate},
+                  {"num_hidden_layers", o.n_layer},
+                  {"num_attention_heads", o.n_head},
+                  {"num_key_value_heads", o.kv_heads},
+                  {"vocab_size", o.vocab_size},
+                  {"max_position_embeddings", std::max(o.block_size, o.seq_len)},
+                  {"rope_theta", 500000.0},
+                  {"tie_word_embeddings", true}};
+  } else {
+    j["model"] = {{"n_layer", o.n_layer},       {"n_head", o.n_head},
+                  {"n_embd", o.n_embd},         {"vocab_size", o.vocab_size},
+                  {"block_size", std::max(o.block_size, o.seq_len)}};
+  }
   j["training"] = {{"batch_size", o.batch_size},
                    {"seq_len", o.seq_len},
                    {"grad_accum_steps", o.grad_accum},
@@ -206,7 +224,8 @@ int run_bench_step(const BenchStepOptions& o) {
   const double gflop = m.flops_per_step(B, T) * o.grad_accum / 1e9;
   const int nthreads = o.threads > 0 ? o.threads : tbb::info::default_concurrency();
   if (o.json) {
-    nlohmann::json j = {{"bench", "step"},         {"n_layer", o.n_layer},     {"n_head", o.n_head},
+    nlohmann::json j = {{"bench", "step"},         {"family", o.family},       {"n_layer", o.n_layer},
+                        {"n_head", o.n_head},
                         {"n_embd", o.n_embd},      {"vocab_size", o.vocab_size}, {"batch", B},
                         {"context", T},            {"grad_accum", o.grad_accum},
                         {"precision", o.precision}, {"kernels", m.kernels().name},
@@ -217,8 +236,11 @@ int run_bench_step(const BenchStepOptions& o) {
     std::printf("%s\n", j.dump().c_str());
   } else {
     const std::string threads = m.device().host_accessible() ? fmt::format(", {} threads", nthreads) : "";
-    std::printf("GPT-2 L=%d H=%d C=%d V=%d, B=%d T=%d x %d micro-batches, %s matmuls%s, %s%s, %.2fM params\n",
-                o.n_layer, o.n_head, o.n_embd, o.vocab_size, B, T, o.grad_accum, o.precision.c_str(),
+    const std::string model = o.family == "llama" ? fmt::format("Llama (tied, {} KV heads, MLP {})", o.kv_heads,
+                                                                o.intermediate)
+                                                  : std::string("GPT-2");
+    std::printf("%s L=%d H=%d C=%d V=%d, B=%d T=%d x %d micro-batches, %s matmuls%s, %s%s, %.2fM params\n",
+                model.c_str(), o.n_layer, o.n_head, o.n_embd, o.vocab_size, B, T, o.grad_accum, o.precision.c_str(),
                 m.keeps_working_copies() ? " (bf16 working copies of the weights)" : "",
                 m.device().description().c_str(), threads.c_str(), m.num_params() / 1e6);
     std::printf("median of %d steps: %.1f ms/step, %.0f tokens/s, %.1f GFLOP/s (%.1f GFLOP/step)\n", o.steps,

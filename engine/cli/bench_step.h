@@ -19,6 +19,9 @@ namespace strata::engine {
 
 struct BenchStepOptions {
   int n_layer = 6, n_head = 6, n_embd = 384, vocab_size = 50257, block_size = 256;
+  // --family llama: a tied Llama of the same layers, heads and width, with these key/value heads and MLP width.
+  std::string family = "gpt2";
+  int kv_heads = 2, intermediate = 1024;
   int batch_size = 4, seq_len = 256;
   int steps = 5, warmup = 1;
   int grad_accum = 1;  // micro-batches of B×T per optimizer step

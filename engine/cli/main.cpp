@@ -16,8 +16,10 @@
 #include "comm/grid.h"
 #include "comm/mpi_communicator.h"
 #include "common/trace.h"
+#include "common/units.h"
 
 #include "engine/checkpoint/foreign_weights.h"
+#include "engine/model/llama/llama.h"
 #include "engine/cli/bench_adam.h"
 #include "engine/cli/bench_comm.h"
 #include "engine/cli/bench_kernels.h"
@@ -28,6 +30,7 @@
 #include "engine/text/tokenizer.h"
 #include "engine/train/config.h"
 #include "engine/train/trainer.h"
+#include "storage/safetensors_shards.h"
 
 namespace {
 
@@ -58,6 +61,7 @@ void default_omp_wait_policy(int argc, char** argv) {
 struct ExportArgs {
   std::string from, format, out, dtype = "f32";
   std::string encoder, vocab;  // the tokenizer put beside an hf export
+  std::string max_shard_size = "5GB";
   bool allow_non_finite = false;
 };
 
@@ -73,7 +77,15 @@ int run_export(const ExportArgs& a) {
   auto format = strata::engine::parse_weights_format(a.format);
   if (!format.is_ok()) return fail(format.status());
   const strata::DType dtype = a.dtype == "bf16" ? strata::DType::kBF16 : strata::DType::kF32;
-  if (const strata::Status st = strata::engine::export_weights(*from, *format, a.out, dtype, {a.allow_non_finite});
+  // transformers' spelling ("5GB": decimal) or ours ("4G": binary).
+  const std::string& m = a.max_shard_size;
+  const uint64_t shard = m.ends_with("GB") || m.ends_with("MB")
+                             ? strata::parse_count(m.substr(0, m.size() - 1))
+                             : strata::parse_bytes(m);
+  if (shard == 0)
+    return fail(strata::Status::invalid_argument("--max-shard-size {}: not a size (\"5GB\", \"4G\", \"500MB\")", m));
+  if (const strata::Status st =
+          strata::engine::export_weights(*from, *format, a.out, dtype, {a.allow_non_finite}, shard);
       !st.is_ok())
     return fail(st);
   fmt::print("wrote {} ({} layout) from {}\n", a.out, a.format, *from);
@@ -85,11 +97,25 @@ int run_export(const ExportArgs& a) {
                a.encoder, a.vocab);
     return 0;
   }
-  auto file = strata::engine::WeightsFile::open(*from);
-  const strata::Status st = file.is_ok() ? strata::engine::export_hf_tokenizer(a.encoder, a.vocab, a.out,
-                                                                              (*file)->config().vocab_size,
-                                                                              (*file)->config().block_size)
-                                          : file.status();
+  // The model's vocabulary and context, for the tokenizer's check and its model_max_length.
+  int vocab = 0, context = 0;
+  strata::Status st;
+  if (strata::engine::family_of_weights(*from) == "llama") {
+    auto shards = strata::SafetensorsShards::open(*from);
+    auto c = shards.is_ok() ? strata::engine::llama_config_from_metadata(shards->files().front().metadata(), *from)
+                            : strata::Result<strata::engine::LlamaConfig>(shards.status());
+    if (c.is_ok()) vocab = c->vocab_size, context = c->max_position_embeddings;
+    st = c.status();
+  } else {
+    auto file = strata::engine::WeightsFile::open(*from);
+    if (file.is_ok()) vocab = (*file)->config().vocab_size, context = (*file)->config().block_size;
+    st = file.status();
+  }
+  if (st.is_ok() && vocab != 50257) {  // GPT-2's BPE is the one tokenizer Strata writes
+    fmt::print("no tokenizer added: the model's vocabulary ({} tokens) is not GPT-2's\n", vocab);
+    return 0;
+  }
+  if (st.is_ok()) st = strata::engine::export_hf_tokenizer(a.encoder, a.vocab, a.out, vocab, context);
   if (!st.is_ok()) return fail(st.with_context("the tokenizer beside the model"));
   fmt::print("with the tokenizer of {} (vocab.json, merges.txt, tokenizer_config.json)\n", a.encoder);
   return 0;
@@ -254,7 +280,8 @@ int main(int argc, char** argv) {
   train->add_option("--lr", ta.lr, "= --set training.lr=X");
   train->add_option("--checkpoint-dir", ta.checkpoint_dir, "= --set training.checkpoint_dir=DIR");
   train->add_option("--init-from", ta.init_from,
-                    "= --set training.init_from=FILE (model.safetensors, Hugging Face GPT-2 safetensors, llm.c .bin)");
+                    "= --set training.init_from=FILE (model.safetensors; GPT-2: Hugging Face safetensors, llm.c .bin; "
+                    "the Llama family: a Hugging Face folder, whose config.json fills the model section)");
   train->add_option("--kernels", ta.kernels, "= --set compute.kernels=fast|reference");
   train->add_option("--device", ta.device, "= --set compute.device=auto|cpu|cuda (auto: the GPU where there is one)");
   train->add_option("--precision", ta.precision, "= --set compute.matmul_precision=fp32|bf16");
@@ -279,6 +306,9 @@ int main(int argc, char** argv) {
   exp->add_option("--encoder", ea.encoder, "hf: the GPT-2 encoder.json to put beside the model as vocab.json")
       ->capture_default_str();
   exp->add_option("--vocab", ea.vocab, "hf: the GPT-2 vocab.bpe to put beside the model as merges.txt")
+      ->capture_default_str();
+  exp->add_option("--max-shard-size", ea.max_shard_size,
+                  "hf, the Llama family: the largest shard (transformers' \"5GB\", or bytes: \"4G\", \"512M\")")
       ->capture_default_str();
   exp->add_option("--dtype", ea.dtype, "f32, or bf16 for hf and llmc (llm.c's version 5, its GPU trainer's default)")
       ->check(CLI::IsMember({"f32", "bf16"}))

@@ -19,6 +19,7 @@ namespace strata::engine {
 namespace {
 
 using DataParallelTest = TrainerTest;
+using FamilyDataParallelTest = FamilyTrainerTest;
 
 TEST_F(DataParallelTest, TwoRanksMatchOneProcessAccumulatingTheirMicroBatches) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
@@ -60,7 +61,7 @@ TEST_F(DataParallelTest, TwoRanksMatchOneProcessAccumulatingTheirMicroBatches) {
 // the norm in another order: within rounding of stage 0 (losses and norms 1e-5 relative, weights and moments
 // 2e-5 absolute). Resuming from a stage-1 checkpoint (moments gathered to rank 0, then sliced again) is
 // bitwise the straight run.
-TEST_F(DataParallelTest, ZeroStagesOneAndTwoShardTheMomentsExactly) {
+TEST_P(FamilyDataParallelTest, ZeroStagesOneAndTwoShardTheMomentsExactly) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
   ASSERT_TRUE(w.is_ok());
   comm::Communicator& world = *w.value();
@@ -199,7 +200,7 @@ TEST_F(DataParallelTest, AFineTuneStartsEveryStageFromTheFilesWeights) {
   ASSERT_TRUE(world.barrier().is_ok());
 }
 
-TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatchesStageZero) {
+TEST_P(FamilyDataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatchesStageZero) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
   ASSERT_TRUE(w.is_ok());
   comm::Communicator& world = *w.value();
@@ -264,7 +265,7 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
     j["training"]["grad_accum_steps"] = r.accum;
     j["training"]["checkpoint_dir"] = (shared / r.name).string();
     j["zero_optimization"] = r.zero;
-    j["model"]["n_layer"] = r.layers;
+    set_layers(j, r.layers);
     if (!r.checkpointing.empty()) j["activation_checkpointing"] = r.checkpointing;
     if (!r.memory.empty()) j["memory"] = r.memory;
     const std::string resume = r.resume.empty() ? "" : (shared / r.resume).string();
@@ -286,15 +287,23 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
       EXPECT_GT(m.at("evictions").get<int>(), 0) << line;
       EXPECT_GT(m.at("gather_bytes").get<double>(), m.at("reduce_scatter_bytes").get<double>()) << line;
     }
-    // Resident units change which gathers happen, not one bit of the arithmetic.
+    // Resident units change which gathers happen, not one bit of the arithmetic. A tied embedding is used at
+    // both ends of a step: evicted between without persistence, gathered twice; an untied model's small units
+    // (embedding, norm, head) are each used in one stretch, so persistence saves little there, and costs nothing.
     {
+      const bool tied = family_ != "qwen3";
       std::ifstream a(dir_ / "z3nvme.jsonl"), b(dir_ / "z3persist.jsonl");
       std::string la, lb;
       int steps = 0;
       while (std::getline(a, la) && std::getline(b, lb)) {
         const json ma = json::parse(la).at("offload"), mb = json::parse(lb).at("offload");
-        EXPECT_LT(mb.at("gather_bytes").get<double>(), ma.at("gather_bytes").get<double>()) << lb;
-        EXPECT_LT(mb.at("evictions").get<int>(), ma.at("evictions").get<int>()) << lb;
+        if (tied) {
+          EXPECT_LT(mb.at("gather_bytes").get<double>(), ma.at("gather_bytes").get<double>()) << lb;
+          EXPECT_LT(mb.at("evictions").get<int>(), ma.at("evictions").get<int>()) << lb;
+        } else {
+          EXPECT_LE(mb.at("gather_bytes").get<double>(), ma.at("gather_bytes").get<double>()) << lb;
+          EXPECT_LE(mb.at("evictions").get<int>(), ma.at("evictions").get<int>()) << lb;
+        }
         EXPECT_GT(mb.at("evictions").get<int>(), 0) << lb;
         ++steps;
       }
@@ -343,6 +352,9 @@ TEST_F(DataParallelTest, ZeroStageThreeShardsParametersGradientsAndStateAndMatch
   }
   ASSERT_TRUE(world.barrier().is_ok());
 }
+
+INSTANTIATE_TEST_SUITE_P(Families, FamilyDataParallelTest, ::testing::ValuesIn(kFamilies),
+                         [](const auto& info) { return std::string(info.param); });
 
 }  // namespace
 }  // namespace strata::engine

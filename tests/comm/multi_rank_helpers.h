@@ -31,8 +31,9 @@ inline nlohmann::json zero3_on_nvme(const std::filesystem::path& swap) {
 }
 
 // Largest absolute difference between the same tensors of two safetensors files (infinite, with a failure
-// recorded, when they do not have the same tensors).
-inline double max_difference(const std::filesystem::path& a, const std::filesystem::path& b) {
+// recorded, when they do not have the same tensors), and the tensor it is in (into `where`, when given).
+inline double max_difference(const std::filesystem::path& a, const std::filesystem::path& b,
+                             std::string* where = nullptr) {
   auto fa = SafetensorsFile::open(a.string());
   auto fb = SafetensorsFile::open(b.string());
   EXPECT_TRUE(fa.is_ok() && fb.is_ok()) << a << " " << b;
@@ -49,7 +50,10 @@ inline double max_difference(const std::filesystem::path& a, const std::filesyst
     const float* y = reinterpret_cast<const float*>(u->data);
     for (size_t i = 0; i < t.numel(); ++i) {
       const double d = std::abs(static_cast<double>(x[i]) - y[i]);
-      if (!(d <= worst)) worst = d;  // a NaN difference wins (std::max would drop it)
+      if (!(d <= worst)) {  // a NaN difference wins (std::max would drop it)
+        worst = d;
+        if (where != nullptr) *where = fmt::format("{}[{}]: {} vs {}", t.name, i, x[i], y[i]);
+      }
     }
   }
   return worst;
@@ -66,8 +70,10 @@ inline void expect_within_rounding(const std::vector<std::pair<double, double>>&
     EXPECT_NEAR(a[i].first, b[i].first, 1e-5 * std::abs(a[i].first)) << "loss of step " << i + 1;
     EXPECT_NEAR(a[i].second, b[i].second, 1e-5 * std::abs(a[i].second)) << "norm of step " << i + 1;
   }
-  for (const char* f : {"model.safetensors", "optimizer.safetensors"})
-    EXPECT_LE(max_difference(checkpoint_a / f, checkpoint_b / f), 2e-5) << f;
+  for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
+    std::string where;
+    EXPECT_LE(max_difference(checkpoint_a / f, checkpoint_b / f, &where), 2e-5) << f << ", largest at " << where;
+  }
 }
 
 // A checkpoint folder the ranks share, as they share a file system in a real job (a resume reads it on every

@@ -36,8 +36,8 @@ class TensorParallelTest : public TrainerTest {
   // The model and schedule every run here shares: 3 blocks of 4 heads, 6 steps of `accum` micro-batches.
   json tp_config(const std::string& name, const fs::path& shared, int accum) const {
     json j = base_config(name);
-    j["model"]["n_layer"] = 3;
-    j["model"]["n_head"] = 4;
+    set_layers(j, 3);
+    if (family_ == "gpt2") j["model"]["n_head"] = 4;  // the Llama variants have 4 already
     j["training"]["grad_accum_steps"] = accum;
     j["training"]["checkpoint_dir"] = (shared / name).string();
     j["training"]["overwrite_checkpoints"] = true;  // run_all trains "one" again in each of its calls
@@ -104,7 +104,17 @@ class TensorParallelTest : public TrainerTest {
   }
 };
 
-TEST_F(TensorParallelTest, TwoRanksMatchOneProcess) {
+// Over the families (kFamilies): for the Llama family the query and key/value heads and the MLP are split,
+// q_norm's and k_norm's gradients summed over the group.
+class FamilyTensorParallelTest : public TensorParallelTest, public ::testing::WithParamInterface<const char*> {
+ protected:
+  void SetUp() override {
+    family_ = GetParam();
+    TensorParallelTest::SetUp();
+  }
+};
+
+TEST_P(FamilyTensorParallelTest, TwoRanksMatchOneProcess) {
   auto w = comm::MpiCommunicator::world(comm::MpiOptions{.timeout_s = 120});
   ASSERT_TRUE(w.is_ok());
   comm::Communicator& world = *w.value();
@@ -153,6 +163,9 @@ TEST_F(TensorParallelTest, TwoRanksMatchOneProcess) {
   }
   ASSERT_TRUE(world.barrier().is_ok());
 }
+
+INSTANTIATE_TEST_SUITE_P(Families, FamilyTensorParallelTest, ::testing::ValuesIn(kFamilies),
+                         [](const auto& info) { return std::string(info.param); });
 
 // A fine-tune from a file of whole tensors: each rank takes its slices of them (its heads, its half of the MLP,
 // its rows of the vocabulary), validates before step 1 over the group, and trains as one process does from the

@@ -29,20 +29,22 @@ constexpr int kVocab = 97;
 // The families and variants the family-parameterised tests run over.
 inline constexpr const char* kFamilies[] = {"gpt2", "llama", "qwen3"};
 
-// A tiny model section of `family` (kFamilies) with `layers` blocks, context 16, vocabulary kVocab.
+// A tiny model section of `family` (kFamilies) with `layers` blocks, context 16, vocabulary kVocab; each family's
+// blocks about as large as GPT-2's (12.7K parameters), so the offload tests' sub-group sizes, live-parameter caps
+// and persistence thresholds cut them alike.
 inline json tiny_model_section(const std::string& family, int layers) {
   if (family == "gpt2")
     return {{"n_layer", layers}, {"n_head", 2}, {"n_embd", 32}, {"vocab_size", kVocab}, {"block_size", 16}};
   json m = {{"family", "llama"}, {"hidden_size", 32}, {"num_hidden_layers", layers}, {"num_attention_heads", 4},
             {"num_key_value_heads", 2}, {"vocab_size", kVocab}, {"max_position_embeddings", 16}};
   if (family == "llama") {
-    m.update({{"model_type", "llama"}, {"intermediate_size", 64}, {"rope_theta", 500000.0},
+    m.update({{"model_type", "llama"}, {"intermediate_size", 96},  // 12.4K a block {"rope_theta", 500000.0},
               {"tie_word_embeddings", true},
               {"rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
                                 {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8}}}});
   } else {
     EXPECT_EQ(family, "qwen3");
-    m.update({{"model_type", "qwen3"}, {"intermediate_size", 48}, {"head_dim", 12}, {"rms_norm_eps", 1e-6},
+    m.update({{"model_type", "qwen3"}, {"intermediate_size", 80}, {"head_dim", 12},  // 12.5K a block {"rms_norm_eps", 1e-6},
               {"attention_bias", true}, {"tie_word_embeddings", false}});
   }
   return m;

@@ -31,6 +31,8 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include <nlohmann/json.hpp>
+
 #include "common/json_config.h"
 #include "common/status.h"
 #include "engine/model/decoder.h"
@@ -95,6 +97,12 @@ TensorSplit llama_tensor_split(const std::string& name);
 // The config as a checkpoint's metadata (Model::metadata): format "strata-llama" and every key of the model
 // section (rope_scaling's as "rope_scaling.factor" ...), numbers written so they read back exactly.
 std::map<std::string, std::string> llama_metadata(const LlamaConfig& config);
+// Back: the config a file's metadata records (Corruption naming `what` and the key for a missing or malformed one).
+Result<LlamaConfig> llama_config_from_metadata(const std::map<std::string, std::string>& metadata,
+                                               const std::string& what);
+// transformers' config.json for `config` (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or
+// Qwen3ForCausalLM by model_type), its weights stored as `torch_dtype` ("float32", "bfloat16").
+nlohmann::json hf_llama_config_json(const LlamaConfig& config, const std::string& torch_dtype);
 // RoPE's tables (maxT, head_size/2) for positions 0 .. maxT-1, fp32, as transformers' LlamaRotaryEmbedding makes
 // them: inv_freq = 1 / theta^(2i/d) in fp32 with the llama3 scaling where set, cos and sin of position * inv_freq.
 void llama_rope_tables(const LlamaConfig& config, int maxT, std::vector<float>* cos, std::vector<float>* sin);

@@ -225,6 +225,71 @@ std::map<std::string, std::string> llama_metadata(const LlamaConfig& c) {
   return m;
 }
 
+Result<LlamaConfig> llama_config_from_metadata(const std::map<std::string, std::string>& md, const std::string& what) {
+  // The metadata as the JSON model section it was written from, read by read_llama_keys.
+  nlohmann::json m = nlohmann::json::object(), rope = nlohmann::json::object();
+  const std::map<std::string, std::string> keys = llama_metadata(LlamaConfig{.rope_scaling = {.rope_type = "llama3"}});
+  for (const auto& [key, value] : md) {
+    if (key == "format" || keys.count(key) == 0) continue;  // the file's other metadata (its checksums)
+    nlohmann::json& to = key.starts_with("rope_scaling.") ? rope[key.substr(13)] : m[key];
+    if (key == "model_type" || key == "rope_scaling.rope_type") {
+      to = value;
+    } else if (value == "true" || value == "false") {
+      to = value == "true";
+    } else {
+      const nlohmann::json number = nlohmann::json::parse(value, nullptr, /*allow_exceptions=*/false);
+      if (!number.is_number())
+        return Status::corruption("{}: __metadata__ {} is '{:.40}', not a number", what, key, value);
+      to = number;
+    }
+  }
+  if (!rope.empty()) m["rope_scaling"] = rope;
+  LlamaConfig c;
+  JsonSection section(&m, what + " (__metadata__)", "");
+  STRATA_RETURN_IF_ERROR(read_llama_keys(&section, &c));
+  STRATA_RETURN_IF_ERROR(section.finish());
+  STRATA_RETURN_IF_ERROR(c.validate().with_context(what));
+  return c;
+}
+
+nlohmann::json hf_llama_config_json(const LlamaConfig& c, const std::string& torch_dtype) {
+  const char* architecture = c.model_type == "qwen3"     ? "Qwen3ForCausalLM"
+                             : c.model_type == "qwen2"   ? "Qwen2ForCausalLM"
+                             : c.model_type == "mistral" ? "MistralForCausalLM"
+                                                         : "LlamaForCausalLM";
+  nlohmann::json j = {{"architectures", {architecture}},
+                      {"model_type", c.model_type},
+                      {"hidden_size", c.hidden_size},
+                      {"intermediate_size", c.intermediate_size},
+                      {"num_hidden_layers", c.num_hidden_layers},
+                      {"num_attention_heads", c.num_attention_heads},
+                      {"num_key_value_heads", c.num_key_value_heads},
+                      {"head_dim", c.head_size()},
+                      {"vocab_size", c.vocab_size},
+                      {"max_position_embeddings", c.max_position_embeddings},
+                      {"rms_norm_eps", c.rms_norm_eps},
+                      {"rope_theta", c.rope_theta},
+                      {"rope_scaling", nullptr},
+                      {"tie_word_embeddings", c.tie_word_embeddings},
+                      {"attention_bias", c.attention_bias},
+                      {"attention_dropout", 0.0},
+                      {"hidden_act", "silu"},
+                      {"initializer_range", 0.02},
+                      {"use_cache", true},
+                      {"torch_dtype", torch_dtype}};
+  if (c.model_type == "llama") j["mlp_bias"] = false;
+  if (c.model_type == "qwen2" || c.model_type == "qwen3" || c.model_type == "mistral") j["sliding_window"] = nullptr;
+  if (c.model_type == "qwen2" || c.model_type == "qwen3") j["use_sliding_window"] = false;
+  if (!c.rope_scaling.rope_type.empty()) {
+    j["rope_scaling"] = {{"rope_type", c.rope_scaling.rope_type},
+                         {"factor", c.rope_scaling.factor},
+                         {"low_freq_factor", c.rope_scaling.low_freq_factor},
+                         {"high_freq_factor", c.rope_scaling.high_freq_factor},
+                         {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
+  }
+  return j;
+}
+
 PipelineCosts llama_pipeline_costs(const LlamaConfig& c, int seq_len) {
   const double C = c.hidden_size, F = c.intermediate_size, hs = c.head_size();
   const double A = c.num_attention_heads * hs, Q = (c.num_attention_heads + 2.0 * c.num_key_value_heads) * hs;

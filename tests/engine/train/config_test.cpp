@@ -1,6 +1,7 @@
 #include "engine/train/config.h"
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 
 #include <gtest/gtest.h>
@@ -11,6 +12,31 @@ namespace strata::engine {
 namespace {
 
 using nlohmann::json;
+
+// Every config in examples/configs reads, and the Llama-family ones users bring weights for have the shapes of
+// the models they are named after: the parameter counts the model cards publish.
+TEST(ConfigTest, EveryExampleConfigReadsAndTheRealShapesHaveTheirModelsSizes) {
+  const std::filesystem::path dir = std::filesystem::path(STRATA_SOURCE_DIR) / "examples" / "configs";
+  int read = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (e.path().extension() != ".json") continue;
+    auto c = load_run_config(e.path().string(), {});
+    EXPECT_TRUE(c.is_ok()) << c.status().to_string();
+    ++read;
+  }
+  EXPECT_GE(read, 8);
+  const std::pair<const char*, int64_t> sizes[] = {{"llama3.2_1b.json", 1235814400},
+                                                   {"llama3.2_3b.json", 3212749824},
+                                                   {"llama3.1_8b.json", 8030261248},
+                                                   {"qwen3_0.6b.json", 596049920}};
+  for (const auto& [file, params] : sizes) {
+    ASSERT_OK_AND_ASSIGN(RunConfig c, load_run_config((dir / file).string(), {}));
+    EXPECT_TRUE(c.model.llama_family()) << file;
+    int64_t n = 0;
+    for (const UnitSpec& u : c.model.unit_specs()) n += static_cast<int64_t>(u.layout.numel());
+    EXPECT_EQ(n, params) << file;
+  }
+}
 
 TEST(ConfigTest, DefaultsParseAndOverridesApply) {
   json j = {{"model", {{"n_layer", 2}, {"n_head", 2}, {"n_embd", 32}, {"vocab_size", 97}, {"block_size", 16}}},

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <vector>
 
 #include <fmt/format.h>
@@ -11,6 +12,7 @@
 
 #include "common/rng.h"
 #include "engine/checkpoint/foreign_weights.h"
+#include "engine/model/llama/llama.h"
 #include "engine/train/config.h"
 #include "storage/safetensors.h"
 #include "storage/token_shard.h"
@@ -155,6 +157,42 @@ TEST_F(TrainerTest, AHuggingFaceLlamaFolderFillsTheModelSectionAndTrainsAsOurFil
   EXPECT_EQ(losses(dir_ / "from_folder.jsonl").size(), 3u);
   EXPECT_EQ(file_bytes(dir_ / "from_folder" / "step_000003" / "model.safetensors"),
             file_bytes(dir_ / "from_ours" / "step_000003" / "model.safetensors"));
+
+  // Exported back to a Hugging Face folder (sharded small here), it reads as the same model and starts the same
+  // run again; exported once more unsharded into the same folder, the stale shards and index are gone.
+  const fs::path trained = dir_ / "from_ours" / "step_000003";
+  const fs::path hf_out = dir_ / "hf_out";
+  ASSERT_OK(export_weights(trained.string() + "/model.safetensors", WeightsFormat::kHuggingFace, hf_out.string(),
+                           DType::kF32, {}, 40000));
+  std::set<std::string> shards;
+  {
+    std::ifstream index(hf_out / "model.safetensors.index.json");
+    ASSERT_TRUE(index.good()) << "sharded at 40 kB: an index";
+    const json parsed = json::parse(index);
+    for (const auto& [name, shard] : parsed.at("weight_map").items()) shards.insert(shard.get<std::string>());
+  }
+  EXPECT_GT(shards.size(), 2u);
+  for (const std::string& shard : shards) EXPECT_TRUE(fs::exists(hf_out / shard)) << shard;
+  ASSERT_OK_AND_ASSIGN(const LlamaConfig exported, read_hf_llama_config(hf_out.string()));
+  ASSERT_OK_AND_ASSIGN(const LlamaConfig original, read_hf_llama_config(folder));
+  EXPECT_EQ(llama_metadata(exported), llama_metadata(original));
+  json again = eval;
+  again["training"]["init_from"] = hf_out.string();
+  again["training"]["checkpoint_dir"] = (dir_ / "again").string();
+  json from_trained = again;
+  from_trained["training"]["init_from"] = trained.string();
+  from_trained["training"]["checkpoint_dir"] = (dir_ / "from_trained").string();
+  from_trained["model"] = model;
+  for (json* j : {&again, &from_trained}) (*j)["training"]["max_steps"] = 2;
+  ASSERT_OK(train(again, "", (dir_ / "again.jsonl").string()).status());
+  ASSERT_OK(train(from_trained, "", (dir_ / "from_trained.jsonl").string()).status());
+  EXPECT_EQ(losses(dir_ / "again.jsonl"), losses(dir_ / "from_trained.jsonl"));
+  EXPECT_EQ(file_bytes(dir_ / "again" / "step_000002" / "model.safetensors"),
+            file_bytes(dir_ / "from_trained" / "step_000002" / "model.safetensors"));
+  ASSERT_OK(export_weights(trained.string(), WeightsFormat::kHuggingFace, hf_out.string()));
+  EXPECT_TRUE(fs::exists(hf_out / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(hf_out / "model.safetensors.index.json"));
+  for (const std::string& shard : shards) EXPECT_FALSE(fs::exists(hf_out / shard)) << shard << " is stale";
 
   json conflict = eval;
   conflict["model"]["hidden_size"] = 64;
