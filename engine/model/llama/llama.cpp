@@ -28,7 +28,7 @@ Result<std::unique_ptr<Llama>> Llama::create(const LlamaConfig& config, kernels:
   if (!has_ops) {
     return Status::unimplemented(
         "the {} backend has no kernels for the Llama family's RMSNorm, RoPE, SwiGLU or QK-norm yet (docs/gpu.md): "
-        "train it with model.device \"cpu\"",
+        "train it with compute.device \"cpu\"",
         k.name);
   }
   const int t = tp != nullptr ? tp->size() : 1;
@@ -60,6 +60,16 @@ Result<std::unique_ptr<Llama>> Llama::create(const LlamaConfig& config, kernels:
                            .positions = false};
   STRATA_RETURN_IF_ERROR(
       m->build(shape, offloaded, stage, tp, sequence_parallel, llama_unit_specs(config), llama_tensor_split));
+  // In the order of BlockParams.
+  static constexpr const char* kBlockTensors[10] = {
+      "input_layernorm.weight",  "self_attn.q_proj.weight", "self_attn.q_proj.bias",
+      "self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.o_proj.weight",
+      "self_attn.o_proj.bias",   "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+      "mlp.down_proj.weight"};
+  for (size_t i = 0; i < 10; ++i) {
+    const TensorSpec* s = m->units_[1].layout.find(std::string("model.layers.0.") + kBlockTensors[i]);
+    m->block_offsets_[i] = s != nullptr ? s->offset : kNone;
+  }
   std::vector<float> cos, sin;
   llama_rope_tables(config, config.max_position_embeddings, &cos, &sin);
   const size_t bytes = cos.size() * sizeof(float);
@@ -70,24 +80,11 @@ Result<std::unique_ptr<Llama>> Llama::create(const LlamaConfig& config, kernels:
   return m;
 }
 
-Llama::BlockParams Llama::block_params(int l, const float* cbase) const {
+Llama::BlockParams Llama::block_params(const float* cbase) const {
   float* base = const_cast<float*>(cbase);
-  const FlatLayout& layout = units_[1 + static_cast<size_t>(l)].layout;
-  const std::string p = "model.layers." + std::to_string(l) + ".";
-  auto at = [&](const char* name) -> float* {
-    const TensorSpec* s = layout.find(p + name);
-    return s != nullptr ? base + s->offset : nullptr;
-  };
-  return BlockParams{.ln1w = at("input_layernorm.weight"),
-                     .qkvw = at("self_attn.q_proj.weight"),
-                     .qkvb = at("self_attn.q_proj.bias"),
-                     .qnormw = at("self_attn.q_norm.weight"),
-                     .knormw = at("self_attn.k_norm.weight"),
-                     .ow = at("self_attn.o_proj.weight"),
-                     .ob = at("self_attn.o_proj.bias"),
-                     .ln2w = at("post_attention_layernorm.weight"),
-                     .gateupw = at("mlp.gate_proj.weight"),
-                     .downw = at("mlp.down_proj.weight")};
+  float* p[10];
+  for (size_t i = 0; i < 10; ++i) p[i] = block_offsets_[i] == kNone ? nullptr : base + block_offsets_[i];
+  return BlockParams{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9]};
 }
 
 std::vector<size_t> Llama::layer_activation_floats(int B, int T) const {
@@ -127,7 +124,7 @@ Status Llama::block_forward(int l, const offload::UnitView& unit, const float* r
   const int A = attn_width_, Q = qkv_width_, F = mlp_width_;
   const int N = B * T, Nr = static_cast<int>(rows_here(N));
   const size_t RC = static_cast<size_t>(Nr) * C;
-  const BlockParams w = block_params(l, unit.params);
+  const BlockParams w = block_params(unit.params);
   auto weight = [&unit](const float* t) { return linear_weight(unit, t); };
   const size_t a = act_layer(l);
   void* ln1 = layer_act(kLn1, a);
@@ -177,8 +174,8 @@ Status Llama::block_backward(int l, const offload::UnitView& unit, const float* 
   const int A = attn_width_, Q = qkv_width_, F = mlp_width_;
   const int N = B * T, Nr = static_cast<int>(rows_here(N));
   const size_t RC = static_cast<size_t>(Nr) * C;
-  const BlockParams w = block_params(l, unit.params);
-  const BlockParams dw = block_params(l, unit.grads);
+  const BlockParams w = block_params(unit.params);
+  const BlockParams dw = block_params(unit.grads);
   auto weight = [&unit](const float* t) { return linear_weight(unit, t); };
   const size_t a = act_layer(l);
   void* dqkv = scratch(kDqkv);

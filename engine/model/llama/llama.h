@@ -170,7 +170,11 @@ class Llama : public Decoder {
   struct BlockParams {
     float *ln1w, *qkvw, *qkvb, *qnormw, *knormw, *ow, *ob, *ln2w, *gateupw, *downw;
   };
-  BlockParams block_params(int l, const float* base) const;
+  BlockParams block_params(const float* base) const;
+  // Where each of BlockParams' tensors is in a block's layout (every block's is the same but for the names), found
+  // once at create; kNone where the config has none.
+  static constexpr size_t kNone = ~size_t{0};
+  size_t block_offsets_[10] = {};
 
   LlamaConfig config_;
   // This rank's heads and widths under tensor parallelism: query and key/value heads, the attention's output
