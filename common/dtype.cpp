@@ -93,6 +93,15 @@ void to_f32_n(DType dtype, const void* src, float* dst, size_t n) {
     f16_to_f32_n(halves.data(), dst, n);
 }
 
+void from_f32_n(DType dtype, const float* src, void* dst, size_t n) {
+  if (dtype == DType::kBF16)
+    f32_to_bf16_n(src, static_cast<uint16_t*>(dst), n);
+  else if (dtype == DType::kF16)
+    f32_to_f16_n(src, static_cast<uint16_t*>(dst), n);
+  else
+    std::memcpy(dst, src, n * sizeof(float));
+}
+
 size_t first_non_finite(const float* src, size_t n) {
   uint32_t any = 0;
   for (size_t i = 0; i < n; ++i) any |= (std::bit_cast<uint32_t>(src[i]) & 0x7f800000u) == 0x7f800000u;

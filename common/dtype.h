@@ -38,6 +38,8 @@ void f32_to_f16_n(const float* src, uint16_t* dst, size_t n);
 void f16_to_f32_n(const uint16_t* src, float* dst, size_t n);
 // n values of `dtype` at src (any alignment: a file's mapped bytes) as fp32.
 void to_f32_n(DType dtype, const void* src, float* dst, size_t n);
+// And back: n fp32 values stored as `dtype` (F32, or BF16 rounded to nearest even) at dst.
+void from_f32_n(DType dtype, const float* src, void* dst, size_t n);
 
 // The index of the first NaN or infinity in src[0..n), or n when every value is finite. A branch-free pass
 // (vectorised) over the whole range first: the common case, all finite, runs at memory speed.

@@ -180,10 +180,7 @@ std::vector<SafetensorsTensor> tensors_of(const Model& model, const WeightsFile&
       t.fill = [&src, s, dtype](void* dst) -> Status {
         std::vector<float> v(s.numel());
         STRATA_RETURN_IF_ERROR(src.read(s, v.data()));
-        if (dtype == DType::kBF16)
-          f32_to_bf16_n(v.data(), static_cast<uint16_t*>(dst), v.size());
-        else
-          std::memcpy(dst, v.data(), v.size() * sizeof(float));
+        from_f32_n(dtype, v.data(), dst, v.size());
         return Status::ok();
       };
       tensors.push_back(std::move(t));

@@ -32,15 +32,6 @@ std::map<std::string, TensorSpec> specs_by_name(const GPT2Config& c) {
   return out;
 }
 
-// `v` as `dtype` (F32 or BF16, rounded to nearest even) into `dst`.
-void from_f32(const std::vector<float>& v, DType dtype, void* dst) {
-  if (dtype == DType::kBF16) {
-    f32_to_bf16_n(v.data(), static_cast<uint16_t*>(dst), v.size());
-  } else {
-    std::memcpy(dst, v.data(), v.size() * sizeof(float));
-  }
-}
-
 Status write_llmc(const WeightsFile& src, DType dtype, const std::string& out) {
   const GPT2Config& c = src.config();
   const size_t V = static_cast<size_t>(c.vocab_size), C = static_cast<size_t>(c.n_embd);
@@ -61,7 +52,7 @@ Status write_llmc(const WeightsFile& src, DType dtype, const std::string& out) {
     std::vector<std::byte> stored;
     auto put = [&]() {
       stored.resize(buf.size() * dtype_size(dtype));
-      from_f32(buf, dtype, stored.data());
+      from_f32_n(dtype, buf.data(), stored.data(), buf.size());
       return append(stored);
     };
     for (size_t i = 0; i < kLlmcTensors.size(); ++i) {
@@ -123,7 +114,7 @@ Status write_safetensors_weights(const WeightsFile& src, WeightsFormat format, D
           transpose(ours.data(), stored.data(), static_cast<size_t>(s.shape[1]), static_cast<size_t>(s.shape[0]));
           ours.swap(stored);
         }
-        from_f32(ours, dtype, dst);
+        from_f32_n(dtype, ours.data(), dst, ours.size());
         return Status::ok();
       };
       tensors.push_back(std::move(t));

@@ -75,7 +75,7 @@ Status read_model_section(JsonSection* m, const std::string& init_from, ModelCon
     return read_model_section(m, c);
   STRATA_ASSIGN_OR_RETURN(const nlohmann::json hf_json, read_json_file(config_json.string()));
   const std::string type = hf_json.is_object() ? hf_json.value("model_type", "") : "";
-  if (type != "llama" && type != "mistral" && type != "qwen2" && type != "qwen3") return read_model_section(m, c);
+  if (!llama_model_type(type)) return read_model_section(m, c);
   STRATA_ASSIGN_OR_RETURN(const LlamaConfig hf, read_hf_llama_config(config_json.string()));
   ModelConfig from_file;
   from_file.family = ModelFamily::kLlama;

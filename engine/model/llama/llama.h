@@ -44,6 +44,9 @@
 
 namespace strata::engine {
 
+// Whether transformers' model_type `t` is one of this family's: llama, mistral, qwen2, qwen3.
+bool llama_model_type(const std::string& t);
+
 // A Llama-family model's sizes, by the names of transformers' config.json.
 struct LlamaConfig {
   std::string model_type = "llama";  // "llama", "mistral", "qwen2" (q/k/v biases) or "qwen3" (QK-norm)

@@ -13,13 +13,15 @@
 
 namespace strata::engine {
 
+bool llama_model_type(const std::string& t) { return t == "llama" || t == "mistral" || t == "qwen2" || t == "qwen3"; }
+
 Status LlamaConfig::validate() const {
   auto in_range = [](const char* name, int v, int max) -> Status {
     if (v <= 0) return Status::invalid_argument("model.{} must be a positive integer, got {}", name, v);
     if (v > max) return Status::invalid_argument("model.{} is {}, past the {} Strata takes", name, v, max);
     return Status::ok();
   };
-  if (model_type != "llama" && model_type != "mistral" && model_type != "qwen2" && model_type != "qwen3")
+  if (!llama_model_type(model_type))
     return Status::invalid_argument("model.model_type \"{}\" is not one of llama, mistral, qwen2, qwen3", model_type);
   STRATA_RETURN_IF_ERROR(in_range("num_hidden_layers", num_hidden_layers, DecoderShape::kMaxLayers));
   STRATA_RETURN_IF_ERROR(in_range("hidden_size", hidden_size, DecoderShape::kMaxWidth));
@@ -123,12 +125,9 @@ Result<LlamaConfig> read_hf_llama_config(const std::string& path) {
   if (j.value("model_type", "") == "mistral")  // Mistral's sliding_window applies whenever it is set
     STRATA_RETURN_IF_ERROR(refuse("sliding_window", [](const nlohmann::json&) { return false; },
                                   "attention is over the whole causal context"));
-  // Only the keys read_llama_keys reads; the rest of a config.json is transformers' business.
-  nlohmann::json model = nlohmann::json::object();
-  for (const char* key : {"model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                          "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
-                          "rope_theta", "tie_word_embeddings", "attention_bias", "rope_scaling"})
-    if (j.contains(key)) model[key] = j[key];
+  // read_llama_keys reads its keys and this section is never finished: the rest of a config.json is transformers'
+  // business. rope_scaling's own section is, so other rope types' keys leave it first (the type is refused by name).
+  nlohmann::json model = j;
   if (model.contains("rope_scaling") && model["rope_scaling"].is_object()) {
     nlohmann::json& r = model["rope_scaling"];
     for (auto it = r.begin(); it != r.end();) {  // keys of other rope types than llama3's
@@ -139,7 +138,6 @@ Result<LlamaConfig> read_hf_llama_config(const std::string& path) {
     }
   }
   LlamaConfig c;
-  c.head_dim = 0;
   // transformers' defaults where a config.json leaves a key out (LlamaConfig's __init__).
   c.num_key_value_heads = 0;
   c.rms_norm_eps = 1e-6f;
